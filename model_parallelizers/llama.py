@@ -1,0 +1,53 @@
+"""Llama-style decoders (llama, mistral, qwen2): q/k/v and gate/up column-parallel, o/down
+row-parallel, vocab-parallel embedding and LM head with a vocab-parallel loss."""
+
+from __future__ import annotations
+
+from torch import nn
+
+from optimum_parallel import ColWiseParallel, ParallelMesh, Parallelizer, RowWiseParallel, optional
+from optimum_parallel.tensor_parallel import ColumnParallelLinear
+
+
+class LlamaParallelizer(Parallelizer):
+    @staticmethod
+    def _heads(model: nn.Module) -> tuple[int, int]:
+        config = model.config
+        heads = config.num_attention_heads
+        return heads, getattr(config, "num_key_value_heads", None) or heads
+
+    @classmethod
+    def check(cls, model: nn.Module, mesh: ParallelMesh) -> None:
+        heads, kv_heads = cls._heads(model)
+        tp = mesh.tp_size
+        if heads % tp:
+            raise ValueError(f"tensor_parallel_size={tp} must divide num_attention_heads={heads}")
+        if kv_heads % tp and tp % kv_heads:
+            raise ValueError(
+                f"tensor_parallel_size={tp} must divide num_key_value_heads={kv_heads} or be a multiple of it"
+            )
+
+    @classmethod
+    def plan(cls, model, mesh, parallelize_embeddings, sequence_parallel_enabled):
+        heads, kv_heads = cls._heads(model)
+        base = cls.base_model_prefix(model).replace(".", r"\.")
+        layer = base + r"layers\.\d+\."
+        plan = {
+            layer + r"self_attn\.q_proj": ColWiseParallel(units=heads),
+            layer + r"self_attn\.(k|v)_proj": ColWiseParallel(units=kv_heads),
+            layer + r"self_attn\.o_proj": RowWiseParallel(units=heads),
+            layer + r"mlp\.(gate|up)_proj": ColWiseParallel(),
+            layer + r"mlp\.down_proj": RowWiseParallel(),
+        }
+        if parallelize_embeddings:
+            plan[base + "embed_tokens"] = RowWiseParallel()
+            plan["lm_head"] = optional(ColWiseParallel())
+        return plan
+
+    @classmethod
+    def after_plan(cls, model, mesh):
+        for module in model.modules():
+            if isinstance(getattr(module, "q_proj", None), ColumnParallelLinear):
+                local_heads = module.q_proj.weight.shape[0] // module.head_dim
+                local_kv_heads = module.k_proj.weight.shape[0] // module.head_dim
+                module.num_key_value_groups = local_heads // local_kv_heads

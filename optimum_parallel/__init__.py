@@ -1,0 +1,35 @@
+"""optimum-parallel: tensor/sequence/pipeline/data parallelism for Hugging Face Transformers models."""
+
+from .manager import ParallelizersManager, UnsupportedModelError
+from .mesh import ParallelMesh, get_mesh, init_mesh, set_mesh
+from .parallelizer import Parallelizer
+from .plan import (
+    ColWiseParallel,
+    ParallelStyle,
+    PrepareLayerInput,
+    PrepareLayerOutput,
+    RowWiseParallel,
+    apply_plan,
+    optional,
+    parallel_layouts,
+)
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "ColWiseParallel",
+    "ParallelMesh",
+    "ParallelStyle",
+    "Parallelizer",
+    "ParallelizersManager",
+    "PrepareLayerInput",
+    "PrepareLayerOutput",
+    "RowWiseParallel",
+    "UnsupportedModelError",
+    "apply_plan",
+    "get_mesh",
+    "init_mesh",
+    "optional",
+    "parallel_layouts",
+    "set_mesh",
+]

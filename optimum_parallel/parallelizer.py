@@ -1,0 +1,105 @@
+"""Parallelizer: the per-model-family front door (optimum-neuron's API) over `apply_plan`."""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Mapping
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from .mesh import ParallelMesh, get_mesh
+from .plan import apply_plan
+
+
+class Parallelizer:
+    """Base class of the model-family parallelizers.
+
+    A family supplies `plan()` (regex -> style) and, where it needs them, `check()` (raise before
+    any weight moves) and `after_plan()` (fix module attributes such as local head counts).
+    """
+
+    @classmethod
+    def plan(cls, model: nn.Module, mesh: ParallelMesh, parallelize_embeddings: bool,
+             sequence_parallel_enabled: bool) -> dict:
+        raise NotImplementedError(f"{cls.__name__} must define plan()")
+
+    @classmethod
+    def check(cls, model: nn.Module, mesh: ParallelMesh) -> None:
+        """Raise ValueError if `model` cannot be split over `mesh` (called before anything changes)."""
+
+    @classmethod
+    def after_plan(cls, model: nn.Module, mesh: ParallelMesh) -> None:
+        """Adjust module attributes once the plan is applied."""
+
+    @staticmethod
+    def base_model_prefix(model: nn.Module) -> str:
+        """'model.' for `LlamaForCausalLM`-style wrappers, '' for the bare base model."""
+        prefix = getattr(model, "base_model_prefix", "")
+        return f"{prefix}." if prefix and isinstance(getattr(model, prefix, None), nn.Module) else ""
+
+    @classmethod
+    def _parallelize(cls, model: nn.Module, device: torch.device | None = None, parallelize_embeddings: bool = True,
+                     sequence_parallel_enabled: bool = False) -> nn.Module:
+        """Swap this family's layers for their tensor-parallel counterparts on the current mesh."""
+        mesh = get_mesh()
+        cls.check(model, mesh)
+        plan = cls.plan(model, mesh, parallelize_embeddings, sequence_parallel_enabled)
+        model.orig_param_to_parallel_param = apply_plan(model, plan, mesh, sequence_parallel_enabled)
+        cls.after_plan(model, mesh)
+        return model
+
+    @classmethod
+    def parallelize(
+        cls,
+        model: nn.Module,
+        device: torch.device | None = None,
+        parallelize_embeddings: bool = True,
+        sequence_parallel_enabled: bool = False,
+        pipeline_parallel_input_names: list[str] | None = None,
+        pipeline_parallel_num_microbatches: int = 1,
+        pipeline_parallel_use_zero1_optimizer: bool = False,
+        checkpoint_dir: str | Path | None = None,
+    ) -> nn.Module:
+        """Parallelize `model` over the current mesh (see `init_mesh`) and return it.
+
+        The mapping {id(original parameter): parallel parameter} is left on
+        `model.orig_param_to_parallel_param` for `optimizer_for_mp`.
+        """
+        mesh = get_mesh()
+        if sequence_parallel_enabled:
+            raise NotImplementedError("sequence_parallel_enabled=True: sequence parallelism is not available yet")
+        if mesh.size("pp") > 1 or pipeline_parallel_input_names or pipeline_parallel_num_microbatches != 1 \
+                or pipeline_parallel_use_zero1_optimizer:
+            raise NotImplementedError("pipeline parallelism (pp > 1, pipeline_parallel_*) is not available yet")
+        if checkpoint_dir is not None:
+            raise NotImplementedError("checkpoint_dir: loading sharded checkpoints is not available yet")
+        model = cls._parallelize(model, device, parallelize_embeddings, sequence_parallel_enabled)
+        if device is not None:
+            model.to(device)
+        return model
+
+    @classmethod
+    def optimizer_for_mp(cls, optimizer: torch.optim.Optimizer,
+                         orig_param_to_parallel_param: Mapping[int, nn.Parameter]) -> torch.optim.Optimizer:
+        """The same optimizer (class, param groups, hyper-parameters) over the parallel parameters.
+
+        State already held for an original parameter is cut to the parameter's shard.
+        """
+        groups = []
+        for group in optimizer.param_groups:
+            params = [orig_param_to_parallel_param.get(id(p), p) for p in group["params"]]
+            groups.append({**{k: v for k, v in group.items() if k != "params"}, "params": params})
+        accepted = inspect.signature(type(optimizer)).parameters
+        new = type(optimizer)(groups, **{k: v for k, v in optimizer.defaults.items() if k in accepted})
+        for old_param, state in optimizer.state.items():
+            param = orig_param_to_parallel_param.get(id(old_param), old_param)
+            layout = getattr(param, "shard_layout", None)
+            new.state[param] = {
+                k: layout.slice(v).clone() if layout is not None and torch.is_tensor(v) and v.shape == old_param.shape
+                else v
+                for k, v in state.items()
+            }
+        return new
+

@@ -1,0 +1,30 @@
+"""Tensor-parallel building blocks on local tensors: region ops, parallel layers, vocab-parallel loss."""
+
+from .comm import (
+    copy_to_tensor_parallel_region,
+    gather_from_sequence_parallel_region,
+    gather_from_tensor_parallel_region,
+    reduce_from_tensor_parallel_region,
+    reduce_scatter_to_sequence_parallel_region,
+    scatter_to_sequence_parallel_region,
+    scatter_to_tensor_parallel_region,
+)
+from .layers import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
+from .layout import ShardLayout
+from .loss import VocabParallelLMLoss, vocab_parallel_cross_entropy
+
+__all__ = [
+    "ColumnParallelLinear",
+    "RowParallelLinear",
+    "ShardLayout",
+    "VocabParallelEmbedding",
+    "VocabParallelLMLoss",
+    "copy_to_tensor_parallel_region",
+    "gather_from_sequence_parallel_region",
+    "gather_from_tensor_parallel_region",
+    "reduce_from_tensor_parallel_region",
+    "reduce_scatter_to_sequence_parallel_region",
+    "scatter_to_sequence_parallel_region",
+    "scatter_to_tensor_parallel_region",
+    "vocab_parallel_cross_entropy",
+]

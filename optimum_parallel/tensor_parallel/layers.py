@@ -1,0 +1,227 @@
+"""Column/row-parallel Linear and vocab-parallel Embedding on local tensors (Megatron style).
+
+Each layer holds only this rank's shard; every parameter carries its `ShardLayout` as
+`param.shard_layout`, so checkpoints, lazy loading and resharding never have to guess.
+"""
+
+from __future__ import annotations
+
+import weakref
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+from torch.distributed import ProcessGroup
+
+from .comm import (
+    copy_to_tensor_parallel_region,
+    gather_from_sequence_parallel_region,
+    gather_from_tensor_parallel_region,
+    reduce_from_tensor_parallel_region,
+    reduce_scatter_to_sequence_parallel_region,
+    scatter_to_tensor_parallel_region,
+    shard_sizes,
+)
+from .layout import ShardLayout, replicated, split_units
+
+
+class _RegionEntry:
+    """Enter the tp region once per input tensor.
+
+    HF attention feeds the same `hidden_states` to q_proj, k_proj and v_proj (and the MLP to
+    gate_proj and up_proj). Re-using the entry op for the same input tensor gives one backward
+    all-reduce (or one sequence all-gather) per block, as a fused Megatron QKV would.
+    """
+
+    def __init__(self) -> None:
+        self._last: tuple[weakref.ref, weakref.ref, ProcessGroup, bool] | None = None
+
+    def __call__(self, x: torch.Tensor, group: ProcessGroup, sequence_parallel: bool) -> torch.Tensor:
+        if self._last is not None:
+            src, out, last_group, last_sp = self._last
+            cached = out()
+            if src() is x and cached is not None and last_group is group and last_sp == sequence_parallel:
+                return cached
+        if sequence_parallel:
+            y = gather_from_sequence_parallel_region(x, group, dim=1)
+        else:
+            y = copy_to_tensor_parallel_region(x, group)
+        if torch.is_grad_enabled() and y.requires_grad:
+            self._last = (weakref.ref(x), weakref.ref(y), group, sequence_parallel)
+        return y
+
+
+_enter_region = _RegionEntry()
+
+
+def _exit_region(y: torch.Tensor, group: ProcessGroup, sequence_parallel: bool) -> torch.Tensor:
+    if sequence_parallel:
+        return reduce_scatter_to_sequence_parallel_region(y, group, dim=1)
+    return reduce_from_tensor_parallel_region(y, group)
+
+
+def _local_param(source: torch.Tensor | None, layout: ShardLayout, requires_grad: bool) -> nn.Parameter | None:
+    if source is None:
+        return None
+    local = layout.slice(source.detach())
+    if local.device.type != "meta":
+        local = local.clone()
+    param = nn.Parameter(local.contiguous(), requires_grad=requires_grad)
+    param.shard_layout = layout
+    return param
+
+
+class _ShardedModule(nn.Module):
+    @property
+    def shard_layouts(self) -> dict[str, ShardLayout]:
+        return {n: p.shard_layout for n, p in self.named_parameters(recurse=False) if hasattr(p, "shard_layout")}
+
+
+def _sync_replica_grads(param: nn.Parameter, group: ProcessGroup) -> None:
+    """Sum the gradient of a parameter replicated over `group` (each replica saw part of the work)."""
+
+    def hook(grad: torch.Tensor) -> torch.Tensor:
+        grad = grad.contiguous().clone()
+        dist.all_reduce(grad, group=group)
+        return grad
+
+    param.register_hook(hook)
+
+
+class ColumnParallelLinear(_ShardedModule):
+    """y_local = x W_local^T + b_local: the output features are split over the tp group.
+
+    `gather_output` all-gathers the output features; otherwise the output stays split (the next
+    layer is row-parallel, or the loss is vocab-parallel).
+    """
+
+    def __init__(self, weight: nn.Parameter, bias: nn.Parameter | None, group: ProcessGroup, gather_output: bool = False, sequence_parallel: bool = False) -> None:
+        super().__init__()
+        self.weight, self.bias = weight, bias
+        self.group = group
+        self.gather_output = gather_output
+        self.sequence_parallel = sequence_parallel
+        self.in_features = weight.shape[1]
+        self.out_features = weight.shard_layout.global_shape[0]
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear, group: ProcessGroup, units: int | None = None,
+                    gather_output: bool = False, sequence_parallel: bool = False,
+                    replica_group: ProcessGroup | None = None) -> ColumnParallelLinear:
+        rank, world = dist.get_rank(group), dist.get_world_size(group)
+        layout = split_units(tuple(linear.weight.shape), 0, rank, world, units)
+        weight = _local_param(linear.weight, layout, linear.weight.requires_grad)
+        bias = None
+        if linear.bias is not None:
+            bias = _local_param(linear.bias, split_units(tuple(linear.bias.shape), 0, rank, world, units),
+                                linear.bias.requires_grad)
+        layer = cls(weight, bias, group, gather_output, sequence_parallel)
+        if layout.replicas > 1:
+            if replica_group is None:
+                raise ValueError("a replicated column shard needs the group of its replicas to sync gradients")
+            for p in (weight, bias):
+                if p is not None and p.requires_grad:
+                    _sync_replica_grads(p, replica_group)
+        return layer
+
+    @property
+    def output_sizes(self) -> list[int]:
+        return shard_sizes(self.out_features, dist.get_world_size(self.group))
+
+    def gather(self, y: torch.Tensor) -> torch.Tensor:
+        """All-gather split outputs (e.g. vocab-parallel logits) into the full feature dim."""
+        return gather_from_tensor_parallel_region(y, self.group, dim=-1, sizes=self.output_sizes)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = _enter_region(x, self.group, self.sequence_parallel)
+        y = F.linear(x, self.weight, self.bias)
+        return self.gather(y) if self.gather_output else y
+
+    def extra_repr(self) -> str:
+        return (f"in_features={self.in_features}, out_features={self.out_features} "
+                f"(local {self.weight.shape[0]}), bias={self.bias is not None}, gather_output={self.gather_output}")
+
+
+class RowParallelLinear(_ShardedModule):
+    """y = sum_ranks x_local W_local^T + b: the input features are split; the output is all-reduced
+    (or reduce-scattered over the sequence under sequence parallelism). The bias is added once."""
+
+    def __init__(self, weight: nn.Parameter, bias: nn.Parameter | None, group: ProcessGroup, input_is_parallel: bool = True, sequence_parallel: bool = False) -> None:
+        super().__init__()
+        self.weight, self.bias = weight, bias
+        self.group = group
+        self.input_is_parallel = input_is_parallel
+        self.sequence_parallel = sequence_parallel
+        self.in_features = weight.shard_layout.global_shape[1]
+        self.out_features = weight.shape[0]
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear, group: ProcessGroup, units: int | None = None,
+                    input_is_parallel: bool = True, sequence_parallel: bool = False) -> RowParallelLinear:
+        rank, world = dist.get_rank(group), dist.get_world_size(group)
+        layout = split_units(tuple(linear.weight.shape), 1, rank, world, units)
+        if layout.replicas > 1:
+            raise ValueError(f"row-parallel input of {units} units cannot be split over {world} ranks")
+        weight = _local_param(linear.weight, layout, linear.weight.requires_grad)
+        bias = None
+        if linear.bias is not None:
+            bias = _local_param(linear.bias, replicated(linear.bias.shape), linear.bias.requires_grad)
+        return cls(weight, bias, group, input_is_parallel, sequence_parallel)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.input_is_parallel:
+            x = scatter_to_tensor_parallel_region(x, self.group, dim=-1,
+                                                  sizes=shard_sizes(self.in_features, dist.get_world_size(self.group)))
+        y = _exit_region(F.linear(x, self.weight), self.group, self.sequence_parallel)
+        return y + self.bias if self.bias is not None else y
+
+    def extra_repr(self) -> str:
+        return (f"in_features={self.in_features} (local {self.weight.shape[1]}), out_features={self.out_features}, "
+                f"bias={self.bias is not None}, input_is_parallel={self.input_is_parallel}")
+
+
+class VocabParallelEmbedding(_ShardedModule):
+    """Embedding whose rows (the vocabulary) are split over the tp group; uneven splits allowed.
+
+    Each rank looks up the ids it owns, zeros the rest, and the partial outputs are all-reduced
+    (reduce-scattered over the sequence under sequence parallelism).
+    """
+
+    def __init__(self, weight: nn.Parameter, group: ProcessGroup,
+                 padding_idx: int | None = None, sequence_parallel: bool = False) -> None:
+        super().__init__()
+        self.weight = weight
+        self.group = group
+        self.sequence_parallel = sequence_parallel
+        self.num_embeddings, self.embedding_dim = weight.shard_layout.global_shape
+        self.vocab_start, self.vocab_end = weight.shard_layout.ranges[0]
+        self.padding_idx = padding_idx
+        in_shard = padding_idx is not None and self.vocab_start <= padding_idx < self.vocab_end
+        self._local_padding_idx = padding_idx - self.vocab_start if in_shard else None
+
+    @classmethod
+    def from_embedding(cls, embedding: nn.Embedding, group: ProcessGroup,
+                       sequence_parallel: bool = False) -> VocabParallelEmbedding:
+        if embedding.max_norm is not None or embedding.sparse:
+            raise ValueError("VocabParallelEmbedding does not support max_norm or sparse embeddings")
+        rank, world = dist.get_rank(group), dist.get_world_size(group)
+        layout = split_units(tuple(embedding.weight.shape), 0, rank, world)
+        weight = _local_param(embedding.weight, layout, embedding.weight.requires_grad)
+        layer = cls(weight, group, embedding.padding_idx, sequence_parallel)
+        if hasattr(embedding, "embed_scale"):  # scaled word embeddings (Gemma and friends)
+            layer.embed_scale = embedding.embed_scale
+        return layer
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        outside = (input_ids < self.vocab_start) | (input_ids >= self.vocab_end)
+        local_ids = (input_ids - self.vocab_start).masked_fill(outside, 0)
+        out = F.embedding(local_ids, self.weight, self._local_padding_idx)
+        out = out.masked_fill(outside.unsqueeze(-1), 0.0)
+        if hasattr(self, "embed_scale"):
+            out = out * self.embed_scale.to(out.dtype)
+        return _exit_region(out, self.group, self.sequence_parallel)
+
+    def extra_repr(self) -> str:
+        return (f"{self.num_embeddings}, {self.embedding_dim}, "
+                f"local rows [{self.vocab_start}, {self.vocab_end}), padding_idx={self.padding_idx}")
