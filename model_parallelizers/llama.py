@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from torch import nn
 
-from optimum_parallel import ColWiseParallel, ParallelMesh, Parallelizer, RowWiseParallel, optional
+from optimum_parallel import ColWiseParallel, Parallelizer, ParallelMesh, RowWiseParallel, optional
 from optimum_parallel.tensor_parallel import ColumnParallelLinear
 
 

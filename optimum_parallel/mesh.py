@@ -86,6 +86,11 @@ def _canonical_dim(dim: str) -> str:
     return name
 
 
+def _check_size(name: str, value: object) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise ValueError(f"mesh size {name}={value!r} is not allowed; sizes must be positive integers")
+
+
 def _init_process_group(timeout: timedelta) -> None:
     """Start torch.distributed from torchrun's environment (or a single local process)."""
     if dist.is_initialized():
@@ -103,11 +108,11 @@ def _init_process_group(timeout: timedelta) -> None:
 def _gloo_or_nccl_options(timeout: timedelta):
     """Backend options carrying `timeout`: DeviceMesh's sub-groups otherwise get torch's 30-minute default."""
     if torch.cuda.is_available():
-        options = dist.ProcessGroupNCCL.Options()
-        return "nccl", options
-    options = dist.ProcessGroupGloo._Options()
+        backend, options = "nccl", dist.ProcessGroupNCCL.Options()
+    else:
+        backend, options = "gloo", dist.ProcessGroupGloo._Options()
     options._timeout = timeout
-    return "gloo", options
+    return backend, options
 
 
 def init_mesh(
@@ -115,41 +120,39 @@ def init_mesh(
     tp: int | None = None,
     pp: int = 1,
     *,
-    mp: int | None = None,
     timeout: timedelta | float = DEFAULT_TIMEOUT,
+    **aliases: int,
 ) -> ParallelMesh:
-    """Build (and set as current) the dp x pp x tp mesh; `tp` defaults to the world size / (dp * pp)."""
-    if mp is not None:
-        if tp is not None and tp != mp:
-            raise ValueError(f"tp={tp} and its alias mp={mp} disagree; pass one of them")
-        tp = mp
+    """Build (and set as current) the dp x pp x tp mesh; `tp` (alias `mp`) defaults to world / (dp * pp).
+
+    Starts torch.distributed from the torchrun environment if needed (gloo on CPU, NCCL on CUDA);
+    every process group of the mesh gets `timeout` (seconds or a timedelta), so a lost rank fails
+    the run instead of hanging it.
+    """
+    for name, value in aliases.items():
+        if DIM_ALIASES.get(name) != "tp":
+            allowed = ", ".join(MESH_DIMS + tuple(DIM_ALIASES))
+            raise ValueError(f"unknown mesh dim {name!r}; allowed: {allowed}")
+        if tp is not None and tp != value:
+            raise ValueError(f"tp={tp} and its alias {name}={value} disagree; pass one of them")
+        tp = value
     if not isinstance(timeout, timedelta):
         timeout = timedelta(seconds=float(timeout))
     _init_process_group(timeout)
     world = dist.get_world_size()
-    if tp is None:
-        tp = world // (dp * pp) if dp > 0 and pp > 0 else 0
+    _check_size("dp", dp)
+    _check_size("pp", pp)
+    tp = world // (dp * pp) if tp is None else tp
+    _check_size("tp", tp)
     sizes = {"dp": dp, "pp": pp, "tp": tp}
-    for name, value in sizes.items():
-        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-            raise ValueError(f"mesh size {name}={value!r} is not allowed; sizes must be positive integers")
     total = dp * pp * tp
     if total != world:
         raise ValueError(f"mesh dp={dp} x pp={pp} x tp={tp} = {total} ranks, but the world size is {world}")
     device_type = "cuda" if torch.cuda.is_available() else "cpu"
     backend, options = _gloo_or_nccl_options(timeout)
     overrides = {name: (backend, options) for name in MESH_DIMS}
-    device_mesh = init_device_mesh(
-        device_type, (dp, pp, tp), mesh_dim_names=MESH_DIMS, backend_override=overrides
-    )
+    device_mesh = init_device_mesh(device_type, (dp, pp, tp), mesh_dim_names=MESH_DIMS, backend_override=overrides)
     return set_mesh(ParallelMesh(device_mesh, sizes, timeout))
-
-
-def mesh_from_sizes(**sizes: int) -> ParallelMesh:
-    """`init_mesh` with unknown dim names rejected (dp/pp/tp/mp only), for config-driven callers."""
-    for name in sizes:
-        _canonical_dim(name)
-    return init_mesh(**sizes)
 
 
 def set_mesh(mesh: ParallelMesh) -> ParallelMesh:

@@ -21,8 +21,9 @@ class Parallelizer:
     """
 
     @classmethod
-    def plan(cls, model: nn.Module, mesh: ParallelMesh, parallelize_embeddings: bool,
-             sequence_parallel_enabled: bool) -> dict:
+    def plan(
+        cls, model: nn.Module, mesh: ParallelMesh, parallelize_embeddings: bool, sequence_parallel_enabled: bool
+    ) -> dict:
         raise NotImplementedError(f"{cls.__name__} must define plan()")
 
     @classmethod
@@ -40,8 +41,13 @@ class Parallelizer:
         return f"{prefix}." if prefix and isinstance(getattr(model, prefix, None), nn.Module) else ""
 
     @classmethod
-    def _parallelize(cls, model: nn.Module, device: torch.device | None = None, parallelize_embeddings: bool = True,
-                     sequence_parallel_enabled: bool = False) -> nn.Module:
+    def _parallelize(
+        cls,
+        model: nn.Module,
+        device: torch.device | None = None,
+        parallelize_embeddings: bool = True,
+        sequence_parallel_enabled: bool = False,
+    ) -> nn.Module:
         """Swap this family's layers for their tensor-parallel counterparts on the current mesh."""
         mesh = get_mesh()
         cls.check(model, mesh)
@@ -70,8 +76,12 @@ class Parallelizer:
         mesh = get_mesh()
         if sequence_parallel_enabled:
             raise NotImplementedError("sequence_parallel_enabled=True: sequence parallelism is not available yet")
-        if mesh.size("pp") > 1 or pipeline_parallel_input_names or pipeline_parallel_num_microbatches != 1 \
-                or pipeline_parallel_use_zero1_optimizer:
+        if (
+            mesh.size("pp") > 1
+            or pipeline_parallel_input_names
+            or pipeline_parallel_num_microbatches != 1
+            or pipeline_parallel_use_zero1_optimizer
+        ):
             raise NotImplementedError("pipeline parallelism (pp > 1, pipeline_parallel_*) is not available yet")
         if checkpoint_dir is not None:
             raise NotImplementedError("checkpoint_dir: loading sharded checkpoints is not available yet")
@@ -81,8 +91,9 @@ class Parallelizer:
         return model
 
     @classmethod
-    def optimizer_for_mp(cls, optimizer: torch.optim.Optimizer,
-                         orig_param_to_parallel_param: Mapping[int, nn.Parameter]) -> torch.optim.Optimizer:
+    def optimizer_for_mp(
+        cls, optimizer: torch.optim.Optimizer, orig_param_to_parallel_param: Mapping[int, nn.Parameter]
+    ) -> torch.optim.Optimizer:
         """The same optimizer (class, param groups, hyper-parameters) over the parallel parameters.
 
         State already held for an original parameter is cut to the parameter's shard.
@@ -97,9 +108,9 @@ class Parallelizer:
             param = orig_param_to_parallel_param.get(id(old_param), old_param)
             layout = getattr(param, "shard_layout", None)
             new.state[param] = {
-                k: layout.slice(v).clone() if layout is not None and torch.is_tensor(v) and v.shape == old_param.shape
+                k: layout.slice(v).clone()
+                if layout is not None and torch.is_tensor(v) and v.shape == old_param.shape
                 else v
                 for k, v in state.items()
             }
         return new
-

@@ -15,8 +15,8 @@ from dataclasses import dataclass
 from torch import nn
 
 from .mesh import ParallelMesh
-from .tensor_parallel.layout import ShardLayout
 from .tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
+from .tensor_parallel.layout import ShardLayout
 from .tensor_parallel.loss import VocabParallelLMLoss
 
 
@@ -70,8 +70,9 @@ class ColWiseParallel(ParallelStyle):
         replica_group = None
         if self.units is not None and self.units < tp:
             replica_group = ctx.mesh.subgroups("tp", self.units)
-        return ColumnParallelLinear.from_linear(module, ctx.mesh.tp_group, self.units, self.gather_output,
-                                                ctx.sequence_parallel, replica_group)
+        return ColumnParallelLinear.from_linear(
+            module, ctx.mesh.tp_group, self.units, self.gather_output, ctx.sequence_parallel, replica_group
+        )
 
 
 class RowWiseParallel(ParallelStyle):
@@ -89,8 +90,9 @@ class RowWiseParallel(ParallelStyle):
     def apply(self, module, name, ctx):
         if isinstance(module, nn.Embedding):
             return VocabParallelEmbedding.from_embedding(module, ctx.mesh.tp_group, ctx.sequence_parallel)
-        return RowParallelLinear.from_linear(module, ctx.mesh.tp_group, self.units, self.input_is_parallel,
-                                             ctx.sequence_parallel)
+        return RowParallelLinear.from_linear(
+            module, ctx.mesh.tp_group, self.units, self.input_is_parallel, ctx.sequence_parallel
+        )
 
 
 class PrepareLayerInput(ParallelStyle):
@@ -132,7 +134,7 @@ def _check_units(units: int | None, tp: int, name: str, allow_replication: bool 
         return
     raise ValueError(
         f"{name!r}: {units} heads cannot be split over tensor-parallel size {tp}; "
-        f"tp must divide {units}" + (f" or be a multiple of it" if allow_replication else "")
+        f"tp must divide {units}" + (" or be a multiple of it" if allow_replication else "")
     )
 
 
@@ -152,7 +154,7 @@ def resolve_plan(model: nn.Module, plan: Mapping[str, object]) -> dict[str, list
     if not isinstance(plan, Mapping):
         raise TypeError(f"parallelize_plan must be a dict of name regex -> style, got {type(plan).__name__}")
     modules = dict(model.named_modules())
-    param_owner = {name: name.rpartition(".")[0] for name, _ in model.named_parameters()}
+    param_owner = {name: name.rpartition(".")[0] for name, _ in model.named_parameters(remove_duplicate=False)}
     targets: dict[str, list[ParallelStyle]] = {}
     for key, value in plan.items():
         is_optional = isinstance(value, optional)
@@ -176,8 +178,9 @@ def resolve_plan(model: nn.Module, plan: Mapping[str, object]) -> dict[str, list
     return dict(sorted(targets.items(), key=lambda item: order[item[0]]))
 
 
-def apply_plan(model: nn.Module, plan: Mapping[str, object], mesh: ParallelMesh,
-               sequence_parallel: bool = False) -> dict[int, nn.Parameter]:
+def apply_plan(
+    model: nn.Module, plan: Mapping[str, object], mesh: ParallelMesh, sequence_parallel: bool = False
+) -> dict[int, nn.Parameter]:
     """Parallelize `model` in place by `plan`; return {id(original parameter): parallel parameter}."""
     ctx = PlanContext(mesh, sequence_parallel)
     targets = resolve_plan(model, plan)
@@ -214,14 +217,14 @@ def _retie_shared_parameters(model: nn.Module, original: dict[str, nn.Parameter]
     for names in (g for g in groups.values() if len(g) > 1):
         owners = [model.get_submodule(n.rpartition(".")[0]) for n in names]
         leaves = [n.rpartition(".")[2] for n in names]
-        layouts = [getattr(getattr(m, leaf), "shard_layout", None) for m, leaf in zip(owners, leaves)]
+        layouts = [getattr(getattr(m, leaf), "shard_layout", None) for m, leaf in zip(owners, leaves, strict=True)]
         if any(layout != layouts[0] for layout in layouts):
             raise ValueError(
                 f"tied parameters {names} are split differently ({layouts}); give every module that shares "
                 "them the same style (e.g. vocab-parallel embedding and column-parallel lm_head)"
             )
         shared = getattr(owners[0], leaves[0])
-        for module, leaf in zip(owners[1:], leaves[1:]):
+        for module, leaf in zip(owners[1:], leaves[1:], strict=True):
             setattr(module, leaf, shared)
 
 

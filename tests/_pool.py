@@ -29,8 +29,9 @@ def _worker(rank: int, world_size: int, port: int, tasks, results) -> None:
     import torch.distributed as dist
 
     torch.set_num_threads(1)
-    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
-                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    os.environ.update(
+        RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port)
+    )
     dist.init_process_group("gloo", rank=rank, world_size=world_size, timeout=timedelta(seconds=PG_TIMEOUT_S))
     while True:
         task = tasks.get()
@@ -73,8 +74,10 @@ class WorkerPool:
                 outcome[rank] = (ok, value)
         except queue.Empty:
             self.restart()
-            raise TimeoutError(f"{fn.__name__}: ranks {sorted(set(range(self.world_size)) - set(outcome))} "
-                               f"did not finish within {self.task_timeout_s}s") from None
+            raise TimeoutError(
+                f"{fn.__name__}: ranks {sorted(set(range(self.world_size)) - set(outcome))} "
+                f"did not finish within {self.task_timeout_s}s"
+            ) from None
         failures = {r: v for r, (ok, v) in outcome.items() if not ok}
         if failures:
             self.restart()

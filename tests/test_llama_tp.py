@@ -46,8 +46,10 @@ def check_matches_reference(model_type: str, tp: int, overrides: dict) -> dict:
     out = parallel(**batch)
     out.loss.backward()
 
-    errors = {"logits": rel_err(parallel.lm_head.gather(out.logits), ref_out.logits),
-              "loss": rel_err(out.loss, ref_out.loss)}
+    errors = {
+        "logits": rel_err(parallel.lm_head.gather(out.logits), ref_out.logits),
+        "loss": rel_err(out.loss, ref_out.loss),
+    }
     ref_params = dict(reference.named_parameters())
     grads = {}
     for name, param in parallel.named_parameters():
@@ -110,3 +112,53 @@ def check_bad_tp_raises_before_moving_weights(tp: int) -> str:
 def test_tp_not_dividing_heads_is_rejected(pool):
     messages = pool.run(check_bad_tp_raises_before_moving_weights, 4)
     assert all("num_attention_heads=2" in m and "tensor_parallel_size=4" in m for m in messages)
+
+
+def count_collectives(num_layers: int, tp: int) -> list[tuple[str, str, int]]:
+    """(phase, collective, elements) for every torch.distributed call of one forward+backward."""
+    import optimum_parallel as op
+
+    op.init_mesh(dp=dist.get_world_size() // tp, tp=tp)
+    config = tiny_config("llama", num_hidden_layers=num_layers)
+    model = build_model(config)
+    model = op.ParallelizersManager.parallelizer_for_model(model).parallelize(model)
+    batch = make_batch(config)
+    calls, phase = [], ["forward"]
+    originals = {name: getattr(dist, name) for name in ("all_reduce", "all_gather", "reduce_scatter", "broadcast")}
+
+    def recording(name, fn):
+        def call(*args, **kwargs):
+            tensor = args[1] if name == "all_gather" else args[0]
+            calls.append((phase[0], name, tensor.numel()))
+            return fn(*args, **kwargs)
+
+        return call
+
+    for name, fn in originals.items():
+        setattr(dist, name, recording(name, fn))
+    try:
+        loss = model(**batch).loss
+        phase[0] = "backward"
+        loss.backward()
+    finally:
+        for name, fn in originals.items():
+            setattr(dist, name, fn)
+    return calls
+
+
+def test_megatron_minimal_communication(pool):
+    """Per decoder layer exactly 2 all-reduces of batch*seq*hidden forward and 2 backward; the loss moves
+    O(batch*seq) numbers and nothing ever moves batch*seq*vocab."""
+    config = tiny_config("llama")
+    tokens = 2 * 16  # make_batch's batch x seq
+    activation = tokens * config.hidden_size
+    one, three = pool.run(count_collectives, 1, 2)[0], pool.run(count_collectives, 3, 2)[0]
+    for calls in (one, three):
+        assert {name for _, name, _ in calls} == {"all_reduce"}
+        assert max(n for _, _, n in calls) <= activation < tokens * config.vocab_size
+        loss_sized = [n for phase, _, n in calls if n < activation]
+        assert sorted(loss_sized) == [tokens, 2 * tokens], "loss: one max and one [target, sum-exp] all-reduce"
+    for phase in ("forward", "backward"):
+        per_model = [sum(1 for p, _, n in calls if p == phase and n == activation) for calls in (one, three)]
+        assert (per_model[1] - per_model[0]) == 2 * 2, f"{phase}: {per_model} activation all-reduces for 1 / 3 layers"
+        assert per_model[0] == 2 + 1, f"{phase}: 2 per layer + 1 (embedding forward / LM-head input backward)"

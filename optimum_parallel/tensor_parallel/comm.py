@@ -48,7 +48,7 @@ def _all_gather(x: torch.Tensor, dim: int, group: ProcessGroup, sizes: list[int]
     parts = [torch.empty_like(x) for _ in range(world)]
     dist.all_gather(parts, x, group=group)
     if sizes:
-        parts = [p.narrow(dim, 0, s) for p, s in zip(parts, sizes)]
+        parts = [p.narrow(dim, 0, s) for p, s in zip(parts, sizes, strict=True)]
     return torch.cat(parts, dim=dim)
 
 

@@ -31,24 +31,23 @@ class _RegionEntry:
 
     HF attention feeds the same `hidden_states` to q_proj, k_proj and v_proj (and the MLP to
     gate_proj and up_proj). Re-using the entry op for the same input tensor gives one backward
-    all-reduce (or one sequence all-gather) per block, as a fused Megatron QKV would.
+    all-reduce (or one sequence all-gather) per block, as a fused Megatron QKV would. The last
+    entry is held until the next one (a view of an activation that is alive anyway).
     """
 
     def __init__(self) -> None:
-        self._last: tuple[weakref.ref, weakref.ref, ProcessGroup, bool] | None = None
+        self._last: tuple[weakref.ref, int, torch.Tensor, ProcessGroup, bool] | None = None
 
     def __call__(self, x: torch.Tensor, group: ProcessGroup, sequence_parallel: bool) -> torch.Tensor:
         if self._last is not None:
-            src, out, last_group, last_sp = self._last
-            cached = out()
-            if src() is x and cached is not None and last_group is group and last_sp == sequence_parallel:
-                return cached
+            src, version, entered, last_group, last_sp = self._last
+            if src() is x and x._version == version and last_group is group and last_sp == sequence_parallel:
+                return entered
         if sequence_parallel:
             y = gather_from_sequence_parallel_region(x, group, dim=1)
         else:
             y = copy_to_tensor_parallel_region(x, group)
-        if torch.is_grad_enabled() and y.requires_grad:
-            self._last = (weakref.ref(x), weakref.ref(y), group, sequence_parallel)
+        self._last = (weakref.ref(x), x._version, y, group, sequence_parallel) if y.requires_grad else None
         return y
 
 
@@ -96,7 +95,14 @@ class ColumnParallelLinear(_ShardedModule):
     layer is row-parallel, or the loss is vocab-parallel).
     """
 
-    def __init__(self, weight: nn.Parameter, bias: nn.Parameter | None, group: ProcessGroup, gather_output: bool = False, sequence_parallel: bool = False) -> None:
+    def __init__(
+        self,
+        weight: nn.Parameter,
+        bias: nn.Parameter | None,
+        group: ProcessGroup,
+        gather_output: bool = False,
+        sequence_parallel: bool = False,
+    ) -> None:
         super().__init__()
         self.weight, self.bias = weight, bias
         self.group = group
@@ -106,16 +112,23 @@ class ColumnParallelLinear(_ShardedModule):
         self.out_features = weight.shard_layout.global_shape[0]
 
     @classmethod
-    def from_linear(cls, linear: nn.Linear, group: ProcessGroup, units: int | None = None,
-                    gather_output: bool = False, sequence_parallel: bool = False,
-                    replica_group: ProcessGroup | None = None) -> ColumnParallelLinear:
+    def from_linear(
+        cls,
+        linear: nn.Linear,
+        group: ProcessGroup,
+        units: int | None = None,
+        gather_output: bool = False,
+        sequence_parallel: bool = False,
+        replica_group: ProcessGroup | None = None,
+    ) -> ColumnParallelLinear:
         rank, world = dist.get_rank(group), dist.get_world_size(group)
         layout = split_units(tuple(linear.weight.shape), 0, rank, world, units)
         weight = _local_param(linear.weight, layout, linear.weight.requires_grad)
         bias = None
         if linear.bias is not None:
-            bias = _local_param(linear.bias, split_units(tuple(linear.bias.shape), 0, rank, world, units),
-                                linear.bias.requires_grad)
+            bias = _local_param(
+                linear.bias, split_units(tuple(linear.bias.shape), 0, rank, world, units), linear.bias.requires_grad
+            )
         layer = cls(weight, bias, group, gather_output, sequence_parallel)
         if layout.replicas > 1:
             if replica_group is None:
@@ -139,15 +152,24 @@ class ColumnParallelLinear(_ShardedModule):
         return self.gather(y) if self.gather_output else y
 
     def extra_repr(self) -> str:
-        return (f"in_features={self.in_features}, out_features={self.out_features} "
-                f"(local {self.weight.shape[0]}), bias={self.bias is not None}, gather_output={self.gather_output}")
+        return (
+            f"in_features={self.in_features}, out_features={self.out_features} "
+            f"(local {self.weight.shape[0]}), bias={self.bias is not None}, gather_output={self.gather_output}"
+        )
 
 
 class RowParallelLinear(_ShardedModule):
     """y = sum_ranks x_local W_local^T + b: the input features are split; the output is all-reduced
     (or reduce-scattered over the sequence under sequence parallelism). The bias is added once."""
 
-    def __init__(self, weight: nn.Parameter, bias: nn.Parameter | None, group: ProcessGroup, input_is_parallel: bool = True, sequence_parallel: bool = False) -> None:
+    def __init__(
+        self,
+        weight: nn.Parameter,
+        bias: nn.Parameter | None,
+        group: ProcessGroup,
+        input_is_parallel: bool = True,
+        sequence_parallel: bool = False,
+    ) -> None:
         super().__init__()
         self.weight, self.bias = weight, bias
         self.group = group
@@ -157,8 +179,14 @@ class RowParallelLinear(_ShardedModule):
         self.out_features = weight.shape[0]
 
     @classmethod
-    def from_linear(cls, linear: nn.Linear, group: ProcessGroup, units: int | None = None,
-                    input_is_parallel: bool = True, sequence_parallel: bool = False) -> RowParallelLinear:
+    def from_linear(
+        cls,
+        linear: nn.Linear,
+        group: ProcessGroup,
+        units: int | None = None,
+        input_is_parallel: bool = True,
+        sequence_parallel: bool = False,
+    ) -> RowParallelLinear:
         rank, world = dist.get_rank(group), dist.get_world_size(group)
         layout = split_units(tuple(linear.weight.shape), 1, rank, world, units)
         if layout.replicas > 1:
@@ -171,14 +199,17 @@ class RowParallelLinear(_ShardedModule):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.input_is_parallel:
-            x = scatter_to_tensor_parallel_region(x, self.group, dim=-1,
-                                                  sizes=shard_sizes(self.in_features, dist.get_world_size(self.group)))
+            x = scatter_to_tensor_parallel_region(
+                x, self.group, dim=-1, sizes=shard_sizes(self.in_features, dist.get_world_size(self.group))
+            )
         y = _exit_region(F.linear(x, self.weight), self.group, self.sequence_parallel)
         return y + self.bias if self.bias is not None else y
 
     def extra_repr(self) -> str:
-        return (f"in_features={self.in_features} (local {self.weight.shape[1]}), out_features={self.out_features}, "
-                f"bias={self.bias is not None}, input_is_parallel={self.input_is_parallel}")
+        return (
+            f"in_features={self.in_features} (local {self.weight.shape[1]}), out_features={self.out_features}, "
+            f"bias={self.bias is not None}, input_is_parallel={self.input_is_parallel}"
+        )
 
 
 class VocabParallelEmbedding(_ShardedModule):
@@ -188,8 +219,9 @@ class VocabParallelEmbedding(_ShardedModule):
     (reduce-scattered over the sequence under sequence parallelism).
     """
 
-    def __init__(self, weight: nn.Parameter, group: ProcessGroup,
-                 padding_idx: int | None = None, sequence_parallel: bool = False) -> None:
+    def __init__(
+        self, weight: nn.Parameter, group: ProcessGroup, padding_idx: int | None = None, sequence_parallel: bool = False
+    ) -> None:
         super().__init__()
         self.weight = weight
         self.group = group
@@ -201,8 +233,9 @@ class VocabParallelEmbedding(_ShardedModule):
         self._local_padding_idx = padding_idx - self.vocab_start if in_shard else None
 
     @classmethod
-    def from_embedding(cls, embedding: nn.Embedding, group: ProcessGroup,
-                       sequence_parallel: bool = False) -> VocabParallelEmbedding:
+    def from_embedding(
+        cls, embedding: nn.Embedding, group: ProcessGroup, sequence_parallel: bool = False
+    ) -> VocabParallelEmbedding:
         if embedding.max_norm is not None or embedding.sparse:
             raise ValueError("VocabParallelEmbedding does not support max_norm or sparse embeddings")
         rank, world = dist.get_rank(group), dist.get_world_size(group)
@@ -223,5 +256,7 @@ class VocabParallelEmbedding(_ShardedModule):
         return _exit_region(out, self.group, self.sequence_parallel)
 
     def extra_repr(self) -> str:
-        return (f"{self.num_embeddings}, {self.embedding_dim}, "
-                f"local rows [{self.vocab_start}, {self.vocab_end}), padding_idx={self.padding_idx}")
+        return (
+            f"{self.num_embeddings}, {self.embedding_dim}, "
+            f"local rows [{self.vocab_start}, {self.vocab_end}), padding_idx={self.padding_idx}"
+        )

@@ -51,7 +51,9 @@ def replicated(shape: torch.Size | tuple[int, ...]) -> ShardLayout:
     return ShardLayout(tuple(shape))
 
 
-def split_units(global_shape: tuple[int, ...], dim: int, rank: int, world: int, units: int | None = None) -> ShardLayout:
+def split_units(
+    global_shape: tuple[int, ...], dim: int, rank: int, world: int, units: int | None = None
+) -> ShardLayout:
     """Split `dim` over `world` ranks in whole `units` (attention heads; None = single rows, uneven allowed).
 
     units >= world: each rank takes units/world consecutive units (must divide evenly).

@@ -48,7 +48,7 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
 def vocab_parallel_cross_entropy(
     logits: torch.Tensor, target: torch.Tensor, group: ProcessGroup, vocab_start: int, ignore_index: int = -100
 ) -> torch.Tensor:
-    """Per-token loss (0 where target == ignore_index) of `logits` holding vocab [vocab_start, vocab_start + V_local)."""
+    """Per-token loss (0 where target == ignore_index); `logits` hold vocab ids [vocab_start, vocab_start + V_local)."""
     return _VocabParallelCrossEntropy.apply(logits, target, group, vocab_start, ignore_index)
 
 
@@ -61,15 +61,17 @@ class VocabParallelLMLoss:
     def __init__(self, group: ProcessGroup, vocab_start: int, shift: bool) -> None:
         self.group, self.vocab_start, self.shift = group, vocab_start, shift
 
-    def __call__(self, logits, labels, vocab_size=None, num_items_in_batch=None, ignore_index=-100,
-                 shift_labels=None, **kwargs):
+    def __call__(
+        self, logits, labels, vocab_size=None, num_items_in_batch=None, ignore_index=-100, shift_labels=None, **kwargs
+    ):
         if self.shift and shift_labels is None:
             labels = torch.nn.functional.pad(labels, (0, 1), value=ignore_index)[..., 1:]
         elif shift_labels is not None:
             labels = shift_labels
         labels = labels.reshape(-1).to(logits.device)
-        losses = vocab_parallel_cross_entropy(logits.reshape(-1, logits.shape[-1]), labels, self.group,
-                                              self.vocab_start, ignore_index)
+        losses = vocab_parallel_cross_entropy(
+            logits.reshape(-1, logits.shape[-1]), labels, self.group, self.vocab_start, ignore_index
+        )
         if num_items_in_batch is None:
             return losses.sum() / (labels != ignore_index).sum()
         if torch.is_tensor(num_items_in_batch):

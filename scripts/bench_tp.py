@@ -1,0 +1,425 @@
+"""Benchmark tensor parallelism (tp=2) on CPU/gloo: optimum_parallel against torch DTensor and transformers.
+
+What it measures
+    The wall-clock time of one training step (forward + backward + zero_grad, no optimizer update) of a
+    randomly initialised fp32 Llama (built from a config, no hub access) on the same batch, for:
+
+    1. a single process without parallelism, with 1 and with 2 intra-op threads (the reference);
+    2. optimum_parallel at tp=2 (module swapping on local tensors, vocab-parallel LM head and loss);
+    3. torch's own ``parallelize_module`` (DTensor) at tp=2, with the plan a user would write for HF Llama,
+       once with the LM head gathering the full logits and once with ``loss_parallel``;
+    4. transformers' own tensor parallelism: ``from_pretrained(..., distributed_config=DistributedConfig(tp_size=2))``.
+
+    Each distributed variant runs on 2 processes with one thread each, so every row uses at most the 2 cores
+    the single-process 2-thread row uses. A distributed step starts after a ``dist.barrier()`` and its time is the
+    slowest rank's. Before timing, every variant's loss is compared with the single-process loss.
+
+How to run
+    python scripts/bench_tp.py                                      # full size (a few minutes on 2 cores)
+    python scripts/bench_tp.py --steps 3 --warmup 1 --layers 1 --seq 64   # quick smoke run
+
+The script launches its own 2 worker processes (torch.multiprocessing, spawn, a free port on 127.0.0.1);
+only the parent prints. Timings on a shared machine are noisy: compare medians, and rerun when in doubt.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import gc
+import os
+import queue
+import socket
+import statistics
+import sys
+import tempfile
+import time
+import traceback
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from datetime import timedelta
+from multiprocessing.queues import Queue
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+import transformers
+from torch import nn
+from transformers import AutoModelForCausalLM, LlamaConfig
+
+TP = 2
+PG_TIMEOUT = timedelta(seconds=90)
+ATTN_IMPLEMENTATION = "sdpa"
+LOSS_RTOL = 1e-5  # |loss - reference| <= LOSS_RTOL * max(1, |reference|)
+GOAL_RATIO = 0.8  # optimum_parallel must take <= 0.8x the time of the best of torch DTensor / transformers
+
+Batch = dict[str, torch.Tensor]
+StepContext = Callable[[], contextlib.AbstractContextManager]  # entered around forward + backward
+Prepared = tuple[nn.Module, StepContext]
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Model, batch, timing
+
+
+@dataclass
+class Result:
+    """The step times (ms) and loss of one variant, or why it failed."""
+
+    name: str
+    times_ms: list[float] = field(default_factory=list)
+    loss: float | None = None
+    error: str | None = None
+
+    @property
+    def median(self) -> float:
+        return statistics.median(self.times_ms)
+
+    @property
+    def p90(self) -> float:
+        ordered = sorted(self.times_ms)
+        return ordered[min(len(ordered) - 1, round(0.9 * (len(ordered) - 1)))]
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--steps", type=int, default=20, help="timed steps per variant (default 20)")
+    parser.add_argument("--warmup", type=int, default=3, help="untimed warm-up steps per variant (default 3)")
+    parser.add_argument("--batch", type=int, default=4)
+    parser.add_argument("--seq", type=int, default=256)
+    parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--hidden", type=int, default=512)
+    parser.add_argument(
+        "--intermediate",
+        type=int,
+        default=None,
+        help="MLP size (default: Llama's 11008/4096 x hidden, 1376 at hidden 512)",
+    )
+    parser.add_argument("--vocab", type=int, default=8192)
+    parser.add_argument("--heads", type=int, default=8, help="attention heads (= kv heads)")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--deadline", type=float, default=3600, help="seconds before the workers are killed")
+    return parser.parse_args(argv)
+
+
+def model_config(args: argparse.Namespace) -> LlamaConfig:
+    return LlamaConfig(
+        hidden_size=args.hidden,
+        intermediate_size=args.intermediate or args.hidden * 11008 // 4096,
+        num_hidden_layers=args.layers,
+        num_attention_heads=args.heads,
+        num_key_value_heads=args.heads,
+        vocab_size=args.vocab,
+        max_position_embeddings=max(512, args.seq),
+        tie_word_embeddings=False,
+    )
+
+
+def build_model(args: argparse.Namespace) -> nn.Module:
+    """The same random fp32 model in every process (fixed seed)."""
+    torch.manual_seed(args.seed)
+    model = AutoModelForCausalLM.from_config(model_config(args), attn_implementation=ATTN_IMPLEMENTATION)
+    return model.float().train()  # Llama has no dropout: train() and eval() compute the same thing
+
+
+def make_batch(args: argparse.Namespace) -> Batch:
+    generator = torch.Generator().manual_seed(args.seed + 1)
+    input_ids = torch.randint(0, args.vocab, (args.batch, args.seq), generator=generator)
+    return {"input_ids": input_ids, "labels": input_ids.clone()}
+
+
+def loss_value(loss: torch.Tensor) -> float:
+    """A (possibly DTensor) scalar loss as a Python float."""
+    if hasattr(loss, "full_tensor"):
+        loss = loss.full_tensor()
+    return loss.item()
+
+
+def train_step(model: nn.Module, batch: Batch, context: StepContext) -> torch.Tensor:
+    with context():
+        loss = model(**batch).loss
+        loss.backward()
+    model.zero_grad(set_to_none=True)
+    return loss.detach()
+
+
+def time_steps(
+    model: nn.Module, batch: Batch, args: argparse.Namespace, context: StepContext, distributed: bool
+) -> list[float]:
+    """Warm up, then time `args.steps` steps; in a distributed run a step's time is the slowest rank's."""
+    times = []
+    for step in range(args.warmup + args.steps):
+        if distributed:
+            dist.barrier()
+        start = time.perf_counter()
+        train_step(model, batch, context)
+        elapsed = time.perf_counter() - start
+        if step >= args.warmup:
+            times.append(elapsed * 1e3)
+    if distributed:
+        slowest = torch.tensor(times, dtype=torch.float64)
+        dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
+        times = slowest.tolist()
+    return times
+
+
+def benchmark(
+    name: str, prepare: Callable[[], Prepared], batch: Batch, args: argparse.Namespace, distributed: bool
+) -> Result:
+    """Build the variant, record its first loss (the correctness check), then time it."""
+    try:
+        model, context = prepare()
+        loss = loss_value(train_step(model, batch, context))
+        return Result(name, time_steps(model, batch, args, context, distributed), loss)
+    except Exception as err:  # a failed variant is reported in the table, not fatal
+        if not distributed or dist.get_rank() == 0:
+            traceback.print_exc()
+        message = (str(err).strip().splitlines() or [""])[0]
+        return Result(name, error=f"{type(err).__name__}: {message}"[:160])
+
+
+# --------------------------------------------------------------------------------------------------------------
+# The variants
+
+
+def prepare_single(args: argparse.Namespace, threads: int) -> Prepared:
+    torch.set_num_threads(threads)
+    return build_model(args), contextlib.nullcontext
+
+
+def prepare_optimum_parallel(args: argparse.Namespace) -> Prepared:
+    import optimum_parallel as op
+
+    op.init_mesh(tp=TP, timeout=PG_TIMEOUT)
+    model = build_model(args)
+    parallelizer = op.ParallelizersManager.parallelizer_for_model(model)
+    return parallelizer.parallelize(model), contextlib.nullcontext
+
+
+def prepare_torch_dtensor(args: argparse.Namespace, loss_parallel: bool) -> Prepared:
+    """torch's parallelize_module with the usual Llama plan (as in torchtitan).
+
+    Attention needs no change: HF views q/k/v as (batch, seq, -1, head_dim), so each rank runs its local heads.
+    The LM head either gathers the full logits (every rank computes the whole loss) or, with `loss_parallel`,
+    keeps them vocab-sharded and computes the cross-entropy on the shards.
+    """
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        RowwiseParallel,
+        parallelize_module,
+    )
+    from torch.distributed.tensor.parallel import loss_parallel as loss_parallel_context
+
+    mesh = init_device_mesh("cpu", (TP,), mesh_dim_names=("tp",))
+    model = build_model(args)
+    layer_plan = {
+        "self_attn.q_proj": ColwiseParallel(),
+        "self_attn.k_proj": ColwiseParallel(),
+        "self_attn.v_proj": ColwiseParallel(),
+        "self_attn.o_proj": RowwiseParallel(),
+        "mlp.gate_proj": ColwiseParallel(),
+        "mlp.up_proj": ColwiseParallel(),
+        "mlp.down_proj": RowwiseParallel(),
+    }
+    for layer in model.model.layers:
+        parallelize_module(layer, mesh, layer_plan)
+    if loss_parallel:
+        lm_head = ColwiseParallel(output_layouts=Shard(-1), use_local_output=False)
+    else:
+        lm_head = ColwiseParallel(output_layouts=Replicate())
+    parallelize_module(
+        model,
+        mesh,
+        {
+            "model.embed_tokens": RowwiseParallel(input_layouts=Replicate()),
+            "lm_head": lm_head,
+        },
+    )
+    return model, (loss_parallel_context if loss_parallel else contextlib.nullcontext)
+
+
+def prepare_transformers(args: argparse.Namespace, checkpoint: str) -> Prepared:
+    """transformers' own TP: its Llama plan (colwise/rowwise layers, vocab-sharded embedding, gathered logits)."""
+    from transformers.distributed import DistributedConfig
+
+    model = AutoModelForCausalLM.from_pretrained(
+        checkpoint,
+        distributed_config=DistributedConfig(tp_size=TP),
+        dtype=torch.float32,
+        attn_implementation=ATTN_IMPLEMENTATION,
+    )
+    return model.train(), contextlib.nullcontext
+
+
+def distributed_variants(args: argparse.Namespace, checkpoint: str) -> dict[str, Callable[[], Prepared]]:
+    return {
+        "optimum_parallel tp=2": lambda: prepare_optimum_parallel(args),
+        "torch DTensor tp=2 (lm_head gathers logits)": lambda: prepare_torch_dtensor(args, loss_parallel=False),
+        "torch DTensor tp=2 (loss_parallel)": lambda: prepare_torch_dtensor(args, loss_parallel=True),
+        "transformers tp=2 (DistributedConfig)": lambda: prepare_transformers(args, checkpoint),
+    }
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Processes
+
+
+def quiet_transformers() -> None:
+    """No warnings or progress bars from transformers in the benchmark output."""
+    transformers.logging.set_verbosity_error()
+    transformers.logging.disable_progress_bar()
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def worker(rank: int, port: int, args: argparse.Namespace, checkpoint: str, results: Queue) -> None:
+    """One tp rank: run every distributed variant in turn; rank 0 sends the results to the parent."""
+    torch.set_num_threads(1)
+    os.environ.update(
+        RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(TP), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port)
+    )
+    quiet_transformers()
+    dist.init_process_group("gloo", rank=rank, world_size=TP, timeout=PG_TIMEOUT)
+    batch = make_batch(args)
+    for name, prepare in distributed_variants(args, checkpoint).items():
+        result = benchmark(name, prepare, batch, args, distributed=True)
+        gc.collect()
+        if rank == 0:
+            results.put(result)
+        dist.barrier()  # both ranks leave the variant before the next one starts
+    dist.destroy_process_group()
+
+
+def run_distributed(args: argparse.Namespace, checkpoint: str) -> list[Result]:
+    """Start TP worker processes, collect rank 0's results; kill the workers if they run past the deadline."""
+    os.environ["OMP_NUM_THREADS"] = "1"
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    port = free_port()
+    procs = [ctx.Process(target=worker, args=(rank, port, args, checkpoint, results)) for rank in range(TP)]
+    for proc in procs:
+        proc.start()
+    names = list(distributed_variants(args, checkpoint))
+    collected: list[Result] = []
+    deadline = time.monotonic() + args.deadline
+    try:
+        while len(collected) < len(names) and time.monotonic() < deadline:
+            try:
+                collected.append(results.get(timeout=5))
+            except queue.Empty:
+                if any(proc.exitcode not in (None, 0) for proc in procs):
+                    break
+    finally:
+        for proc in procs:
+            proc.join(timeout=30)
+            if proc.is_alive():
+                proc.kill()
+                proc.join()
+    done = {result.name for result in collected}
+    reason = "worker processes died or ran past --deadline"
+    return collected + [Result(name, error=reason) for name in names if name not in done]
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Report
+
+
+def loss_matches(result: Result, reference: float) -> bool:
+    return result.loss is not None and abs(result.loss - reference) <= LOSS_RTOL * max(1.0, abs(reference))
+
+
+def best_baseline(results: list[Result], reference: float) -> Result | None:
+    """The fastest correct torch DTensor or transformers run."""
+    baselines = [
+        r
+        for r in results
+        if r.name.startswith(("torch", "transformers")) and r.error is None and loss_matches(r, reference)
+    ]
+    return min(baselines, key=lambda r: r.median, default=None)
+
+
+def print_report(args: argparse.Namespace, results: list[Result]) -> None:
+    single, reference = results[0], results[0].loss
+    best = best_baseline(results, reference) if reference is not None else None
+    config = model_config(args)
+    print()
+    print(f"torch {torch.__version__}, transformers {transformers.__version__}, gloo, tp={TP}, {os.cpu_count()} CPUs")
+    print(
+        f"Llama: hidden {config.hidden_size}, intermediate {config.intermediate_size}, "
+        f"{config.num_hidden_layers} layers, {config.num_attention_heads} heads, vocab {config.vocab_size}, "
+        f"fp32, {ATTN_IMPLEMENTATION}; batch {args.batch} x seq {args.seq}; "
+        f"step = forward + backward + zero_grad; {args.steps} timed steps after {args.warmup} warm-up"
+    )
+    print("ratios are median time / reference median time (lower is faster); timings on a busy machine are noisy")
+    print()
+    header = (
+        "variant",
+        "median ms",
+        "p90 ms",
+        "x single(1 thread)",
+        "x best-of-(torch DTensor, transformers)",
+        "loss matches",
+    )
+    rows = [header, tuple("-" * len(h) for h in header)]
+    for result in results:
+        if result.error is not None:
+            rows.append((result.name, f"failed: {result.error}", "", "", "", ""))
+            continue
+        delta = abs(result.loss - reference) if reference is not None else float("nan")
+        match = "reference" if result is single else f"{'yes' if loss_matches(result, reference) else 'NO'}"
+        rows.append(
+            (
+                result.name,
+                f"{result.median:.1f}",
+                f"{result.p90:.1f}",
+                f"{result.median / single.median:.2f}x" if single.error is None else "n/a",
+                f"{result.median / best.median:.2f}x" if best is not None else "n/a",
+                f"{match} (loss {result.loss:.6f}, |diff| {delta:.1e})",
+            )
+        )
+    widths = [max(len(row[i]) for row in rows) for i in range(len(header))]
+    for row in rows:
+        print("| " + " | ".join(cell.ljust(width) for cell, width in zip(row, widths, strict=True)) + " |")
+    print()
+    ours = next(r for r in results if r.name.startswith("optimum_parallel"))
+    if best is None or ours.error is not None or not loss_matches(ours, reference):
+        print(f"goal: optimum_parallel <= {GOAL_RATIO}x best of torch/transformers: FAIL (no valid comparison)")
+        return
+    ratio = ours.median / best.median
+    verdict = "PASS" if ratio <= GOAL_RATIO else "FAIL"
+    print(
+        f"goal: optimum_parallel <= {GOAL_RATIO}x best of torch/transformers: {verdict} "
+        f"(ratio {ratio:.2f}, best = {best.name})"
+    )
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    quiet_transformers()
+    batch = make_batch(args)
+    print("single process ...", file=sys.stderr, flush=True)
+    results = [
+        benchmark(
+            f"single process, {threads} thread{'s' * (threads > 1)}",
+            lambda threads=threads: prepare_single(args, threads),
+            batch,
+            args,
+            distributed=False,
+        )
+        for threads in (1, 2)
+    ]
+    print(f"tp={TP} variants on {TP} processes ...", file=sys.stderr, flush=True)
+    with tempfile.TemporaryDirectory(prefix="bench_tp_") as checkpoint:
+        build_model(args).save_pretrained(checkpoint)
+        results += run_distributed(args, checkpoint)
+    print_report(args, results)
+
+
+if __name__ == "__main__":
+    main()
