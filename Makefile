@@ -1,0 +1,33 @@
+# Two commands do all the set-up on a fresh machine: `make demo` and `make test`.
+# torch is pinned and installed first (a CPU build; an unpinned torch pulls a multi-GB CUDA build).
+
+VENV   ?= .venv
+PYTHON ?= python3
+TORCH  ?= torch==2.13.0
+BIN     = $(VENV)/bin
+
+export OMP_NUM_THREADS ?= 1
+
+.PHONY: demo test lint install clean
+
+$(BIN)/.installed: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install --quiet --upgrade pip
+	$(BIN)/python -m pip install --quiet "$(TORCH)"
+	$(BIN)/python -m pip install --quiet -e ".[dev]"
+	touch $@
+
+install: $(BIN)/.installed
+
+demo: $(BIN)/.installed
+	$(BIN)/optimum-parallel demo
+
+test: $(BIN)/.installed
+	$(BIN)/python -m pytest
+
+lint: $(BIN)/.installed
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+
+clean:
+	rm -rf $(VENV) *.egg-info .pytest_cache
