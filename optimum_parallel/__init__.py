@@ -3,15 +3,14 @@
 from .manager import ParallelizersManager, UnsupportedModelError
 from .mesh import ParallelMesh, get_mesh, init_mesh, set_mesh
 from .parallelizer import Parallelizer
-from .plan import (
+from .plan import apply_plan, parallel_layouts
+from .styles import (
     ColWiseParallel,
     ParallelStyle,
     PrepareLayerInput,
     PrepareLayerOutput,
     RowWiseParallel,
-    apply_plan,
     optional,
-    parallel_layouts,
 )
 
 __version__ = "0.1.0"

@@ -9,6 +9,8 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from .checkpoint import load_model_checkpoint, save_model_checkpoint
+from .lazy import build_lazy_optimizer, is_lazy_optimizer, materialize_lazy_model
 from .mesh import ParallelMesh, get_mesh
 from .plan import apply_plan
 
@@ -83,11 +85,12 @@ class Parallelizer:
             or pipeline_parallel_use_zero1_optimizer
         ):
             raise NotImplementedError("pipeline parallelism (pp > 1, pipeline_parallel_*) is not available yet")
-        if checkpoint_dir is not None:
-            raise NotImplementedError("checkpoint_dir: loading sharded checkpoints is not available yet")
         model = cls._parallelize(model, device, parallelize_embeddings, sequence_parallel_enabled)
+        materialize_lazy_model(model, device)  # no-op unless built under lazy_load_for_parallelism
         if device is not None:
             model.to(device)
+        if checkpoint_dir is not None:
+            cls.load_model_checkpoint(model, checkpoint_dir)
         return model
 
     @classmethod
@@ -96,8 +99,11 @@ class Parallelizer:
     ) -> torch.optim.Optimizer:
         """The same optimizer (class, param groups, hyper-parameters) over the parallel parameters.
 
-        State already held for an original parameter is cut to the parameter's shard.
+        A lazy optimizer (`make_optimizer_constructor_lazy`) is built for the first time here, exactly
+        as it was asked for. State already held for an original parameter is cut to the parameter's shard.
         """
+        if is_lazy_optimizer(optimizer):
+            return build_lazy_optimizer(optimizer, orig_param_to_parallel_param)
         groups = []
         for group in optimizer.param_groups:
             params = [orig_param_to_parallel_param.get(id(p), p) for p in group["params"]]
@@ -114,3 +120,20 @@ class Parallelizer:
                 for k, v in state.items()
             }
         return new
+
+    @classmethod
+    def save_model_checkpoint(
+        cls,
+        model: nn.Module,
+        output_dir: str | Path,
+        as_regular: bool = False,
+        as_sharded: bool = True,
+        optimizer: torch.optim.Optimizer | None = None,
+    ) -> None:
+        """Save a sharded checkpoint (per-rank safetensors + layout metadata) and/or a regular HF one."""
+        save_model_checkpoint(model, output_dir, as_regular=as_regular, as_sharded=as_sharded, optimizer=optimizer)
+
+    @classmethod
+    def load_model_checkpoint(cls, model: nn.Module, load_dir: str | Path) -> None:
+        """Load this rank's shards of a sharded checkpoint into a parallelized `model`."""
+        load_model_checkpoint(model, load_dir)
