@@ -1,5 +1,7 @@
 """optimum-parallel: tensor/sequence/pipeline/data parallelism for Hugging Face Transformers models."""
 
+from .checkpoint import consolidate_checkpoint, reshard_checkpoint
+from .lazy import lazy_load_for_parallelism, make_optimizer_constructor_lazy
 from .manager import ParallelizersManager, UnsupportedModelError
 from .mesh import ParallelMesh, get_mesh, init_mesh, set_mesh
 from .parallelizer import Parallelizer
@@ -26,6 +28,10 @@ __all__ = [
     "RowWiseParallel",
     "UnsupportedModelError",
     "apply_plan",
+    "consolidate_checkpoint",
+    "lazy_load_for_parallelism",
+    "make_optimizer_constructor_lazy",
+    "reshard_checkpoint",
     "get_mesh",
     "init_mesh",
     "optional",

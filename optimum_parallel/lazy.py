@@ -23,3 +23,13 @@ def build_lazy_optimizer(
     optimizer: torch.optim.Optimizer, orig_param_to_parallel_param: Mapping[int, nn.Parameter]
 ) -> torch.optim.Optimizer:
     raise NotImplementedError("lazy optimizers are not available yet")
+
+
+def lazy_load_for_parallelism(tensor_parallel_size: int = 1, pipeline_parallel_size: int = 1):
+    """Context manager: `from_pretrained` builds on the meta device and records where each weight lives."""
+    raise NotImplementedError("lazy loading is not available yet")
+
+
+def make_optimizer_constructor_lazy(optimizer_cls: type[torch.optim.Optimizer]):
+    """A constructor that records its arguments; `optimizer_for_mp` builds the real optimizer."""
+    raise NotImplementedError("lazy optimizers are not available yet")
