@@ -5,11 +5,23 @@ from __future__ import annotations
 
 from torch import nn
 
-from optimum_parallel import ColWiseParallel, Parallelizer, ParallelMesh, RowWiseParallel, optional
+from optimum_parallel import (
+    ColWiseParallel,
+    Parallelizer,
+    ParallelMesh,
+    RowWiseParallel,
+    SequenceParallelBegin,
+    SequenceParallelDisable,
+    SequenceParallelEnable,
+    SequenceParallelEnd,
+    optional,
+)
 from optimum_parallel.tensor_parallel import ColumnParallelLinear
 
 
 class LlamaParallelizer(Parallelizer):
+    supports_sequence_parallel = True
+
     @staticmethod
     def _heads(model: nn.Module) -> tuple[int, int]:
         config = model.config
@@ -39,10 +51,27 @@ class LlamaParallelizer(Parallelizer):
             layer + r"mlp\.(gate|up)_proj": ColWiseParallel(),
             layer + r"mlp\.down_proj": RowWiseParallel(),
         }
+        head = []
         if parallelize_embeddings:
             plan[base + "embed_tokens"] = RowWiseParallel()
-            plan["lm_head"] = optional(ColWiseParallel())
+            head.append(ColWiseParallel())
+        if sequence_parallel_enabled:
+            plan.update(cls.sequence_parallel_plan(base))
+            head.append(SequenceParallelEnd())
+        if head:
+            plan["lm_head"] = optional(head)  # absent on the bare base model
         return plan
+
+    @staticmethod
+    def sequence_parallel_plan(base: str) -> dict:
+        """Split the sequence from the first decoder layer on; norms run on the slices (the LM head gathers)."""
+        layer = base + r"layers\.\d+\."
+        return {
+            base + r"layers\.0": SequenceParallelBegin(on="input"),
+            layer + r"(input|post_attention)_layernorm": SequenceParallelEnable(),
+            layer + r"(self_attn|mlp)": SequenceParallelDisable(),
+            base + "norm": SequenceParallelEnable(),
+        }
 
     @classmethod
     def after_plan(cls, model, mesh):

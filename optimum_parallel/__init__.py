@@ -6,6 +6,12 @@ from .manager import ParallelizersManager, UnsupportedModelError
 from .mesh import ParallelMesh, get_mesh, init_mesh, set_mesh
 from .parallelizer import Parallelizer
 from .plan import apply_plan, parallel_layouts
+from .sequence_parallel import (
+    SequenceParallelBegin,
+    SequenceParallelDisable,
+    SequenceParallelEnable,
+    SequenceParallelEnd,
+)
 from .styles import (
     ColWiseParallel,
     ParallelStyle,
@@ -26,6 +32,10 @@ __all__ = [
     "PrepareLayerInput",
     "PrepareLayerOutput",
     "RowWiseParallel",
+    "SequenceParallelBegin",
+    "SequenceParallelDisable",
+    "SequenceParallelEnable",
+    "SequenceParallelEnd",
     "UnsupportedModelError",
     "apply_plan",
     "consolidate_checkpoint",

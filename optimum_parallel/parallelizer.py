@@ -22,6 +22,9 @@ class Parallelizer:
     any weight moves) and `after_plan()` (fix module attributes such as local head counts).
     """
 
+    supports_sequence_parallel = False  # the family's plan honours sequence_parallel_enabled
+    supports_pipeline_parallel = False
+
     @classmethod
     def plan(
         cls, model: nn.Module, mesh: ParallelMesh, parallelize_embeddings: bool, sequence_parallel_enabled: bool
@@ -54,7 +57,7 @@ class Parallelizer:
         mesh = get_mesh()
         cls.check(model, mesh)
         plan = cls.plan(model, mesh, parallelize_embeddings, sequence_parallel_enabled)
-        model.orig_param_to_parallel_param = apply_plan(model, plan, mesh, sequence_parallel_enabled)
+        model.orig_param_to_parallel_param = apply_plan(model, plan, mesh)
         cls.after_plan(model, mesh)
         return model
 
@@ -76,8 +79,8 @@ class Parallelizer:
         `model.orig_param_to_parallel_param` for `optimizer_for_mp`.
         """
         mesh = get_mesh()
-        if sequence_parallel_enabled:
-            raise NotImplementedError("sequence_parallel_enabled=True: sequence parallelism is not available yet")
+        if sequence_parallel_enabled and not cls.supports_sequence_parallel:
+            raise NotImplementedError(f"{cls.__name__} does not support sequence parallelism")
         if (
             mesh.size("pp") > 1
             or pipeline_parallel_input_names

@@ -60,11 +60,13 @@ def resolve_plan(model: nn.Module, plan: Mapping[str, object]) -> dict[str, list
     return dict(sorted(targets.items(), key=lambda item: order[item[0]]))
 
 
-def apply_plan(
-    model: nn.Module, plan: Mapping[str, object], mesh: ParallelMesh, sequence_parallel: bool = False
-) -> dict[int, nn.Parameter]:
-    """Parallelize `model` in place by `plan`; return {id(original parameter): parallel parameter}."""
-    ctx = PlanContext(mesh, sequence_parallel)
+def apply_plan(model: nn.Module, plan: Mapping[str, object], mesh: ParallelMesh) -> dict[int, nn.Parameter]:
+    """Parallelize `model` in place by `plan`; return {id(original parameter): parallel parameter}.
+
+    Module-swapping styles (ColWise/RowWise) run first, then the hooks and markers, so a marker on
+    a module sees its children already swapped whatever the order of the plan's keys.
+    """
+    ctx = PlanContext(mesh)
     targets = resolve_plan(model, plan)
     for name, styles in targets.items():
         module = model.get_submodule(name)
@@ -72,11 +74,13 @@ def apply_plan(
             style.check(module, name, ctx)
 
     original = dict(model.named_parameters(remove_duplicate=False))
-    for name, styles in targets.items():
-        module = model.get_submodule(name)
-        for style in styles:
-            module = style.apply(module, name, ctx)
-        _replace_submodule(model, name, module)
+    for swapping in (True, False):
+        for name, styles in targets.items():
+            module = model.get_submodule(name)
+            for style in styles:
+                if style.swaps_module == swapping:
+                    module = style.apply(module, name, ctx)
+            _replace_submodule(model, name, module)
     _retie_shared_parameters(model, original)
     _install_vocab_parallel_loss(model)
 

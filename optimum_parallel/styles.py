@@ -20,13 +20,13 @@ class PlanContext:
     """What a style needs to know while it is applied."""
 
     mesh: ParallelMesh
-    sequence_parallel: bool = False
 
 
 class ParallelStyle:
     """One way of parallelizing a module. `check` raises before anything moves; `apply` may swap the module."""
 
     allowed_modules: tuple[type, ...] = (nn.Module,)
+    swaps_module = False  # True for styles that replace the module (applied before hooks and markers)
 
     def check(self, module: nn.Module, name: str, ctx: PlanContext) -> None:
         if not isinstance(module, self.allowed_modules):
@@ -52,6 +52,7 @@ class ColWiseParallel(ParallelStyle):
     """
 
     allowed_modules = (nn.Linear,)
+    swaps_module = True
 
     def __init__(self, gather_output: bool = False, units: int | None = None) -> None:
         self.gather_output, self.units = gather_output, units
@@ -66,7 +67,7 @@ class ColWiseParallel(ParallelStyle):
         if self.units is not None and self.units < tp:
             replica_group = ctx.mesh.subgroups("tp", self.units)
         return ColumnParallelLinear.from_linear(
-            module, ctx.mesh.tp_group, self.units, self.gather_output, ctx.sequence_parallel, replica_group
+            module, ctx.mesh.tp_group, self.units, self.gather_output, replica_group=replica_group
         )
 
 
@@ -74,6 +75,7 @@ class RowWiseParallel(ParallelStyle):
     """Split a Linear's input features (torch weight dim 1), or an Embedding's rows (the vocabulary)."""
 
     allowed_modules = (nn.Linear, nn.Embedding)
+    swaps_module = True
 
     def __init__(self, input_is_parallel: bool = True, units: int | None = None) -> None:
         self.input_is_parallel, self.units = input_is_parallel, units
@@ -84,10 +86,8 @@ class RowWiseParallel(ParallelStyle):
 
     def apply(self, module, name, ctx):
         if isinstance(module, nn.Embedding):
-            return VocabParallelEmbedding.from_embedding(module, ctx.mesh.tp_group, ctx.sequence_parallel)
-        return RowParallelLinear.from_linear(
-            module, ctx.mesh.tp_group, self.units, self.input_is_parallel, ctx.sequence_parallel
-        )
+            return VocabParallelEmbedding.from_embedding(module, ctx.mesh.tp_group)
+        return RowParallelLinear.from_linear(module, ctx.mesh.tp_group, self.units, self.input_is_parallel)
 
 
 class PrepareLayerInput(ParallelStyle):

@@ -102,12 +102,15 @@ class ColumnParallelLinear(_ShardedModule):
         group: ProcessGroup,
         gather_output: bool = False,
         sequence_parallel: bool = False,
+        replica_group: ProcessGroup | None = None,
     ) -> None:
         super().__init__()
         self.weight, self.bias = weight, bias
         self.group = group
         self.gather_output = gather_output
-        self.sequence_parallel = sequence_parallel
+        self.sequence_parallel = sequence_parallel  # entry all-gathers the sequence (reduce-scatter backward)
+        self.enter_region = True  # False: the caller already entered the region (e.g. gathered the sequence)
+        self.replica_group = replica_group  # tp ranks holding this same shard: their gradients are summed
         self.in_features = weight.shape[1]
         self.out_features = weight.shard_layout.global_shape[0]
 
@@ -123,20 +126,17 @@ class ColumnParallelLinear(_ShardedModule):
     ) -> ColumnParallelLinear:
         rank, world = dist.get_rank(group), dist.get_world_size(group)
         layout = split_units(tuple(linear.weight.shape), 0, rank, world, units)
+        if layout.replicas > 1 and replica_group is None:
+            raise ValueError("a replicated column shard needs the group of its replicas to sum gradients")
         weight = _local_param(linear.weight, layout, linear.weight.requires_grad)
         bias = None
         if linear.bias is not None:
             bias = _local_param(
                 linear.bias, split_units(tuple(linear.bias.shape), 0, rank, world, units), linear.bias.requires_grad
             )
-        layer = cls(weight, bias, group, gather_output, sequence_parallel)
-        if layout.replicas > 1:
-            if replica_group is None:
-                raise ValueError("a replicated column shard needs the group of its replicas to sync gradients")
-            for p in (weight, bias):
-                if p is not None and p.requires_grad:
-                    _sync_replica_grads(p, replica_group)
-        return layer
+        return cls(
+            weight, bias, group, gather_output, sequence_parallel, replica_group if layout.replicas > 1 else None
+        )
 
     @property
     def output_sizes(self) -> list[int]:
@@ -147,8 +147,13 @@ class ColumnParallelLinear(_ShardedModule):
         return gather_from_tensor_parallel_region(y, self.group, dim=-1, sizes=self.output_sizes)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = _enter_region(x, self.group, self.sequence_parallel)
-        y = F.linear(x, self.weight, self.bias)
+        if self.enter_region:
+            x = _enter_region(x, self.group, self.sequence_parallel)
+        weight, bias = self.weight, self.bias
+        if self.replica_group is not None:  # identity forward, gradient summed over the replicas backward
+            weight = copy_to_tensor_parallel_region(weight, self.replica_group)
+            bias = copy_to_tensor_parallel_region(bias, self.replica_group) if bias is not None else None
+        y = F.linear(x, weight, bias)
         return self.gather(y) if self.gather_output else y
 
     def extra_repr(self) -> str:

@@ -1,0 +1,100 @@
+"""Checks run on every rank: a parallel model against the real single-device transformers model."""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+import torch.distributed as dist
+from _models import build_model, make_batch, rel_err, tiny_config
+
+TOL = 1e-5
+STEPS = 3
+
+
+def _reference_and_parallel(model_type: str, tp: int, overrides: dict, sequence_parallel: bool):
+    import optimum_parallel as op
+
+    mesh = op.init_mesh(dp=dist.get_world_size() // tp, tp=tp)
+    config = tiny_config(model_type, **overrides)
+    reference = build_model(config)
+    parallel = copy.deepcopy(reference)
+    optimizer = torch.optim.AdamW(parallel.parameters(), lr=1e-2, weight_decay=0.1)
+    parallelizer = op.ParallelizersManager.parallelizer_for_model(parallel)
+    parallel = parallelizer.parallelize(parallel, sequence_parallel_enabled=sequence_parallel)
+    optimizer = parallelizer.optimizer_for_mp(optimizer, parallel.orig_param_to_parallel_param)
+    return mesh, config, reference, parallel, optimizer
+
+
+def check_matches_reference(model_type: str, tp: int, overrides: dict, sequence_parallel: bool = False) -> dict:
+    """Logits, loss, every gradient, then the loss over STEPS AdamW steps; returns the worst errors."""
+    mesh, config, reference, parallel, optimizer = _reference_and_parallel(model_type, tp, overrides, sequence_parallel)
+    ref_optimizer = torch.optim.AdamW(reference.parameters(), lr=1e-2, weight_decay=0.1)
+    batch = make_batch(config)
+
+    ref_out = reference(**batch)
+    ref_out.loss.backward()
+    out = parallel(**batch)
+    out.loss.backward()
+
+    errors = {
+        "logits": rel_err(parallel.lm_head.gather(out.logits), ref_out.logits),
+        "loss": rel_err(out.loss, ref_out.loss),
+    }
+    ref_params = dict(reference.named_parameters())
+    grads = {}
+    for name, param in parallel.named_parameters():
+        expected = ref_params[name].grad
+        layout = getattr(param, "shard_layout", None)
+        grads[name] = rel_err(param.grad, layout.slice(expected) if layout is not None else expected)
+    errors["worst_grad"] = max(grads.values())
+    errors["worst_grad_name"] = max(grads, key=grads.get)
+    errors["n_params"] = len(grads)
+
+    steps = []
+    for _ in range(STEPS):
+        ref_optimizer.step()
+        optimizer.step()
+        ref_optimizer.zero_grad()
+        optimizer.zero_grad()
+        ref_loss = reference(**batch).loss
+        loss = parallel(**batch).loss
+        ref_loss.backward()
+        loss.backward()
+        steps.append(rel_err(loss, ref_loss))
+    errors["steps"] = max(steps)
+    return errors
+
+
+def count_collectives(num_layers: int, tp: int, sequence_parallel: bool = False) -> list[tuple[str, str, int]]:
+    """(phase, collective, elements) for every torch.distributed call of one forward+backward."""
+    import optimum_parallel as op
+
+    op.init_mesh(dp=dist.get_world_size() // tp, tp=tp)
+    config = tiny_config("llama", num_hidden_layers=num_layers)
+    model = build_model(config)
+    model = op.ParallelizersManager.parallelizer_for_model(model).parallelize(
+        model, sequence_parallel_enabled=sequence_parallel
+    )
+    batch = make_batch(config)
+    calls, phase = [], ["forward"]
+    originals = {name: getattr(dist, name) for name in ("all_reduce", "all_gather", "reduce_scatter", "broadcast")}
+
+    def recording(name, fn):
+        def call(*args, **kwargs):
+            tensor = args[1] if name == "all_gather" else args[0]
+            calls.append((phase[0], name, tensor.numel()))
+            return fn(*args, **kwargs)
+
+        return call
+
+    for name, fn in originals.items():
+        setattr(dist, name, recording(name, fn))
+    try:
+        loss = model(**batch).loss
+        phase[0] = "backward"
+        loss.backward()
+    finally:
+        for name, fn in originals.items():
+            setattr(dist, name, fn)
+    return calls
