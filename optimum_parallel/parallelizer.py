@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import inspect
 from collections.abc import Mapping
 from pathlib import Path
 
@@ -12,6 +11,7 @@ from torch import nn
 from .checkpoint import load_model_checkpoint, save_model_checkpoint
 from .lazy import build_lazy_optimizer, is_lazy_optimizer, materialize_lazy_model
 from .mesh import ParallelMesh, get_mesh
+from .optimizer import rebuild_optimizer
 from .plan import apply_plan
 
 
@@ -107,22 +107,7 @@ class Parallelizer:
         """
         if is_lazy_optimizer(optimizer):
             return build_lazy_optimizer(optimizer, orig_param_to_parallel_param)
-        groups = []
-        for group in optimizer.param_groups:
-            params = [orig_param_to_parallel_param.get(id(p), p) for p in group["params"]]
-            groups.append({**{k: v for k, v in group.items() if k != "params"}, "params": params})
-        accepted = inspect.signature(type(optimizer)).parameters
-        new = type(optimizer)(groups, **{k: v for k, v in optimizer.defaults.items() if k in accepted})
-        for old_param, state in optimizer.state.items():
-            param = orig_param_to_parallel_param.get(id(old_param), old_param)
-            layout = getattr(param, "shard_layout", None)
-            new.state[param] = {
-                k: layout.slice(v).clone()
-                if layout is not None and torch.is_tensor(v) and v.shape == old_param.shape
-                else v
-                for k, v in state.items()
-            }
-        return new
+        return rebuild_optimizer(optimizer, orig_param_to_parallel_param)
 
     @classmethod
     def save_model_checkpoint(

@@ -1,0 +1,33 @@
+"""Rebuild an optimizer over new parameters (parallel shards, FSDP's DTensors) keeping everything else."""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Mapping
+
+import torch
+from torch import nn
+
+
+def rebuild_optimizer(
+    optimizer: torch.optim.Optimizer, old_to_new: Mapping[int, nn.Parameter]
+) -> torch.optim.Optimizer:
+    """The same optimizer class, param groups and hyper-parameters over the parameters `old_to_new` maps to
+    ({id(old parameter): new parameter}; unmapped ones are kept). State already held for a split parameter
+    is cut to its shard (`param.shard_layout`)."""
+    groups = []
+    for group in optimizer.param_groups:
+        params = [old_to_new.get(id(p), p) for p in group["params"]]
+        groups.append({**{k: v for k, v in group.items() if k != "params"}, "params": params})
+    accepted = inspect.signature(type(optimizer)).parameters
+    new = type(optimizer)(groups, **{k: v for k, v in optimizer.defaults.items() if k in accepted})
+    for old_param, state in optimizer.state.items():
+        param = old_to_new.get(id(old_param), old_param)
+        layout = getattr(param, "shard_layout", None)
+        new.state[param] = {
+            k: layout.slice(v).clone()
+            if layout is not None and torch.is_tensor(v) and v.shape == old_param.shape
+            else v
+            for k, v in state.items()
+        }
+    return new
