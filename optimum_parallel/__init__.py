@@ -1,11 +1,14 @@
 """optimum-parallel: tensor/sequence/pipeline/data parallelism for Hugging Face Transformers models."""
 
+from .api import parallelize
 from .checkpoint import consolidate_checkpoint, reshard_checkpoint
+from .config import ParallelConfig, PipelineParallelConfig, SplitPoint, TensorParallelConfig
+from .data_parallel import DataParallelConfig
 from .lazy import lazy_load_for_parallelism, make_optimizer_constructor_lazy
 from .manager import ParallelizersManager, UnsupportedModelError
 from .mesh import ParallelMesh, get_mesh, init_mesh, set_mesh
 from .parallelizer import Parallelizer
-from .plan import apply_plan, parallel_layouts
+from .plan import apply_plan, check_plan, parallel_layouts
 from .sequence_parallel import (
     SequenceParallelBegin,
     SequenceParallelDisable,
@@ -37,7 +40,14 @@ __all__ = [
     "SequenceParallelEnable",
     "SequenceParallelEnd",
     "UnsupportedModelError",
+    "DataParallelConfig",
+    "ParallelConfig",
+    "PipelineParallelConfig",
+    "SplitPoint",
+    "TensorParallelConfig",
     "apply_plan",
+    "check_plan",
+    "parallelize",
     "consolidate_checkpoint",
     "lazy_load_for_parallelism",
     "make_optimizer_constructor_lazy",

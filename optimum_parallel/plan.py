@@ -60,18 +60,25 @@ def resolve_plan(model: nn.Module, plan: Mapping[str, object]) -> dict[str, list
     return dict(sorted(targets.items(), key=lambda item: order[item[0]]))
 
 
-def apply_plan(model: nn.Module, plan: Mapping[str, object], mesh: ParallelMesh) -> dict[int, nn.Parameter]:
-    """Parallelize `model` in place by `plan`; return {id(original parameter): parallel parameter}.
-
-    Module-swapping styles (ColWise/RowWise) run first, then the hooks and markers, so a marker on
-    a module sees its children already swapped whatever the order of the plan's keys.
-    """
+def check_plan(model: nn.Module, plan: Mapping[str, object], mesh: ParallelMesh) -> dict[str, list[ParallelStyle]]:
+    """Resolve every key and check every style against its module; raise before anything is modified."""
     ctx = PlanContext(mesh)
     targets = resolve_plan(model, plan)
     for name, styles in targets.items():
         module = model.get_submodule(name)
         for style in styles:
             style.check(module, name, ctx)
+    return targets
+
+
+def apply_plan(model: nn.Module, plan: Mapping[str, object], mesh: ParallelMesh) -> dict[int, nn.Parameter]:
+    """Parallelize `model` in place by `plan`; return {id(original parameter): parallel parameter}.
+
+    Module-swapping styles (ColWise/RowWise) run first, then the hooks and markers, so a marker on
+    a module sees its children already swapped whatever the order of the plan's keys.
+    """
+    targets = check_plan(model, plan, mesh)
+    ctx = PlanContext(mesh)
 
     original = dict(model.named_parameters(remove_duplicate=False))
     for swapping in (True, False):

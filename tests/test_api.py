@@ -1,0 +1,155 @@
+"""`op.parallelize(model, optimizer, mesh, config)`: the Paddle front door, its config errors and the example."""
+
+from __future__ import annotations
+
+import copy
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from _models import build_model, make_batch, rel_err, tiny_config
+from _pool import WorkerPool
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def pool():
+    p = WorkerPool(2)
+    yield p
+    p.close()
+
+
+def llama_plan(sequence_parallel: bool = False) -> dict:
+    import optimum_parallel as op
+
+    plan = {
+        "model.embed_tokens": op.RowWiseParallel(),
+        "model.layers.*.self_attn.q_proj": op.ColWiseParallel(units=4),
+        "model.layers.*.self_attn.(k|v)_proj": op.ColWiseParallel(units=2),
+        "model.layers.*.self_attn.o_proj": op.RowWiseParallel(),
+        "model.layers.*.mlp.(gate|up)_proj": op.ColWiseParallel(),
+        "model.layers.*.mlp.down_proj": op.RowWiseParallel(),
+        "lm_head.weight": op.ColWiseParallel(),
+    }
+    if sequence_parallel:
+        plan.update(
+            {
+                "model.layers.0": op.SequenceParallelBegin(on="input"),
+                "model.layers.*.(self_attn|mlp)": op.SequenceParallelDisable(),
+                "model.layers.*.(input|post_attention)_layernorm": op.SequenceParallelEnable(),
+                "model.norm": op.SequenceParallelEnable(),
+                "lm_head": op.SequenceParallelEnd(),
+            }
+        )
+    return plan
+
+
+def check_front_door(sequence_parallel: bool, typed: bool) -> dict:
+    import optimum_parallel as op
+
+    mesh = op.init_mesh(tp=2)
+    config = tiny_config("llama")
+    reference = build_model(config)
+    model = copy.deepcopy(reference)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)  # any torch optimizer
+    ref_optimizer = torch.optim.SGD(reference.parameters(), lr=0.1, momentum=0.9)
+    plan = llama_plan(sequence_parallel)
+    parallel_config = (
+        op.ParallelConfig(mp_config=op.TensorParallelConfig(parallelize_plan=plan))
+        if typed
+        else {"mp_config": {"parallelize_plan": plan}}
+    )
+    model, optimizer = op.parallelize(model, optimizer, mesh=mesh, config=parallel_config)
+    batch = make_batch(config)
+    errors = []
+    for _ in range(3):
+        ref_loss, loss = reference(**batch).loss, model(**batch).loss
+        ref_loss.backward()
+        loss.backward()
+        errors.append(rel_err(loss, ref_loss))
+        for opt in (ref_optimizer, optimizer):
+            opt.step()
+            opt.zero_grad()
+    return {"worst": max(errors), "optimizer": type(optimizer).__name__}
+
+
+@pytest.mark.parametrize("sequence_parallel,typed", [(False, False), (True, True)])
+def test_front_door_matches_single_device(pool, sequence_parallel, typed):
+    for result in pool.run(check_front_door, sequence_parallel, typed):
+        assert result["worst"] <= 1e-5 and result["optimizer"] == "SGD", result
+
+
+def check_bad_config(case: str) -> tuple[str, str, bool]:
+    import optimum_parallel as op
+
+    mesh = op.init_mesh(tp=2)
+    model = build_model(tiny_config("llama"))
+    before = {n: p for n, p in model.named_parameters()}
+    plan = llama_plan()
+    configs = {
+        "unknown_section": {"xp_config": {}},
+        "unknown_dp_key": {"dp_config": {"sharding": 1}},
+        "sharding_level": {"dp_config": {"sharding_level": 4}, "mp_config": {"parallelize_plan": plan}},
+        "dp_not_a_dict": {"dp_config": 1},
+        "plan_not_a_dict": {"mp_config": {"parallelize_plan": ["q_proj"]}},
+        "missing_plan": {"mp_config": {}},
+        "unmatched_key": {"mp_config": {"parallelize_plan": {**plan, "model.layers.*.attn.qkv": op.ColWiseParallel()}}},
+        "misfit_style": {"mp_config": {"parallelize_plan": {**plan, "model.norm": op.RowWiseParallel()}}},
+        "no_dp_dim": {"dp_config": {"sharding_level": 2}, "mp_config": {"parallelize_plan": plan}},
+        "bad_split_point": {"pp_config": {"split_spec": {"model.layers.1": "end"}}},
+    }
+    try:
+        op.parallelize(model, None, mesh, configs[case])
+    except (ValueError, TypeError) as err:
+        unchanged = all(p is before[n] for n, p in model.named_parameters())
+        return type(err).__name__, str(err), unchanged
+    return "", "no error", False
+
+
+@pytest.mark.parametrize(
+    "case,error,words",
+    [
+        ("unknown_section", "ValueError", ["'xp_config'", "dp_config, mp_config, pp_config"]),
+        ("unknown_dp_key", "ValueError", ["dp_config", "'sharding'", "sharding_level"]),
+        ("sharding_level", "ValueError", ["sharding_level", "4", "0, 1, 2, 3"]),
+        ("dp_not_a_dict", "TypeError", ["dp_config", "dict"]),
+        ("plan_not_a_dict", "TypeError", ["parallelize_plan", "dict"]),
+        ("missing_plan", "ValueError", ["mp_config", "'parallelize_plan'"]),
+        ("unmatched_key", "ValueError", ["model.layers.*.attn.qkv", "matches no module"]),
+        ("misfit_style", "ValueError", ["RowWiseParallel", "model.norm", "LlamaRMSNorm", "Linear, Embedding"]),
+        ("no_dp_dim", "ValueError", ["dp_config", "dp > 1", "dp=1"]),
+        ("bad_split_point", "ValueError", ["split_spec", "model.layers.1", "SplitPoint.END"]),
+    ],
+)
+def test_bad_configs_raise_on_every_rank_before_anything_moves(pool, case, error, words):
+    for kind, message, unchanged in pool.run(check_bad_config, case):
+        assert kind == error, message
+        assert all(w in message for w in words), message
+        assert unchanged, "the model was modified before the error"
+
+
+def test_empty_config_returns_inputs_with_a_warning():
+    import optimum_parallel as op
+
+    model = torch.nn.Linear(2, 2)
+    with pytest.warns(UserWarning, match="nothing to do"):
+        assert op.parallelize(model, None, config={}) == (model, None)
+
+
+def test_paddle_llama_example_runs_under_torchrun():
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    command = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node=4",
+        str(ROOT / "examples" / "parallelize_llama.py"),
+    ]
+    result = subprocess.run(command, capture_output=True, text=True, timeout=240, env=env)
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-4000:]
+    assert "step 4: loss" in result.stdout
