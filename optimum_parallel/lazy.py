@@ -1,35 +1,318 @@
 """Lazy loading for parallelism: build on the meta device, read each rank's slice from safetensors.
 
-(Stub: filled in by the lazy-loading work.)
+Under `lazy_load_for_parallelism`, transformers' own `from_pretrained` runs as usual (config,
+dtype, key renaming, tying, buffer init) except that its weight-loading step only records where
+each weight lives; `Parallelizer.parallelize` then calls `materialize_lazy_model`, which reads
+this rank's slice of every split parameter with `safe_open(...).get_slice` and replicated
+weights in full. `from_config` builds on meta too; its random init runs one module at a time.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import copy
+import inspect
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Any
 
 import torch
+import torch.distributed as dist
+from accelerate import init_empty_weights
+from safetensors import safe_open
 from torch import nn
+from tqdm.auto import tqdm
+
+from .tensor_parallel.layout import ShardLayout
+
+SOURCES_ATTR = "_op_lazy_sources"
+INIT_ATTR = "_op_lazy_init"
+LAZY_OPTIMIZER_ATTR = "_op_lazy_optimizer"
 
 
-def materialize_lazy_model(model: nn.Module, device: torch.device | None = None) -> None:
-    """Give every meta parameter/buffer of a parallelized `model` its real values (no-op if none)."""
+# --------------------------------------------------------------------------------------------- materialising
+
+
+def replace_tensor(module: nn.Module, leaf: str, value: torch.Tensor) -> None:
+    """Give `module.<leaf>` the values `value`, keeping the Parameter object (and so every reference to it:
+    tied weights, `orig_param_to_parallel_param`, its attributes and hooks)."""
+    if leaf in module._buffers:
+        module._buffers[leaf] = value
+        return
+    param = module._parameters[leaf]
+    new = nn.Parameter(value, requires_grad=param.requires_grad)
+    new.__dict__.update(param.__dict__)  # shard_layout and friends
+    for hook in (getattr(param, "_backward_hooks", None) or {}).values():
+        new.register_hook(hook)
+    torch.utils.swap_tensors(param, new)
+
+
+def read_slice(file: str, key: str, layout: ShardLayout | None) -> torch.Tensor:
+    """This rank's slice of tensor `key` of a safetensors file (all of it when `layout` is None).
+
+    The file is opened per tensor so its mapping (whose touched pages count as this process's memory)
+    never spans more than one tensor.
+    """
+    with safe_open(file, framework="pt") as f:
+        sl = f.get_slice(key)
+        if layout is None:
+            return sl[:]
+        shape = tuple(sl.get_shape())
+        if shape != tuple(layout.global_shape):
+            raise ValueError(f"{file}: {key} has shape {list(shape)}, the model expects {list(layout.global_shape)}")
+        parts = []
+        for start, end in layout.ranges:
+            index = [slice(None)] * len(shape)
+            index[layout.dim] = slice(start, end)
+            parts.append(sl[tuple(index)])
+    return parts[0] if len(parts) == 1 else torch.cat(parts, dim=layout.dim)
+
+
+def _owners(model: nn.Module, meta_only: bool) -> Iterator[tuple[list[str], nn.Module, str, torch.Tensor]]:
+    """(every name, owner module, attribute, tensor) of each distinct parameter/buffer, meta ones if asked."""
+    names: dict[int, list[str]] = {}
+    found: dict[int, tuple[nn.Module, str, torch.Tensor]] = {}
+    for module_name, module in model.named_modules(remove_duplicate=False):
+        for table in (module._parameters, module._buffers):
+            for leaf, tensor in table.items():
+                if tensor is None or (meta_only and tensor.device.type != "meta"):
+                    continue
+                names.setdefault(id(tensor), []).append(f"{module_name}.{leaf}" if module_name else leaf)
+                found.setdefault(id(tensor), (module, leaf, tensor))
+    for key, (module, leaf, tensor) in found.items():
+        yield names[key], module, leaf, tensor
+
+
+def _split(tensor: torch.Tensor) -> ShardLayout | None:
+    layout = getattr(tensor, "shard_layout", None)
+    return layout if layout is not None and layout.dim is not None else None
+
+
+def _show_progress() -> bool | None:
+    main = not dist.is_initialized() or dist.get_rank() == 0
+    return None if main else True  # tqdm: None = only on a terminal
+
+
+def materialize_lazy_model(model: nn.Module, device: torch.device | str | None = None) -> None:
+    """Give every meta parameter/buffer of a (parallelized) `model` its real values: this rank's slice of
+    the checkpoint (lazy `from_pretrained`) or of a fresh init (lazy `from_config`). No-op for other models."""
+    sources: dict[str, tuple[str, str]] | None = model.__dict__.get(SOURCES_ATTR)
+    init: _LazyInit | None = model.__dict__.pop(INIT_ATTR, None)
+    if init is not None:
+        init.materialize(model, device)
+    pending = list(_owners(model, meta_only=True))
+    if not pending:
+        return
+    if sources is None:
+        raise ValueError(
+            f"{pending[0][0][0]} is on the meta device but no checkpoint source was recorded for it; "
+            "build the model under lazy_load_for_parallelism(...)"
+        )
+    for names, module, leaf, tensor in tqdm(pending, desc="lazy load", unit="tensor", disable=_show_progress()):
+        source = next((sources[n] for n in names if n in sources), None)
+        if source is None:
+            raise ValueError(f"{names[0]} is on the meta device and was not found in the checkpoint files")
+        value = read_slice(*source, _split(tensor))
+        replace_tensor(module, leaf, value.to(device=device or "cpu", dtype=tensor.dtype))
+    model.__dict__.pop(SOURCES_ATTR, None)
+
+
+@dataclass
+class _LazyInit:
+    """Replays a lazy `from_config`'s weight init per module (in transformers' order, from the RNG state it
+    had), keeping only this rank's slice of each weight: ranks agree, and no whole model is ever built."""
+
+    rng_state: torch.Tensor
+    modules: list[tuple[str, nn.Module, nn.Module]] = field(default_factory=list)  # (name, original, init owner)
+
+    def materialize(self, model: nn.Module, device: torch.device | str | None) -> None:
+        from transformers import initialization
+
+        live = {n: (m, leaf, t) for names, m, leaf, t in _owners(model, meta_only=True) for n in names}
+        with torch.random.fork_rng(devices=[]), initialization.guard_torch_init_functions(), torch.no_grad():
+            torch.set_rng_state(self.rng_state)
+            for name, original, owner in self.modules:
+                stand_in = copy.copy(original)  # same class and attributes, real full-size parameters
+                stand_in._parameters = {
+                    k: nn.Parameter(torch.empty(p.shape, dtype=p.dtype), requires_grad=False)
+                    for k, p in original._parameters.items()
+                    if p is not None
+                }
+                owner._init_weights(stand_in)
+                for leaf, full in stand_in._parameters.items():
+                    target = live.get(f"{name}.{leaf}" if name else leaf)
+                    if target is None or target[2].device.type != "meta":
+                        continue  # tied to (and initialised as) an earlier weight
+                    module, attr, tensor = target
+                    layout = _split(tensor)
+                    value = (layout.slice(full) if layout is not None else full).clone()
+                    replace_tensor(module, attr, value.to(device=device or "cpu"))
+
+
+def _record_init(model: nn.Module) -> None:
+    """Remember, in transformers' init order (children first), each module that owns parameters."""
+    from transformers import PreTrainedModel
+
+    order: list[tuple[str, nn.Module, nn.Module]] = []
+
+    def visit(name: str, module: nn.Module, owner: nn.Module) -> None:
+        for child_name, child in module.named_children():
+            child_owner = child if isinstance(child, PreTrainedModel) else owner
+            visit(f"{name}.{child_name}" if name else child_name, child, child_owner)
+        if any(p is not None for p in module._parameters.values()):
+            order.append((name, module, owner))
+
+    visit("", model, model)
+    model.__dict__[INIT_ATTR] = _LazyInit(torch.get_rng_state(), order)
+
+
+# --------------------------------------------------------------------------------------------- from_pretrained
+
+
+def _record_instead_of_loading(model, state_dict, checkpoint_files, load_config, expected_keys=None):
+    """Stands in for `PreTrainedModel._load_pretrained_model`: map every checkpoint key to its model key,
+    exactly as transformers renames them, and leave the weights on the meta device."""
+    from transformers.core_model_loading import WeightConverter, WeightRenaming, rename_source_key
+    from transformers.utils.loading_report import LoadStateDictInfo
+
+    if state_dict is not None or not checkpoint_files:
+        raise ValueError("lazy_load_for_parallelism loads from safetensors files, not from_pretrained(state_dict=...)")
+    for file in checkpoint_files:
+        if not str(file).endswith(".safetensors"):
+            raise ValueError(
+                f"{file}: lazy loading reads slices of safetensors files, not .bin/.pt checkpoints; convert it once "
+                "outside lazy_load_for_parallelism with AutoModel.from_pretrained(path).save_pretrained(new_path)"
+            )
+    if load_config.hf_quantizer is not None:
+        raise NotImplementedError("lazy_load_for_parallelism does not support quantized checkpoints")
+    mapping = load_config.weight_mapping or []
+    renamings = [m for m in mapping if isinstance(m, WeightRenaming)]
+    converters = [m for m in mapping if isinstance(m, WeightConverter)]
+    expected = model.state_dict()
+    sources: dict[str, tuple[str, str]] = {}
+    unexpected = set()
+    for file in checkpoint_files:
+        with safe_open(file, framework="pt") as f:
+            for key in f.keys():
+                target, pattern = rename_source_key(key, renamings, converters, model.base_model_prefix, expected)
+                if target not in expected and key in expected:
+                    target, pattern = key, None
+                if target not in expected:
+                    unexpected.add(key)
+                    continue
+                if pattern is not None:
+                    raise NotImplementedError(
+                        f"{file}: {key} needs the weight conversion {pattern!r} to become {target}; lazy loading "
+                        "reads tensors as stored (convert the checkpoint once with save_pretrained)"
+                    )
+                shape = tuple(f.get_slice(key).get_shape())
+                if shape != tuple(expected[target].shape):
+                    raise ValueError(
+                        f"{file}: {key} has shape {list(shape)}, the model expects {target} "
+                        f"{list(expected[target].shape)}"
+                    )
+                sources[target] = (str(file), key)
+                model.get_parameter_or_buffer(target)._is_hf_initialized = True  # transformers' "loaded" flag
+    model.__dict__[SOURCES_ATTR] = sources
+    info = LoadStateDictInfo(
+        missing_keys=set(expected) - set(sources),
+        unexpected_keys=unexpected,
+        mismatched_keys=set(),
+        error_msgs=[],
+        conversion_errors={},
+        skipped_pp_keys=set(),
+    )
+    return info, None
+
+
+def _lazy_from_config(original):
+    def from_config(cls, config, **kwargs):
+        with init_empty_weights(include_buffers=False):  # real buffers (rotary inv_freq) computed as usual
+            model = original.__func__(cls, config, **kwargs)
+        _record_init(model)
+        return model
+
+    return classmethod(from_config)
+
+
+def _check_size(name: str, value: object) -> int:
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise ValueError(f"{name}={value!r}: must be a positive integer")
+    return value
+
+
+@contextmanager
+def lazy_load_for_parallelism(tensor_parallel_size: int = 1, pipeline_parallel_size: int = 1) -> Iterator[None]:
+    """Context manager: `from_pretrained` / `from_config` build the model on the meta device and record where
+    each weight lives; `Parallelizer.parallelize` then reads only this rank's slices. A no-op when both sizes are 1.
+    """
+    _check_size("tensor_parallel_size", tensor_parallel_size)
+    _check_size("pipeline_parallel_size", pipeline_parallel_size)
+    if tensor_parallel_size == 1 and pipeline_parallel_size == 1:
+        yield
+        return
+    from transformers import PreTrainedModel
+
+    saved = {name: PreTrainedModel.__dict__[name] for name in ("_load_pretrained_model", "_from_config")}
+    PreTrainedModel._load_pretrained_model = staticmethod(_record_instead_of_loading)
+    PreTrainedModel._from_config = _lazy_from_config(saved["_from_config"])
+    try:
+        yield
+    finally:
+        for name, value in saved.items():
+            setattr(PreTrainedModel, name, value)
+
+
+# --------------------------------------------------------------------------------------------- optimizer
+
+
+@dataclass
+class _LazyOptimizerSpec:
+    cls: type[torch.optim.Optimizer]
+    params: list[list[nn.Parameter]]  # the original parameters, per param group
+    args: tuple
+    kwargs: dict[str, Any]
+
+
+def make_optimizer_constructor_lazy(optimizer_cls: type[torch.optim.Optimizer]):
+    """A constructor with `optimizer_cls`'s signature that builds a placeholder optimizer over meta copies of
+    the parameters (arguments validated, no real memory touched) and remembers its arguments;
+    `Parallelizer.optimizer_for_mp` then builds the real one over the parallel parameters."""
+    if not (isinstance(optimizer_cls, type) and issubclass(optimizer_cls, torch.optim.Optimizer)):
+        raise TypeError(f"make_optimizer_constructor_lazy expects an optimizer class, got {optimizer_cls!r}")
+
+    def constructor(params, *args, **kwargs) -> torch.optim.Optimizer:
+        params = list(params)
+        groups = params if params and isinstance(params[0], Mapping) else [{"params": params}]
+        originals, placeholder_groups = [], []
+        for group in groups:
+            members = group["params"]
+            members = [members] if isinstance(members, torch.Tensor) else list(members)
+            originals.append(members)
+            meta = [nn.Parameter(torch.empty_like(p, device="meta"), requires_grad=p.requires_grad) for p in members]
+            placeholder_groups.append({**group, "params": meta})
+        optimizer = optimizer_cls(placeholder_groups, *args, **kwargs)
+        setattr(optimizer, LAZY_OPTIMIZER_ATTR, _LazyOptimizerSpec(optimizer_cls, originals, args, kwargs))
+        return optimizer
+
+    constructor.__name__ = constructor.__qualname__ = f"lazy_{optimizer_cls.__name__}"
+    constructor.__doc__ = f"Lazy {optimizer_cls.__name__}: built for real by Parallelizer.optimizer_for_mp."
+    constructor.__signature__ = inspect.signature(optimizer_cls)
+    return constructor
 
 
 def is_lazy_optimizer(optimizer: torch.optim.Optimizer) -> bool:
-    return False
+    return hasattr(optimizer, LAZY_OPTIMIZER_ATTR)
 
 
 def build_lazy_optimizer(
     optimizer: torch.optim.Optimizer, orig_param_to_parallel_param: Mapping[int, nn.Parameter]
 ) -> torch.optim.Optimizer:
-    raise NotImplementedError("lazy optimizers are not available yet")
-
-
-def lazy_load_for_parallelism(tensor_parallel_size: int = 1, pipeline_parallel_size: int = 1):
-    """Context manager: `from_pretrained` builds on the meta device and records where each weight lives."""
-    raise NotImplementedError("lazy loading is not available yet")
-
-
-def make_optimizer_constructor_lazy(optimizer_cls: type[torch.optim.Optimizer]):
-    """A constructor that records its arguments; `optimizer_for_mp` builds the real optimizer."""
-    raise NotImplementedError("lazy optimizers are not available yet")
+    """The real optimizer for a placeholder from `make_optimizer_constructor_lazy`: same class, arguments,
+    param groups and (current) hyper-parameters, over the parallel parameters."""
+    spec: _LazyOptimizerSpec = getattr(optimizer, LAZY_OPTIMIZER_ATTR)
+    groups = []
+    for group, originals in zip(optimizer.param_groups, spec.params, strict=True):
+        hyper = {k: v for k, v in group.items() if k != "params"}
+        groups.append({**hyper, "params": [orig_param_to_parallel_param.get(id(p), p) for p in originals]})
+    return spec.cls(groups, *spec.args, **spec.kwargs)

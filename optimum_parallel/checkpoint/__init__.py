@@ -1,35 +1,25 @@
-"""Sharded safetensors checkpoints: save, load, consolidate, reshard.
+"""Sharded safetensors checkpoints: save, load, verify, consolidate, reshard.
 
-(Stub: filled in by the checkpoint work.)
+A checkpoint directory is self-describing (see `metadata.py`): consolidation and resharding are
+pure CPU functions of its files, and loading checks every byte against the index.
 """
 
-from __future__ import annotations
+from .consolidate import consolidate_checkpoint
+from .errors import CheckpointError
+from .integrity import verify_checkpoint
+from .load import load_model_checkpoint
+from .metadata import CheckpointIndex, read_index, units_from_plan
+from .reshard import reshard_checkpoint
+from .save import save_model_checkpoint
 
-from pathlib import Path
-
-import torch
-from torch import nn
-
-
-def save_model_checkpoint(
-    model: nn.Module,
-    output_dir: str | Path,
-    as_regular: bool = False,
-    as_sharded: bool = True,
-    optimizer: torch.optim.Optimizer | None = None,
-) -> None:
-    raise NotImplementedError("sharded checkpoints are not available yet")
-
-
-def load_model_checkpoint(model: nn.Module, load_dir: str | Path) -> None:
-    raise NotImplementedError("sharded checkpoints are not available yet")
-
-
-def consolidate_checkpoint(checkpoint_dir: str | Path, output_dir: str | Path) -> None:
-    """Sharded checkpoint -> plain Hugging Face checkpoint, streaming tensor by tensor."""
-    raise NotImplementedError("consolidation is not available yet")
-
-
-def reshard_checkpoint(checkpoint_dir: str | Path, output_dir: str | Path, tp: int, pp: int = 1) -> None:
-    """Sharded checkpoint -> sharded checkpoint at another layout (optimizer state included)."""
-    raise NotImplementedError("resharding is not available yet")
+__all__ = [
+    "CheckpointError",
+    "CheckpointIndex",
+    "consolidate_checkpoint",
+    "load_model_checkpoint",
+    "read_index",
+    "reshard_checkpoint",
+    "save_model_checkpoint",
+    "units_from_plan",
+    "verify_checkpoint",
+]

@@ -1,0 +1,141 @@
+"""What one rank holds: its named model tensors and optimizer state, each with the layout it is split by."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from ..tensor_parallel.layout import ShardLayout
+from .safetensors_io import dtype_name
+
+
+@dataclass
+class LocalTensor:
+    """One checkpoint tensor as held by this rank."""
+
+    tensor: torch.Tensor
+    kind: str  # "param" | "buffer" | "state"
+    layout: ShardLayout | None  # None: replicated (the whole tensor)
+    param: str | None = None
+    like_param: bool = False
+
+    def spec(self) -> dict:
+        """What the other ranks need to know about this tensor to plan the files (picklable, no data)."""
+        layout = self.layout
+        return {
+            "dtype": dtype_name(self.tensor.dtype),
+            "global_shape": list(layout.global_shape if layout is not None else self.tensor.shape),
+            "dim": layout.dim if layout is not None else None,
+            "ranges": [list(r) for r in layout.ranges] if layout is not None else [],
+            "replicas": layout.replicas if layout is not None else 1,
+            "kind": self.kind,
+            "param": self.param,
+            "like_param": self.like_param,
+        }
+
+
+def _split_layout(tensor: torch.Tensor) -> ShardLayout | None:
+    layout = getattr(tensor, "shard_layout", None)
+    return layout if layout is not None and layout.dim is not None else None
+
+
+def _check_plain(name: str, tensor: torch.Tensor) -> None:
+    if tensor.device.type == "meta":
+        raise ValueError(f"{name} is still on the meta device: parallelize (materialise) the model before saving it")
+    if type(tensor).__name__ == "DTensor" or hasattr(tensor, "_local_tensor"):
+        raise NotImplementedError(f"{name} is a DTensor (FSDP); sharded checkpoints of DTensors are not supported yet")
+
+
+def model_tensors(model: nn.Module) -> tuple[dict[str, LocalTensor], dict[str, str]]:
+    """({name: tensor} for every parameter (tied ones once) and persistent buffer, {tied alias: canonical name})."""
+    tensors: dict[str, LocalTensor] = {}
+    canonical: dict[int, str] = {}
+    tied: dict[str, str] = {}
+    for name, param in model.named_parameters(remove_duplicate=False):
+        if id(param) in canonical:
+            tied[name] = canonical[id(param)]
+            continue
+        canonical[id(param)] = name
+        _check_plain(name, param)
+        tensors[name] = LocalTensor(param.detach(), "param", _split_layout(param))
+    for module_name, module in model.named_modules():
+        for leaf, buffer in module._buffers.items():
+            if buffer is None or leaf in module._non_persistent_buffers_set:
+                continue
+            name = f"{module_name}.{leaf}" if module_name else leaf
+            if name not in tensors:
+                _check_plain(name, buffer)
+                tensors[name] = LocalTensor(buffer.detach(), "buffer", _split_layout(buffer))
+    return tensors, tied
+
+
+def parameter_names(model: nn.Module) -> dict[int, str]:
+    """{id(parameter): canonical name}."""
+    return {id(p): n for n, p in model.named_parameters()}
+
+
+def _jsonable(value: object) -> bool:
+    if value is None or isinstance(value, (bool, int, str)):
+        return True
+    if isinstance(value, float):
+        return math.isfinite(value)
+    if isinstance(value, (list, tuple)):
+        return all(_jsonable(v) for v in value)
+    return False
+
+
+def optimizer_tensors(
+    optimizer: torch.optim.Optimizer, model: nn.Module, params: dict[str, LocalTensor]
+) -> tuple[dict[str, LocalTensor], dict]:
+    """({"param/state_key": state tensor}, {"class", "param_groups" (params by name), "scalars"}).
+
+    State tensors shaped like a split parameter are split like it; other state tensors (AdamW's `step`)
+    must be the same on every tp rank. Hyper-parameters that JSON cannot hold are left out (listed in `unsaved`).
+    """
+    if type(optimizer).__name__ == "ZeroRedundancyOptimizer":
+        raise NotImplementedError("sharded checkpoints of ZeroRedundancyOptimizer state are not supported yet")
+    names = parameter_names(model)
+    groups, unsaved = [], set()
+    for i, group in enumerate(optimizer.param_groups):
+        missing = [p for p in group["params"] if id(p) not in names]
+        if missing:
+            raise ValueError(
+                f"optimizer param group {i} holds {len(missing)} tensors that are not parameters of the model "
+                f"(shapes {[tuple(p.shape) for p in missing[:3]]}); build the optimizer with optimizer_for_mp"
+            )
+        hyper = {k: list(v) if isinstance(v, tuple) else v for k, v in group.items() if k != "params" and _jsonable(v)}
+        unsaved |= {k for k, v in group.items() if k != "params" and not _jsonable(v)}
+        groups.append({**hyper, "params": [names[id(p)] for p in group["params"]]})
+    state: dict[str, LocalTensor] = {}
+    scalars: dict[str, dict] = {}
+    for group in optimizer.param_groups:
+        for param in group["params"]:
+            name = names[id(param)]
+            layout = params[name].layout
+            for key, value in optimizer.state.get(param, {}).items():
+                if not torch.is_tensor(value):
+                    if not _jsonable(value):
+                        raise NotImplementedError(f"optimizer state {name}/{key} of type {type(value).__name__}")
+                    scalars.setdefault(name, {})[key] = value
+                    continue
+                _check_plain(f"optimizer state {name}/{key}", value)
+                like_param = layout is not None and tuple(value.shape) == tuple(param.shape)
+                if layout is not None and not like_param and value.numel() > 1:
+                    raise NotImplementedError(
+                        f"optimizer state {name}/{key} has shape {tuple(value.shape)}, neither the parameter shard's "
+                        f"{tuple(param.shape)} nor a scalar: its split over tensor-parallel ranks is unknown"
+                    )
+                state[f"{name}/{key}"] = LocalTensor(
+                    value.detach(), "state", layout if like_param else None, param=name, like_param=like_param
+                )
+    cls = type(optimizer)
+    meta = {
+        "class": f"{cls.__module__}.{cls.__qualname__}",
+        "param_groups": groups,
+        "scalars": scalars,
+        "unsaved": sorted(unsaved),
+    }
+    return state, meta

@@ -1,0 +1,116 @@
+"""Sharded checkpoint -> regular Hugging Face checkpoint, streaming one whole tensor at a time.
+
+Our own loop rather than `torch.distributed.checkpoint`'s HF consolidation: that one reads DCP's
+own sharding metadata, not our fused/replicated tp layouts, and loads whole files at once.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+from pathlib import Path
+
+from tqdm.auto import tqdm
+
+from .atomic import partial_dir, publish
+from .errors import CheckpointError
+from .metadata import CheckpointIndex, read_index
+from .reading import ShardFiles
+from .safetensors_io import SafetensorsWriter, dtype_from_name, nbytes
+
+HF_INDEX = "model.safetensors.index.json"
+CONFIG_FILES = ("config.json", "generation_config.json")
+DEFAULT_MAX_SHARD_SIZE = "5GB"
+
+
+def parse_size(size: int | str) -> int:
+    """Bytes in '5GB', '500MiB', '2kB' or an int (as transformers' max_shard_size)."""
+    if isinstance(size, int):
+        return size
+    match = re.fullmatch(r"(\d+(?:\.\d+)?)\s*([kmgt]?)(i?)b?", size.strip().lower())
+    if not match:
+        raise ValueError(f"size {size!r} is not understood; use e.g. 5GB, 500MiB or a number of bytes")
+    value, prefix, binary = match.groups()
+    return int(float(value) * (1024 if binary else 1000) ** " kmgt".index(prefix or " "))
+
+
+def _plan_files(index: CheckpointIndex, max_bytes: int) -> list[list[str]]:
+    """Tensor names per output file, in model order, each file at most `max_bytes` (or one tensor)."""
+    files: list[list[str]] = [[]]
+    size = 0
+    for name, entry in index.tensors.items():
+        n = nbytes(entry.global_shape, dtype_from_name(entry.dtype))
+        if files[-1] and size + n > max_bytes:
+            files.append([])
+            size = 0
+        files[-1].append(name)
+        size += n
+    return files
+
+
+def write_hf_checkpoint(
+    index: CheckpointIndex,
+    checkpoint_dir: Path,
+    output_dir: Path,
+    max_shard_size: int | str = DEFAULT_MAX_SHARD_SIZE,
+    progress: bool = True,
+) -> list[str]:
+    """Write `model-0000i-of-0000n.safetensors` files and `model.safetensors.index.json`; returns the file names."""
+    groups = _plan_files(index, parse_size(max_shard_size))
+    names = [f"model-{i + 1:05d}-of-{len(groups):05d}.safetensors" for i in range(len(groups))]
+    total = sum(nbytes(e.global_shape, dtype_from_name(e.dtype)) for e in index.tensors.values())
+    weight_map = {}
+    bar = tqdm(total=total, unit="B", unit_scale=True, desc="consolidate", disable=not progress)
+    with ShardFiles(checkpoint_dir, index) as shards:
+        for file, group in zip(names, groups, strict=True):
+            specs = [(n, dtype_from_name(index.tensors[n].dtype), index.tensors[n].global_shape) for n in group]
+            writer = SafetensorsWriter(output_dir / file, specs, {"format": "pt"})
+            try:
+                for name in group:
+                    full = shards.assemble(name, index.tensors[name])
+                    writer.write(name, full)
+                    bar.update(full.numel() * full.element_size())
+                    weight_map[name] = file
+                    del full
+            except BaseException:
+                writer.abort()
+                raise
+            writer.close()
+    bar.close()
+    hf_index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+    (output_dir / HF_INDEX).write_text(json.dumps(hf_index, indent=2) + "\n")
+    return [*names, HF_INDEX]
+
+
+def copy_configs(source: Path, destination: Path) -> None:
+    for name in CONFIG_FILES:
+        if (source / name).exists():
+            shutil.copy2(source / name, destination / name)
+
+
+def consolidate_checkpoint(
+    checkpoint_dir: str | Path,
+    output_dir: str | Path,
+    max_shard_size: int | str = DEFAULT_MAX_SHARD_SIZE,
+    progress: bool = True,
+) -> Path:
+    """Sharded checkpoint -> standard HF checkpoint (safetensors shards + index + config) that `from_pretrained`
+    loads, bit-identical to the saved parallel weights. Streams tensor by tensor; written atomically."""
+    checkpoint_dir, output_dir = Path(checkpoint_dir), Path(output_dir).absolute()
+    index = read_index(checkpoint_dir)
+    if output_dir.resolve() == checkpoint_dir.resolve():
+        raise ValueError(f"output directory {output_dir} is the checkpoint itself; choose another one")
+    if output_dir.exists() and not output_dir.is_dir():
+        raise CheckpointError(f"{output_dir}: exists and is not a directory")
+    tmp = partial_dir(output_dir)
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    try:
+        write_hf_checkpoint(index, checkpoint_dir, tmp, max_shard_size, progress)
+        copy_configs(checkpoint_dir, tmp)
+        publish(tmp, output_dir)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return output_dir

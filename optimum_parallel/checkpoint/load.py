@@ -1,0 +1,150 @@
+"""Collective load of a sharded checkpoint into a parallel model (and its optimizer), every byte checked.
+
+Each rank reads only its own shards (straight into the parameters' memory); the mesh, every
+layout, every tensor's dtype/shape and crc32 are checked against the index, and a failure on any
+rank raises on all of them, so no rank runs on with wrong weights or waits for a dead peer.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from ..lazy import replace_tensor
+from .collect import parameter_names
+from .errors import CheckpointError
+from .metadata import INDEX_NAME, CheckpointIndex, TensorEntry, read_index
+from .ranks import RankInfo, current_rank
+from .reading import ShardFiles
+
+
+def _check_mesh(index: CheckpointIndex, rank: RankInfo, directory: Path) -> None:
+    saved = {d: index.mesh.get(d, 1) for d in ("tp", "pp")}
+    running = {d: rank.sizes[d] for d in ("tp", "pp")}
+    if saved != running:
+        raise CheckpointError(
+            f"{directory / INDEX_NAME}: saved at tp={saved['tp']}, pp={saved['pp']}, but the running mesh has "
+            f"tp={running['tp']}, pp={running['pp']}; convert it first: "
+            f"optimum-parallel reshard {directory} OUT --tp {running['tp']} --pp {running['pp']}"
+        )
+
+
+def _live_tensors(model: nn.Module) -> dict[str, tuple[nn.Module, str, torch.Tensor]]:
+    """{name: (owner module, attribute, tensor)} of every parameter (tied ones once) and persistent buffer."""
+    live = {}
+    for name, param in model.named_parameters():
+        owner, _, leaf = name.rpartition(".")
+        live[name] = (model.get_submodule(owner), leaf, param)
+    for module_name, module in model.named_modules():
+        for leaf, buffer in module._buffers.items():
+            if buffer is not None and leaf not in module._non_persistent_buffers_set:
+                live.setdefault(f"{module_name}.{leaf}" if module_name else leaf, (module, leaf, buffer))
+    return live
+
+
+def _check_layout(where: str, name: str, entry: TensorEntry, shard, tensor: torch.Tensor) -> None:
+    expected = entry.layout(shard)
+    held = getattr(tensor, "shard_layout", None)
+    held = held if held is not None and held.dim is not None else None
+    if expected != held or tuple(tensor.shape) != entry.local_shape(shard):
+        raise CheckpointError(
+            f"{where}: {name} is stored as {expected or f'replicated {entry.global_shape}'}, but this rank's model "
+            f"holds {held or f'replicated {list(tensor.shape)}'} (a different parallel layout or model)"
+        )
+
+
+def _read_into(files: ShardFiles, name: str, entry: TensorEntry, shard, module: nn.Module, leaf: str, tensor) -> None:
+    if tensor.device.type == "meta":
+        replace_tensor(module, leaf, files.read_shard(name, entry, shard).to(tensor.dtype))
+    elif tensor.device.type == "cpu" and tensor.is_contiguous() and str(tensor.dtype) == f"torch.{entry.dtype}":
+        files.read_shard(name, entry, shard, out=tensor.data)
+    else:
+        tensor.data.copy_(files.read_shard(name, entry, shard))
+
+
+def _load_model(model: nn.Module, index: CheckpointIndex, files: ShardFiles, rank: RankInfo) -> None:
+    where = str(files.directory / INDEX_NAME)
+    live = _live_tensors(model)
+    used, missing = set(), []
+    for name in live:
+        stored = name if name in index.tensors else index.tied.get(name)
+        (used.add(stored) if stored in index.tensors else missing.append(name))
+    unexpected = [n for n, e in index.tensors.items() if n not in used and e.pp_stage == rank.pp]
+    if missing or unexpected:
+        raise CheckpointError(
+            f"{where}: does not fit {type(model).__name__}: missing {missing[:8]}, unexpected {unexpected[:8]}"
+        )
+    with torch.no_grad():
+        for name, (module, leaf, tensor) in live.items():
+            stored = name if name in index.tensors else index.tied[name]
+            entry = index.tensors[stored]
+            shard = entry.shard_for(rank.tp, f"{where}: {stored}")
+            _check_layout(str(files.directory / shard.file), name, entry, shard, tensor)
+            _read_into(files, stored, entry, shard, module, leaf, tensor)
+
+
+def _load_optimizer(
+    optimizer: torch.optim.Optimizer, model: nn.Module, index: CheckpointIndex, files: ShardFiles, rank: RankInfo
+) -> None:
+    where = str(files.directory / INDEX_NAME)
+    saved = index.optimizer
+    if saved is None:
+        raise CheckpointError(f"{where}: holds no optimizer state (saved without optimizer=)")
+    cls = type(optimizer)
+    if saved["class"] != f"{cls.__module__}.{cls.__qualname__}":
+        raise CheckpointError(f"{where}: holds {saved['class']} state, not {cls.__module__}.{cls.__qualname__}")
+    if len(saved["param_groups"]) != len(optimizer.param_groups):
+        raise CheckpointError(
+            f"{where}: {len(saved['param_groups'])} optimizer param groups saved, the optimizer has "
+            f"{len(optimizer.param_groups)}"
+        )
+    names = parameter_names(model)
+    states: dict[str, dict[str, TensorEntry]] = {}
+    for key, entry in index.optimizer_tensors.items():
+        states.setdefault(entry.param, {})[key.rpartition("/")[2]] = entry
+    state, groups, position = {}, [], 0
+    for i, (group, saved_group) in enumerate(zip(optimizer.param_groups, saved["param_groups"], strict=True)):
+        params = [names.get(id(p), "<not a model parameter>") for p in group["params"]]
+        if params != saved_group["params"]:
+            raise CheckpointError(
+                f"{where}: optimizer param group {i} was saved over {len(saved_group['params'])} parameters "
+                f"{saved_group['params'][:3]}..., the optimizer's holds {len(params)} {params[:3]}..."
+            )
+        ids = []
+        for param, name in zip(group["params"], params, strict=True):
+            values = {}
+            for key, entry in states.get(name, {}).items():
+                shard = entry.shard_for(rank.tp, f"{where}: {name}/{key}")
+                if entry.like_param:
+                    _check_layout(str(files.directory / shard.file), f"{name}/{key}", entry, shard, param)
+                values[key] = files.read_shard(f"{name}/{key}", entry, shard)
+            values.update(saved["scalars"].get(name, {}))
+            if values:
+                state[position] = values
+            ids.append(position)
+            position += 1
+        hyper = {k: tuple(v) if isinstance(group.get(k), tuple) else v for k, v in saved_group.items()}
+        groups.append({**group, **hyper, "params": ids})
+    optimizer.load_state_dict({"state": state, "param_groups": groups})
+
+
+def load_model_checkpoint(
+    model: nn.Module, load_dir: str | Path, optimizer: torch.optim.Optimizer | None = None
+) -> None:
+    """Load this rank's shards of the sharded checkpoint `load_dir` into the parallelized `model` (in place),
+    and the optimizer state into `optimizer` when given (its param groups must match the saved ones).
+    Call it on every rank; meta (lazy) parameters are materialised from the checkpoint."""
+    rank = current_rank()
+    directory = Path(load_dir)
+
+    def load() -> None:
+        index = read_index(directory)
+        _check_mesh(index, rank, directory)
+        with ShardFiles(directory, index) as files:
+            _load_model(model, index, files, rank)
+            if optimizer is not None:
+                _load_optimizer(optimizer, model, index, files, rank)
+
+    rank.run(load, f"loading {directory}")

@@ -1,0 +1,201 @@
+"""The self-describing index of a sharded checkpoint (`parallel_checkpoint.json`) and its completion marker.
+
+A checkpoint directory holds the HF `config.json`, one model (and optimizer) safetensors file per
+(pp stage, tp rank), this index and a `COMPLETE` marker written last. For every tensor the index
+records its global shape, dtype, split dim, split units (heads), pipeline stage and, per distinct
+shard, the tp ranks holding it, its ranges, file and crc32; for every file its size and sha256.
+That is all consolidation and resharding need: they are pure functions of the directory.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from ..tensor_parallel.layout import ShardLayout
+from .errors import CheckpointError
+
+FORMAT = "optimum-parallel/sharded-checkpoint"
+VERSION = 1
+INDEX_NAME = "parallel_checkpoint.json"
+MARKER_NAME = "COMPLETE"
+
+
+def model_file(pp: int, tp: int) -> str:
+    return f"model-pp{pp:02d}-tp{tp:02d}.safetensors"
+
+
+def optimizer_file(pp: int, tp: int) -> str:
+    return f"optimizer-pp{pp:02d}-tp{tp:02d}.safetensors"
+
+
+@dataclass
+class Shard:
+    """One distinct piece of a tensor: the concatenation of `ranges` along the entry's dim (all of it when
+    replicated), held identically by `tp_ranks`, stored once in `file` under `key`."""
+
+    file: str
+    key: str
+    tp_ranks: list[int]
+    ranges: list[list[int]] = field(default_factory=list)
+    crc32: int | None = None
+
+
+@dataclass
+class TensorEntry:
+    """A tensor of the checkpoint: a parameter, a persistent buffer, or a piece of optimizer state."""
+
+    dtype: str
+    global_shape: list[int]
+    dim: int | None
+    pp_stage: int
+    shards: list[Shard]
+    kind: str = "param"  # "param" | "buffer" | "state"
+    split: str = "replicated"  # "replicated" | "rows" (uneven allowed) | "units" (whole heads) | "custom"
+    units: int | None = None
+    param: str | None = None  # optimizer state: the parameter it belongs to
+    like_param: bool = False  # optimizer state shaped (and split) like its parameter
+
+    def shard_for(self, tp_rank: int, where: str = "") -> Shard:
+        for shard in self.shards:
+            if tp_rank in shard.tp_ranks:
+                return shard
+        raise CheckpointError(f"{where}: no shard of this tensor is held by tp rank {tp_rank}")
+
+    def layout(self, shard: Shard) -> ShardLayout | None:
+        """The `ShardLayout` a parameter holding `shard` carries (None when replicated)."""
+        if self.dim is None:
+            return None
+        ranges = tuple((int(s), int(e)) for s, e in shard.ranges)
+        return ShardLayout(tuple(self.global_shape), self.dim, ranges, replicas=len(shard.tp_ranks))
+
+    def local_shape(self, shard: Shard) -> tuple[int, ...]:
+        shape = list(self.global_shape)
+        if self.dim is not None:
+            shape[self.dim] = sum(e - s for s, e in shard.ranges)
+        return tuple(shape)
+
+    @classmethod
+    def from_dict(cls, data: Mapping) -> TensorEntry:
+        shards = [Shard(**s) for s in data["shards"]]
+        return cls(**{**data, "shards": shards})
+
+
+@dataclass
+class CheckpointIndex:
+    mesh: dict[str, int]
+    model_class: str
+    tensors: dict[str, TensorEntry]
+    tied: dict[str, str] = field(default_factory=dict)  # alias -> canonical name (stored once)
+    files: dict[str, dict] = field(default_factory=dict)  # name -> {size, sha256, kind, pp_rank, tp_rank}
+    optimizer: dict | None = None  # {"class", "param_groups" (params by name), "scalars"}
+    optimizer_tensors: dict[str, TensorEntry] = field(default_factory=dict)  # "param/state_key" -> entry
+    extra: dict = field(default_factory=dict)
+
+    def to_json(self) -> str:
+        data = {
+            "format": FORMAT,
+            "version": VERSION,
+            "mesh": self.mesh,
+            "model_class": self.model_class,
+            "tied": self.tied,
+            "files": self.files,
+            "tensors": {k: asdict(v) for k, v in self.tensors.items()},
+            "optimizer": self.optimizer,
+            "optimizer_tensors": {k: asdict(v) for k, v in self.optimizer_tensors.items()},
+            "extra": self.extra,
+        }
+        return json.dumps(data, indent=1)
+
+    @classmethod
+    def from_json(cls, text: str, where: str) -> CheckpointIndex:
+        try:
+            data = json.loads(text)
+            if data.get("format") != FORMAT:
+                raise CheckpointError(f"{where}: not an optimum-parallel sharded checkpoint index")
+            if data.get("version") != VERSION:
+                raise CheckpointError(f"{where}: index version {data.get('version')}, this reader knows {VERSION}")
+            return cls(
+                mesh=data["mesh"],
+                model_class=data["model_class"],
+                tensors={k: TensorEntry.from_dict(v) for k, v in data["tensors"].items()},
+                tied=data["tied"],
+                files=data["files"],
+                optimizer=data["optimizer"],
+                optimizer_tensors={k: TensorEntry.from_dict(v) for k, v in data["optimizer_tensors"].items()},
+                extra=data.get("extra", {}),
+            )
+        except (KeyError, TypeError, ValueError, AttributeError) as err:
+            if isinstance(err, CheckpointError):
+                raise
+            raise CheckpointError(f"{where}: malformed checkpoint index ({type(err).__name__}: {err})") from None
+
+    def state_of(self, param: str) -> dict[str, TensorEntry]:
+        """{state key: entry} of a parameter's optimizer state tensors."""
+        return {k.rpartition("/")[2]: e for k, e in self.optimizer_tensors.items() if e.param == param}
+
+
+def _write_synced(path: Path, text: str) -> None:
+    with open(path, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def write_index(directory: Path, index: CheckpointIndex) -> None:
+    """Write the index, then the completion marker holding the index's sha256 (so it is written last)."""
+    text = index.to_json()
+    _write_synced(directory / INDEX_NAME, text)
+    digest = hashlib.sha256(text.encode()).hexdigest()
+    _write_synced(directory / MARKER_NAME, json.dumps({"index_sha256": digest}) + "\n")
+
+
+def read_index(directory: str | Path) -> CheckpointIndex:
+    """The index of a complete checkpoint; a clear CheckpointError for anything else."""
+    directory = Path(directory)
+    if not directory.is_dir():
+        raise CheckpointError(f"{directory}: checkpoint directory does not exist")
+    marker, index_path = directory / MARKER_NAME, directory / INDEX_NAME
+    if not index_path.exists():
+        if (directory / "model.safetensors").exists() or (directory / "model.safetensors.index.json").exists():
+            raise CheckpointError(
+                f"{index_path}: missing; {directory} is a regular Hugging Face checkpoint, not a sharded one "
+                "(load it with from_pretrained, lazily under lazy_load_for_parallelism)"
+            )
+        raise CheckpointError(f"{index_path}: missing; {directory} is not a (complete) sharded checkpoint")
+    if not marker.exists():
+        raise CheckpointError(
+            f"{marker}: missing; the save into {directory} did not complete (interrupted?), refusing to load it"
+        )
+    text = index_path.read_text()
+    try:
+        expected = json.loads(marker.read_text())["index_sha256"]
+    except (ValueError, KeyError, TypeError):
+        raise CheckpointError(f"{marker}: unreadable completion marker") from None
+    if hashlib.sha256(text.encode()).hexdigest() != expected:
+        raise CheckpointError(f"{index_path}: does not match the checksum in {marker} (altered or truncated)")
+    return CheckpointIndex.from_json(text, str(index_path))
+
+
+def units_from_plan(model, plan: Mapping[str, object]) -> dict[str, int]:
+    """{parameter name: heads it is split in} for the split parameters of modules whose plan style has `units`.
+
+    Resharding needs the head counts (a tp that does not divide them replicates heads, it never cuts one).
+    """
+    from ..plan import resolve_plan
+
+    units: dict[str, int] = {}
+    for module_name, styles in resolve_plan(model, plan).items():
+        for style in styles:
+            if getattr(style, "units", None) is None:
+                continue
+            module = model.get_submodule(module_name)
+            for leaf, param in module.named_parameters(recurse=False):
+                layout = getattr(param, "shard_layout", None)
+                if layout is not None and layout.dim is not None:
+                    units[f"{module_name}.{leaf}"] = style.units
+    return units

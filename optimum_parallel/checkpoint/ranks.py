@@ -1,0 +1,61 @@
+"""This rank's place in the mesh for checkpointing, and the few collectives saving and loading need.
+
+Collectives run on the default process group, whose timeout `init_mesh` sets (a lost rank fails
+the save instead of hanging it). Without torch.distributed everything is a single rank.
+"""
+
+from __future__ import annotations
+
+import traceback
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TypeVar
+
+import torch.distributed as dist
+
+from ..mesh import get_mesh
+
+T = TypeVar("T")
+
+
+@dataclass(frozen=True)
+class RankInfo:
+    dp: int
+    pp: int
+    tp: int
+    sizes: dict[str, int]
+    distributed: bool
+
+    @property
+    def is_main(self) -> bool:
+        return not self.distributed or dist.get_rank() == 0
+
+    def gather(self, obj: object) -> list:
+        """`obj` from every rank, in global rank order."""
+        if not self.distributed:
+            return [obj]
+        out: list = [None] * dist.get_world_size()
+        dist.all_gather_object(out, obj)
+        return out
+
+    def run(self, fn: Callable[[], T], what: str, only_main: bool = False) -> list[T]:
+        """Run `fn` on every rank (or the main one), then raise on every rank if it failed on any."""
+        try:
+            outcome = (True, fn() if self.is_main or not only_main else None)
+        except Exception as err:  # reported to every rank below
+            outcome = (False, f"{type(err).__name__}: {err}", err, traceback.format_exc())
+        outcomes = self.gather(outcome[:2] if outcome[0] else (False, outcome[1]))
+        failed = [(r, o[1]) for r, o in enumerate(outcomes) if not o[0]]
+        if failed:
+            if not outcome[0]:  # re-raise our own error with its type and traceback
+                raise outcome[2]
+            details = "; ".join(f"rank {r}: {msg}" for r, msg in failed)
+            raise RuntimeError(f"{what} failed on other ranks: {details}")
+        return [o[1] for o in outcomes]
+
+
+def current_rank() -> RankInfo:
+    if not (dist.is_available() and dist.is_initialized()):
+        return RankInfo(0, 0, 0, {"dp": 1, "pp": 1, "tp": 1}, False)
+    mesh = get_mesh()
+    return RankInfo(mesh.rank("dp"), mesh.rank("pp"), mesh.rank("tp"), dict(mesh.sizes), True)

@@ -1,0 +1,80 @@
+"""Reading a checkpoint's shards: every file checked against the index (size, tensor dtype/shape, crc32)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from .errors import CheckpointError
+from .metadata import CheckpointIndex, Shard, TensorEntry
+from .safetensors_io import SafetensorsReader, dtype_from_name
+
+
+class ShardFiles:
+    """The files of one checkpoint, opened on first use; use as a context manager."""
+
+    def __init__(self, directory: str | Path, index: CheckpointIndex) -> None:
+        self.directory = Path(directory)
+        self.index = index
+        self._readers: dict[str, SafetensorsReader] = {}
+
+    def reader(self, file: str) -> SafetensorsReader:
+        if file not in self._readers:
+            info = self.index.files.get(file)
+            if info is None:
+                raise CheckpointError(f"{self.directory / file}: not listed in the checkpoint index")
+            self._readers[file] = SafetensorsReader(self.directory / file, expected_size=info["size"])
+        return self._readers[file]
+
+    def read_shard(self, name: str, entry: TensorEntry, shard: Shard, out: torch.Tensor | None = None) -> torch.Tensor:
+        """One shard of `entry` as stored (its local shape), checked against the index."""
+        reader = self.reader(shard.file)
+        dtype, shape = reader.info(shard.key)
+        expected = (dtype_from_name(entry.dtype), entry.local_shape(shard))
+        if (dtype, shape) != expected:
+            raise CheckpointError(
+                f"{reader.path}: tensor {shard.key!r} is {dtype} {list(shape)}, the index expects "
+                f"{expected[0]} {list(expected[1])} (altered file?)"
+            )
+        return reader.read(shard.key, out=out, crc32=shard.crc32)
+
+    def assemble(self, name: str, entry: TensorEntry) -> torch.Tensor:
+        """The whole (global) tensor, from one copy of each distinct shard."""
+        full = torch.empty(entry.global_shape, dtype=dtype_from_name(entry.dtype))
+        if entry.dim is None:
+            return self.read_shard(name, entry, entry.shards[0], out=full)
+        dim = entry.dim
+        covered = []
+        for shard in entry.shards:
+            if len(shard.ranges) == 1 and all(s == 1 for s in entry.global_shape[:dim]):
+                start, end = shard.ranges[0]  # a contiguous block of `full`: read straight into it
+                self.read_shard(name, entry, shard, out=full.narrow(dim, start, end - start))
+            else:
+                local, offset = self.read_shard(name, entry, shard), 0
+                for start, end in shard.ranges:
+                    full.narrow(dim, start, end - start).copy_(local.narrow(dim, offset, end - start))
+                    offset += end - start
+            covered.extend((int(s), int(e)) for s, e in shard.ranges)
+        position = 0
+        for start, end in sorted(covered):
+            if start != position:
+                break
+            position = end
+        if position != entry.global_shape[dim] or len(covered) != len(set(covered)):
+            raise CheckpointError(
+                f"{self.directory}: the shards of {name!r} cover {sorted(covered)} of [0, {entry.global_shape[dim]}) "
+                f"along dim {dim}, not all of it exactly once"
+            )
+        return full
+
+    def close(self) -> None:
+        for reader in self._readers.values():
+            reader.close()
+        self._readers.clear()
+
+    def __enter__(self) -> ShardFiles:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()

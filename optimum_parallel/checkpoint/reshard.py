@@ -1,0 +1,104 @@
+"""Sharded checkpoint -> sharded checkpoint at another tp / pp layout, optimizer state included.
+
+Streams one whole tensor at a time (never the model): assemble it from its source shards, cut it
+as `parallelize` would at the new size (whole heads, replicated kv heads, uneven vocab rows), and
+append each piece to its target rank file.
+"""
+
+from __future__ import annotations
+
+import itertools
+import shutil
+from pathlib import Path
+
+from tqdm.auto import tqdm
+
+from .atomic import partial_dir, publish
+from .consolidate import copy_configs
+from .metadata import CheckpointIndex, TensorEntry, model_file, optimizer_file, read_index, write_index
+from .reading import ShardFiles
+from .safetensors_io import SafetensorsWriter, dtype_from_name, nbytes
+from .sharding import assign_stages, resharded_entry
+
+
+def _check_size(name: str, value: object) -> int:
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise ValueError(f"{name}={value!r}: must be a positive integer")
+    return value
+
+
+def _new_layout(index: CheckpointIndex, tp: int, pp: int) -> tuple[dict[str, TensorEntry], dict[str, TensorEntry]]:
+    stages = assign_stages(index.tensors, pp)
+    tensors = {n: resharded_entry(n, e, tp, stages[n], model_file) for n, e in index.tensors.items()}
+    state = {k: resharded_entry(k, e, tp, stages[e.param], optimizer_file) for k, e in index.optimizer_tensors.items()}
+    return tensors, state
+
+
+def reshard_checkpoint(
+    checkpoint_dir: str | Path, output_dir: str | Path, tp: int, pp: int = 1, progress: bool = True
+) -> Path:
+    """Write the sharded checkpoint `checkpoint_dir` at tensor-parallel size `tp` and `pp` pipeline stages into
+    `output_dir` (atomically); the result loads on a mesh with those sizes. Pure CPU, one tensor in memory."""
+    tp, pp = _check_size("tp", tp), _check_size("pp", pp)
+    source, output_dir = Path(checkpoint_dir), Path(output_dir).absolute()
+    index = read_index(source)
+    if output_dir.resolve() == source.resolve():
+        raise ValueError(f"output directory {output_dir} is the checkpoint itself; choose another one")
+    tensors, state = _new_layout(index, tp, pp)
+    tables = [(tensors, index.tensors, model_file)]
+    if index.optimizer is not None:
+        tables.append((state, index.optimizer_tensors, optimizer_file))
+    tmp = partial_dir(output_dir)
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    writers: dict[str, SafetensorsWriter] = {}
+    try:
+        for new, _, file_name in tables:
+            for stage, rank in itertools.product(range(pp), range(tp)):
+                file = file_name(stage, rank)
+                specs = [
+                    (s.key, dtype_from_name(e.dtype), e.local_shape(s))
+                    for e in new.values()
+                    for s in e.shards
+                    if s.file == file
+                ]
+                writers[file] = SafetensorsWriter(tmp / file, specs, {"format": "pt"})
+        total = sum(nbytes(e.global_shape, dtype_from_name(e.dtype)) for _, old, _ in tables for e in old.values())
+        with (
+            ShardFiles(source, index) as files,
+            tqdm(total=total, unit="B", unit_scale=True, desc="reshard", disable=not progress) as bar,
+        ):
+            for new, old, _ in tables:
+                for name, entry in new.items():
+                    full = files.assemble(name, old[name])
+                    for shard in entry.shards:
+                        layout = entry.layout(shard)
+                        piece = full if layout is None else layout.slice(full)
+                        shard.crc32 = writers[shard.file].write(shard.key, piece.contiguous())
+                    bar.update(full.numel() * full.element_size())
+                    del full
+        infos = {}
+        for file, writer in writers.items():
+            size, sha = writer.close()
+            stage, rank = int(file.split("-pp")[1][:2]), int(file.split("-tp")[1][:2])
+            kind = "model" if file.startswith("model-") else "optimizer"
+            infos[file] = {"size": size, "sha256": sha, "kind": kind, "pp_rank": stage, "tp_rank": rank}
+        new_index = CheckpointIndex(
+            mesh={"dp": index.mesh.get("dp", 1), "pp": pp, "tp": tp},
+            model_class=index.model_class,
+            tensors=tensors,
+            tied=index.tied,
+            files=infos,
+            optimizer=index.optimizer,
+            optimizer_tensors=state if index.optimizer is not None else {},
+            extra={**index.extra, "resharded_from": index.mesh},
+        )
+        copy_configs(source, tmp)
+        write_index(tmp, new_index)
+        publish(tmp, output_dir)
+    except BaseException:
+        for writer in writers.values():
+            writer.abort()
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return output_dir

@@ -1,0 +1,219 @@
+"""Streaming safetensors files: a header-first writer and a pread reader, tensor by tensor.
+
+Hand-written on purpose: `safetensors.torch.save_file` serialises every tensor to bytes in memory
+before writing (2x the shard), and `safe_open` maps the file (mapped pages count in the RSS of
+every rank). These write from, and read straight into, the tensors' own memory, and checksum
+each tensor (crc32) on the way, so peak memory stays about the largest tensor.
+The files are standard safetensors (https://github.com/huggingface/safetensors#format).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import struct
+import zlib
+from collections.abc import Sequence
+from pathlib import Path
+
+import torch
+
+from .errors import CheckpointError
+
+DTYPES: dict[torch.dtype, str] = {
+    torch.float64: "F64",
+    torch.float32: "F32",
+    torch.float16: "F16",
+    torch.bfloat16: "BF16",
+    torch.int64: "I64",
+    torch.int32: "I32",
+    torch.int16: "I16",
+    torch.int8: "I8",
+    torch.uint8: "U8",
+    torch.bool: "BOOL",
+    torch.float8_e4m3fn: "F8_E4M3",
+    torch.float8_e5m2: "F8_E5M2",
+}
+FROM_STR: dict[str, torch.dtype] = {v: k for k, v in DTYPES.items()}
+_MAX_IO = 1 << 30  # Linux moves at most ~2 GiB per read/write call
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """'float32' for torch.float32: the spelling stored in checkpoint metadata."""
+    return str(dtype).removeprefix("torch.")
+
+
+def dtype_from_name(name: str) -> torch.dtype:
+    dtype = getattr(torch, name, None)
+    if not isinstance(dtype, torch.dtype):
+        raise CheckpointError(f"unknown dtype {name!r} in checkpoint metadata")
+    return dtype
+
+
+def tensor_bytes(tensor: torch.Tensor) -> memoryview:
+    """The raw bytes of a contiguous CPU tensor, without a copy."""
+    flat = tensor.detach().reshape(-1)
+    return memoryview(flat.view(torch.uint8).numpy()) if flat.numel() else memoryview(b"")
+
+
+def nbytes(shape: Sequence[int], dtype: torch.dtype) -> int:
+    n = 1
+    for s in shape:
+        n *= s
+    return n * dtype.itemsize
+
+
+class SafetensorsWriter:
+    """Write a safetensors file whose tensor names, dtypes and shapes are known up front, one tensor at a time.
+
+    `write` returns the tensor's crc32; `close` returns (size in bytes, sha256 of the whole file).
+    """
+
+    def __init__(
+        self, path: str | Path, specs: Sequence[tuple[str, torch.dtype, Sequence[int]]], metadata: dict[str, str]
+    ) -> None:
+        self.path = Path(path)
+        header: dict[str, object] = {"__metadata__": metadata}
+        offset = 0
+        self._order: list[tuple[str, torch.dtype, tuple[int, ...]]] = []
+        for name, dtype, shape in specs:
+            size = nbytes(shape, dtype)
+            header[name] = {"dtype": DTYPES[dtype], "shape": list(shape), "data_offsets": [offset, offset + size]}
+            self._order.append((name, dtype, tuple(shape)))
+            offset += size
+        raw = json.dumps(header, separators=(",", ":")).encode()
+        raw += b" " * (-len(raw) % 8)  # keep the data 8-byte aligned, as safetensors does
+        self._file = open(self.path, "wb")  # noqa: SIM115 - closed in close()
+        self._sha = hashlib.sha256()
+        self._emit(struct.pack("<Q", len(raw)) + raw)
+        self._next = 0
+
+    def _emit(self, data: memoryview | bytes) -> None:
+        self._sha.update(data)
+        view = memoryview(data)
+        for start in range(0, len(view), _MAX_IO):
+            self._file.write(view[start : start + _MAX_IO])
+
+    def write(self, name: str, tensor: torch.Tensor) -> int:
+        expected, dtype, shape = self._order[self._next]
+        if name != expected or tensor.dtype != dtype or tuple(tensor.shape) != shape:
+            raise ValueError(
+                f"{self.path}: expected {expected} {dtype} {list(shape)} next, got {name} {tensor.dtype} "
+                f"{list(tensor.shape)}"
+            )
+        data = tensor_bytes(tensor.detach().cpu().contiguous())
+        self._emit(data)
+        self._next += 1
+        return zlib.crc32(data)
+
+    def close(self) -> tuple[int, str]:
+        if self._next != len(self._order):
+            raise ValueError(f"{self.path}: closed after {self._next} of {len(self._order)} tensors")
+        self._file.flush()
+        os.fsync(self._file.fileno())
+        size = self._file.tell()
+        self._file.close()
+        return size, self._sha.hexdigest()
+
+    def abort(self) -> None:
+        self._file.close()
+
+
+class SafetensorsReader:
+    """Read tensors of one safetensors file with pread, into given memory, checking sizes and checksums.
+
+    Every problem (missing file, wrong size, bad header, tensor out of bounds, checksum) raises a
+    CheckpointError that names the file.
+    """
+
+    def __init__(self, path: str | Path, expected_size: int | None = None) -> None:
+        self.path = Path(path)
+        try:
+            self._fd = os.open(self.path, os.O_RDONLY)
+        except FileNotFoundError:
+            raise CheckpointError(f"{self.path}: checkpoint file is missing") from None
+        try:
+            self.size = os.fstat(self._fd).st_size
+            if expected_size is not None and self.size != expected_size:
+                raise CheckpointError(
+                    f"{self.path}: file has {self.size} bytes, the checkpoint metadata expects {expected_size} "
+                    "(truncated or altered)"
+                )
+            self._read_header()
+        except BaseException:
+            os.close(self._fd)
+            raise
+
+    def _read_header(self) -> None:
+        head = os.pread(self._fd, 8, 0)
+        if len(head) < 8:
+            raise CheckpointError(f"{self.path}: not a safetensors file (shorter than its 8-byte header length)")
+        (length,) = struct.unpack("<Q", head)
+        if length > self.size - 8:
+            raise CheckpointError(f"{self.path}: header length {length} runs past the end of the file (truncated?)")
+        try:
+            header = json.loads(os.pread(self._fd, length, 8))
+        except (UnicodeDecodeError, json.JSONDecodeError) as err:
+            raise CheckpointError(f"{self.path}: unreadable safetensors header ({err})") from None
+        self.metadata: dict[str, str] = header.pop("__metadata__", None) or {}
+        self._data_start = 8 + length
+        self.tensors: dict[str, tuple[torch.dtype, tuple[int, ...], int, int]] = {}
+        for name, info in header.items():
+            try:
+                dtype = FROM_STR[info["dtype"]]
+                shape = tuple(int(s) for s in info["shape"])
+                begin, end = (int(x) for x in info["data_offsets"])
+            except (KeyError, TypeError, ValueError):
+                raise CheckpointError(f"{self.path}: malformed header entry for tensor {name!r}") from None
+            if end - begin != nbytes(shape, dtype) or self._data_start + end > self.size:
+                raise CheckpointError(
+                    f"{self.path}: tensor {name!r} ({info['dtype']} {list(shape)}) does not fit the file "
+                    f"(truncated or altered)"
+                )
+            self.tensors[name] = (dtype, shape, self._data_start + begin, self._data_start + end)
+
+    def info(self, name: str) -> tuple[torch.dtype, tuple[int, ...]]:
+        if name not in self.tensors:
+            raise CheckpointError(f"{self.path}: has no tensor {name!r}")
+        dtype, shape, _, _ = self.tensors[name]
+        return dtype, shape
+
+    def read(self, name: str, out: torch.Tensor | None = None, crc32: int | None = None) -> torch.Tensor:
+        """Tensor `name`, read into `out` when given (contiguous, same dtype and element count)."""
+        dtype, shape = self.info(name)
+        _, _, begin, end = self.tensors[name]
+        if out is None:
+            out = torch.empty(shape, dtype=dtype)
+        elif out.dtype != dtype or out.numel() != (end - begin) // dtype.itemsize or not out.is_contiguous():
+            raise ValueError(f"{self.path}: cannot read {name} ({dtype} {list(shape)}) into {out.dtype} {out.shape}")
+        view = tensor_bytes(out)
+        done = 0
+        while done < len(view):
+            n = os.preadv(self._fd, [view[done : done + _MAX_IO]], begin + done)
+            if n <= 0:
+                raise CheckpointError(f"{self.path}: unexpected end of file while reading {name!r}")
+            done += n
+        if crc32 is not None and zlib.crc32(view) != crc32:
+            raise CheckpointError(f"{self.path}: tensor {name!r} does not match its checksum (file altered)")
+        return out
+
+    def close(self) -> None:
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1
+
+    def __enter__(self) -> SafetensorsReader:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def file_sha256(path: str | Path, chunk: int = 16 << 20) -> str:
+    """sha256 of a whole file, streamed."""
+    sha = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(chunk):
+            sha.update(block)
+    return sha.hexdigest()

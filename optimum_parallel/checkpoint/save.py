@@ -1,0 +1,157 @@
+"""Collective save of a parallel model (and optimizer) as a sharded checkpoint, atomically.
+
+Every rank tells the others what it holds; one copy of each distinct shard is written by the
+lowest tp rank holding it on data-parallel replica 0, into a temporary sibling directory; rank 0
+then writes config, index and completion marker and swaps the directory into place.
+Assumes the output directory is on a filesystem every rank sees.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import warnings
+from collections.abc import Mapping
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from .atomic import partial_dir, publish
+from .collect import LocalTensor, model_tensors, optimizer_tensors
+from .consolidate import DEFAULT_MAX_SHARD_SIZE, write_hf_checkpoint
+from .metadata import CheckpointIndex, TensorEntry, model_file, optimizer_file, write_index
+from .ranks import current_rank
+from .safetensors_io import SafetensorsWriter, dtype_from_name
+from .sharding import entries_from_specs
+
+
+def _write_rank_file(
+    path: Path, entries: Mapping[str, TensorEntry], local: Mapping[str, LocalTensor], coords: dict
+) -> dict:
+    """Write the shards this rank stores into `path`: {"size", "sha256", "crc32": {key: crc}}."""
+    mine = [(n, e, s) for n, e in entries.items() for s in e.shards if s.file == path.name]
+    specs = [(s.key, dtype_from_name(e.dtype), e.local_shape(s)) for n, e, s in mine]
+    layouts = {s.key: {"global_shape": e.global_shape, "dim": e.dim, "ranges": s.ranges} for n, e, s in mine}
+    metadata = {"format": "pt", "optimum_parallel": json.dumps({**coords, "layouts": layouts})}
+    writer = SafetensorsWriter(path, specs, metadata)
+    crcs = {}
+    try:
+        for name, _, shard in mine:
+            crcs[shard.key] = writer.write(shard.key, local[name].tensor)
+    except BaseException:
+        writer.abort()
+        raise
+    size, sha = writer.close()
+    return {"size": size, "sha256": sha, "crc32": crcs}
+
+
+def _save_configs(model: nn.Module, directory: Path) -> None:
+    config = getattr(model, "config", None)
+    if config is None:
+        raise ValueError(f"{type(model).__name__} has no `config`: sharded checkpoints are for transformers models")
+    config.save_pretrained(directory)
+    generation_config = getattr(model, "generation_config", None)
+    if generation_config is not None:
+        try:
+            generation_config.save_pretrained(directory)
+        except Exception as err:  # an invalid generation config must not lose the checkpoint
+            warnings.warn(f"generation_config.json not saved: {err}", stacklevel=3)
+
+
+def save_model_checkpoint(
+    model: nn.Module,
+    output_dir: str | Path,
+    as_regular: bool = False,
+    as_sharded: bool = True,
+    optimizer: torch.optim.Optimizer | None = None,
+    *,
+    units: Mapping[str, int] | None = None,
+    max_shard_size: int | str = DEFAULT_MAX_SHARD_SIZE,
+    progress: bool = False,
+) -> Path:
+    """Save `model` (and `optimizer` state) from every rank into `output_dir`; call it on every rank.
+
+    as_sharded: per-rank safetensors + self-describing index (reload with `load_model_checkpoint`).
+    as_regular: also a consolidated Hugging Face checkpoint in the same directory (`from_pretrained` loads it).
+    units: {parameter: heads} for split parameters (resharding needs them; `Parallelizer` passes its plan's).
+    """
+    if not (as_sharded or as_regular):
+        raise ValueError("nothing to save: as_sharded and as_regular are both False")
+    rank = current_rank()
+    final = Path(output_dir).absolute()
+    tmp = partial_dir(final)
+    coords = {"dp_rank": rank.dp, "pp_rank": rank.pp, "tp_rank": rank.tp, "mesh": rank.sizes}
+
+    local: dict = {}
+
+    def describe() -> dict:
+        local["model"], tied = model_tensors(model)
+        local["state"], meta = ({}, None) if optimizer is None else optimizer_tensors(optimizer, model, local["model"])
+        specs = {kind: {n: t.spec() for n, t in local[kind].items()} for kind in ("model", "state")}
+        return {"coords": (rank.dp, rank.pp, rank.tp), "specs": specs, "tied": tied, "optimizer": meta}
+
+    described = rank.run(describe, "describing the checkpoint")
+    replica0 = [d for d in described if d["coords"][0] == 0]
+    tp = rank.sizes["tp"]
+    entries = entries_from_specs({d["coords"][1:]: d["specs"]["model"] for d in replica0}, tp, model_file, units)
+    state_entries = {}
+    if optimizer is not None:
+        state_specs = {d["coords"][1:]: d["specs"]["state"] for d in replica0}
+        state_entries = entries_from_specs(state_specs, tp, optimizer_file, splits=entries)
+
+    def prepare() -> None:
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+
+    rank.run(prepare, f"preparing {tmp}", only_main=True)
+
+    def write() -> dict:
+        if rank.dp != 0:
+            return {}
+        written = {}
+        for name, kind, table in ((model_file, "model", entries), (optimizer_file, "state", state_entries)):
+            if kind == "model" or optimizer is not None:
+                file = name(rank.pp, rank.tp)
+                written[file] = _write_rank_file(tmp / file, table, local[kind], coords)
+        return written
+
+    def finish() -> None:
+        files = {}
+        for description, result in zip(described, results, strict=True):
+            _, pp_rank, tp_rank = description["coords"]
+            for name, info in result.items():
+                kind = "model" if name.startswith("model-") else "optimizer"
+                files[name] = {"size": info["size"], "sha256": info["sha256"], "kind": kind}
+                files[name].update(pp_rank=pp_rank, tp_rank=tp_rank)
+                for entry in (entries if kind == "model" else state_entries).values():
+                    for shard in entry.shards:
+                        if shard.file == name:
+                            shard.crc32 = info["crc32"][shard.key]
+        index = CheckpointIndex(
+            mesh=dict(rank.sizes),
+            model_class=type(model).__name__,
+            tensors=entries,
+            tied=described[0]["tied"],
+            files=files,
+            optimizer=described[0]["optimizer"],
+            optimizer_tensors=state_entries,
+        )
+        _save_configs(model, tmp)
+        if as_regular:
+            write_hf_checkpoint(index, tmp, tmp, max_shard_size, progress)
+        if as_sharded:
+            write_index(tmp, index)
+        else:
+            for name in files:
+                (tmp / name).unlink()
+        publish(tmp, final)
+
+    try:
+        results = rank.run(write, f"writing shards into {tmp}")
+        rank.run(finish, f"publishing {final}", only_main=True)
+    except BaseException:
+        if rank.is_main:
+            shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return final
