@@ -1,0 +1,14 @@
+"""Gemma and Gemma 2: Llama-style decoders; nothing beyond the Llama plan is needed.
+
+The scaled word embedding keeps its `embed_scale` in the vocab-parallel embedding, the tied LM head
+shares the embedding's vocab split, attention soft-capping acts per head on local heads and the final
+logit soft-capping is element-wise on the vocab-parallel logits (the loss sees the capped logits).
+"""
+
+from __future__ import annotations
+
+from .llama import LlamaParallelizer
+
+
+class GemmaParallelizer(LlamaParallelizer):
+    supports_sequence_parallel = False  # not verified for this family yet

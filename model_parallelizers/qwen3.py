@@ -1,0 +1,22 @@
+"""Qwen3 and Gemma3 (text): Llama-style decoders with per-head q_norm/k_norm.
+
+The norms' weights are shared by all heads but each rank only normalizes its own heads, so they stay
+replicated and their gradients are summed over tp.
+"""
+
+from __future__ import annotations
+
+from optimum_parallel.family_styles import ReplicatedWithGradAllReduce
+
+from ._common import prefix
+from .llama import LlamaParallelizer
+
+
+class Qwen3Parallelizer(LlamaParallelizer):
+    supports_sequence_parallel = False  # not verified for this family yet
+
+    @classmethod
+    def plan(cls, model, mesh, parallelize_embeddings, sequence_parallel_enabled):
+        plan = super().plan(model, mesh, parallelize_embeddings, sequence_parallel_enabled)
+        plan[prefix(model) + r"layers\.\d+\.self_attn\.(q|k)_norm"] = ReplicatedWithGradAllReduce()
+        return plan

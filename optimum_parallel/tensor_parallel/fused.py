@@ -1,0 +1,118 @@
+"""Packed (fused) column splits: one weight holding several parts (q|k|v, gate|up), each part split over tp.
+
+Splitting the fused block as a whole would hand rank 0 all of q and rank 1 all of v; splitting each
+part keeps every rank's local output a valid smaller fused output ([q_local | k_local | v_local]).
+The layout is a ShardLayout with one range per part. A part with fewer heads than tp ranks is
+replicated over tp/heads ranks, and the gradients of its rows are summed over those replicas (in
+the forward path, like ColumnParallelLinear's replicated kv heads).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+from torch.distributed import ProcessGroup
+
+from .layers import ColumnParallelLinear, _enter_region
+from .layout import ShardLayout, split_units
+
+
+@dataclass(frozen=True)
+class ReplicatedSegment:
+    """Local rows [start, start + length) along the split dim are one head replicated over `units` groups."""
+
+    start: int
+    length: int
+    units: int
+
+
+def packed_layout(
+    global_shape: tuple[int, ...],
+    dim: int,
+    sizes: Sequence[int],
+    units: Sequence[int | None],
+    rank: int,
+    world: int,
+) -> tuple[ShardLayout, list[ReplicatedSegment]]:
+    """Layout of `rank`'s shard when `dim` packs parts of `sizes`, each split in whole `units` (None: rows).
+
+    Returns the layout (one range per part) and the local segments that are replicated heads.
+    """
+    if sum(sizes) != global_shape[dim]:
+        raise ValueError(f"packed part sizes {list(sizes)} do not add up to dim {dim} of size {global_shape[dim]}")
+    ranges, segments, replicas = [], [], set()
+    offset = local = 0
+    for size, part_units in zip(sizes, units, strict=True):
+        part_shape = tuple(size if d == dim else n for d, n in enumerate(global_shape))
+        part = split_units(part_shape, dim, rank, world, part_units)
+        ((start, end),) = part.ranges
+        ranges.append((offset + start, offset + end))
+        replicas.add(part.replicas)
+        if part.replicas > 1:
+            segments.append(ReplicatedSegment(local, end - start, part_units))
+        local += end - start
+        offset += size
+    common_replicas = replicas.pop() if len(replicas) == 1 else 1
+    return ShardLayout(tuple(global_shape), dim, tuple(ranges), replicas=common_replicas), segments
+
+
+class _SumSegmentGrads(torch.autograd.Function):
+    """Identity forward; backward all-reduces the gradient rows of each replicated segment over its group."""
+
+    @staticmethod
+    def forward(ctx, param, dim, segments):
+        ctx.dim, ctx.segments = dim, segments
+        return param.view_as(param)
+
+    @staticmethod
+    def backward(ctx, grad):
+        grad = grad.contiguous().clone()
+        for segment, group in ctx.segments:
+            rows = grad.narrow(ctx.dim, segment.start, segment.length).contiguous()
+            dist.all_reduce(rows, group=group)
+            grad.narrow(ctx.dim, segment.start, segment.length).copy_(rows)
+        return grad, None, None
+
+
+def sum_segment_grads(
+    param: torch.Tensor, dim: int, segments: Sequence[tuple[ReplicatedSegment, ProcessGroup]]
+) -> torch.Tensor:
+    """`param` as the forward uses it: the gradient rows of its replicated heads are summed over their replicas.
+
+    Done in the forward path (not with a parameter hook), so it composes with DDP/FSDP2 and accumulation.
+    """
+    if not segments or not param.requires_grad or not torch.is_grad_enabled():
+        return param
+    return _SumSegmentGrads.apply(param, dim, tuple(segments))
+
+
+class PackedColumnParallelLinear(ColumnParallelLinear):
+    """A column-parallel Linear over a packed layout; replicated parts have their gradients summed."""
+
+    def __init__(self, weight, bias, group, segments: Sequence[tuple[ReplicatedSegment, ProcessGroup]] = ()) -> None:
+        super().__init__(weight, bias, group)
+        self.segments = tuple(segments)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.gather_output:
+            raise ValueError("a packed column-parallel layer cannot gather its output (the parts are interleaved)")
+        if self.enter_region:
+            x = _enter_region(x, self.group, self.sequence_parallel)
+        weight = sum_segment_grads(self.weight, 0, self.segments)
+        bias = sum_segment_grads(self.bias, 0, self.segments) if self.bias is not None else None
+        return F.linear(x, weight, bias)
+
+
+def local_parameter(source: torch.Tensor, layout: ShardLayout, requires_grad: bool) -> nn.Parameter:
+    """This rank's slice of `source` as a new Parameter carrying its `shard_layout` (meta stays meta)."""
+    local = layout.slice(source.detach())
+    if local.device.type != "meta":
+        local = local.clone()
+    param = nn.Parameter(local.contiguous(), requires_grad=requires_grad)
+    param.shard_layout = layout
+    return param
