@@ -71,7 +71,9 @@ def _load_model(model: nn.Module, index: CheckpointIndex, files: ShardFiles, ran
     for name in live:
         stored = name if name in index.tensors else index.tied.get(name)
         (used.add(stored) if stored in index.tensors else missing.append(name))
-    unexpected = [n for n, e in index.tensors.items() if n not in used and e.pp_stage == rank.pp]
+    used |= {n for n, _ in model.named_parameters(remove_duplicate=False)}  # tied aliases stored separately
+    # under pp each rank holds part of the model, and stages need not match the files' pp ranks
+    unexpected = [n for n in index.tensors if n not in used] if rank.sizes["pp"] == 1 else []
     if missing or unexpected:
         raise CheckpointError(
             f"{where}: does not fit {type(model).__name__}: missing {missing[:8]}, unexpected {unexpected[:8]}"

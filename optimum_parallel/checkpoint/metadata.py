@@ -42,6 +42,7 @@ class Shard:
     key: str
     tp_ranks: list[int]
     ranges: list[list[int]] = field(default_factory=list)
+    replicas: int = 1  # the holders' ShardLayout.replicas (how many tp ranks sum this shard's gradients)
     crc32: int | None = None
 
 
@@ -52,11 +53,11 @@ class TensorEntry:
     dtype: str
     global_shape: list[int]
     dim: int | None
-    pp_stage: int
+    pp_rank: int  # the pipeline rank whose files hold it (its stage, or stages under interleaved schedules)
     shards: list[Shard]
     kind: str = "param"  # "param" | "buffer" | "state"
-    split: str = "replicated"  # "replicated" | "rows" (uneven allowed) | "units" (whole heads) | "custom"
-    units: int | None = None
+    split: str = "replicated"  # "replicated" | "parts" (see `parts`) | "custom" (cannot be re-split)
+    parts: list[list] = field(default_factory=list)  # [[size, heads or None (rows)], ...] packed along `dim`
     param: str | None = None  # optimizer state: the parameter it belongs to
     like_param: bool = False  # optimizer state shaped (and split) like its parameter
 
@@ -71,7 +72,7 @@ class TensorEntry:
         if self.dim is None:
             return None
         ranges = tuple((int(s), int(e)) for s, e in shard.ranges)
-        return ShardLayout(tuple(self.global_shape), self.dim, ranges, replicas=len(shard.tp_ranks))
+        return ShardLayout(tuple(self.global_shape), self.dim, ranges, replicas=shard.replicas)
 
     def local_shape(self, shard: Shard) -> tuple[int, ...]:
         shape = list(self.global_shape)
@@ -181,8 +182,9 @@ def read_index(directory: str | Path) -> CheckpointIndex:
     return CheckpointIndex.from_json(text, str(index_path))
 
 
-def units_from_plan(model, plan: Mapping[str, object]) -> dict[str, int]:
-    """{parameter name: heads it is split in} for the split parameters of modules whose plan style has `units`.
+def units_from_plan(model, plan: Mapping[str, object]) -> dict[str, int | list]:
+    """{parameter name: heads it is split in (one entry per packed part, or one for all)} for the split
+    parameters of modules whose plan style has `units`.
 
     Resharding needs the head counts (a tp that does not divide them replicates heads, it never cuts one).
     """

@@ -18,7 +18,7 @@ from .consolidate import copy_configs
 from .metadata import CheckpointIndex, TensorEntry, model_file, optimizer_file, read_index, write_index
 from .reading import ShardFiles
 from .safetensors_io import SafetensorsWriter, dtype_from_name, nbytes
-from .sharding import assign_stages, resharded_entry
+from .sharding import assign_pp_ranks, resharded_entry
 
 
 def _check_size(name: str, value: object) -> int:
@@ -28,9 +28,11 @@ def _check_size(name: str, value: object) -> int:
 
 
 def _new_layout(index: CheckpointIndex, tp: int, pp: int) -> tuple[dict[str, TensorEntry], dict[str, TensorEntry]]:
-    stages = assign_stages(index.tensors, pp)
-    tensors = {n: resharded_entry(n, e, tp, stages[n], model_file) for n, e in index.tensors.items()}
-    state = {k: resharded_entry(k, e, tp, stages[e.param], optimizer_file) for k, e in index.optimizer_tensors.items()}
+    pp_ranks = assign_pp_ranks(index.tensors, pp)
+    tensors = {n: resharded_entry(n, e, tp, pp_ranks[n], model_file) for n, e in index.tensors.items()}
+    state = {
+        k: resharded_entry(k, e, tp, pp_ranks[e.param], optimizer_file) for k, e in index.optimizer_tensors.items()
+    }
     return tensors, state
 
 

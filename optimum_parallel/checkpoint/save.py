@@ -66,7 +66,7 @@ def save_model_checkpoint(
     as_sharded: bool = True,
     optimizer: torch.optim.Optimizer | None = None,
     *,
-    units: Mapping[str, int] | None = None,
+    units: Mapping[str, int | list] | None = None,
     max_shard_size: int | str = DEFAULT_MAX_SHARD_SIZE,
     progress: bool = False,
 ) -> Path:
@@ -98,7 +98,7 @@ def save_model_checkpoint(
     state_entries = {}
     if optimizer is not None:
         state_specs = {d["coords"][1:]: d["specs"]["state"] for d in replica0}
-        state_entries = entries_from_specs(state_specs, tp, optimizer_file, splits=entries)
+        state_entries = entries_from_specs(state_specs, tp, optimizer_file, owners=entries)
 
     def prepare() -> None:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -132,7 +132,7 @@ def save_model_checkpoint(
             mesh=dict(rank.sizes),
             model_class=type(model).__name__,
             tensors=entries,
-            tied=described[0]["tied"],
+            tied={alias: name for d in described for alias, name in d["tied"].items()},
             files=files,
             optimizer=described[0]["optimizer"],
             optimizer_tensors=state_entries,
