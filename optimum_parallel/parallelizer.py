@@ -117,11 +117,25 @@ class Parallelizer:
         as_regular: bool = False,
         as_sharded: bool = True,
         optimizer: torch.optim.Optimizer | None = None,
-    ) -> None:
-        """Save a sharded checkpoint (per-rank safetensors + layout metadata) and/or a regular HF one."""
-        save_model_checkpoint(model, output_dir, as_regular=as_regular, as_sharded=as_sharded, optimizer=optimizer)
+    ) -> Path:
+        """Save a sharded checkpoint (per-rank safetensors + layout metadata) and/or a regular HF one.
+
+        Call it on every rank. The family's plan supplies the head counts of split weights, for resharding.
+        """
+        from .checkpoint import units_from_plan
+
+        try:
+            units = units_from_plan(model, cls.plan(model, get_mesh(), True, False))
+        except (NotImplementedError, ValueError, RuntimeError):  # no plan here: resharding splits such weights by rows
+            units = None
+        return save_model_checkpoint(
+            model, output_dir, as_regular=as_regular, as_sharded=as_sharded, optimizer=optimizer, units=units
+        )
 
     @classmethod
-    def load_model_checkpoint(cls, model: nn.Module, load_dir: str | Path) -> None:
-        """Load this rank's shards of a sharded checkpoint into a parallelized `model`."""
-        load_model_checkpoint(model, load_dir)
+    def load_model_checkpoint(
+        cls, model: nn.Module, load_dir: str | Path, optimizer: torch.optim.Optimizer | None = None
+    ) -> None:
+        """Load this rank's shards of a sharded checkpoint into a parallelized `model`, and the optimizer state into
+        `optimizer` when given (build it with `optimizer_for_mp` first); call on every rank."""
+        load_model_checkpoint(model, load_dir, optimizer=optimizer)
