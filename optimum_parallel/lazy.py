@@ -134,14 +134,13 @@ class _LazyInit:
             for name, original, owner in self.modules:
                 stand_in = copy.copy(original)  # same class and attributes, real full-size parameters
                 stand_in._parameters = {
-                    k: nn.Parameter(torch.empty(p.shape, dtype=p.dtype), requires_grad=False)
+                    k: None if p is None else nn.Parameter(torch.empty(p.shape, dtype=p.dtype), requires_grad=False)
                     for k, p in original._parameters.items()
-                    if p is not None
                 }
                 owner._init_weights(stand_in)
                 for leaf, full in stand_in._parameters.items():
                     target = live.get(f"{name}.{leaf}" if name else leaf)
-                    if target is None or target[2].device.type != "meta":
+                    if full is None or target is None or target[2].device.type != "meta":
                         continue  # tied to (and initialised as) an earlier weight
                     module, attr, tensor = target
                     layout = _split(tensor)
