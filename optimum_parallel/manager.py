@@ -1,5 +1,8 @@
 """ParallelizersManager: model_type -> Parallelizer registry, filled from the entry-point group
-`optimum_parallel.parallelizers` (so third-party packages can add families without touching us)."""
+`optimum_parallel.parallelizers` (so third-party packages can add families without touching us).
+
+A model type without a registered parallelizer falls back to an automatic one built from its
+config's `base_model_tp_plan` (see `auto_plan`); a registered (hand-written) one always wins."""
 
 from __future__ import annotations
 
@@ -8,6 +11,7 @@ from importlib.metadata import entry_points
 
 from torch import nn
 
+from .auto_plan import auto_parallelizer, auto_plan_model_types
 from .parallelizer import Parallelizer
 
 ENTRY_POINT_GROUP = "optimum_parallel.parallelizers"
@@ -53,21 +57,34 @@ class ParallelizersManager:
         return model_type
 
     @classmethod
-    def get_supported_model_types(cls) -> list[str]:
+    def get_supported_model_types(cls, include_auto: bool = True) -> list[str]:
+        """Model types with a registered parallelizer and, with `include_auto`, those served by an
+        automatic plan from `base_model_tp_plan` (finding those imports every transformers config class)."""
         cls._discover()
-        return sorted(cls._registry)
+        types = set(cls._registry)
+        if include_auto:
+            types.update(auto_plan_model_types())
+        return sorted(types)
 
     @classmethod
     def is_model_supported(cls, model_type_or_model: str | nn.Module) -> bool:
         cls._discover()
-        return cls._model_type(model_type_or_model) in cls._registry
+        if cls._model_type(model_type_or_model) in cls._registry:
+            return True
+        return auto_parallelizer(model_type_or_model) is not None
 
     @classmethod
     def parallelizer_for_model(cls, model_type_or_model: str | nn.Module) -> type[Parallelizer]:
+        """The registered parallelizer of the model type, else one built from its `base_model_tp_plan`."""
         cls._discover()
         model_type = cls._model_type(model_type_or_model)
-        if model_type not in cls._registry:
+        if model_type in cls._registry:
+            return cls._registry[model_type]
+        automatic = auto_parallelizer(model_type_or_model)
+        if automatic is None:
             raise UnsupportedModelError(
-                f"model type {model_type!r} is not supported; supported: {', '.join(cls.get_supported_model_types())}"
+                f"model type {model_type!r} is not supported; supported: "
+                f"{', '.join(cls.get_supported_model_types(include_auto=False))}, and model types whose config "
+                "carries a base_model_tp_plan made of colwise/rowwise/packed/MoE-expert/replicated styles"
             )
-        return cls._registry[model_type]
+        return automatic
