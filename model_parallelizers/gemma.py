@@ -1,4 +1,4 @@
-"""Gemma and Gemma 2: Llama-style decoders; nothing beyond the Llama plan is needed.
+"""Gemma and Gemma 2: Llama-style decoders; nothing beyond the Llama plan is needed for tensor parallelism.
 
 The scaled word embedding keeps its `embed_scale` in the vocab-parallel embedding, the tied LM head
 shares the embedding's vocab split, attention soft-capping acts per head on local heads and the final
@@ -11,4 +11,11 @@ from .llama import LlamaParallelizer
 
 
 class GemmaParallelizer(LlamaParallelizer):
-    supports_sequence_parallel = False  # not verified for this family yet
+    supports_sequence_parallel = True  # the Llama sequence-parallel plan fits Gemma's layer layout
+    supports_pipeline_parallel = False  # not verified for this family yet
+
+
+class Gemma2Parallelizer(GemmaParallelizer):
+    """Gemma 2 adds pre/post feed-forward norms the Llama sequence-parallel plan does not mark: TP only."""
+
+    supports_sequence_parallel = False

@@ -16,7 +16,8 @@ from .llama import LlamaParallelizer
 
 
 class MoEParallelizer(LlamaParallelizer):
-    supports_sequence_parallel = False
+    supports_sequence_parallel = False  # the experts region enters from the whole sequence
+    supports_pipeline_parallel = False  # not verified for this family yet
 
     @classmethod
     def plan(cls, model, mesh, parallelize_embeddings, sequence_parallel_enabled):

@@ -13,10 +13,17 @@ from .llama import LlamaParallelizer
 
 
 class Qwen3Parallelizer(LlamaParallelizer):
-    supports_sequence_parallel = False  # not verified for this family yet
+    supports_sequence_parallel = True  # the norms act inside self_attn, which sees the whole sequence
+    supports_pipeline_parallel = False  # not verified for this family yet
 
     @classmethod
     def plan(cls, model, mesh, parallelize_embeddings, sequence_parallel_enabled):
         plan = super().plan(model, mesh, parallelize_embeddings, sequence_parallel_enabled)
         plan[prefix(model) + r"layers\.\d+\.self_attn\.(q|k)_norm"] = ReplicatedWithGradAllReduce()
         return plan
+
+
+class Gemma3TextParallelizer(Qwen3Parallelizer):
+    """Gemma 3 adds pre/post feed-forward norms the Llama sequence-parallel plan does not mark: TP only."""
+
+    supports_sequence_parallel = False

@@ -235,7 +235,7 @@ def compare_with_reference(reference, parallel, optimizer, batch) -> dict:
     return errors
 
 
-def check_family(model_dir: str, task: str, tp: int, batch: dict) -> dict:
+def check_family(model_dir: str, task: str, tp: int, batch: dict, sequence_parallel: bool = False) -> dict:
     import optimum_parallel as op
 
     op.init_mesh(dp=dist.get_world_size() // tp, tp=tp)
@@ -243,7 +243,7 @@ def check_family(model_dir: str, task: str, tp: int, batch: dict) -> dict:
     parallel = copy.deepcopy(reference)
     optimizer = torch.optim.AdamW(parallel.parameters(), lr=1e-2, weight_decay=0.1)
     parallelizer = op.ParallelizersManager.parallelizer_for_model(parallel)
-    parallel = parallelizer.parallelize(parallel)
+    parallel = parallelizer.parallelize(parallel, sequence_parallel_enabled=sequence_parallel)
     optimizer = parallelizer.optimizer_for_mp(optimizer, parallel.orig_param_to_parallel_param)
     errors = compare_with_reference(reference, parallel, optimizer, batch)
     errors["parallelizer"] = parallelizer.__name__
@@ -274,6 +274,21 @@ def test_family_matches_single_device(pool, tmp_path, model_type, task, tp, over
     results = pool.run(check_family, model_dir, task, tp, make_inputs(config, task))
     assert not results[0]["parallelizer"].startswith("AutoPlan"), "a hand-written parallelizer must be used"
     assert_matches(results)
+
+
+# Families that declare sequence parallelism (the Llama plan's sequence-parallel regions).
+SP_CASES = [
+    ("qwen3", 2, {}),
+    ("qwen3", 4, {"tie_word_embeddings": True}),
+    ("gemma", 4, {"num_key_value_heads": 1}),
+]
+
+
+@pytest.mark.parametrize("model_type,tp,overrides", SP_CASES, ids=[f"{m}-sp-tp{t}" for m, t, _ in SP_CASES])
+def test_family_sequence_parallel_matches_single_device(pool, tmp_path, model_type, tp, overrides):
+    config = family_config(model_type, **overrides)
+    model_dir = save_tiny_model(tmp_path / model_type, config, "causal")
+    assert_matches(pool.run(check_family, model_dir, "causal", tp, make_inputs(config, "causal"), True))
 
 
 # One config per family whose heads tp=4 cannot split.
