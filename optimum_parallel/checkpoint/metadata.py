@@ -167,7 +167,11 @@ def read_index(directory: str | Path) -> CheckpointIndex:
                 f"{index_path}: missing; {directory} is a regular Hugging Face checkpoint, not a sharded one "
                 "(load it with from_pretrained, lazily under lazy_load_for_parallelism)"
             )
-        raise CheckpointError(f"{index_path}: missing; {directory} is not a (complete) sharded checkpoint")
+        if any(directory.glob("model-pp*-tp*.safetensors")):
+            raise CheckpointError(
+                f"{index_path}: missing; the save into {directory} did not complete (interrupted?), refusing to load it"
+            )
+        raise CheckpointError(f"{index_path}: missing; {directory} is not a sharded checkpoint")
     if not marker.exists():
         raise CheckpointError(
             f"{marker}: missing; the save into {directory} did not complete (interrupted?), refusing to load it"

@@ -1,0 +1,369 @@
+"""Sharded checkpoints against the real single-device transformers model (gloo, 4 ranks): save -> consolidate ->
+from_pretrained, reshard tp=2 -> 4 / 1 with optimizer state, resume, SIGKILL mid-save, corrupted files, CLI."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+from _models import build_model, make_batch, rel_err, tiny_config
+from _pool import WorkerPool
+from safetensors.torch import load_file
+from transformers import AutoModelForCausalLM
+
+TOL = 1e-5
+LR = 1e-2
+LOAD = dict(dtype=torch.float32, attn_implementation="eager")
+# tied embeddings, a vocabulary tp=4 splits unevenly, 2 kv heads that tp=4 replicates
+CONFIG = dict(tie_word_embeddings=True, vocab_size=130, num_key_value_heads=2)
+
+
+@pytest.fixture(scope="module")
+def pool():
+    p = WorkerPool(4)
+    yield p
+    p.close()
+
+
+@pytest.fixture(scope="module")
+def hf_dir(tmp_path_factory) -> str:
+    path = tmp_path_factory.mktemp("hf") / "llama"
+    build_model(tiny_config("llama", **CONFIG), seed=7).save_pretrained(path)
+    return str(path)
+
+
+# ----------------------------------------------------------------------------------------------- worker helpers
+
+
+def _setup(hf_dir: str, tp: int, seed: int | None = None, new_mesh: bool = True):
+    """Parallel model (lazily loaded from `hf_dir`, or random with `seed`) and its AdamW (two param groups)."""
+    import optimum_parallel as op
+
+    if new_mesh:
+        op.init_mesh(dp=dist.get_world_size() // tp, tp=tp)
+    if seed is None:
+        with op.lazy_load_for_parallelism(tensor_parallel_size=tp):
+            model = AutoModelForCausalLM.from_pretrained(hf_dir, **LOAD)
+    else:
+        model = build_model(tiny_config("llama", **CONFIG), seed=seed)
+    model.eval()
+    params = list(model.parameters())
+    groups = [
+        {"params": [p for p in params if p.dim() >= 2], "weight_decay": 0.1},
+        {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},
+    ]
+    optimizer = op.make_optimizer_constructor_lazy(torch.optim.AdamW)(groups, lr=LR, betas=(0.9, 0.95))
+    parallelizer = op.ParallelizersManager.parallelizer_for_model(model)
+    model = parallelizer.parallelize(model)
+    return parallelizer, model, parallelizer.optimizer_for_mp(optimizer, model.orig_param_to_parallel_param)
+
+
+def _step(model, optimizer, batch) -> float:
+    loss = model(**batch).loss
+    loss.backward()
+    optimizer.step()
+    optimizer.zero_grad()
+    return loss.item()
+
+
+def _full_state(model) -> dict[str, torch.Tensor]:
+    """Every parameter in full, gathered from the tp ranks by their layouts (independently of the checkpoint code)."""
+    import optimum_parallel as op
+
+    group = op.get_mesh().tp_group
+    state = {}
+    for name, param in model.named_parameters():
+        layout = getattr(param, "shard_layout", None)
+        held: list = [None] * dist.get_world_size(group)
+        dist.all_gather_object(held, (layout, param.detach().clone()), group=group)
+        if layout is None or layout.dim is None:
+            state[name] = held[0][1]
+            continue
+        full = torch.empty(layout.global_shape, dtype=param.dtype)
+        for shard_layout, tensor in held:
+            offset = 0
+            for start, end in shard_layout.ranges:
+                full.narrow(layout.dim, start, end - start).copy_(tensor.narrow(layout.dim, offset, end - start))
+                offset += end - start
+        state[name] = full
+    return state
+
+
+def _probe(model, optimizer, batch) -> dict:
+    """Logits and loss now, then the loss after one more optimizer step (which needs the optimizer state)."""
+    out = model(**batch)
+    logits = model.lm_head.gather(out.logits).detach()
+    out.loss.backward()
+    optimizer.step()
+    optimizer.zero_grad()
+    return {"logits": logits, "loss": out.loss.item(), "next_loss": model(**batch).loss.item()}
+
+
+# ----------------------------------------------------------------------------------------------- save / consolidate
+
+
+def train_and_save(hf_dir: str, ckpt: str, tp: int, steps: int) -> dict:
+    parallelizer, model, optimizer = _setup(hf_dir, tp)
+    batch = make_batch(model.config)
+    losses = [_step(model, optimizer, batch) for _ in range(steps)]
+    parallelizer.save_model_checkpoint(model, ckpt, optimizer=optimizer, as_regular=True)
+    state = _full_state(model)
+    return {"losses": losses, "state": state, **_probe(model, optimizer, batch)}
+
+
+@pytest.fixture(scope="module")
+def saved(pool, hf_dir, tmp_path_factory) -> dict:
+    """A tp=2 (x dp=2) checkpoint after 2 AdamW steps, and what the parallel model looked like then."""
+    ckpt = str(tmp_path_factory.mktemp("saved") / "step2")
+    results = pool.run(train_and_save, hf_dir, ckpt, 2, 2)
+    return {"ckpt": ckpt, **results[0]}
+
+
+def test_consolidate_is_bit_identical_and_loads_in_transformers(saved, tmp_path):
+    import optimum_parallel as op
+
+    out = op.consolidate_checkpoint(saved["ckpt"], tmp_path / "hf", max_shard_size="60KB", progress=False)
+    files = sorted(p.name for p in out.glob("*.safetensors"))
+    assert len(files) > 1 and (out / "model.safetensors.index.json").exists() and (out / "config.json").exists()
+    tensors = {k: v for f in files for k, v in load_file(out / f).items()}
+    assert "lm_head.weight" not in tensors  # tied: stored once, as save_pretrained does
+    for name, full in saved["state"].items():
+        if name != "lm_head.weight":
+            assert torch.equal(tensors[name], full), f"{name} differs from the trained parallel weights"
+    model = AutoModelForCausalLM.from_pretrained(out, **LOAD)
+    assert rel_err(model(**make_batch(model.config)).logits, saved["logits"]) <= TOL
+    # as_regular=True wrote the same standard checkpoint next to the shards
+    regular = AutoModelForCausalLM.from_pretrained(saved["ckpt"], **LOAD)
+    assert all(torch.equal(a, b) for a, b in zip(regular.parameters(), model.parameters(), strict=True))
+
+
+def test_config_is_saved_unmodified(saved, hf_dir):
+    config = json.loads((Path(saved["ckpt"]) / "config.json").read_text())
+    assert config == json.loads((Path(hf_dir) / "config.json").read_text())
+
+
+# ----------------------------------------------------------------------------------------------- reshard / resume
+
+
+def load_and_probe(hf_dir: str, ckpt: str, tp: int, with_optimizer: bool = True) -> dict:
+    parallelizer, model, optimizer = _setup(hf_dir, tp, seed=99)  # other weights: the checkpoint must replace them
+    parallelizer.load_model_checkpoint(model, ckpt, optimizer=optimizer if with_optimizer else None)
+    return _probe(model, optimizer, make_batch(model.config))
+
+
+@pytest.mark.parametrize("tp", [4, 1])
+def test_reshard_keeps_logits_and_next_step(pool, hf_dir, saved, tmp_path, tp):
+    import optimum_parallel as op
+
+    target = op.reshard_checkpoint(saved["ckpt"], tmp_path / f"tp{tp}", tp=tp, progress=False)
+    assert op.checkpoint.read_index(target).mesh["tp"] == tp
+    for rank, result in enumerate(pool.run(load_and_probe, hf_dir, str(target), tp)):
+        assert rel_err(result["logits"], saved["logits"]) <= TOL, f"rank {rank}: logits"
+        assert abs(result["loss"] - saved["loss"]) <= TOL * abs(saved["loss"]), f"rank {rank}: loss"
+        assert abs(result["next_loss"] - saved["next_loss"]) <= TOL * abs(saved["next_loss"]), f"rank {rank}: step"
+    if tp == 4:  # the negative control: without the optimizer state the next step is clearly different
+        fresh = pool.run(load_and_probe, hf_dir, str(target), tp, False)[0]
+        assert abs(fresh["next_loss"] - saved["next_loss"]) > 1e-3
+
+
+def resume_curve(hf_dir: str, ckpt: str, steps: int, stop: int) -> dict:
+    """Losses of `steps` uninterrupted steps, and of `stop` steps + save + a fresh lazy model resumed from it."""
+    parallelizer, model, optimizer = _setup(hf_dir, 2)
+    batch = make_batch(model.config)
+    straight = [_step(model, optimizer, batch) for _ in range(steps)]
+    parallelizer, model, optimizer = _setup(hf_dir, 2, new_mesh=False)
+    resumed = [_step(model, optimizer, batch) for _ in range(stop)]
+    parallelizer.save_model_checkpoint(model, ckpt, optimizer=optimizer)
+    del model, optimizer
+    import optimum_parallel as op
+
+    with op.lazy_load_for_parallelism(tensor_parallel_size=2):
+        model = AutoModelForCausalLM.from_pretrained(hf_dir, **LOAD)
+    params = list(model.parameters())
+    groups = [
+        {"params": [p for p in params if p.dim() >= 2], "weight_decay": 0.1},
+        {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},
+    ]
+    optimizer = op.make_optimizer_constructor_lazy(torch.optim.AdamW)(groups, lr=LR, betas=(0.9, 0.95))
+    model = parallelizer.parallelize(model, checkpoint_dir=ckpt)
+    optimizer = parallelizer.optimizer_for_mp(optimizer, model.orig_param_to_parallel_param)
+    parallelizer.load_model_checkpoint(model, ckpt, optimizer=optimizer)
+    resumed += [_step(model, optimizer, batch) for _ in range(steps - stop)]
+    return {"straight": straight, "resumed": resumed}
+
+
+def test_resume_gives_the_same_loss_curve(pool, hf_dir, tmp_path):
+    for result in pool.run(resume_curve, hf_dir, str(tmp_path / "resume"), 6, 3):
+        assert result["resumed"] == result["straight"], result
+
+
+# ----------------------------------------------------------------------------------------------- damaged checkpoints
+
+
+def _damaged(saved: dict, tmp_path: Path, how: str) -> Path:
+    ckpt = tmp_path / how
+    shutil.copytree(saved["ckpt"], ckpt)
+    victim = ckpt / "model-pp00-tp01.safetensors"
+    if how == "truncated":
+        os.truncate(victim, victim.stat().st_size - 100)
+    elif how == "altered":
+        data = bytearray(victim.read_bytes())
+        data[-200] ^= 0xFF
+        victim.write_bytes(bytes(data))
+    elif how == "missing":
+        victim.unlink()
+    elif how == "index":
+        index = ckpt / "parallel_checkpoint.json"
+        index.write_text(index.read_text().replace('"tp": 2', '"tp": 4', 1))
+    return ckpt
+
+
+@pytest.mark.parametrize(
+    "how,message",
+    [
+        ("truncated", r"model-pp00-tp01\.safetensors: file has \d+ bytes, the checkpoint metadata expects"),
+        ("altered", r"model-pp00-tp01\.safetensors: tensor '.*' does not match its checksum"),
+        ("missing", r"model-pp00-tp01\.safetensors: checkpoint file is missing"),
+        ("index", r"parallel_checkpoint\.json: does not match the checksum in .*COMPLETE"),
+    ],
+)
+def test_damaged_checkpoint_is_rejected(saved, tmp_path, how, message):
+    import optimum_parallel as op
+    from optimum_parallel.checkpoint import CheckpointError
+
+    ckpt = _damaged(saved, tmp_path, how)
+    with pytest.raises(CheckpointError, match=message):
+        op.consolidate_checkpoint(ckpt, tmp_path / "out", progress=False)
+    assert not (tmp_path / "out").exists()
+    with pytest.raises(CheckpointError, match=message if how != "altered" else "sha256 does not match"):
+        op.checkpoint.verify_checkpoint(ckpt)
+
+
+def load_error(hf_dir: str, ckpt: str, tp: int) -> str:
+    """The error this rank gets loading `ckpt` (caught here, so the pool keeps its processes)."""
+    try:
+        load_and_probe(hf_dir, ckpt, tp)
+    except Exception as err:
+        return f"{type(err).__name__}: {err}"
+    return "no error"
+
+
+def test_damaged_or_mismatched_checkpoint_fails_every_rank(pool, hf_dir, saved, tmp_path):
+    errors = pool.run(load_error, hf_dir, str(_damaged(saved, tmp_path, "truncated")), 2)
+    for rank, error in enumerate(errors):
+        if rank % 2:  # the tp rank 1 ranks read the truncated file ...
+            assert error.startswith("CheckpointError: ") and "model-pp00-tp01.safetensors: file has" in error
+        else:  # ... and the others stop as well, rather than train on or wait for them
+            assert error.startswith("RuntimeError: loading") and "failed on other ranks: rank 1: Checkpoint" in error
+    for error in pool.run(load_error, hf_dir, saved["ckpt"], 4):
+        assert "saved at tp=2, pp=1, but the running mesh has tp=4, pp=1; convert it first" in error
+
+
+# ----------------------------------------------------------------------------------------------- SIGKILL mid-save
+
+
+def _kill_target(hf_dir: str, ckpt: str, reference: str, marker: str) -> None:
+    """Run under torchrun (2 ranks): save `ckpt`, keep a consolidated copy, then re-save `ckpt` and hang mid-write."""
+    import optimum_parallel as op
+    from optimum_parallel.checkpoint import safetensors_io
+
+    torch.set_num_threads(1)
+    op.init_mesh(tp=2)
+    parallelizer, model, optimizer = _setup(hf_dir, 2, new_mesh=False)
+    batch = make_batch(model.config)
+    _step(model, optimizer, batch)
+    parallelizer.save_model_checkpoint(model, ckpt, optimizer=optimizer)
+    if dist.get_rank() == 0:
+        op.consolidate_checkpoint(ckpt, reference, progress=False)
+    dist.barrier()
+    _step(model, optimizer, batch)
+    write = safetensors_io.SafetensorsWriter.write
+
+    def write_then_hang(self, name, tensor):
+        crc = write(self, name, tensor)
+        Path(marker).touch()
+        time.sleep(600)
+        return crc
+
+    safetensors_io.SafetensorsWriter.write = write_then_hang
+    parallelizer.save_model_checkpoint(model, ckpt, optimizer=optimizer)
+
+
+def test_sigkill_mid_save_keeps_previous_checkpoint(hf_dir, tmp_path):
+    import optimum_parallel as op
+    from optimum_parallel.checkpoint import CheckpointError, verify_checkpoint
+
+    ckpt, reference, marker = tmp_path / "ckpt", tmp_path / "reference", tmp_path / "mid-save"
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", __file__]
+    command += [hf_dir, str(ckpt), str(reference), str(marker)]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(Path(__file__).parent.parent)}
+    proc = subprocess.Popen(command, env=env, start_new_session=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    try:
+        deadline = time.monotonic() + 120
+        while not marker.exists():
+            assert proc.poll() is None, proc.stdout.read().decode()[-3000:]
+            assert time.monotonic() < deadline, "the save never started"
+            time.sleep(0.2)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)  # torchrun and both saving ranks, mid-write
+        proc.wait()
+    verify_checkpoint(ckpt)  # the previous checkpoint is whole ...
+    after = op.consolidate_checkpoint(ckpt, tmp_path / "after", progress=False)
+    for f in reference.glob("*.safetensors"):  # ... and unchanged
+        expected, actual = load_file(f), load_file(after / f.name)
+        assert expected.keys() == actual.keys() and all(torch.equal(expected[k], actual[k]) for k in expected)
+    partial = tmp_path / ".ckpt.partial"
+    assert partial.is_dir() and any(partial.glob("*.safetensors"))
+    with pytest.raises(CheckpointError, match="did not complete"):
+        op.consolidate_checkpoint(partial, tmp_path / "from-partial", progress=False)
+
+
+# ----------------------------------------------------------------------------------------------- command line
+
+
+def _cli(*args: str) -> tuple[int, str, str]:
+    from click.testing import CliRunner
+
+    from optimum_parallel.cli import main
+
+    result = CliRunner().invoke(main, list(args))
+    return result.exit_code, result.stdout, result.stderr
+
+
+def test_cli(saved, tmp_path):
+    code, out, err = _cli("reshard", saved["ckpt"], str(tmp_path / "tp4"), "--tp", "4", "--no-progress")
+    assert code == 0 and "tp=4" in out, err
+    code, out, err = _cli("consolidate", str(tmp_path / "tp4"), str(tmp_path / "hf"), "--no-progress")
+    assert code == 0 and (tmp_path / "hf" / "model.safetensors.index.json").exists(), err
+    code, out, err = _cli("reshard", saved["ckpt"], str(tmp_path / "tp3"), "--tp", "3")
+    assert code == 1 and err.strip().count("\n") == 0 and "q_proj.weight: cannot be split over tp=3" in err
+    code, out, err = _cli("inspect", str(tmp_path / "hf"))
+    assert code == 1 and "is a regular Hugging Face checkpoint" in err
+    code, out, err = _cli("reshard", saved["ckpt"], str(tmp_path / "x"))
+    assert code == 2 and "Missing option '--tp'" in err
+    for command in ("consolidate", "reshard", "inspect"):
+        code, out, err = _cli(command, "--help")
+        assert code == 0 and "CHECKPOINT" in out
+
+
+def test_cli_entry_point_inspects_and_verifies(saved):
+    command = [sys.executable, "-m", "optimum_parallel.cli", "inspect", saved["ckpt"], "--verify"]
+    result = subprocess.run(
+        command, capture_output=True, text=True, timeout=180, env={**os.environ, "OMP_NUM_THREADS": "1"}
+    )
+    assert result.returncode == 0, result.stderr
+    assert "saved at dp=2, pp=1, tp=2" in result.stdout and "verified: every file matches its sha256" in result.stdout
+
+
+if __name__ == "__main__":
+    _kill_target(*sys.argv[1:])
