@@ -21,6 +21,7 @@ from optimum_parallel.tensor_parallel import ColumnParallelLinear
 
 class LlamaParallelizer(Parallelizer):
     supports_sequence_parallel = True
+    supports_pipeline_parallel = True
 
     @staticmethod
     def _heads(model: nn.Module) -> tuple[int, int]:

@@ -57,8 +57,14 @@ def apply_data_parallel(
     """Make `model` (already tensor-parallel, or not) data-parallel over `mesh`'s dp dim; rebuild `optimizer`."""
     if mesh.size("dp") == 1:
         return model, optimizer
+    # Under pp the schedule calls the stage modules, not the model: the stages are the wrapped roots.
+    pipeline = getattr(model, "pipeline", None)
+    roots = list(pipeline.stages) if pipeline is not None else [model]
     if config.sharding_level <= 1:
-        replicate(model, process_group=mesh.group("dp"))
+        if pipeline is not None:  # one all-reduce of all gradients after the last micro-batch (DDP's reducer
+            pipeline.dp_group = mesh.group("dp")  # cannot follow a schedule's interleaved micro-batches)
+        else:
+            replicate(model, process_group=mesh.group("dp"))
         if optimizer is not None and config.sharding_level == 1:
             optimizer = _zero1(optimizer, mesh)
         return model, optimizer
@@ -67,9 +73,10 @@ def apply_data_parallel(
     dp_mesh = mesh.device_mesh["dp"]
     policy = MixedPrecisionPolicy(reduce_dtype=config.reduce_dtype)
     reshard = config.sharding_level == 3
-    for block in _blocks(model):
-        fully_shard(block, mesh=dp_mesh, reshard_after_forward=reshard, mp_policy=policy)
-    fully_shard(model, mesh=dp_mesh, reshard_after_forward=reshard, mp_policy=policy)
+    for root in roots:
+        for block in _blocks(root):
+            fully_shard(block, mesh=dp_mesh, reshard_after_forward=reshard, mp_policy=policy)
+        fully_shard(root, mesh=dp_mesh, reshard_after_forward=reshard, mp_policy=policy)
     if optimizer is not None:
         after = dict(model.named_parameters(remove_duplicate=False))
         optimizer = rebuild_optimizer(optimizer, {id(p): after[name] for name, p in before.items()})

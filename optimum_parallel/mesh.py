@@ -55,23 +55,27 @@ class ParallelMesh:
         return self.device_mesh.device_type
 
     def subgroups(self, dim: str, parts: int) -> dist.ProcessGroup:
-        """Split every group along `dim` into `parts` contiguous blocks; return this rank's block group.
+        """Split every group along `dim` into `parts` contiguous blocks; return this rank's block's group.
 
-        Used e.g. for the tp ranks that hold the same replicated kv head. Every rank takes part in
-        creating every block (torch requires it); groups are cached by their global ranks.
+        Used e.g. for the tp ranks that hold the same replicated kv head.
         """
+        size = self.sizes[_canonical_dim(dim)]
+        block = size // parts
+        mine = [self.group_of(dim, range(start, start + block)) for start in range(0, size, block)]
+        return next(group for group in mine if group is not None)
+
+    def group_of(self, dim: str, positions) -> dist.ProcessGroup | None:
+        """The group of the ranks at `positions` along `dim` (in every line of the mesh); None if this rank
+        is not among them. Every rank takes part in creating every group (torch requires it); cached."""
         dim = _canonical_dim(dim)
         mine = None
-        all_groups = self.device_mesh.mesh.movedim(MESH_DIMS.index(dim), -1).reshape(-1, self.sizes[dim])
-        for line in all_groups.tolist():
-            block = len(line) // parts
-            for start in range(0, len(line), block):
-                ranks = tuple(line[start : start + block])
-                if ranks not in self._extra_groups:
-                    self._extra_groups[ranks] = dist.new_group(list(ranks), timeout=self.timeout)
-                if dist.get_rank() in ranks:
-                    mine = self._extra_groups[ranks]
-        assert mine is not None
+        lines = self.device_mesh.mesh.movedim(MESH_DIMS.index(dim), -1).reshape(-1, self.sizes[dim])
+        for line in lines.tolist():
+            ranks = tuple(line[p] for p in positions)
+            if ranks not in self._extra_groups:
+                self._extra_groups[ranks] = dist.new_group(list(ranks), timeout=self.timeout)
+            if dist.get_rank() in ranks:
+                mine = self._extra_groups[ranks]
         return mine
 
 

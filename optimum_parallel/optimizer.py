@@ -13,16 +13,20 @@ def rebuild_optimizer(
     optimizer: torch.optim.Optimizer, old_to_new: Mapping[int, nn.Parameter]
 ) -> torch.optim.Optimizer:
     """The same optimizer class, param groups and hyper-parameters over the parameters `old_to_new` maps to
-    ({id(old parameter): new parameter}; unmapped ones are kept). State already held for a split parameter
-    is cut to its shard (`param.shard_layout`)."""
+    ({id(old parameter): new parameter, or None to drop it, e.g. on another pipeline stage}; unmapped ones are
+    kept). State already held for a split parameter is cut to its shard (`param.shard_layout`)."""
     groups = []
     for group in optimizer.param_groups:
         params = [old_to_new.get(id(p), p) for p in group["params"]]
-        groups.append({**{k: v for k, v in group.items() if k != "params"}, "params": params})
+        params = [p for p in params if p is not None]
+        if params:
+            groups.append({**{k: v for k, v in group.items() if k != "params"}, "params": params})
     accepted = inspect.signature(type(optimizer)).parameters
     new = type(optimizer)(groups, **{k: v for k, v in optimizer.defaults.items() if k in accepted})
     for old_param, state in optimizer.state.items():
         param = old_to_new.get(id(old_param), old_param)
+        if param is None:
+            continue
         layout = getattr(param, "shard_layout", None)
         new.state[param] = {
             k: layout.slice(v).clone()

@@ -12,6 +12,7 @@ from .checkpoint import load_model_checkpoint, save_model_checkpoint
 from .lazy import build_lazy_optimizer, is_lazy_optimizer, materialize_lazy_model
 from .mesh import ParallelMesh, get_mesh
 from .optimizer import rebuild_optimizer
+from .pipeline import apply_pipeline
 from .plan import apply_plan
 
 
@@ -46,6 +47,22 @@ class Parallelizer:
         return f"{prefix}." if prefix and isinstance(getattr(model, prefix, None), nn.Module) else ""
 
     @classmethod
+    def pipeline_split_spec(cls, model: nn.Module) -> str:
+        """The layer list the pipeline splits evenly: the decoder layers of the base model."""
+        return cls.base_model_prefix(model) + "layers"
+
+    @classmethod
+    def _check_pipeline(cls, input_names: list[str] | None, sequence_parallel: bool) -> None:
+        if not cls.supports_pipeline_parallel:
+            raise NotImplementedError(f"{cls.__name__} does not support pipeline parallelism (pp > 1)")
+        if sequence_parallel:
+            raise NotImplementedError("sequence parallelism together with pipeline parallelism is not supported yet")
+        allowed = ("input_ids", "attention_mask", "labels")
+        unknown = [name for name in input_names or () if name not in allowed]
+        if unknown:
+            raise ValueError(f"pipeline_parallel_input_names {unknown} not supported; allowed: {', '.join(allowed)}")
+
+    @classmethod
     def _parallelize(
         cls,
         model: nn.Module,
@@ -72,23 +89,39 @@ class Parallelizer:
         pipeline_parallel_num_microbatches: int = 1,
         pipeline_parallel_use_zero1_optimizer: bool = False,
         checkpoint_dir: str | Path | None = None,
+        pipeline_parallel_schedule: str = "1f1b",
     ) -> nn.Module:
         """Parallelize `model` over the current mesh (see `init_mesh`) and return it.
 
-        The mapping {id(original parameter): parallel parameter} is left on
+        Under pp > 1 the rank keeps only its pipeline stages; train with `model.run_train(**batch)`.
+        `pipeline_parallel_use_zero1_optimizer` is accepted for optimum-neuron compatibility: here the
+        data-parallel wrappers own gradient averaging whatever the optimizer. The mapping
+        {id(original parameter): parallel parameter, or None if it lives on another stage} is left on
         `model.orig_param_to_parallel_param` for `optimizer_for_mp`.
         """
         mesh = get_mesh()
         if sequence_parallel_enabled and not cls.supports_sequence_parallel:
             raise NotImplementedError(f"{cls.__name__} does not support sequence parallelism")
-        if (
-            mesh.size("pp") > 1
-            or pipeline_parallel_input_names
-            or pipeline_parallel_num_microbatches != 1
-            or pipeline_parallel_use_zero1_optimizer
-        ):
-            raise NotImplementedError("pipeline parallelism (pp > 1, pipeline_parallel_*) is not available yet")
+        pipelined = mesh.size("pp") > 1
+        if pipelined:
+            cls._check_pipeline(pipeline_parallel_input_names, sequence_parallel_enabled)
+        elif pipeline_parallel_num_microbatches != 1:
+            raise ValueError(
+                f"pipeline_parallel_num_microbatches={pipeline_parallel_num_microbatches} needs a mesh with pp > 1"
+            )
         model = cls._parallelize(model, device, parallelize_embeddings, sequence_parallel_enabled)
+        if pipelined:
+            apply_pipeline(
+                model,
+                mesh,
+                cls.pipeline_split_spec(model),
+                pipeline_parallel_num_microbatches,
+                pipeline_parallel_schedule,
+            )
+            present = {id(p) for p in model.parameters()}
+            model.orig_param_to_parallel_param = {
+                k: (v if id(v) in present else None) for k, v in model.orig_param_to_parallel_param.items()
+            }
         materialize_lazy_model(model, device)  # no-op unless built under lazy_load_for_parallelism
         if device is not None:
             model.to(device)

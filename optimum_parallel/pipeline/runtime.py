@@ -1,0 +1,239 @@
+"""Pipeline-parallel training on torch.distributed.pipelining: stages, schedules, run_train / run_eval."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.pipelining import (
+    PipelineStage,
+    Schedule1F1B,
+    ScheduleGPipe,
+    ScheduleInterleaved1F1B,
+    ScheduleInterleavedZeroBubble,
+    ScheduleZBVZeroBubble,
+)
+
+from ..config import SplitPoint
+from ..mesh import ParallelMesh
+from .split import find_layer_list, stage_layers
+from .stage import DecoderStage, prune_to_stages
+
+# name -> (schedule class, stages per rank, placement: "loop" = r, r+pp, ...; "v" = r, 2pp-1-r)
+SCHEDULES = {
+    "gpipe": (ScheduleGPipe, 1, "loop"),
+    "1f1b": (Schedule1F1B, 1, "loop"),
+    "interleaved_1f1b": (ScheduleInterleaved1F1B, 2, "loop"),
+    "interleaved_zb": (ScheduleInterleavedZeroBubble, 2, "loop"),
+    "zbv": (ScheduleZBVZeroBubble, 2, "v"),
+}
+
+
+def _stage_indices(rank: int, pp: int, per_rank: int, placement: str) -> list[int]:
+    if placement == "v":
+        return [rank, 2 * pp - 1 - rank]
+    return [rank + k * pp for k in range(per_rank)]
+
+
+def _stage_owner(index: int, pp: int, placement: str) -> int:
+    """The pp position holding stage `index`."""
+    if placement == "v":
+        return index if index < pp else 2 * pp - 1 - index
+    return index % pp
+
+
+@dataclass
+class PipelineOutput:
+    loss: torch.Tensor | None
+    logits: torch.Tensor | None  # the last stage's (None elsewhere)
+
+
+class Pipeline:
+    """The rank's stages and the schedule that drives them; `run_train` / `run_eval` take a whole batch."""
+
+    def __init__(
+        self,
+        model: nn.Module,
+        stages: list[DecoderStage],
+        mesh: ParallelMesh,
+        schedule: str,
+        num_microbatches: int,
+        tied: nn.Parameter | None,
+    ) -> None:
+        self.model, self.stages, self.mesh = model, stages, mesh
+        self.num_microbatches = num_microbatches
+        self.pp_group = mesh.group("pp")
+        schedule_cls, per_rank, self.placement = SCHEDULES[schedule]
+        num_stages = self.num_stages = mesh.size("pp") * per_rank
+        self.stages_by_index = {stage.stage_index: stage for stage in stages}
+        device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+        self.pipeline_stages = [
+            PipelineStage(stage, stage.stage_index, num_stages, device, group=self.pp_group) for stage in stages
+        ]
+        single = per_rank == 1
+        self.schedule = schedule_cls(
+            self.pipeline_stages[0] if single else self.pipeline_stages, num_microbatches, loss_fn=self._loss
+        )
+        self.holds_first = any(s.is_first for s in stages)
+        self.holds_last = any(s.is_last for s in stages)
+        self.tied = tied
+        self.dp_group: dist.ProcessGroup | None = None  # set by data parallelism at sharding levels 0-1
+        first, last = self.owner(0), self.owner(num_stages - 1)
+        self.last_rank = mesh.ranks("pp")[last]
+        # tied embedding / LM head on two ranks: their gradients are summed (one rank holding both needs nothing)
+        self.tied_group = mesh.group_of("pp", (first, last)) if tied is not None and first != last else None
+
+    def owner(self, index: int) -> int:
+        return _stage_owner(index, self.mesh.size("pp"), self.placement)
+
+    def _loss(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        return self.model.loss_function(logits=logits, labels=labels, vocab_size=self.model.config.vocab_size)
+
+    def _inputs(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None):
+        if input_ids.shape[0] % self.num_microbatches:
+            raise ValueError(
+                f"batch size {input_ids.shape[0]} is not divisible by pipeline_parallel_num_microbatches="
+                f"{self.num_microbatches}"
+            )
+        if attention_mask is None:
+            attention_mask = torch.ones_like(input_ids)
+        return (input_ids, attention_mask) if self.holds_first else ()
+
+    def _share_loss(self, losses: list[torch.Tensor]) -> torch.Tensor:
+        """The mean micro-batch loss, computed on the last stage, on every rank of the pipeline."""
+        loss = torch.stack([x.detach().float() for x in losses]).mean() if self.holds_last else torch.zeros(())
+        dist.broadcast(loss, src=self.last_rank, group=self.pp_group)
+        return loss
+
+    def run_train(
+        self, input_ids: torch.Tensor, labels: torch.Tensor, attention_mask: torch.Tensor | None = None, **unused
+    ) -> torch.Tensor:
+        """Forward and backward over all micro-batches (gradients accumulated); returns the mean loss."""
+        _reject(unused)
+        losses: list[torch.Tensor] = []
+        target = labels if self.holds_last else None
+        self.schedule.step(*self._inputs(input_ids, attention_mask), target=target, losses=losses, return_outputs=False)
+        self._sync_tied_gradients()
+        self._average_gradients_over_dp()
+        return self._share_loss(losses)
+
+    @torch.no_grad()
+    def run_eval(
+        self,
+        input_ids: torch.Tensor,
+        labels: torch.Tensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        **unused,
+    ) -> PipelineOutput:
+        """Forward only, micro-batch by micro-batch through the stages in order (any placement, any schedule);
+        the loss (if labels are given) on every rank, the logits on the last stage."""
+        _reject(unused)
+        self._inputs(input_ids, attention_mask)
+        mask = torch.ones_like(input_ids) if attention_mask is None else attention_mask
+        chunks = zip(input_ids.chunk(self.num_microbatches), mask.chunk(self.num_microbatches), strict=True)
+        losses, logits = [], []
+        for index, (ids, chunk_mask) in enumerate(chunks):
+            out = self._forward_through_stages(ids, chunk_mask)
+            if out is not None:
+                logits.append(out)
+                if labels is not None:
+                    losses.append(self._loss(out, labels.chunk(self.num_microbatches)[index]))
+        loss = self._share_loss(losses) if labels is not None else None
+        return PipelineOutput(loss=loss, logits=torch.cat(logits) if logits else None)
+
+    def _forward_through_stages(self, input_ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor | None:
+        """Run every stage this rank holds, receiving from / sending to the ranks of the neighbouring stages."""
+        ranks, me = self.mesh.ranks("pp"), self.mesh.rank("pp")
+        hidden = None
+        for index in range(self.num_stages):
+            stage = self.stages_by_index.get(index)
+            if stage is None:
+                continue
+            if index > 0 and self.owner(index - 1) != me:
+                shape = (*input_ids.shape, self.model.config.hidden_size)
+                hidden = torch.empty(shape, dtype=next(stage.parameters()).dtype)
+                dist.recv(hidden, src=ranks[self.owner(index - 1)], group=self.pp_group)
+            out = stage(input_ids if index == 0 else hidden, mask)
+            if index == self.num_stages - 1:
+                return out
+            hidden = out[0]
+            if self.owner(index + 1) != me:
+                dist.send(hidden.contiguous(), dst=ranks[self.owner(index + 1)], group=self.pp_group)
+        return None
+
+    def _average_gradients_over_dp(self) -> None:
+        """Replicated data parallelism under pp: one flat all-reduce of every gradient after the whole batch."""
+        if self.dp_group is None:
+            return
+        grads = [p.grad for stage in self.stages for p in stage.parameters() if p.grad is not None]
+        flat = torch._utils._flatten_dense_tensors(grads)
+        dist.all_reduce(flat, group=self.dp_group)
+        flat /= dist.get_world_size(self.dp_group)
+        for grad, synced in zip(grads, torch._utils._unflatten_dense_tensors(flat, grads), strict=True):
+            grad.copy_(synced)
+
+    def _sync_tied_gradients(self) -> None:
+        """The embedding (first stage) and the tied LM head (last stage) are one weight: sum their gradients."""
+        if self.tied_group is None or self.tied.grad is None:
+            return
+        dist.all_reduce(self.tied.grad, group=self.tied_group)
+
+
+def _reject(unused: Mapping) -> None:
+    if unused:
+        raise TypeError(f"pipeline batches take input_ids, labels and attention_mask; got also {sorted(unused)}")
+
+
+def _blocked_forward(*args, **kwargs):
+    raise RuntimeError(
+        "this model is pipeline-parallel: call model.run_train(**batch) (forward + backward, returns the loss) "
+        "or model.run_eval(**batch) instead of model(**batch)"
+    )
+
+
+def apply_pipeline(
+    model: nn.Module,
+    mesh: ParallelMesh,
+    split_spec: str | Mapping[str, SplitPoint],
+    num_microbatches: int,
+    schedule: str = "1f1b",
+) -> Pipeline:
+    """Split `model` into stages for this rank's pp position, prune the rest, and attach run_train/run_eval."""
+    if schedule not in SCHEDULES:
+        raise ValueError(f"pipeline schedule {schedule!r} is not known; allowed: {', '.join(SCHEDULES)}")
+    pp = mesh.size("pp")
+    if num_microbatches < pp:
+        raise ValueError(f"pipeline_parallel_num_microbatches={num_microbatches} must be >= pp={pp}")
+    prefix = split_spec if isinstance(split_spec, str) else next(iter(split_spec)).rpartition(".")[0]
+    layers = find_layer_list(model, prefix)
+    base = model.get_submodule(prefix.rpartition(".")[0])
+    if not all(hasattr(base, name) for name in ("embed_tokens", "norm")) or not hasattr(model, "lm_head"):
+        raise NotImplementedError(
+            f"pipeline parallelism needs a decoder with embed_tokens, layers, norm and lm_head; "
+            f"{type(model).__name__} is not supported yet"
+        )
+    _, per_rank, placement = SCHEDULES[schedule]
+    num_stages = pp * per_rank
+    ranges = stage_layers(len(layers), num_stages, split_spec, prefix)
+    indices = _stage_indices(mesh.rank("pp"), pp, per_rank, placement)
+    if dist.get_rank() == 0:
+        split = ", ".join(f"stage {i}: layers {r.start}-{r.stop - 1}" for i, r in enumerate(ranges))
+        print(f"[optimum-parallel] pipeline {pp} ranks x {per_rank} stages ({schedule}): {split}")
+
+    tied = model.lm_head.weight if model.lm_head.weight is base.embed_tokens.weight else None
+    stages = []
+    for index in indices:
+        stage = DecoderStage(model, base, ranges[index], index == 0, index == num_stages - 1)
+        stage.stage_index = index
+        stages.append(stage)
+    keep = {i for index in indices for i in ranges[index]}
+    prune_to_stages(model, base, keep, 0 in indices, num_stages - 1 in indices)
+    pipeline = Pipeline(model, stages, mesh, schedule, num_microbatches, tied)
+    model.pipeline = pipeline
+    model.run_train = pipeline.run_train
+    model.run_eval = pipeline.run_eval
+    model.forward = _blocked_forward
+    return pipeline

@@ -1,0 +1,78 @@
+"""Pipeline stages built by hand from a Hugging Face decoder (tracing fails on HF models).
+
+A rank keeps only its stages' modules: the other decoder layers become parameter-less placeholders, so
+parameter names (and checkpoints) do not change. A stage runs the model's own forward over its layers:
+positions, rotary embeddings and causal masks (the `global_spec` tensors) are recomputed on every
+stage from the hidden states; the padding mask travels with the activations.
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+
+import torch
+from torch import nn
+
+
+class _Placeholder(nn.Identity):
+    """Stands in for a decoder layer that lives on another pipeline rank."""
+
+    def forward(self, *args, **kwargs):
+        raise RuntimeError("this decoder layer lives on another pipeline stage")
+
+
+class DecoderStage(nn.Module):
+    """One pipeline stage of a decoder-only HF model. Its parameters are exactly the stage's ones.
+
+    first stage:  (input_ids, attention_mask) -> (hidden_states, attention_mask)
+    middle:       (hidden_states, attention_mask) -> (hidden_states, attention_mask)
+    last stage:   (hidden_states, attention_mask) -> logits
+    """
+
+    def __init__(self, model: nn.Module, base: nn.Module, layers: range, is_first: bool, is_last: bool) -> None:
+        super().__init__()
+        object.__setattr__(self, "_model", model)  # not a submodule: a rank's stages share the model
+        object.__setattr__(self, "_base", base)
+        self.layers = nn.ModuleList(base.layers[i] for i in layers)
+        self.embed_tokens = base.embed_tokens if is_first else None
+        self.norm = base.norm if is_last else None
+        self.lm_head = model.lm_head if is_last else None
+        self.is_first, self.is_last = is_first, is_last
+        self.layer_range = layers
+
+    @contextmanager
+    def _stage_view(self):
+        """The base model sees only this stage's layers (and no final norm unless it is the last stage)."""
+        modules = self._base._modules
+        saved = modules["layers"], modules["norm"]
+        modules["layers"] = self.layers
+        if not self.is_last:
+            modules["norm"] = nn.Identity()
+        try:
+            yield
+        finally:
+            modules["layers"], modules["norm"] = saved
+
+    def forward(self, x: torch.Tensor, attention_mask: torch.Tensor):
+        inputs = {"input_ids": x} if self.is_first else {"inputs_embeds": x}
+        with self._stage_view():
+            if self.is_last:  # the model's own head code (soft-capping and the like), no loss
+                return (
+                    type(self._model)
+                    .forward(self._model, attention_mask=attention_mask, use_cache=False, **inputs)
+                    .logits
+                )
+            hidden = self._base(attention_mask=attention_mask, use_cache=False, **inputs).last_hidden_state
+        return hidden, attention_mask
+
+
+def prune_to_stages(model: nn.Module, base: nn.Module, keep: set[int], first: bool, last: bool) -> None:
+    """Drop every module this rank's stages do not use (layers become placeholders; names stay)."""
+    for index in range(len(base.layers)):
+        if index not in keep:
+            base.layers[index] = _Placeholder()
+    if not first:
+        base.embed_tokens = None
+    if not last:
+        base.norm = None
+        model.lm_head = None

@@ -1,0 +1,140 @@
+"""Pipeline parallelism on torch.distributed.pipelining schedules, composed with tp and dp (gloo, 4 ranks),
+against one process on the whole batch."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.distributed as dist
+from _checks import TOL
+from _models import build_model, make_batch, rel_err, tiny_config
+from _pool import WorkerPool
+
+
+@pytest.fixture(scope="module")
+def pool():
+    p = WorkerPool(4)
+    yield p
+    p.close()
+
+
+def pipeline_batch(config, rows: int = 4) -> dict[str, torch.Tensor]:
+    """Padding and -100 labels, the same number of labelled tokens in every micro-batch row."""
+    batch = make_batch(config, batch=rows)
+    batch["attention_mask"][:] = 1
+    batch["attention_mask"][:, :2] = 0
+    batch["labels"] = batch["input_ids"].clone()
+    batch["labels"][:, :2] = -100
+    batch["labels"][:, 8] = -100
+    return batch
+
+
+def check_pipeline(pp: int, tp: int, schedule: str, microbatches: int, steps: int, overrides: dict) -> dict:
+    """Loss and every gradient of the first step, then the loss over `steps` AdamW steps."""
+    import optimum_parallel as op
+
+    dp = dist.get_world_size() // (pp * tp)
+    mesh = op.init_mesh(dp=dp, pp=pp, tp=tp)
+    config = tiny_config("llama", num_hidden_layers=4, **overrides)
+    reference = build_model(config)
+    model = copy.deepcopy(reference)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+    ref_optimizer = torch.optim.AdamW(reference.parameters(), lr=1e-2, weight_decay=0.1)
+    parallelizer = op.ParallelizersManager.parallelizer_for_model(model)
+    model = parallelizer.parallelize(
+        model, pipeline_parallel_num_microbatches=microbatches, pipeline_parallel_schedule=schedule
+    )
+    optimizer = parallelizer.optimizer_for_mp(optimizer, model.orig_param_to_parallel_param)
+    if dp > 1:
+        from optimum_parallel.data_parallel import DataParallelConfig, apply_data_parallel
+
+        model, optimizer = apply_data_parallel(model, optimizer, mesh, DataParallelConfig(sharding_level=0))
+    batch = pipeline_batch(config, rows=4 * dp)
+    rows = slice(4 * mesh.rank("dp"), 4 * mesh.rank("dp") + 4)
+    local = {k: v[rows] for k, v in batch.items()}
+
+    losses, grads = [], {}
+    ref_params = dict(reference.named_parameters(remove_duplicate=False))  # tied: lm_head.weight too
+    for step in range(steps):
+        ref_loss = reference(**batch).loss
+        ref_loss.backward()
+        loss = model.run_train(**local)
+        if dp > 1:
+            dist.all_reduce(loss, group=mesh.group("dp"))
+            loss = loss / dp
+        losses.append(rel_err(loss, ref_loss))
+        if step == 0:
+            for name, param in model.named_parameters():
+                layout = getattr(param, "shard_layout", None)
+                expected = ref_params[name].grad
+                grads[name] = rel_err(param.grad, layout.slice(expected) if layout is not None else expected)
+        ref_optimizer.step()
+        optimizer.step()
+        ref_optimizer.zero_grad()
+        optimizer.zero_grad()
+    evaluated = model.run_eval(**local)
+    return {
+        "loss": max(losses),
+        "worst_grad": max(grads.values()),
+        "n_params": len(grads),
+        "eval_loss": (mesh.rank("dp"), round(evaluated.loss.item(), 6)),
+        "has_logits": evaluated.logits is not None,
+    }
+
+
+CASES = [
+    # pp, tp, schedule, micro-batches, steps, config overrides
+    (2, 1, "gpipe", 2, 1, {}),
+    (2, 1, "1f1b", 4, 1, {"tie_word_embeddings": True}),
+    (2, 1, "interleaved_1f1b", 2, 1, {}),
+    (2, 2, "zbv", 2, 1, {}),
+    (4, 1, "1f1b", 4, 1, {}),
+    (4, 1, "gpipe", 4, 1, {"tie_word_embeddings": True}),
+    (2, 2, "1f1b", 2, 3, {}),  # pp=2 x tp=2
+    (2, 1, "1f1b", 2, 3, {"num_key_value_heads": 4}),  # dp=2 x pp=2
+]
+
+
+@pytest.mark.parametrize("pp,tp,schedule,microbatches,steps,overrides", CASES,
+                         ids=[f"pp{c[0]}-tp{c[1]}-{c[2]}-m{c[3]}-{i}" for i, c in enumerate(CASES)])
+def test_matches_single_device(pool, pp, tp, schedule, microbatches, steps, overrides):
+    results = pool.run(check_pipeline, pp, tp, schedule, microbatches, steps, overrides)
+    for rank, result in enumerate(results):
+        assert result["loss"] <= TOL and result["worst_grad"] <= TOL, f"rank {rank}: {result}"
+    assert sum(r["n_params"] for r in results) >= len(list(build_model(tiny_config("llama")).parameters()))
+    eval_losses = {r["eval_loss"] for r in results}
+    assert len(eval_losses) == len({dp for dp, _ in eval_losses}), f"one eval loss per pipeline: {eval_losses}"
+
+
+def check_pipeline_errors(case: str) -> str:
+    import optimum_parallel as op
+
+    op.init_mesh(dp=2, pp=2, tp=1)
+    model = build_model(tiny_config("llama", num_hidden_layers=4))
+    parallelizer = op.ParallelizersManager.parallelizer_for_model(model)
+    try:
+        if case == "microbatches":
+            parallelizer.parallelize(model, pipeline_parallel_num_microbatches=1)
+        elif case == "schedule":
+            parallelizer.parallelize(model, pipeline_parallel_num_microbatches=2, pipeline_parallel_schedule="2f2b")
+        elif case == "forward":
+            model = parallelizer.parallelize(model, pipeline_parallel_num_microbatches=2)
+            model(**make_batch(model.config))
+    except (ValueError, RuntimeError) as err:
+        return str(err)
+    return "no error"
+
+
+@pytest.mark.parametrize(
+    "case,words",
+    [
+        ("microbatches", ["pipeline_parallel_num_microbatches=1", ">= pp=2"]),
+        ("schedule", ["'2f2b'", "1f1b", "interleaved_1f1b", "zbv"]),
+        ("forward", ["run_train", "run_eval"]),
+    ],
+)
+def test_pipeline_errors(pool, case, words):
+    for message in pool.run(check_pipeline_errors, case):
+        assert all(w in message for w in words), message
