@@ -58,3 +58,4 @@ def main(steps: int = 5) -> list[float]:
 
 if __name__ == "__main__":
     main()
+    torch.distributed.destroy_process_group()

@@ -2,12 +2,13 @@
 
 from .api import parallelize
 from .checkpoint import consolidate_checkpoint, reshard_checkpoint
-from .config import ParallelConfig, PipelineParallelConfig, SplitPoint, TensorParallelConfig
+from .config import ParallelConfig, PipelineParallelConfig, TensorParallelConfig
 from .data_parallel import DataParallelConfig
 from .lazy import lazy_load_for_parallelism, make_optimizer_constructor_lazy
 from .manager import ParallelizersManager, UnsupportedModelError
 from .mesh import ParallelMesh, get_mesh, init_mesh, set_mesh
 from .parallelizer import Parallelizer
+from .pipeline import SplitPoint
 from .plan import apply_plan, check_plan, parallel_layouts
 from .sequence_parallel import (
     SequenceParallelBegin,

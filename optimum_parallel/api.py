@@ -1,6 +1,7 @@
 """`parallelize(model, optimizer, mesh, config)`: Paddle's front door, on the same engine as the Parallelizers.
 
-Composition order (torchtitan's): pipeline split -> tensor/sequence parallel plan -> data parallel.
+Composition: tensor/sequence-parallel plan (on the whole model, so every rank checks the same plan) ->
+pipeline split (the rank keeps its stages) -> data parallel (on the stages).
 Everything is validated first (config, mesh, plan), so a bad call raises on every rank before any
 module or parameter changes.
 """
@@ -13,11 +14,13 @@ from collections.abc import Mapping
 import torch
 from torch import nn
 
-from .config import ParallelConfig
+from .config import ParallelConfig, PipelineParallelConfig
 from .data_parallel import apply_data_parallel
 from .lazy import build_lazy_optimizer, is_lazy_optimizer, materialize_lazy_model
 from .mesh import ParallelMesh, get_mesh
 from .optimizer import rebuild_optimizer
+from .pipeline import SCHEDULES, apply_pipeline
+from .pipeline.split import find_layer_list, stage_layers
 from .plan import apply_plan, check_plan
 
 
@@ -38,19 +41,41 @@ def parallelize(
         return model, optimizer
     mesh = _resolve_mesh(mesh, parsed)
     if parsed.pp_config is not None:
-        raise NotImplementedError("pp_config: pipeline parallelism is not available yet")
+        _check_pipeline_config(model, parsed.pp_config, mesh)
     if parsed.mp_config is not None:
         check_plan(model, parsed.mp_config.parallelize_plan, mesh)
 
-    if parsed.mp_config is not None:
+    mapping = {}
+    if parsed.mp_config is not None:  # on the whole model first, so every rank resolves the same plan
         mapping = apply_plan(model, parsed.mp_config.parallelize_plan, mesh)
-        materialize_lazy_model(model)
-        if optimizer is not None:
-            build = build_lazy_optimizer if is_lazy_optimizer(optimizer) else rebuild_optimizer
-            optimizer = build(optimizer, mapping)
+    if parsed.pp_config is not None:
+        pp = parsed.pp_config
+        apply_pipeline(model, mesh, pp.split_spec, pp.num_microbatches or mesh.size("pp"), pp.schedule)
+        present = {id(p) for p in model.parameters()}
+        mapping = {k: (v if id(v) in present else None) for k, v in mapping.items()}
+        mapping.update({id(p): None for p in _all_params(optimizer) if id(p) not in mapping and id(p) not in present})
+    materialize_lazy_model(model)
+    if optimizer is not None and (mapping or is_lazy_optimizer(optimizer)):
+        build = build_lazy_optimizer if is_lazy_optimizer(optimizer) else rebuild_optimizer
+        optimizer = build(optimizer, mapping)
     if parsed.dp_config is not None:
         model, optimizer = apply_data_parallel(model, optimizer, mesh, parsed.dp_config)
     return model, optimizer
+
+
+def _all_params(optimizer: torch.optim.Optimizer | None) -> list:
+    return [p for group in optimizer.param_groups for p in group["params"]] if optimizer is not None else []
+
+
+def _check_pipeline_config(model: nn.Module, config: PipelineParallelConfig, mesh: ParallelMesh) -> None:
+    split = config.split_spec
+    prefix = split if isinstance(split, str) else next(iter(split), "").rpartition(".")[0]
+    stages = mesh.size("pp") * SCHEDULES[config.schedule][1]
+    stage_layers(len(find_layer_list(model, prefix)), stages, split, prefix)
+    if config.num_microbatches is not None and config.num_microbatches < mesh.size("pp"):
+        raise ValueError(f"pp_config['num_microbatches'] = {config.num_microbatches} must be >= pp={mesh.size('pp')}")
+    if config.global_spec is not None and config.global_spec not in dict(model.named_modules()):
+        raise ValueError(f"pp_config['global_spec'] = {config.global_spec!r} names no module of {type(model).__name__}")
 
 
 def _resolve_mesh(mesh: ParallelMesh | None, config: ParallelConfig) -> ParallelMesh:

@@ -5,18 +5,11 @@ Every problem raises one error that names the key and what is allowed, before an
 
 from __future__ import annotations
 
-import enum
 from collections.abc import Mapping
 from dataclasses import MISSING, dataclass, fields
 
 from .data_parallel import DataParallelConfig
-
-
-class SplitPoint(enum.Enum):
-    """Where a pipeline stage boundary sits relative to the named layer."""
-
-    BEGINNING = "beginning"
-    END = "end"
+from .pipeline import SCHEDULES, SplitPoint
 
 
 @dataclass
@@ -35,10 +28,14 @@ class TensorParallelConfig:
 
 @dataclass
 class PipelineParallelConfig:
-    """`pp_config`: `split_spec` (a layer-list prefix, or {layer name: SplitPoint}); `global_spec` (a layer name)."""
+    """`pp_config`: `split_spec` (a layer-list prefix split evenly, or {"prefix.N": SplitPoint} exact cuts);
+    `global_spec` (a module whose outputs every stage needs, e.g. "model.rotary_emb": each stage recomputes it);
+    `schedule` (a name from `SCHEDULES`); `num_microbatches` (>= pp; default pp)."""
 
     split_spec: str | Mapping[str, SplitPoint]
     global_spec: str | None = None
+    schedule: str = "1f1b"
+    num_microbatches: int | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.split_spec, Mapping):
@@ -51,6 +48,12 @@ class PipelineParallelConfig:
             raise TypeError(f"pp_config['split_spec'] must be a str or a dict, got {type(self.split_spec).__name__}")
         if self.global_spec is not None and not isinstance(self.global_spec, str):
             raise TypeError(f"pp_config['global_spec'] must be a str, got {type(self.global_spec).__name__}")
+        if self.schedule not in SCHEDULES:
+            raise ValueError(f"pp_config['schedule'] = {self.schedule!r}; allowed: {', '.join(SCHEDULES)}")
+        if self.num_microbatches is not None and (
+            isinstance(self.num_microbatches, bool) or not isinstance(self.num_microbatches, int)
+        ):
+            raise TypeError(f"pp_config['num_microbatches'] must be an int, got {self.num_microbatches!r}")
 
 
 SECTIONS = {"dp_config": DataParallelConfig, "mp_config": TensorParallelConfig, "pp_config": PipelineParallelConfig}

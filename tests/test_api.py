@@ -101,7 +101,15 @@ def check_bad_config(case: str) -> tuple[str, str, bool]:
         "misfit_style": {"mp_config": {"parallelize_plan": {**plan, "model.norm": op.RowWiseParallel()}}},
         "no_dp_dim": {"dp_config": {"sharding_level": 2}, "mp_config": {"parallelize_plan": plan}},
         "bad_split_point": {"pp_config": {"split_spec": {"model.layers.1": "end"}}},
+        "split_count": {
+            "pp_config": {"split_spec": {"model.layers.0": op.SplitPoint.END, "model.layers.2": op.SplitPoint.END}}
+        },
+        "bad_schedule": {"pp_config": {"split_spec": "model.layers", "schedule": "2f2b"}},
     }
+    if case in ("split_count", "bad_schedule"):
+        mesh = op.init_mesh(pp=2, tp=1)
+        model = build_model(tiny_config("llama", num_hidden_layers=4))
+        before = {n: p for n, p in model.named_parameters()}
     try:
         op.parallelize(model, None, mesh, configs[case])
     except (ValueError, TypeError) as err:
@@ -123,6 +131,8 @@ def check_bad_config(case: str) -> tuple[str, str, bool]:
         ("misfit_style", "ValueError", ["RowWiseParallel", "model.norm", "LlamaRMSNorm", "Linear, Embedding"]),
         ("no_dp_dim", "ValueError", ["dp_config", "dp > 1", "dp=1"]),
         ("bad_split_point", "ValueError", ["split_spec", "model.layers.1", "SplitPoint.END"]),
+        ("split_count", "ValueError", ["2 distinct split points", "2 stages need exactly 1"]),
+        ("bad_schedule", "ValueError", ["'2f2b'", "gpipe, 1f1b, interleaved_1f1b"]),
     ],
 )
 def test_bad_configs_raise_on_every_rank_before_anything_moves(pool, case, error, words):
@@ -130,6 +140,49 @@ def test_bad_configs_raise_on_every_rank_before_anything_moves(pool, case, error
         assert kind == error, message
         assert all(w in message for w in words), message
         assert unchanged, "the model was modified before the error"
+
+
+def check_pipeline_front_door() -> dict:
+    import optimum_parallel as op
+
+    mesh = op.init_mesh(pp=2, tp=1)
+    config = tiny_config("llama", num_hidden_layers=4)
+    reference = build_model(config)
+    model = copy.deepcopy(reference)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    ref_optimizer = torch.optim.AdamW(reference.parameters(), lr=1e-2)
+    pp_config = {
+        "split_spec": {"model.layers.2": op.SplitPoint.BEGINNING},
+        "global_spec": "model.rotary_emb",
+        "schedule": "gpipe",
+        "num_microbatches": 2,
+    }
+    model, optimizer = op.parallelize(model, optimizer, mesh, {"pp_config": pp_config})
+    batch = {"input_ids": make_batch(config)["input_ids"]}
+    batch["labels"] = batch["input_ids"]
+    errors = []
+    for _ in range(3):
+        ref_loss = reference(**batch).loss
+        ref_loss.backward()
+        errors.append(rel_err(model.run_train(**batch), ref_loss))
+        for opt in (ref_optimizer, optimizer):
+            opt.step()
+            opt.zero_grad()
+    kept = sorted({int(n.split(".")[2]) for n, _ in model.named_parameters() if n.startswith("model.layers.")})
+    return {
+        "worst": max(errors),
+        "layers": kept,
+        "optimizer_params": sum(len(g["params"]) for g in optimizer.param_groups),
+        "model_params": len(list(model.parameters())),
+    }
+
+
+def test_pipeline_front_door(pool):
+    first, last = pool.run(check_pipeline_front_door)
+    assert first["layers"] == [0, 1] and last["layers"] == [2, 3]
+    for result in (first, last):
+        assert result["worst"] <= 1e-5, result
+        assert result["optimizer_params"] == result["model_params"], "the optimizer holds only this stage's params"
 
 
 def test_empty_config_returns_inputs_with_a_warning():

@@ -1,5 +1,6 @@
 """Pipeline parallelism: hand-built stages of HF decoders on torch.distributed.pipelining schedules."""
 
 from .runtime import SCHEDULES, Pipeline, PipelineOutput, apply_pipeline
+from .split import SplitPoint
 
-__all__ = ["SCHEDULES", "Pipeline", "PipelineOutput", "apply_pipeline"]
+__all__ = ["SCHEDULES", "Pipeline", "PipelineOutput", "SplitPoint", "apply_pipeline"]

@@ -17,9 +17,8 @@ from torch.distributed.pipelining import (
     ScheduleZBVZeroBubble,
 )
 
-from ..config import SplitPoint
 from ..mesh import ParallelMesh
-from .split import find_layer_list, stage_layers
+from .split import SplitPoint, find_layer_list, stage_layers
 from .stage import DecoderStage, prune_to_stages
 
 # name -> (schedule class, stages per rank, placement: "loop" = r, r+pp, ...; "v" = r, 2pp-1-r)

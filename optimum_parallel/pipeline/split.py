@@ -2,11 +2,17 @@
 
 from __future__ import annotations
 
+import enum
 from collections.abc import Mapping
 
 from torch import nn
 
-from ..config import SplitPoint
+
+class SplitPoint(enum.Enum):
+    """Where a pipeline stage boundary sits relative to the named layer (Paddle's names)."""
+
+    BEGINNING = "beginning"
+    END = "end"
 
 
 def find_layer_list(model: nn.Module, prefix: str) -> nn.ModuleList:
