@@ -2,9 +2,10 @@
 
 Under `lazy_load_for_parallelism`, transformers' own `from_pretrained` runs as usual (config,
 dtype, key renaming, tying, buffer init) except that its weight-loading step only records where
-each weight lives; `Parallelizer.parallelize` then calls `materialize_lazy_model`, which reads
-this rank's slice of every split parameter with `safe_open(...).get_slice` and replicated
-weights in full. `from_config` builds on meta too; its random init runs one module at a time.
+each weight lives (read with `safe_open`); `Parallelizer.parallelize` then calls
+`materialize_lazy_model`, which reads this rank's slice of every split parameter (pread of its
+rows, see `read_slice`) and replicated weights in full. `from_config` builds on meta too; its
+random init then runs one module at a time.
 """
 
 from __future__ import annotations
@@ -23,6 +24,8 @@ from safetensors import safe_open
 from torch import nn
 from tqdm.auto import tqdm
 
+from .checkpoint.collect import replace_tensor
+from .checkpoint.safetensors_io import SafetensorsReader
 from .tensor_parallel.layout import ShardLayout
 
 SOURCES_ATTR = "_op_lazy_sources"
@@ -33,39 +36,19 @@ LAZY_OPTIMIZER_ATTR = "_op_lazy_optimizer"
 # --------------------------------------------------------------------------------------------- materialising
 
 
-def replace_tensor(module: nn.Module, leaf: str, value: torch.Tensor) -> None:
-    """Give `module.<leaf>` the values `value`, keeping the Parameter object (and so every reference to it:
-    tied weights, `orig_param_to_parallel_param`, its attributes and hooks)."""
-    if leaf in module._buffers:
-        module._buffers[leaf] = value
-        return
-    param = module._parameters[leaf]
-    new = nn.Parameter(value, requires_grad=param.requires_grad)
-    new.__dict__.update(param.__dict__)  # shard_layout and friends
-    for hook in (getattr(param, "_backward_hooks", None) or {}).values():
-        new.register_hook(hook)
-    torch.utils.swap_tensors(param, new)
-
-
-def read_slice(file: str, key: str, layout: ShardLayout | None) -> torch.Tensor:
+def read_slice(reader: SafetensorsReader, key: str, layout: ShardLayout | None) -> torch.Tensor:
     """This rank's slice of tensor `key` of a safetensors file (all of it when `layout` is None).
 
-    The file is opened per tensor so its mapping (whose touched pages count as this process's memory)
-    never spans more than one tensor.
+    pread rather than `safe_open(...).get_slice`: get_slice returns views of a private mapping of the
+    file, read only when first touched (so the load is not done when it returns, and a rewritten file
+    changes the weights); this reads straight into the parameter's own memory.
     """
-    with safe_open(file, framework="pt") as f:
-        sl = f.get_slice(key)
-        if layout is None:
-            return sl[:]
-        shape = tuple(sl.get_shape())
-        if shape != tuple(layout.global_shape):
-            raise ValueError(f"{file}: {key} has shape {list(shape)}, the model expects {list(layout.global_shape)}")
-        parts = []
-        for start, end in layout.ranges:
-            index = [slice(None)] * len(shape)
-            index[layout.dim] = slice(start, end)
-            parts.append(sl[tuple(index)])
-    return parts[0] if len(parts) == 1 else torch.cat(parts, dim=layout.dim)
+    if layout is None:
+        return reader.read(key)
+    _, shape = reader.info(key)
+    if shape != tuple(layout.global_shape):
+        raise ValueError(f"{reader.path}: {key} has shape {list(shape)}, the model expects {list(layout.global_shape)}")
+    return reader.read_slice(key, layout.dim, layout.ranges)
 
 
 def _owners(model: nn.Module, meta_only: bool) -> Iterator[tuple[list[str], nn.Module, str, torch.Tensor]]:
@@ -108,12 +91,20 @@ def materialize_lazy_model(model: nn.Module, device: torch.device | str | None =
             f"{pending[0][0][0]} is on the meta device but no checkpoint source was recorded for it; "
             "build the model under lazy_load_for_parallelism(...)"
         )
-    for names, module, leaf, tensor in tqdm(pending, desc="lazy load", unit="tensor", disable=_show_progress()):
-        source = next((sources[n] for n in names if n in sources), None)
-        if source is None:
-            raise ValueError(f"{names[0]} is on the meta device and was not found in the checkpoint files")
-        value = read_slice(*source, _split(tensor))
-        replace_tensor(module, leaf, value.to(device=device or "cpu", dtype=tensor.dtype))
+    readers: dict[str, SafetensorsReader] = {}
+    try:
+        for names, module, leaf, tensor in tqdm(pending, desc="lazy load", unit="tensor", disable=_show_progress()):
+            source = next((sources[n] for n in names if n in sources), None)
+            if source is None:
+                raise ValueError(f"{names[0]} is on the meta device and was not found in the checkpoint files")
+            file, key = source
+            if file not in readers:
+                readers[file] = SafetensorsReader(file)
+            value = read_slice(readers[file], key, _split(tensor))
+            replace_tensor(module, leaf, value.to(device=device or "cpu", dtype=tensor.dtype))
+    finally:
+        for reader in readers.values():
+            reader.close()
     model.__dict__.pop(SOURCES_ATTR, None)
 
 

@@ -205,3 +205,27 @@ def test_bad_sizes_are_rejected():
             pass
     with pytest.raises(TypeError, match="optimizer class"):
         op.make_optimizer_constructor_lazy("AdamW")
+
+
+def test_slice_reads_match_safetensors(tmp_path, monkeypatch):
+    """pread slice reads (contiguous, strided through a small buffer, several ranges) equal safe_open's slices."""
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    from optimum_parallel.checkpoint import safetensors_io
+    from optimum_parallel.checkpoint.safetensors_io import SafetensorsReader
+
+    gen = torch.Generator().manual_seed(0)
+    tensors = {"a": torch.randn(6, 10, 3, generator=gen), "b": torch.randn(7, 5, generator=gen).bfloat16()}
+    save_file(tensors, tmp_path / "t.safetensors")
+    monkeypatch.setattr(safetensors_io, "_SLICE_BUFFER", 64)  # force several buffered chunks
+    cases = [("a", 0, [(1, 4)]), ("a", 1, [(0, 2), (5, 9)]), ("a", 2, [(2, 3)]), ("b", 1, [(1, 3), (4, 5)])]
+    with SafetensorsReader(tmp_path / "t.safetensors") as reader, safe_open(tmp_path / "t.safetensors", "pt") as f:
+        for key, dim, ranges in cases:
+            sl = f.get_slice(key)
+            expected = []
+            for start, end in ranges:
+                index = [slice(None)] * len(sl.get_shape())
+                index[dim] = slice(start, end)
+                expected.append(sl[tuple(index)])
+            assert torch.equal(reader.read_slice(key, dim, ranges), torch.cat(expected, dim)), (key, dim, ranges)

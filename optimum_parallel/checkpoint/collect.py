@@ -139,3 +139,17 @@ def optimizer_tensors(
         "unsaved": sorted(unsaved),
     }
     return state, meta
+
+
+def replace_tensor(module: nn.Module, leaf: str, value: torch.Tensor) -> None:
+    """Give `module.<leaf>` the values `value`, keeping the Parameter object (and so every reference to it:
+    tied weights, `orig_param_to_parallel_param`, its attributes and hooks)."""
+    if leaf in module._buffers:
+        module._buffers[leaf] = value
+        return
+    param = module._parameters[leaf]
+    new = nn.Parameter(value, requires_grad=param.requires_grad)
+    new.__dict__.update(param.__dict__)  # shard_layout and friends
+    for hook in (getattr(param, "_backward_hooks", None) or {}).values():
+        new.register_hook(hook)
+    torch.utils.swap_tensors(param, new)

@@ -12,8 +12,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from ..lazy import replace_tensor
-from .collect import parameter_names
+from .collect import parameter_names, replace_tensor
 from .errors import CheckpointError
 from .metadata import INDEX_NAME, CheckpointIndex, TensorEntry, read_index
 from .ranks import RankInfo, current_rank

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import os
 import struct
 import zlib
@@ -37,6 +38,8 @@ DTYPES: dict[torch.dtype, str] = {
 }
 FROM_STR: dict[str, torch.dtype] = {v: k for k, v in DTYPES.items()}
 _MAX_IO = 1 << 30  # Linux moves at most ~2 GiB per read/write call
+_WRITE_CHUNK = 64 << 20
+_SLICE_BUFFER = 16 << 20  # bytes of whole rows read at once when a slice is not contiguous on disk
 
 
 def dtype_name(dtype: torch.dtype) -> str:
@@ -67,11 +70,16 @@ def nbytes(shape: Sequence[int], dtype: torch.dtype) -> int:
 class SafetensorsWriter:
     """Write a safetensors file whose tensor names, dtypes and shapes are known up front, one tensor at a time.
 
-    `write` returns the tensor's crc32; `close` returns (size in bytes, sha256 of the whole file).
+    `write` returns the tensor's crc32; `close` returns (size in bytes, sha256 of the whole file, or "" when
+    `sha256=False`).
     """
 
     def __init__(
-        self, path: str | Path, specs: Sequence[tuple[str, torch.dtype, Sequence[int]]], metadata: dict[str, str]
+        self,
+        path: str | Path,
+        specs: Sequence[tuple[str, torch.dtype, Sequence[int]]],
+        metadata: dict[str, str],
+        sha256: bool = True,
     ) -> None:
         self.path = Path(path)
         header: dict[str, object] = {"__metadata__": metadata}
@@ -84,16 +92,20 @@ class SafetensorsWriter:
             offset += size
         raw = json.dumps(header, separators=(",", ":")).encode()
         raw += b" " * (-len(raw) % 8)  # keep the data 8-byte aligned, as safetensors does
-        self._file = open(self.path, "wb")  # noqa: SIM115 - closed in close()
-        self._sha = hashlib.sha256()
+        self._fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        self._size = 0
+        self._sha = hashlib.sha256() if sha256 else None
         self._emit(struct.pack("<Q", len(raw)) + raw)
         self._next = 0
 
     def _emit(self, data: memoryview | bytes) -> None:
-        self._sha.update(data)
+        if self._sha is not None:
+            self._sha.update(data)
         view = memoryview(data)
-        for start in range(0, len(view), _MAX_IO):
-            self._file.write(view[start : start + _MAX_IO])
+        done = 0
+        while done < len(view):  # unbuffered, in bounded chunks (a write may be partial)
+            done += os.write(self._fd, view[done : done + _WRITE_CHUNK])
+        self._size += done
 
     def write(self, name: str, tensor: torch.Tensor) -> int:
         expected, dtype, shape = self._order[self._next]
@@ -110,14 +122,15 @@ class SafetensorsWriter:
     def close(self) -> tuple[int, str]:
         if self._next != len(self._order):
             raise ValueError(f"{self.path}: closed after {self._next} of {len(self._order)} tensors")
-        self._file.flush()
-        os.fsync(self._file.fileno())
-        size = self._file.tell()
-        self._file.close()
-        return size, self._sha.hexdigest()
+        os.fsync(self._fd)
+        os.close(self._fd)
+        self._fd, size = -1, self._size
+        return size, self._sha.hexdigest() if self._sha is not None else ""
 
     def abort(self) -> None:
-        self._file.close()
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1
 
 
 class SafetensorsReader:
@@ -188,14 +201,47 @@ class SafetensorsReader:
         elif out.dtype != dtype or out.numel() != (end - begin) // dtype.itemsize or not out.is_contiguous():
             raise ValueError(f"{self.path}: cannot read {name} ({dtype} {list(shape)}) into {out.dtype} {out.shape}")
         view = tensor_bytes(out)
+        self._pread_into(view, begin, name)
+        if crc32 is not None and zlib.crc32(view) != crc32:
+            raise CheckpointError(f"{self.path}: tensor {name!r} does not match its checksum (file altered)")
+        return out
+
+    def _pread_into(self, view: memoryview, offset: int, name: str) -> None:
         done = 0
         while done < len(view):
-            n = os.preadv(self._fd, [view[done : done + _MAX_IO]], begin + done)
+            n = os.preadv(self._fd, [view[done : done + _MAX_IO]], offset + done)
             if n <= 0:
                 raise CheckpointError(f"{self.path}: unexpected end of file while reading {name!r}")
             done += n
-        if crc32 is not None and zlib.crc32(view) != crc32:
-            raise CheckpointError(f"{self.path}: tensor {name!r} does not match its checksum (file altered)")
+
+    def read_slice(self, name: str, dim: int, ranges: Sequence[tuple[int, int]]) -> torch.Tensor:
+        """The concatenation along `dim` of `ranges` of tensor `name`, read with pread straight into a new tensor
+        (no file mapping left behind); rows that are not contiguous on disk go through a bounded buffer."""
+        dtype, shape = self.info(name)
+        _, _, begin, _ = self.tensors[name]
+        outer = math.prod(shape[:dim])
+        size = shape[dim]
+        row = math.prod(shape[dim + 1 :]) * dtype.itemsize  # bytes of one index along `dim`
+        local = sum(end - start for start, end in ranges)
+        out = torch.empty((*shape[:dim], local, *shape[dim + 1 :]), dtype=dtype)
+        dest = tensor_bytes(out)
+        if outer == 1:  # each range is one contiguous run of bytes
+            position = 0
+            for start, end in ranges:
+                self._pread_into(dest[position : position + (end - start) * row], begin + start * row, name)
+                position += (end - start) * row
+            return out
+        dest_rows = out.reshape(-1).view(torch.uint8).view(outer, local * row)
+        per_chunk = max(1, _SLICE_BUFFER // (size * row))
+        buffer = torch.empty(min(per_chunk, outer) * size * row, dtype=torch.uint8)
+        for first in range(0, outer, per_chunk):
+            last = min(outer, first + per_chunk)
+            chunk = buffer[: (last - first) * size * row]
+            self._pread_into(tensor_bytes(chunk), begin + first * size * row, name)
+            rows, position = chunk.view(last - first, size * row), 0
+            for start, end in ranges:
+                dest_rows[first:last, position : position + (end - start) * row] = rows[:, start * row : end * row]
+                position += (end - start) * row
         return out
 
     def close(self) -> None:

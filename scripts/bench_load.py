@@ -1,0 +1,259 @@
+"""Loading a ~0.5B Llama at tp=2: optimum-parallel (lazy slice reads) next to transformers' own tensor parallelism.
+
+Builds and saves a random-init Llama-style checkpoint (bf16, several safetensors files) under --workdir,
+then, in fresh torchrun process groups, loads it at tp=2 with
+
+  optimum-parallel:  with lazy_load_for_parallelism(2): from_pretrained(...); Parallelizer.parallelize(model)
+  transformers:      from_pretrained(..., distributed_config=DistributedConfig(tp_size=2))
+
+and prints per-rank peak RSS (VmHWM), the process's RSS after imports, the rank's shard bytes and the load
+time. Goal: peak <= after-imports + 1.15 x shard bytes, and no slower than transformers. It then times
+`consolidate` of a tp=2 sharded checkpoint against a plain copy of the same bytes, with consolidate's peak RSS.
+
+    python scripts/bench_load.py [--workdir /tmp/op-bench-load] [--tp 2]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+CONFIG = dict(  # ~0.5B parameters
+    vocab_size=32000,
+    hidden_size=1536,
+    intermediate_size=4096,
+    num_hidden_layers=16,
+    num_attention_heads=12,
+    num_key_value_heads=4,
+    max_position_embeddings=2048,
+    tie_word_embeddings=False,
+)
+IMPLS = ("optimum-parallel", "transformers")
+
+
+def _status_kb(field: str) -> int:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1]) * 1024
+    raise RuntimeError(f"{field} not in /proc/self/status")
+
+
+def build_checkpoint(path: Path) -> None:
+    import torch
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    if (path / "model.safetensors.index.json").exists():
+        return
+    print(f"building the checkpoint in {path} ...", flush=True)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(LlamaConfig(**CONFIG), dtype=torch.bfloat16)
+    print(f"  {sum(p.numel() for p in model.parameters()) / 1e9:.3f}B parameters", flush=True)
+    model.save_pretrained(path, max_shard_size="300MB")
+
+
+def worker(impl: str, checkpoint: str, result_dir: str, sharded_out: str | None) -> None:
+    """One rank under torchrun: load `checkpoint` at tp=WORLD_SIZE with `impl`, write this rank's numbers."""
+    import torch
+    import torch.distributed as dist
+    from transformers import AutoModelForCausalLM
+    from transformers.distributed import DistributedConfig
+
+    import optimum_parallel as op
+
+    torch.set_num_threads(1)
+    world = int(os.environ["WORLD_SIZE"])
+    if impl == "optimum-parallel":
+        op.init_mesh(tp=world)
+    else:
+        dist.init_process_group("gloo")
+    dist.barrier()
+    after_imports = _status_kb("VmRSS")
+    start = time.perf_counter()
+    if impl == "optimum-parallel":
+        with op.lazy_load_for_parallelism(tensor_parallel_size=world):
+            model = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.bfloat16)
+        parallelizer = op.ParallelizersManager.parallelizer_for_model(model)
+        model = parallelizer.parallelize(model)
+    else:
+        model = AutoModelForCausalLM.from_pretrained(
+            checkpoint, dtype=torch.bfloat16, distributed_config=DistributedConfig(tp_size=world)
+        )
+    dist.barrier()
+    seconds = time.perf_counter() - start
+    peak = _status_kb("VmHWM")
+
+    def local(t: torch.Tensor) -> torch.Tensor:
+        return t.to_local() if hasattr(t, "to_local") else t
+
+    tensors = [local(t.detach()) for t in [*model.parameters(), *model.buffers()]]
+    # a weight that is still a view of the file mapping is only read when first used: touch every page
+    start = time.perf_counter()
+    for t in tensors:
+        t.reshape(-1)[:: max(1, 4096 // t.element_size())].float().sum()
+    dist.barrier()
+    touched = time.perf_counter() - start
+    shard = sum(t.numel() * t.element_size() for t in tensors)
+    rank = dist.get_rank()
+    result = {"impl": impl, "rank": rank, "after_imports": after_imports, "peak": peak, "shard": shard, "s": seconds}
+    result.update(touch_s=touched, peak_touched=_status_kb("VmHWM"))
+    Path(result_dir, f"{impl}-{rank}.json").write_text(json.dumps(result))
+    if sharded_out:
+        parallelizer.save_model_checkpoint(model, sharded_out)
+    dist.destroy_process_group()
+
+
+def timed_child(kind: str, source: str, output: str, result: str) -> None:
+    """A fresh process that consolidates `source` (or copies its model files) into `output`."""
+    after_imports = 0
+    if kind == "consolidate":
+        import optimum_parallel as op
+
+        after_imports = _status_kb("VmRSS")
+        start = time.perf_counter()
+        op.consolidate_checkpoint(source, output, progress=False)
+    else:
+        after_imports = _status_kb("VmRSS")
+        start = time.perf_counter()
+        Path(output).mkdir(parents=True)
+        for f in sorted(Path(source).glob("model-pp*.safetensors")):
+            shutil.copyfile(f, Path(output) / f.name)
+            with open(Path(output) / f.name, "rb+") as copy:  # durable, as consolidate's files are
+                os.fsync(copy.fileno())
+    seconds = time.perf_counter() - start
+    data = {"s": seconds, "peak": _status_kb("VmHWM"), "after_imports": after_imports}
+    Path(result).write_text(json.dumps(data))
+
+
+def _warm_page_cache(directory: Path) -> None:
+    """Read the checkpoint once so every run starts from the same (warm) page cache."""
+    for f in sorted(directory.glob("*.safetensors")):
+        with open(f, "rb") as stream:
+            while stream.read(64 << 20):
+                pass
+
+
+def _torchrun(tp: int, *args: str) -> None:
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={tp}", __file__]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(Path(__file__).resolve().parent.parent)}
+    subprocess.run([*command, *args], check=True, env=env)
+
+
+def _child(*args: str) -> None:
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(Path(__file__).resolve().parent.parent)}
+    subprocess.run([sys.executable, __file__, *args], check=True, env=env)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--workdir", default="/tmp/op-bench-load")
+    parser.add_argument("--tp", type=int, default=2)
+    parser.add_argument("--repeats", type=int, default=2, help="loads per implementation (alternating order)")
+    parser.add_argument("--worker", choices=IMPLS, help=argparse.SUPPRESS)
+    parser.add_argument("--timed", choices=("consolidate", "copy"), help=argparse.SUPPRESS)
+    parser.add_argument("--checkpoint", help=argparse.SUPPRESS)
+    parser.add_argument("--results", help=argparse.SUPPRESS)
+    parser.add_argument("--sharded-out", help=argparse.SUPPRESS)
+    parser.add_argument("--output", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.worker:
+        return worker(args.worker, args.checkpoint, args.results, args.sharded_out)
+    if args.timed:
+        return timed_child(args.timed, args.checkpoint, args.output, args.results)
+
+    work = Path(args.workdir)
+    work.mkdir(parents=True, exist_ok=True)
+    hf_dir, results = work / "hf", work / "results"
+    build_checkpoint(hf_dir)
+    shutil.rmtree(results, ignore_errors=True)
+    results.mkdir()
+    sharded = work / "sharded"
+    shutil.rmtree(sharded, ignore_errors=True)
+    history: dict[str, list[float]] = {impl: [] for impl in IMPLS}
+    for repeat in range(args.repeats):
+        for impl in IMPLS if repeat % 2 == 0 else IMPLS[::-1]:  # alternate who goes first
+            extra = ["--sharded-out", str(sharded)] if impl == "optimum-parallel" and repeat == 0 else []
+            _warm_page_cache(hf_dir)
+            _torchrun(args.tp, "--worker", impl, "--checkpoint", str(hf_dir), "--results", str(results), *extra)
+            history[impl].append(max(json.loads(f.read_text())["s"] for f in results.glob(f"{impl}-*.json")))
+
+    gb = 1 << 30
+    on_disk = sum(f.stat().st_size for f in hf_dir.glob("*.safetensors"))
+    print(f"\nload at tp={args.tp} of {hf_dir} (bf16, {on_disk / gb:.2f} GiB)")
+    header = (
+        f"{'':17} {'rank':>4} {'after imports':>13} {'shard':>9} {'goal':>9} {'peak at load':>19} {'load s':>6}"
+        f" | {'peak once used':>21} {'load+use s':>10}"
+    )
+    print(header)
+    print("-" * len(header))
+    times = {}
+    for impl in IMPLS:
+        for rank in range(args.tp):
+            r = json.loads((results / f"{impl}-{rank}.json").read_text())
+            goal = r["after_imports"] + 1.15 * r["shard"]
+            ratio = (r["peak"] - r["after_imports"]) / r["shard"]
+            used_ratio = (r["peak_touched"] - r["after_imports"]) / r["shard"]
+            times.setdefault(impl, []).append((r["s"], r["s"] + r["touch_s"]))
+            print(
+                f"{impl:17} {rank:>4} {r['after_imports'] / gb:>9.2f} GiB {r['shard'] / gb:>5.2f} GiB "
+                f"{goal / gb:>5.2f} GiB {r['peak'] / gb:>5.2f} GiB ({ratio:.2f}x) {_verdict(r['peak'], goal)}"
+                f" {r['s']:>6.2f} | {r['peak_touched'] / gb:>5.2f} GiB ({used_ratio:.2f}x) "
+                f"{_verdict(r['peak_touched'], goal)} {r['s'] + r['touch_s']:>10.2f}"
+            )
+    for impl, seconds in history.items():
+        print(f"  {impl} load time over {args.repeats} runs: {', '.join(f'{t:.2f}' for t in seconds)} s")
+    print("  (goal = after imports + 1.15 x shard; NNx = (peak - after imports) / shard; a weight left as a view of")
+    print("   the file mapping is read when first used, so 'once used' touches every page of every weight)")
+    print("  (table: the last run; times below: the fastest run of each)")
+    for column, what in ((0, "load"), (1, "load + first use")):
+        best = {impl: min(history[impl]) + (max(t[1] - t[0] for t in times[impl]) if column else 0) for impl in IMPLS}
+        op_s, hf_s = best["optimum-parallel"], best["transformers"]
+        print(
+            f"{what} time: optimum-parallel {op_s:.2f} s, transformers {hf_s:.2f} s "
+            f"(transformers / ours {hf_s / op_s:.2f})"
+        )
+
+    timings = {}
+    for kind in ("copy", "consolidate"):
+        output = work / f"{kind}-out"
+        shutil.rmtree(output, ignore_errors=True)
+        result = results / f"{kind}.json"
+        os.sync()  # start both from the same page-cache state (no dirty pages of the previous run)
+        _child("--timed", kind, "--checkpoint", str(sharded), "--output", str(output), "--results", str(result))
+        timings[kind] = json.loads(result.read_text())
+    size = sum(f.stat().st_size for f in sharded.glob("model-pp*.safetensors"))
+    largest = max(f.stat().st_size for f in (work / "consolidate-out").glob("*.safetensors"))
+    c, p = timings["consolidate"], timings["copy"]
+    print(f"\nconsolidate of the tp={args.tp} sharded checkpoint ({size / gb:.2f} GiB of model shards)")
+    print(f"  plain copy of the same bytes (shutil.copyfile + fsync): {p['s']:.2f} s")
+    print(f"  consolidate (incl. crc32 checks, fsync):            {c['s']:.2f} s ({c['s'] / p['s']:.2f}x the copy)")
+    print(
+        f"  consolidate peak RSS {c['peak'] / gb:.2f} GiB = after imports {c['after_imports'] / gb:.2f} GiB "
+        f"+ {(c['peak'] - c['after_imports']) / gb:.2f} GiB (largest tensor {_largest_tensor(sharded) / gb:.3f} GiB, "
+        f"largest output file {largest / gb:.2f} GiB)"
+    )
+
+
+def _verdict(peak: int, goal: float) -> str:
+    return f"{'ok' if peak <= goal else 'OVER':>4}"
+
+
+def _largest_tensor(sharded: Path) -> int:
+    index = json.loads((sharded / "parallel_checkpoint.json").read_text())
+    sizes = {"bfloat16": 2, "float16": 2, "float32": 4, "float64": 8}
+    best = 0
+    for entry in index["tensors"].values():
+        n = sizes.get(entry["dtype"], 4)
+        for s in entry["global_shape"]:
+            n *= s
+        best = max(best, n)
+    return best
+
+
+if __name__ == "__main__":
+    main()
