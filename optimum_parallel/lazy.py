@@ -203,9 +203,14 @@ def _record_instead_of_loading(model, state_dict, checkpoint_files, load_config,
                     )
                 sources[target] = (str(file), key)
                 model.get_parameter_or_buffer(target)._is_hf_initialized = True  # transformers' "loaded" flag
+    missing = set(expected) - set(sources)  # tied aliases included, as transformers expects
+    # tied weights are read from their source's tensor, also where only the alias survives (a pipeline's last stage)
+    for alias, target in (getattr(model, "all_tied_weights_keys", None) or {}).items():
+        if target in sources:
+            sources.setdefault(alias, sources[target])
     model.__dict__[SOURCES_ATTR] = sources
     info = LoadStateDictInfo(
-        missing_keys=set(expected) - set(sources),
+        missing_keys=missing,
         unexpected_keys=unexpected,
         mismatched_keys=set(),
         error_msgs=[],
@@ -299,10 +304,13 @@ def build_lazy_optimizer(
     optimizer: torch.optim.Optimizer, orig_param_to_parallel_param: Mapping[int, nn.Parameter]
 ) -> torch.optim.Optimizer:
     """The real optimizer for a placeholder from `make_optimizer_constructor_lazy`: same class, arguments,
-    param groups and (current) hyper-parameters, over the parallel parameters."""
+    param groups and (current) hyper-parameters, over the parallel parameters (groups left empty on this
+    pipeline stage are dropped, as `optimizer_for_mp` does for a regular optimizer)."""
     spec: _LazyOptimizerSpec = getattr(optimizer, LAZY_OPTIMIZER_ATTR)
     groups = []
     for group, originals in zip(optimizer.param_groups, spec.params, strict=True):
-        hyper = {k: v for k, v in group.items() if k != "params"}
-        groups.append({**hyper, "params": [orig_param_to_parallel_param.get(id(p), p) for p in originals]})
+        params = [orig_param_to_parallel_param.get(id(p), p) for p in originals]
+        params = [p for p in params if p is not None]  # None: the parameter lives on another pipeline stage
+        if params:
+            groups.append({**{k: v for k, v in group.items() if k != "params"}, "params": params})
     return spec.cls(groups, *spec.args, **spec.kwargs)

@@ -206,6 +206,58 @@ def test_resume_gives_the_same_loss_curve(pool, hf_dir, tmp_path):
         assert result["resumed"] == result["straight"], result
 
 
+def _equal_token_batch(config) -> dict[str, torch.Tensor]:
+    """Every row with the same number of labelled tokens: the mean over pipeline micro-batches is the batch mean."""
+    batch = make_batch(config, batch=4)
+    batch["attention_mask"][:] = 1
+    batch["labels"] = batch["input_ids"].clone()
+    batch["labels"][:, :2] = -100
+    return batch
+
+
+def pipeline_save(hf_dir: str, ckpt: str) -> dict:
+    """pp=2 x tp=2 (tied embedding / LM head on the first / last stage): a step, save, another step."""
+    import optimum_parallel as op
+
+    op.init_mesh(pp=2, tp=2)
+    with op.lazy_load_for_parallelism(tensor_parallel_size=2, pipeline_parallel_size=2):
+        model = AutoModelForCausalLM.from_pretrained(hf_dir, **LOAD)
+    optimizer = op.make_optimizer_constructor_lazy(torch.optim.AdamW)(model.parameters(), lr=LR)
+    parallelizer = op.ParallelizersManager.parallelizer_for_model(model)
+    model = parallelizer.parallelize(model, pipeline_parallel_num_microbatches=2)
+    optimizer = parallelizer.optimizer_for_mp(optimizer, model.orig_param_to_parallel_param)
+    batch = _equal_token_batch(model.config)
+    model.run_train(**batch)
+    optimizer.step()
+    optimizer.zero_grad()
+    parallelizer.save_model_checkpoint(model, ckpt, optimizer=optimizer)
+    loss = model.run_train(**batch)
+    optimizer.step()
+    return {"loss": loss.item(), "next_loss": model.run_eval(**batch).loss}
+
+
+def pipeline_resume(hf_dir: str, ckpt: str) -> dict:
+    """Load the pp=2 checkpoint, resharded to pp=1, on dp=2 x tp=2: the same two losses."""
+    parallelizer, model, _ = _setup(hf_dir, 2, seed=99)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=LR)
+    parallelizer.load_model_checkpoint(model, ckpt, optimizer=optimizer)
+    batch = _equal_token_batch(model.config)
+    return {"loss": _step(model, optimizer, batch), "next_loss": model(**batch).loss.item()}
+
+
+def test_pipeline_checkpoint_reshards_to_one_stage(pool, hf_dir, tmp_path):
+    import optimum_parallel as op
+
+    saved = [r for r in pool.run(pipeline_save, hf_dir, str(tmp_path / "pp2")) if r["next_loss"] is not None][0]
+    index = op.checkpoint.read_index(tmp_path / "pp2")
+    assert index.tied == {"lm_head.weight": "model.embed_tokens.weight"} and "lm_head.weight" not in index.tensors
+    assert {e.pp_rank for e in index.tensors.values()} == {0, 1} and set(index.optimizer["param_groups"]) == {"0", "1"}
+    op.reshard_checkpoint(tmp_path / "pp2", tmp_path / "pp1", tp=2, pp=1, progress=False)
+    for result in pool.run(pipeline_resume, hf_dir, str(tmp_path / "pp1")):
+        assert abs(result["loss"] - saved["loss"]) <= TOL * saved["loss"], (result, saved)
+        assert abs(result["next_loss"] - saved["next_loss"].item()) <= TOL * saved["loss"], (result, saved)
+
+
 # ----------------------------------------------------------------------------------------------- damaged checkpoints
 
 

@@ -69,6 +69,10 @@ def model_tensors(model: nn.Module) -> tuple[dict[str, LocalTensor], dict[str, s
             if name not in tensors:
                 _check_plain(name, buffer)
                 tensors[name] = LocalTensor(buffer.detach(), "buffer", _split_layout(buffer))
+    # transformers' own tie map also names ties split over pipeline stages (each stage holds one side)
+    for alias, canonical in (getattr(model, "all_tied_weights_keys", None) or {}).items():
+        if canonical not in tied:
+            tied.setdefault(alias, canonical)
     return tensors, tied
 
 

@@ -96,17 +96,18 @@ def _load_optimizer(
     cls = type(optimizer)
     if saved["class"] != f"{cls.__module__}.{cls.__qualname__}":
         raise CheckpointError(f"{where}: holds {saved['class']} state, not {cls.__module__}.{cls.__qualname__}")
-    if len(saved["param_groups"]) != len(optimizer.param_groups):
+    saved_groups = saved["param_groups"].get(str(rank.pp))
+    if saved_groups is None or len(saved_groups) != len(optimizer.param_groups):
         raise CheckpointError(
-            f"{where}: {len(saved['param_groups'])} optimizer param groups saved, the optimizer has "
-            f"{len(optimizer.param_groups)}"
+            f"{where}: {len(saved_groups or [])} optimizer param groups saved for pp rank {rank.pp}, the optimizer "
+            f"has {len(optimizer.param_groups)}"
         )
     names = parameter_names(model)
     states: dict[str, dict[str, TensorEntry]] = {}
     for key, entry in index.optimizer_tensors.items():
         states.setdefault(entry.param, {})[key.rpartition("/")[2]] = entry
     state, groups, position = {}, [], 0
-    for i, (group, saved_group) in enumerate(zip(optimizer.param_groups, saved["param_groups"], strict=True)):
+    for i, (group, saved_group) in enumerate(zip(optimizer.param_groups, saved_groups, strict=True)):
         params = [names.get(id(p), "<not a model parameter>") for p in group["params"]]
         if params != saved_group["params"]:
             raise CheckpointError(
@@ -116,12 +117,13 @@ def _load_optimizer(
         ids = []
         for param, name in zip(group["params"], params, strict=True):
             values = {}
-            for key, entry in states.get(name, {}).items():
+            stored = name if name in states or name in saved["scalars"] else index.tied.get(name, name)
+            for key, entry in states.get(stored, {}).items():
                 shard = entry.shard_for(rank.tp, f"{where}: {name}/{key}")
                 if entry.like_param:
                     _check_layout(str(files.directory / shard.file), f"{name}/{key}", entry, shard, param)
-                values[key] = files.read_shard(f"{name}/{key}", entry, shard)
-            values.update(saved["scalars"].get(name, {}))
+                values[key] = files.read_shard(f"{stored}/{key}", entry, shard)
+            values.update(saved["scalars"].get(stored, {}))
             if values:
                 state[position] = values
             ids.append(position)

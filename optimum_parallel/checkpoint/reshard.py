@@ -36,6 +36,43 @@ def _new_layout(index: CheckpointIndex, tp: int, pp: int) -> tuple[dict[str, Ten
     return tensors, state
 
 
+def _hyper(group: dict) -> dict:
+    return {k: v for k, v in group.items() if k != "params"}
+
+
+def _regroup(index: CheckpointIndex, pp: int) -> dict:
+    """The optimizer's param groups per pp rank at `pp` stages: the saved groups merged over the source's
+    stages (by hyper-parameters), then split by stage as `optimizer_for_mp` splits them (empty groups dropped);
+    a weight tied across stages (embedding / LM head) is in both stages' groups, under each stage's name."""
+    optimizer, tied = index.optimizer, index.tied
+    if pp == index.mesh.get("pp", 1):
+        return optimizer
+    merged: list[dict] = []
+    for rank in sorted(optimizer["param_groups"], key=int):
+        for group in optimizer["param_groups"][rank]:
+            same = next((g for g in merged if _hyper(g) == _hyper(group)), None)
+            if same is None:
+                same = {**_hyper(group), "params": []}
+                merged.append(same)
+            same["params"] += [tied.get(n, n) for n in group["params"] if tied.get(n, n) not in same["params"]]
+    alias_of = {c: a for a, c in tied.items() if c in index.tensors and a not in index.tensors}
+    stage = assign_pp_ranks([*index.tensors, *alias_of.values()], pp)
+    groups: dict[str, list] = {}
+    for rank in range(pp):
+        groups[str(rank)] = []
+        for group in merged:
+            names = []
+            for name in group["params"]:
+                alias = alias_of.get(name)
+                if stage[name] == rank:
+                    names.append(name)
+                elif alias is not None and stage[alias] == rank:  # the other side of a tie, where it was
+                    names.append(alias)
+            if names:
+                groups[str(rank)].append({**_hyper(group), "params": names})
+    return {**optimizer, "param_groups": groups}
+
+
 def reshard_checkpoint(
     checkpoint_dir: str | Path, output_dir: str | Path, tp: int, pp: int = 1, progress: bool = True
 ) -> Path:
@@ -91,7 +128,7 @@ def reshard_checkpoint(
             tensors=tensors,
             tied=index.tied,
             files=infos,
-            optimizer=index.optimizer,
+            optimizer=_regroup(index, pp) if index.optimizer is not None else None,
             optimizer_tensors=state if index.optimizer is not None else {},
             extra={**index.extra, "resharded_from": index.mesh},
         )

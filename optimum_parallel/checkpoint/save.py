@@ -46,6 +46,18 @@ def _write_rank_file(
     return {"size": size, "sha256": sha, "crc32": crcs}
 
 
+def _merge_optimizer_meta(described: list[dict]) -> dict:
+    """One optimizer description from the tp-rank-0 ranks of every pipeline rank: param groups per pp rank
+    (each stage's optimizer holds its own parameters), scalars merged."""
+    first = described[0]["optimizer"]
+    return {
+        "class": first["class"],
+        "param_groups": {str(d["coords"][1]): d["optimizer"]["param_groups"] for d in described},
+        "scalars": {n: v for d in described for n, v in d["optimizer"]["scalars"].items()},
+        "unsaved": sorted({k for d in described for k in d["optimizer"]["unsaved"]}),
+    }
+
+
 def _save_configs(model: nn.Module, directory: Path) -> None:
     config = getattr(model, "config", None)
     if config is None:
@@ -94,11 +106,16 @@ def save_model_checkpoint(
     described = rank.run(describe, "describing the checkpoint")
     replica0 = [d for d in described if d["coords"][0] == 0]
     tp = rank.sizes["tp"]
+    tied = {alias: name for d in described for alias, name in d["tied"].items()}
     entries = entries_from_specs({d["coords"][1:]: d["specs"]["model"] for d in replica0}, tp, model_file, units)
-    state_entries = {}
+    aliases = {alias for alias, name in tied.items() if alias in entries and name in entries}
+    entries = {n: e for n, e in entries.items() if n not in aliases}  # a tie across pp stages: stored once
+    state_entries, optimizer_meta = {}, None
     if optimizer is not None:
         state_specs = {d["coords"][1:]: d["specs"]["state"] for d in replica0}
         state_entries = entries_from_specs(state_specs, tp, optimizer_file, owners=entries)
+        state_entries = {k: e for k, e in state_entries.items() if e.param not in aliases}
+        optimizer_meta = _merge_optimizer_meta([d for d in replica0 if d["coords"][2] == 0])
 
     def prepare() -> None:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -132,9 +149,9 @@ def save_model_checkpoint(
             mesh=dict(rank.sizes),
             model_class=type(model).__name__,
             tensors=entries,
-            tied={alias: name for d in described for alias, name in d["tied"].items()},
+            tied=tied,
             files=files,
-            optimizer=described[0]["optimizer"],
+            optimizer=optimizer_meta,
             optimizer_tensors=state_entries,
         )
         _save_configs(model, tmp)
