@@ -193,7 +193,10 @@ def units_from_plan(model, plan: Mapping[str, object]) -> dict[str, int | list]:
     Resharding needs the head counts (a tp that does not divide them replicates heads, it never cuts one).
     """
     from ..plan import resolve_plan
+    from ..styles import optional
 
+    # every key optional: a pipeline stage holds only part of the modules the plan names
+    plan = {key: value if isinstance(value, optional) else optional(value) for key, value in plan.items()}
     units: dict[str, int] = {}
     for module_name, styles in resolve_plan(model, plan).items():
         for style in styles:

@@ -101,12 +101,14 @@ def save_model_checkpoint(
         local["model"], tied = model_tensors(model)
         local["state"], meta = ({}, None) if optimizer is None else optimizer_tensors(optimizer, model, local["model"])
         specs = {kind: {n: t.spec() for n, t in local[kind].items()} for kind in ("model", "state")}
-        return {"coords": (rank.dp, rank.pp, rank.tp), "specs": specs, "tied": tied, "optimizer": meta}
+        here = (rank.dp, rank.pp, rank.tp)
+        return {"coords": here, "specs": specs, "tied": tied, "optimizer": meta, "units": dict(units or {})}
 
     described = rank.run(describe, "describing the checkpoint")
     replica0 = [d for d in described if d["coords"][0] == 0]
     tp = rank.sizes["tp"]
     tied = {alias: name for d in described for alias, name in d["tied"].items()}
+    units = {n: u for d in described for n, u in d["units"].items()}  # each pipeline stage knows its own
     entries = entries_from_specs({d["coords"][1:]: d["specs"]["model"] for d in replica0}, tp, model_file, units)
     aliases = {alias for alias, name in tied.items() if alias in entries and name in entries}
     entries = {n: e for n, e in entries.items() if n not in aliases}  # a tie across pp stages: stored once
