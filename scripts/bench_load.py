@@ -174,13 +174,14 @@ def main() -> None:
     results.mkdir()
     sharded = work / "sharded"
     shutil.rmtree(sharded, ignore_errors=True)
-    history: dict[str, list[float]] = {impl: [] for impl in IMPLS}
+    history: dict[str, list[tuple[float, float]]] = {impl: [] for impl in IMPLS}  # (load, load + first use)
     for repeat in range(args.repeats):
         for impl in IMPLS if repeat % 2 == 0 else IMPLS[::-1]:  # alternate who goes first
             extra = ["--sharded-out", str(sharded)] if impl == "optimum-parallel" and repeat == 0 else []
             _warm_page_cache(hf_dir)
             _torchrun(args.tp, "--worker", impl, "--checkpoint", str(hf_dir), "--results", str(results), *extra)
-            history[impl].append(max(json.loads(f.read_text())["s"] for f in results.glob(f"{impl}-*.json")))
+            runs = [json.loads(f.read_text()) for f in results.glob(f"{impl}-*.json")]
+            history[impl].append((max(r["s"] for r in runs), max(r["s"] + r["touch_s"] for r in runs)))
 
     gb = 1 << 30
     on_disk = sum(f.stat().st_size for f in hf_dir.glob("*.safetensors"))
@@ -191,14 +192,12 @@ def main() -> None:
     )
     print(header)
     print("-" * len(header))
-    times = {}
     for impl in IMPLS:
         for rank in range(args.tp):
             r = json.loads((results / f"{impl}-{rank}.json").read_text())
             goal = r["after_imports"] + 1.15 * r["shard"]
             ratio = (r["peak"] - r["after_imports"]) / r["shard"]
             used_ratio = (r["peak_touched"] - r["after_imports"]) / r["shard"]
-            times.setdefault(impl, []).append((r["s"], r["s"] + r["touch_s"]))
             print(
                 f"{impl:17} {rank:>4} {r['after_imports'] / gb:>9.2f} GiB {r['shard'] / gb:>5.2f} GiB "
                 f"{goal / gb:>5.2f} GiB {r['peak'] / gb:>5.2f} GiB ({ratio:.2f}x) {_verdict(r['peak'], goal)}"
@@ -206,12 +205,12 @@ def main() -> None:
                 f"{_verdict(r['peak_touched'], goal)} {r['s'] + r['touch_s']:>10.2f}"
             )
     for impl, seconds in history.items():
-        print(f"  {impl} load time over {args.repeats} runs: {', '.join(f'{t:.2f}' for t in seconds)} s")
+        print(f"  {impl} load time over {args.repeats} runs: {', '.join(f'{t[0]:.2f}' for t in seconds)} s")
     print("  (goal = after imports + 1.15 x shard; NNx = (peak - after imports) / shard; a weight left as a view of")
     print("   the file mapping is read when first used, so 'once used' touches every page of every weight)")
     print("  (table: the last run; times below: the fastest run of each)")
     for column, what in ((0, "load"), (1, "load + first use")):
-        best = {impl: min(history[impl]) + (max(t[1] - t[0] for t in times[impl]) if column else 0) for impl in IMPLS}
+        best = {impl: min(t[column] for t in history[impl]) for impl in IMPLS}
         op_s, hf_s = best["optimum-parallel"], best["transformers"]
         print(
             f"{what} time: optimum-parallel {op_s:.2f} s, transformers {hf_s:.2f} s "
