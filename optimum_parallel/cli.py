@@ -133,8 +133,8 @@ def inspect(checkpoint: str, verify: bool, as_json: bool) -> None:
     if index.tied:
         click.echo(f"  tied: {', '.join(f'{a} -> {c}' for a, c in index.tied.items())}")
     if index.optimizer is not None:
-        groups = len(index.optimizer["param_groups"])
-        click.echo(f"  optimizer: {index.optimizer['class']} ({groups} param groups)")
+        groups = ", ".join(f"pp rank {r}: {len(g)}" for r, g in sorted(index.optimizer["param_groups"].items()))
+        click.echo(f"  optimizer: {index.optimizer['class']} (param groups {groups})")
     for name, info in sorted(index.files.items()):
         click.echo(f"  {name}  {info['size'] / 1e6:10.2f} MB  sha256 {info['sha256'][:16]}")
     click.echo("  verified: every file matches its sha256" if verify else "  (use --verify to re-hash every file)")
