@@ -30,6 +30,7 @@ TEXT = (
     "Fortune favours the bold, and the early bird catches the worm. Rome was not built in a day. "
     "When in Rome, do as the Romans do. Every cloud has a silver lining. Two heads are better than one."
 )
+METRICS = ("loss", "grad_norm", "eval_loss", "eval_accuracy")
 BLOCK, TRAIN_BLOCKS, EVAL_BLOCKS = 16, 24, 6  # 480 byte tokens; 6 eval blocks over dp=2 x 2 leave a remainder
 
 
@@ -51,21 +52,28 @@ def common_args(output_dir: str, per_device: int) -> dict:
     )  # fmt: skip
 
 
+def token_accuracy(prediction) -> dict[str, float]:
+    """compute_metrics: next-token accuracy from the full logits (gathered over the vocabulary, dp and pp)."""
+    predicted = prediction.predictions[:, :-1].argmax(-1)
+    return {"accuracy": float((predicted == prediction.label_ids[:, 1:]).mean())}
+
+
 def curve(log_history: list[dict]) -> dict[int, dict]:
-    """{step: {loss, grad_norm, eval_loss}} from a Trainer's log history."""
+    """{step: {loss, grad_norm, eval_loss, eval_accuracy}} from a Trainer's log history."""
     out: dict[int, dict] = {}
     for entry in log_history:
-        values = {k: entry[k] for k in ("loss", "grad_norm", "eval_loss") if k in entry}
+        values = {k: entry[k] for k in METRICS if k in entry}
         out.setdefault(entry["step"], {}).update(values)
     return {step: values for step, values in out.items() if values}
 
 
-def worst_difference(actual: dict[int, dict], expected: dict[int, dict], steps) -> float:
-    """max |actual - expected| over the given steps; every expected value must be there."""
+def worst_difference(actual: dict[int, dict], expected: dict[int, dict], steps, keys=METRICS) -> float:
+    """max |actual - expected| of `keys` over the given steps; every expected value must be there."""
     worst = 0.0
     for step in steps:
         for key, value in expected[step].items():
-            worst = max(worst, abs(actual[step][key] - value))
+            if key in keys:
+                worst = max(worst, abs(actual[step][key] - value))
     return worst
 
 
@@ -88,8 +96,8 @@ def reference(hf_dir, tmp_path_factory) -> dict:
     """The single-device Trainer on the global batch (4 blocks), in this process."""
     train, evaluation = datasets()
     args = TrainingArguments(**common_args(str(tmp_path_factory.mktemp("reference")), per_device=4))
-    trainer = Trainer(AutoModelForCausalLM.from_pretrained(hf_dir, **LOAD), args, train_dataset=train,
-                      eval_dataset=evaluation)  # fmt: skip
+    model = AutoModelForCausalLM.from_pretrained(hf_dir, **LOAD)
+    trainer = Trainer(model, args, train_dataset=train, eval_dataset=evaluation, compute_metrics=token_accuracy)
     trainer.train()
     probe = train[0]["input_ids"][None]
     with torch.no_grad():
@@ -111,9 +119,21 @@ class StopAfterSave(TrainerCallback):
             control.should_training_stop = True
 
 
-def train_parallel(hf_dir: str, output_dir: str, tp: int, pp: int = 1, *, resume: str | None = None,
-                   stop_at: int | None = None, consolidate: bool = False, **extra) -> dict:  # fmt: skip
-    """One ParallelTrainer run on this rank (the global batch is 4 blocks whatever the layout)."""
+def train_parallel(
+    hf_dir: str,
+    output_dir: str,
+    tp: int,
+    pp: int = 1,
+    *,
+    resume: str | None = None,
+    stop_at: int | None = None,
+    consolidate: bool = False,
+    lazy_optimizer: bool = False,
+    **extra,
+) -> dict:
+    """One ParallelTrainer run on this rank (the global batch is 4 blocks whatever the layout). With
+    `lazy_optimizer` the user loads the model lazily and passes a lazy AdamW with the Trainer's param groups."""
+    import optimum_parallel as op
     from optimum_parallel.trainer import ParallelTrainer
     from optimum_parallel.training_args import ParallelTrainingArguments
 
@@ -121,9 +141,18 @@ def train_parallel(hf_dir: str, output_dir: str, tp: int, pp: int = 1, *, resume
     args = ParallelTrainingArguments(
         **{**common_args(output_dir, per_device), "tensor_parallel_size": tp, "pipeline_parallel_size": pp, **extra}
     )
+    model, optimizers = hf_dir, (None, None)
+    if lazy_optimizer:
+        with op.lazy_load_for_parallelism(tensor_parallel_size=tp, pipeline_parallel_size=pp):
+            model = AutoModelForCausalLM.from_pretrained(hf_dir, **LOAD)
+        params = list(model.parameters())  # Llama: the Trainer decays exactly the matrices
+        groups = [{"params": [p for p in params if p.dim() >= 2], "weight_decay": args.weight_decay}]
+        groups.append({"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0})
+        optimizers = (op.make_optimizer_constructor_lazy(torch.optim.AdamW)(groups, lr=args.learning_rate), None)
     train, evaluation = datasets()
-    trainer = ParallelTrainer(hf_dir, args, model_kwargs=LOAD, train_dataset=train, eval_dataset=evaluation,
-                              callbacks=[StopAfterSave(stop_at)] if stop_at else None)  # fmt: skip
+    callbacks = [StopAfterSave(stop_at)] if stop_at else None
+    trainer = ParallelTrainer(model, args, model_kwargs=LOAD, optimizers=optimizers, train_dataset=train,
+                              eval_dataset=evaluation, callbacks=callbacks, compute_metrics=token_accuracy)  # fmt: skip
     trainer.train(resume_from_checkpoint=resume)
     if consolidate:
         trainer.save_model()
@@ -146,7 +175,7 @@ def runs(pool, hf_dir, tmp_path_factory) -> dict:
 
 def test_dp2_tp2_matches_single_device_trainer(runs, reference):
     expected = reference["curve"]
-    assert sorted(expected) == list(range(1, 7)) and "eval_loss" in expected[SAVE_AT] and "eval_loss" in expected[6]
+    assert sorted(expected) == list(range(1, 7)) and all("eval_accuracy" in expected[s] for s in (SAVE_AT, 6))
     for rank, result in enumerate(runs["uninterrupted"]):
         assert result == runs["uninterrupted"][0], f"rank {rank} logged something else than rank 0"
         assert worst_difference(result, expected, range(1, 7)) <= TOL, (result, expected)
@@ -174,10 +203,17 @@ def test_resume_after_the_step_3_save(runs, reference):
     assert not list(Path(runs["dir"] / "resumed_pp").glob(".checkpoint-*"))  # the resharded copy is removed
 
 
-@pytest.mark.parametrize("level", [1, 3])
-def test_sharding_levels_match_single_device(pool, hf_dir, reference, tmp_path, level):
-    extra = {"sharding_level": level, "save_strategy": "no"}
-    for result in pool.run(train_parallel, hf_dir, str(tmp_path / "out"), 2, **extra):
+VARIANTS = {
+    "zero1": {"sharding_level": 1, "save_strategy": "no"},
+    "fsdp": {"sharding_level": 3, "save_strategy": "no"},
+    "sequence_parallel": {"sequence_parallel": True, "save_strategy": "no"},
+    "lazy_optimizer": {"lazy_optimizer": True, "save_strategy": "no"},
+}
+
+
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_variants_match_single_device(pool, hf_dir, reference, tmp_path, variant):
+    for result in pool.run(train_parallel, hf_dir, str(tmp_path / "out"), 2, **VARIANTS[variant]):
         assert worst_difference(result, reference["curve"], range(1, 7)) <= TOL, result
 
 
@@ -260,7 +296,7 @@ def test_example_tp2_killed_after_save_resumes_to_the_same_losses(hf_dir, refere
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     state = json.loads((out / f"checkpoint-{2 * SAVE_AT}" / "trainer_state.json").read_text())
     logged = curve(state["log_history"])
-    assert worst_difference(logged, reference["curve"], range(1, 7)) <= TOL, logged
+    assert worst_difference(logged, reference["curve"], range(1, 7), keys=METRICS[:3]) <= TOL, logged
     model = AutoModelForCausalLM.from_pretrained(out, **LOAD)  # the consolidated checkpoint
     with torch.no_grad():
         assert rel_err(model(input_ids=reference["probe"]).logits, reference["logits"]) <= TOL
