@@ -30,7 +30,10 @@ class ScriptArguments:
     byte_tokens: bool = field(
         default=False, metadata={"help": "Use the text's UTF-8 bytes as token ids (models without a tokenizer)."}
     )
-    dtype: str = field(default="float32", metadata={"help": "Weights' dtype: float32 (mixed precision: --bf16) ..."})
+    dtype: str = field(
+        default="float32",
+        metadata={"help": "Dtype of the loaded weights; for mixed precision keep float32, add --bf16."},
+    )
 
 
 class Blocks(torch.utils.data.Dataset):
@@ -65,6 +68,8 @@ def packed_blocks(script: ScriptArguments, tokenizer) -> tuple[Blocks, Blocks | 
 def main(argv: list[str] | None = None, callbacks: list[TrainerCallback] | None = None) -> ParallelTrainer:
     parser = HfArgumentParser((ScriptArguments, ParallelTrainingArguments))
     script, args = parser.parse_args_into_dataclasses(args=argv)
+    if not isinstance(getattr(torch, script.dtype, None), torch.dtype):
+        raise ValueError(f"--dtype {script.dtype!r} is not a torch dtype; allowed e.g.: float32, bfloat16, float16")
     tokenizer = None if script.byte_tokens else AutoTokenizer.from_pretrained(script.model_name_or_path)
     train, evaluation = packed_blocks(script, tokenizer)
     trainer = ParallelTrainer(

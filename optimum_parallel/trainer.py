@@ -205,7 +205,8 @@ class ParallelTrainer(Trainer):
         if self._pipeline is None:
             return super().training_step(model, inputs, num_items_in_batch)
         model.train()
-        return model.run_train(**self._prepare_inputs(inputs)).detach()
+        with self.accelerator.autocast():  # accelerate's mixed precision wraps model.forward, which pp bypasses
+            return model.run_train(**self._prepare_inputs(inputs)).detach()
 
     def _global_grad_norm(self, model: nn.Module) -> torch.Tensor:
         """The 2-norm of the whole model's gradient: squares of each rank's own pieces (tp shards once, pp stages,
@@ -252,7 +253,8 @@ class ParallelTrainer(Trainer):
             return loss, logits, labels
         inputs = self._prepare_inputs(inputs)
         model.eval()
-        out = model.run_eval(**inputs)
+        with self.accelerator.autocast():
+            out = model.run_eval(**inputs)
         if prediction_loss_only:
             return out.loss, None, None
         return out.loss, self._logits_from_last_stage(out.logits, inputs["input_ids"]), inputs.get("labels")
