@@ -38,6 +38,12 @@ MODULE_STYLES = {
 }
 EXPERT_PARAM_STYLES = {"packed_colwise": "packed", "packed_rowwise": "packed", "rowwise": "row"}
 CAUSAL_LOSS_TYPES = ("ForCausalLM",)
+# Plans that translate but give a wrong model here (found by running each automatic type at tp=2
+# against transformers): the model type is reported unsupported instead.
+KNOWN_BAD_PLANS = {
+    "apertus": "its xIELU activation has learnable parameters inside the split MLP that the plan leaves unsummed",
+    "doge": "its per-head attention parameters (A, dt_proj) are not split with the heads by the plan",
+}
 
 
 def _config_class(model_type: str):
@@ -214,6 +220,8 @@ def auto_parallelizer(model_type_or_config) -> type[Parallelizer] | None:
         model_type = model_type_or_config
     else:
         model_type = getattr(getattr(model_type_or_config, "config", model_type_or_config), "model_type", "")
+    if model_type in KNOWN_BAD_PLANS:
+        return None
     return _auto_parallelizer_class(model_type)
 
 

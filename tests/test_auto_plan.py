@@ -80,6 +80,7 @@ def test_supported_and_unsupported_plans():
     with pytest.raises(op.UnsupportedModelError, match=r"'deepseek_v2' is not supported"):
         manager.parallelizer_for_model("deepseek_v2")
     assert not manager.is_model_supported("bloom")  # no base_model_tp_plan, no parallelizer
+    assert not manager.is_model_supported("apertus")  # a plan that translates but trains wrongly here
 
 
 def test_translation_of_a_moe_plan():

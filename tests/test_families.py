@@ -87,13 +87,13 @@ CASES = [
     ("gemma", "causal", 2, {}),  # tied, scaled embedding
     ("gemma", "causal", 4, {"num_key_value_heads": 1, "vocab_size": 130}),  # multi-query: kv on all 4
     ("gemma2", "causal", 2, {}),  # soft-capping, sliding window, tied
-    ("gemma2", "causal", 4, {"num_key_value_heads": 4}),
-    ("gemma3_text", "causal", 4, {}),
+    ("gemma2", "causal", 4, {"vocab_size": 130}),  # 2 kv heads over 4 ranks
+    ("gemma3_text", "causal", 4, {"vocab_size": 130}),
     ("phi3", "causal", 2, {}),
-    ("phi3", "causal", 4, {"vocab_size": 130}),  # fused qkv with its 2 kv heads replicated over 4 ranks
+    ("phi3", "causal", 4, {"vocab_size": 130, "tie_word_embeddings": True}),  # 2 kv heads of the fused qkv on 4 ranks
     ("phi3", "seq_cls", 2, {"num_key_value_heads": 4}),
     ("mixtral", "causal", 2, {}),
-    ("mixtral", "causal", 4, {"output_router_logits": True, "router_aux_loss_coef": 0.1}),  # + aux loss
+    ("mixtral", "causal", 4, {"output_router_logits": True, "router_aux_loss_coef": 0.1, "vocab_size": 130}),
     ("qwen2_moe", "causal", 2, {}),
     ("qwen2_moe", "causal", 4, {"tie_word_embeddings": True, "vocab_size": 130}),
     ("gpt2", "causal", 2, {}),  # Conv1D, fused c_attn, tied
@@ -334,3 +334,45 @@ def test_heads_tp_cannot_split_are_rejected_before_weights_move(pool):
     for model_type, (_, _, expected) in BAD_HEADS.items():
         assert messages[model_type] is not None, f"{model_type}: no error for heads tp=4 cannot split"
         assert expected in messages[model_type] and "tensor_parallel_size=4" in messages[model_type], messages
+
+
+# MoE checkpoints are left out: transformers saves experts one by one and fuses them while loading,
+# a weight conversion lazy loading does not do yet (NotImplementedError in lazy.py).
+LAZY_CASES = [
+    ("phi3", "causal", 4, {}),  # packed qkv (replicated kv parts) and gate_up read as slices
+    ("gpt2", "causal", 2, {}),  # Conv1D [in, out] and packed c_attn
+    ("t5", "s2s", 2, {}),  # head-split relative attention bias, tied shared embedding
+    ("bert", "mlm", 4, {}),  # tied MLM bias
+]
+
+
+def check_lazy_loading(cases: list[tuple[str, str, int, dict]], batches: list[dict]) -> dict[str, float]:
+    """Each rank reads only its slices (lazy_load_for_parallelism): same parameters, same loss as a full load."""
+    import optimum_parallel as op
+
+    errors = {}
+    for (model_dir, task, tp), batch in zip(cases, batches, strict=True):
+        op.init_mesh(dp=dist.get_world_size() // tp, tp=tp)
+        reference = load_model(model_dir, task)
+        with op.lazy_load_for_parallelism(tensor_parallel_size=tp):
+            model = AUTO[task].from_pretrained(model_dir, attn_implementation="eager")
+        model.eval()
+        model = op.ParallelizersManager.parallelizer_for_model(model).parallelize(model)
+        ref_params = dict(reference.named_parameters())
+        for name, param in model.named_parameters():
+            assert param.device.type != "meta", f"{model_dir}: {name} still on meta"
+            layout = getattr(param, "shard_layout", None)
+            expected = layout.slice(ref_params[name]) if layout is not None else ref_params[name]
+            assert torch.equal(param.detach(), expected.detach()), f"{model_dir}: {name} differs"
+        errors[model_dir] = rel_err(model(**batch).loss, reference(**batch).loss)
+    return errors
+
+
+def test_lazy_loading_reads_each_families_slices(pool, tmp_path):
+    cases, batches = [], []
+    for model_type, task, tp, overrides in LAZY_CASES:
+        config = family_config(model_type, **overrides)
+        cases.append((save_tiny_model(tmp_path / model_type, config, task), task, tp))
+        batches.append(make_inputs(config, task))
+    for errors in pool.run(check_lazy_loading, cases, batches):
+        assert all(err <= TOL for err in errors.values()), errors
