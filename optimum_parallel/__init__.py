@@ -27,10 +27,24 @@ from .styles import (
 
 __version__ = "0.1.0"
 
+_LAZY = {"ParallelTrainer": ".trainer", "ParallelTrainingArguments": ".training_args"}
+
+
+def __getattr__(name: str):
+    """The Trainer integration imports transformers.Trainer (slow): load it on first use only."""
+    if name in _LAZY:
+        import importlib
+
+        return getattr(importlib.import_module(_LAZY[name], __name__), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
 __all__ = [
     "ColWiseParallel",
     "ParallelMesh",
     "ParallelStyle",
+    "ParallelTrainer",
+    "ParallelTrainingArguments",
     "Parallelizer",
     "ParallelizersManager",
     "PrepareLayerInput",

@@ -68,9 +68,10 @@ class Pipeline:
         schedule_cls, per_rank, self.placement = SCHEDULES[schedule]
         num_stages = self.num_stages = mesh.size("pp") * per_rank
         self.stages_by_index = {stage.stage_index: stage for stage in stages}
-        device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+        cuda = torch.cuda.is_available()
+        self.device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
         self.pipeline_stages = [
-            PipelineStage(stage, stage.stage_index, num_stages, device, group=self.pp_group) for stage in stages
+            PipelineStage(stage, stage.stage_index, num_stages, self.device, group=self.pp_group) for stage in stages
         ]
         single = per_rank == 1
         self.schedule = schedule_cls(
@@ -103,7 +104,10 @@ class Pipeline:
 
     def _share_loss(self, losses: list[torch.Tensor]) -> torch.Tensor:
         """The mean micro-batch loss, computed on the last stage, on every rank of the pipeline."""
-        loss = torch.stack([x.detach().float() for x in losses]).mean() if self.holds_last else torch.zeros(())
+        if self.holds_last:
+            loss = torch.stack([x.detach().float() for x in losses]).mean()
+        else:
+            loss = torch.zeros((), device=self.device)
         dist.broadcast(loss, src=self.last_rank, group=self.pp_group)
         return loss
 
@@ -153,7 +157,7 @@ class Pipeline:
                 continue
             if index > 0 and self.owner(index - 1) != me:
                 shape = (*input_ids.shape, self.model.config.hidden_size)
-                hidden = torch.empty(shape, dtype=next(stage.parameters()).dtype)
+                hidden = torch.empty(shape, dtype=next(stage.parameters()).dtype, device=self.device)
                 dist.recv(hidden, src=ranks[self.owner(index - 1)], group=self.pp_group)
             out = stage(input_ids if index == 0 else hidden, mask)
             if index == self.num_stages - 1:
