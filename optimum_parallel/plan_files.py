@@ -22,7 +22,6 @@ import inspect
 import json
 import os
 import re
-import tempfile
 import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -244,14 +243,14 @@ def _write_json(doc: dict, path: str | Path) -> None:
     """Write atomically: a temp file in the same directory, then rename."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     try:
-        with os.fdopen(fd, "w") as f:
+        with open(tmp, "w") as f:
             json.dump(doc, f, indent=1)
             f.write("\n")
         os.replace(tmp, path)
     except BaseException:
-        Path(tmp).unlink(missing_ok=True)
+        tmp.unlink(missing_ok=True)
         raise
 
 
