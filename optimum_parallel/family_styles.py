@@ -233,6 +233,12 @@ class TensorParallelExperts(ParallelStyle):
             dim = param.dim() - 1 if getattr(module, "is_transposed", False) else param.dim() - 2
             if param.shape[dim] % 2:
                 raise ValueError(f"{name}.{param_name}: packed gate|up dim of size {param.shape[dim]} is odd")
+            pairs, tp = param.shape[dim] // 2, ctx.mesh.tp_size
+            if not getattr(module, "is_concatenated", True) and pairs % tp:
+                raise ValueError(
+                    f"{name}.{param_name}: {pairs} interleaved gate/up pairs cannot be split over tensor-parallel "
+                    f"size {tp}; tp must divide {pairs}"
+                )
 
     def param_layouts(self, module: nn.Module, rank: int, world: int) -> dict[str, ShardLayout]:
         return expert_layouts(module, self.packed, self.row, rank, world)
