@@ -306,14 +306,15 @@ def _check_local_layouts(model: nn.Module, resolved: ResolvedPlan, tp_rank: int)
     """The first parameter of this rank whose layout differs from the resolved plan's, as a message."""
     expected = resolved.layouts[tp_rank]
     for name, param in model.named_parameters(remove_duplicate=False):
-        actual = getattr(param, "shard_layout", None)
-        if actual is None:  # a parameter without a layout here (replicated, or re-created by FSDP2)
+        if hasattr(param, "to_local"):  # re-created by FSDP2 (a DTensor): its layout attribute is gone
             continue
+        actual = getattr(param, "shard_layout", None)
         planned = expected.get(name)
         if _split_or_none(planned) != _split_or_none(actual):
+            actual_text, planned_text = (str(x) if _split_or_none(x) else "not split" for x in (actual, planned))
             return (
-                f"parameter {name!r} on tp rank {tp_rank} is laid out as {actual}, but the plan being saved gives "
-                f"{planned}; pass save_plan the plan (and flags) the model was parallelized with"
+                f"parameter {name!r} on tp rank {tp_rank} is {actual_text}, but the plan being saved gives "
+                f"{planned_text}; pass save_plan the plan (and flags) the model was parallelized with"
             )
     return None
 
