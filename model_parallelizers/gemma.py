@@ -12,7 +12,6 @@ from .llama import LlamaParallelizer
 
 class GemmaParallelizer(LlamaParallelizer):
     supports_sequence_parallel = True  # the Llama sequence-parallel plan fits Gemma's layer layout
-    supports_pipeline_parallel = False  # not verified for this family yet
 
 
 class Gemma2Parallelizer(GemmaParallelizer):

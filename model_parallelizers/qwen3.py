@@ -14,7 +14,6 @@ from .llama import LlamaParallelizer
 
 class Qwen3Parallelizer(LlamaParallelizer):
     supports_sequence_parallel = True  # the norms act inside self_attn, which sees the whole sequence
-    supports_pipeline_parallel = False  # not verified for this family yet
 
     @classmethod
     def plan(cls, model, mesh, parallelize_embeddings, sequence_parallel_enabled):

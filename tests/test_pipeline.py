@@ -31,13 +31,15 @@ def pipeline_batch(config, rows: int = 4) -> dict[str, torch.Tensor]:
     return batch
 
 
-def check_pipeline(pp: int, tp: int, schedule: str, microbatches: int, steps: int, overrides: dict) -> dict:
+def check_pipeline(
+    pp: int, tp: int, schedule: str, microbatches: int, steps: int, overrides: dict, model_type: str = "llama"
+) -> dict:
     """Loss and every gradient of the first step, then the loss over `steps` AdamW steps."""
     import optimum_parallel as op
 
     dp = dist.get_world_size() // (pp * tp)
     mesh = op.init_mesh(dp=dp, pp=pp, tp=tp)
-    config = tiny_config("llama", num_hidden_layers=4, **overrides)
+    config = tiny_config(model_type, num_hidden_layers=4, **overrides)
     reference = build_model(config)
     model = copy.deepcopy(reference)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
@@ -95,10 +97,19 @@ CASES = [
     (2, 2, "1f1b", 2, 3, {}),  # pp=2 x tp=2
     (2, 1, "1f1b", 2, 3, {"num_key_value_heads": 4}),  # dp=2 x pp=2
 ]
+FAMILIES = [  # the other pipelined families: q/k norms, scaled embeddings, soft-capping and sliding windows
+    ("qwen3", 2, 2, "1f1b", 2, 1, {"head_dim": 16}),
+    ("gemma", 2, 1, "1f1b", 2, 1, {"head_dim": 16, "tie_word_embeddings": True}),
+    ("gemma2", 2, 2, "gpipe", 2, 1, {"head_dim": 16, "tie_word_embeddings": True, "sliding_window": 8}),
+    ("gemma3_text", 2, 1, "1f1b", 2, 1, {"head_dim": 16, "sliding_window": 8}),
+]
 
 
-@pytest.mark.parametrize("pp,tp,schedule,microbatches,steps,overrides", CASES,
-                         ids=[f"pp{c[0]}-tp{c[1]}-{c[2]}-m{c[3]}-{i}" for i, c in enumerate(CASES)])
+@pytest.mark.parametrize(
+    "pp,tp,schedule,microbatches,steps,overrides",
+    CASES,
+    ids=[f"pp{c[0]}-tp{c[1]}-{c[2]}-m{c[3]}-{i}" for i, c in enumerate(CASES)],
+)
 def test_matches_single_device(pool, pp, tp, schedule, microbatches, steps, overrides):
     results = pool.run(check_pipeline, pp, tp, schedule, microbatches, steps, overrides)
     for rank, result in enumerate(results):
@@ -106,6 +117,16 @@ def test_matches_single_device(pool, pp, tp, schedule, microbatches, steps, over
     assert sum(r["n_params"] for r in results) >= len(list(build_model(tiny_config("llama")).parameters()))
     eval_losses = {r["eval_loss"] for r in results}
     assert len(eval_losses) == len({dp for dp, _ in eval_losses}), f"one eval loss per pipeline: {eval_losses}"
+
+
+@pytest.mark.parametrize(
+    "model_type,pp,tp,schedule,microbatches,steps,overrides", FAMILIES, ids=[f[0] for f in FAMILIES]
+)
+def test_other_families_pipeline(pool, model_type, pp, tp, schedule, microbatches, steps, overrides):
+    for rank, result in enumerate(
+        pool.run(check_pipeline, pp, tp, schedule, microbatches, steps, overrides, model_type)
+    ):
+        assert result["loss"] <= TOL and result["worst_grad"] <= TOL, f"rank {rank}: {result}"
 
 
 def check_pipeline_errors(case: str) -> str:
