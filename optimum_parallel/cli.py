@@ -187,10 +187,7 @@ def _config(model: str):
     if path.is_dir() and not (path / "config.json").is_file():
         raise click.BadParameter(f"no config.json in directory {model!r}", ctx=_context(), param_hint="MODEL")
     try:
-        if path.is_file():
-            config_dict, _ = AutoConfig.get_config_dict(str(path))
-            return AutoConfig.for_model(**config_dict)
-        return AutoConfig.from_pretrained(str(path))
+        return AutoConfig.from_pretrained(str(path))  # a directory or a config.json path
     except (OSError, ValueError, KeyError, TypeError) as err:
         message = " ".join(str(err).split())
         raise click.BadParameter(

@@ -29,7 +29,6 @@ from __future__ import annotations
 from collections.abc import Iterator
 from dataclasses import dataclass, field, replace
 from functools import cached_property
-from pathlib import Path
 
 import torch
 from torch import nn
@@ -225,12 +224,7 @@ class MemoryPlanner:
     """Estimates for one model (config read once, meta model built once, plans resolved per tp on demand)."""
 
     def __init__(self, model_dir_or_config, parallelize_embeddings: bool = True) -> None:
-        if isinstance(model_dir_or_config, (str, Path)) and Path(model_dir_or_config).is_file():
-            from transformers import AutoConfig
-
-            config_dict, _ = AutoConfig.get_config_dict(str(model_dir_or_config))
-            model_dir_or_config = AutoConfig.for_model(**config_dict)
-        self.config = _load_config(model_dir_or_config)
+        self.config = _load_config(model_dir_or_config)  # a config, a model directory or a config.json path
         self.model = build_meta_model(self.config)
         self.parallelize_embeddings = parallelize_embeddings
         from .manager import ParallelizersManager
