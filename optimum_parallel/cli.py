@@ -277,6 +277,9 @@ def _explicit(ctx: click.Context, name: str) -> bool:
     default=None,
     help="Pipeline micro-batches per step [default: pp].",
 )
+@click.option(
+    "--schedule", type=click.Choice(["1f1b", "gpipe"]), default="1f1b", show_default=True, help="Pipeline schedule."
+)
 @click.option("--dtype", type=_DTYPE, default="bf16", show_default=True, help="Parameter and activation dtype.")
 @click.option(
     "--master-weights/--no-master-weights",
@@ -318,6 +321,7 @@ def estimate_memory(
     seq_len: int,
     micro_batch: int,
     num_microbatches: int | None,
+    schedule: str,
     dtype: str,
     master_weights: bool | None,
     attention: str,
@@ -335,7 +339,8 @@ def estimate_memory(
     per-rank parameter counts of the family's plan), so a 70B model takes seconds on a laptop. Activations:
     Korthikanti et al. 2022 per layer, sbh(34 + 5as/h) at tp=1, sbh(10 + 24/t + 5as/(ht)) at tp=t, sbh(34/t +
     5as/(ht)) with SP (16-bit, scaled to --dtype), and for Llama-style decoders the count of this engine's
-    Llama (checked against measurement). Under pp (1F1B) the first stage keeps pp micro-batches in flight.
+    Llama (checked against measurement). Under pp, 1F1B keeps pp micro-batches in flight on the first stage
+    (GPipe: all of them on every stage).
     """
     from .memory_planner import GIB, Layout, MemoryPlanner, Workload, format_estimate, format_suggestions
 
@@ -354,6 +359,7 @@ def estimate_memory(
         seq_len=seq_len,
         micro_batch=micro_batch,
         num_microbatches=num_microbatches,
+        schedule=schedule,
         dtype=dtype,
         master_weights=master_weights,
         attention=attention,

@@ -18,8 +18,8 @@ The rank with the most bytes is reported. Assumptions (the `notes` of every esti
   materialised) sbh(34 + 5as/h) at tp=1, sbh(10 + 24/t + 5as/(ht)) at tp=t without sequence parallelism and
   sbh(34/t + 5as/(ht)) with it, scaled by the dtype, plus 4sbh(1 + v/h)/t outside the layers; and, for
   Llama-style decoders, the same counting done for this engine's Llama (`llama_layer_bytes`), which matches
-  measurement (tests/test_memory_planner.py). Pipeline (1F1B): stage s keeps min(pp - s, micro-batches)
-  micro-batches in flight, so the first stage holds pp of them.
+  measurement (tests/test_memory_planner.py). Pipeline: under 1F1B stage s keeps pp - s micro-batches in
+  flight (the first stage holds pp of them); under GPipe every stage keeps all of them.
 Not counted: the runtime (CUDA context, NCCL), allocator fragmentation, temporary buffers of single ops:
 `suggest_layouts` keeps a reserve of device memory for them.
 """
@@ -42,6 +42,7 @@ DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 DTYPE_ALIASES = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16", "half": "fp16", "float": "fp32"}
 ATTENTION = ("sdpa", "eager")
 ACTIVATION_METHODS = ("auto", "llama", "paper")
+SCHEDULES = ("1f1b", "gpipe")
 LLAMA_STYLE = ("llama", "mistral", "qwen2", "qwen3")  # RMSNorm, SwiGLU, no dropout: `llama_layer_bytes` applies
 
 
@@ -89,6 +90,7 @@ class Workload:
     seq_len: int = 2048
     micro_batch: int = 1
     num_microbatches: int | None = None  # pipeline micro-batches per step (default: pp)
+    schedule: str = "1f1b"  # pipeline schedule: "1f1b" or "gpipe"
     dtype: str = "bf16"
     master_weights: bool | None = None  # default: True for 16-bit dtypes
     attention: str = "sdpa"
@@ -102,6 +104,8 @@ class Workload:
                 raise ValueError(f"{name}={value!r} is not allowed; it must be a positive integer")
         if self.attention not in ATTENTION:
             raise ValueError(f"attention={self.attention!r} is not allowed; allowed: {', '.join(ATTENTION)}")
+        if self.schedule not in SCHEDULES:
+            raise ValueError(f"schedule={self.schedule!r} is not allowed; allowed: {', '.join(SCHEDULES)}")
         if self.activations not in ACTIVATION_METHODS:
             raise ValueError(f"activations={self.activations!r}; allowed: {', '.join(ACTIVATION_METHODS)}")
 
@@ -254,6 +258,8 @@ class MemoryPlanner:
         layers = getattr(config, "num_hidden_layers", None) or getattr(config, "n_layer", None)
         if self._layer_prefix is not None:
             return len(self.model.get_submodule(self._layer_prefix))
+        if getattr(config, "is_encoder_decoder", False):  # encoder and decoder layers (the paper's layer each)
+            return int(layers or 1) + int(getattr(config, "num_decoder_layers", None) or layers or 1)
         return int(layers or 1)
 
     @cached_property
@@ -363,7 +369,7 @@ class MemoryPlanner:
         return workload.activations
 
     def _activations(self, layout: Layout, workload: Workload, method: str) -> float:
-        """The stage with the most activation bytes under 1F1B (stage s keeps min(pp - s, m) micro-batches)."""
+        """The stage with the most activation bytes (1F1B: stage s keeps min(pp - s, m) micro-batches; GPipe: m)."""
         d, e, tp, sp, pp = self.dims(workload), workload.element, layout.tp, layout.sequence_parallel, layout.pp
         if method == "paper":
             layer = paper_layer_bytes(d, tp, sp, e)
@@ -375,7 +381,7 @@ class MemoryPlanner:
         stages = stage_layers(self.num_layers, pp, "layers", "layers")
         worst = 0.0
         for s, layers in enumerate(stages):
-            in_flight = min(pp - s, micro)
+            in_flight = micro if workload.schedule == "gpipe" else min(pp - s, micro)
             held = len(layers) * layer * in_flight
             held += first * in_flight if s == 0 else 0
             held += last if s == pp - 1 else 0
@@ -386,6 +392,8 @@ class MemoryPlanner:
         """Per-rank bytes of `layout` running `workload` (the rank with the most of each)."""
         if layout.sequence_parallel and not self.supports_sequence_parallel:
             raise ValueError(f"{self.parallelizer.__name__} does not support sequence parallelism")
+        if workload.num_microbatches is not None and workload.num_microbatches < layout.pp:
+            raise ValueError(f"num_microbatches={workload.num_microbatches} must be >= pp={layout.pp}")
         counts = self.counts(layout.tp, layout.pp)
         local = max(counts.per_stage)
         tensors = max(counts.param_tensors)
@@ -419,7 +427,10 @@ class MemoryPlanner:
             notes.append(f"optimizer: AdamW, m and v in {workload.dtype} ({per_param} bytes per parameter)")
         if layout.pp > 1:
             m = workload.num_microbatches or layout.pp
-            notes.append(f"activations: 1F1B, the first stage keeps min(pp, {m}) micro-batches in flight")
+            if workload.schedule == "gpipe":
+                notes.append(f"activations: GPipe, every stage keeps all {m} micro-batches until its backward")
+            else:
+                notes.append(f"activations: 1F1B, the first stage keeps pp={layout.pp} of the {m} micro-batches")
             if layout.sequence_parallel:
                 notes.append("optimum-parallel does not run sequence parallelism together with pp > 1 yet")
         if level == 1:
@@ -488,8 +499,23 @@ def suggest_layouts(
 # Text
 
 
-def gib(n: float | None) -> str:
-    return "-" if n is None else f"{n / GIB:.2f}"
+UNITS = (("GiB", 1024**3), ("MiB", 1024**2), ("KiB", 1024))
+
+
+def pick_unit(largest: float) -> tuple[str, float]:
+    """The largest binary unit in which `largest` bytes is at least 1 (GiB for real models, MiB for tiny ones)."""
+    return next(((name, scale) for name, scale in UNITS if largest >= scale), UNITS[-1])
+
+
+def in_unit(n: float | None, scale: float) -> str:
+    return "-" if n is None else f"{n / scale:.2f}"
+
+
+def _count(n: int) -> str:
+    for suffix, scale in (("B", 1e9), ("M", 1e6), ("K", 1e3)):
+        if n >= scale:
+            return f"{n / scale:.2f}{suffix}"
+    return str(n)
 
 
 def _table(header: list[str], rows: list[list[str]]) -> list[str]:
@@ -506,7 +532,7 @@ def describe_model(planner: MemoryPlanner, workload: Workload) -> str:
     d = planner.dims(workload)
     master = " + fp32 master weights" if workload.uses_master_weights else ""
     return (
-        f"{type(planner.model).__name__} ({c.model_type}): {planner.num_parameters / 1e9:.2f}B parameters, "
+        f"{type(planner.model).__name__} ({c.model_type}): {_count(planner.num_parameters)} parameters, "
         f"{planner.num_layers} layers, hidden {d.h}, {d.a} heads ({round(d.g * d.a)} kv), vocab {d.v}; "
         f"{workload.dtype}{master}, seq {workload.seq_len} x micro-batch {workload.micro_batch}, "
         f"{workload.attention} attention"
@@ -514,29 +540,30 @@ def describe_model(planner: MemoryPlanner, workload: Workload) -> str:
 
 
 def format_estimate(planner: MemoryPlanner, off: MemoryEstimate, on: MemoryEstimate | None) -> str:
-    """A table of one layout without (and with) sequence parallelism, GiB per rank."""
+    """A table of one layout without (and with) sequence parallelism, bytes per rank in a readable unit."""
     layout = off.layout
     method = {"llama": "Llama count", "paper": "Korthikanti et al. 2022"}[off.activation_method]
+    columns = [off] + ([on] if on is not None else [])
+    unit, scale = pick_unit(max(e.total for e in columns))
     lines = [
         describe_model(planner, off.workload),
         f"layout: dp={layout.dp} tp={layout.tp} pp={layout.pp}, sharding level {layout.sharding_level}; "
-        "GiB on the rank with the most",
+        f"{unit} on the rank with the most",
         "",
     ]
-    columns = [off] + ([on] if on is not None else [])
     header = ["", "SP off"] + (["SP on"] if on is not None else [])
     rows = [
-        ["parameters", *(gib(e.parameters) for e in columns)],
-        ["gradients", *(gib(e.gradients) for e in columns)],
-        ["optimizer state", *(gib(e.optimizer_state) for e in columns)],
-        ["buffers", *(gib(e.buffers) for e in columns)],
-        [f"activations ({method})", *(gib(e.activations) for e in columns)],
-        ["total", *(gib(e.total) for e in columns)],
+        ["parameters", *(in_unit(e.parameters, scale) for e in columns)],
+        ["gradients", *(in_unit(e.gradients, scale) for e in columns)],
+        ["optimizer state", *(in_unit(e.optimizer_state, scale) for e in columns)],
+        ["buffers", *(in_unit(e.buffers, scale) for e in columns)],
+        [f"activations ({method})", *(in_unit(e.activations, scale) for e in columns)],
+        ["total", *(in_unit(e.total, scale) for e in columns)],
         ["", *("" for _ in columns)],
-        ["activations, Korthikanti et al. 2022", *(gib(e.activations_paper) for e in columns)],
+        ["activations, Korthikanti et al. 2022", *(in_unit(e.activations_paper, scale) for e in columns)],
     ]
     if off.activations_llama is not None:
-        rows.append(["activations, Llama count", *(gib(e.activations_llama) for e in columns)])
+        rows.append(["activations, Llama count", *(in_unit(e.activations_llama, scale) for e in columns)])
     lines += _table(header, rows)
     notes = list(dict.fromkeys(n for e in columns for n in e.notes))
     if on is None and layout.tp > 1:
@@ -558,39 +585,16 @@ def format_suggestions(
     )
     if not estimates:
         return "\n".join(lines) + "\n"
-    rows = [
-        [
-            str(rank),
-            str(e.layout.dp),
-            str(e.layout.tp),
-            str(e.layout.pp),
-            str(e.layout.sharding_level),
-            "on" if e.layout.sequence_parallel else "off",
-            gib(e.parameters),
-            gib(e.gradients),
-            gib(e.optimizer_state),
-            gib(e.buffers),
-            gib(e.activations),
-            gib(e.total),
-            f"{1 - e.total / memory_bytes:.0%}",
-        ]
-        for rank, e in enumerate(estimates[:top], 1)
-    ]
-    header = [
-        "#",
-        "dp",
-        "tp",
-        "pp",
-        "level",
-        "SP",
-        "params",
-        "grads",
-        "optim",
-        "buffers",
-        "activ.",
-        "total GiB",
-        "free",
-    ]
+    unit, scale = pick_unit(max(e.total for e in estimates[:top]))
+    rows = []
+    for rank, e in enumerate(estimates[:top], 1):
+        sizes = (e.parameters, e.gradients, e.optimizer_state, e.buffers, e.activations, e.total)
+        layout = (e.layout.dp, e.layout.tp, e.layout.pp, e.layout.sharding_level)
+        sp = "on" if e.layout.sequence_parallel else "off"
+        free = f"{1 - e.total / memory_bytes:.0%}"
+        rows.append([str(rank), *map(str, layout), sp, *(in_unit(n, scale) for n in sizes), free])
+    header = ["#", "dp", "tp", "pp", "level", "SP", "params", "grads", "optim", "buffers", "activ."]
+    header += [f"total {unit}", "free"]
     lines += ["", *_table(header, rows)]
     if len(estimates) > top:
         lines.append(f"... {len(estimates) - top} more (--top N shows more)")

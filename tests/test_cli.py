@@ -98,6 +98,7 @@ BAD_ARGUMENTS = [
     (("estimate-memory", "{model}", "--sharding-level", "4"), "Invalid value for '--sharding-level'"),
     (("estimate-memory", "{model}", "--pp", "3"), "pp=3 is more pipeline stages than the model's 2 layers"),
     (("estimate-memory", "{model}", "--seq-len", "0"), "Invalid value for '--seq-len'"),
+    (("estimate-memory", "{model}", "--pp", "2", "--num-microbatches", "1"), "num_microbatches=1 must be >= pp=2"),
     (("estimate-memory", "{model}", "--suggest", "--devices", "4"), "--suggest needs --memory"),
     (("estimate-memory", "{model}", "--suggest", "--memory", "8"), "--suggest needs --devices"),
     (("estimate-memory", "{model}", "--suggest", "--devices", "4", "--memory", "8", "--tp", "2"), "chooses --tp"),
@@ -159,7 +160,7 @@ def test_plan_prints_the_split_table_and_saves_a_plan_file(model_dir, tmp_path):
 
 
 def test_estimate_memory_prints_both_sequence_parallel_columns(model_dir):
-    from optimum_parallel.memory_planner import Layout, MemoryPlanner, Workload, gib
+    from optimum_parallel.memory_planner import Layout, MemoryPlanner, Workload, in_unit, pick_unit
 
     args = ["--tp", "2", "--dp", "2", "--sharding-level", "1", "--seq-len", "64", "--micro-batch", "2"]
     code, out, err = cli("estimate-memory", model_dir, *args)
@@ -168,10 +169,14 @@ def test_estimate_memory_prints_both_sequence_parallel_columns(model_dir):
     planner, workload = MemoryPlanner(LlamaConfig(**TINY)), Workload(seq_len=64, micro_batch=2)
     off, on = (planner.estimate(Layout(2, 2, 1, 1, sp), workload) for sp in (False, True))
     total = next(line for line in out.splitlines() if line.startswith("total"))
-    assert total.split()[1:] == [gib(off.total), gib(on.total)]
+    unit, scale = pick_unit(off.total)
+    assert unit != "GiB" and f"{unit} on the rank with the most" in out  # a tiny model: not 0.00 GiB
+    assert total.split()[1:] == [in_unit(off.total, scale), in_unit(on.total, scale)]
     assert "activations, Korthikanti et al. 2022" in out and "activations, Llama count" in out
     code, out, _ = cli("estimate-memory", model_dir, "--pp", "2", "--dtype", "fp32", "--activations", "paper")
     assert code == 0 and "activations (Korthikanti et al. 2022)" in out and "1F1B" in out
+    code, out, _ = cli("estimate-memory", model_dir, "--pp", "2", "--num-microbatches", "4", "--schedule", "gpipe")
+    assert code == 0 and "GPipe, every stage keeps all 4 micro-batches" in out
 
 
 def test_estimate_memory_suggests_layouts_best_first(model_dir):

@@ -13,6 +13,7 @@ What the 15% check compares (for every run below, on the rank with the most byte
 from __future__ import annotations
 
 import time
+from dataclasses import replace
 
 import pytest
 import torch
@@ -206,8 +207,11 @@ def test_pipeline_first_stage_keeps_pp_microbatches():
     four = planner.estimate(Layout(pp=4), workload).activations
     # 1F1B: the first stage holds 2 layers x 4 micro-batches = the 8 layers of pp=1 (minus the head, plus embedding)
     assert four == pytest.approx(one, rel=0.3)
-    fewer = planner.estimate(Layout(pp=4), Workload(seq_len=SEQ, micro_batch=BATCH, num_microbatches=2)).activations
-    assert fewer < planner.estimate(Layout(pp=4), Workload(seq_len=SEQ, micro_batch=BATCH)).activations
+    gpipe = planner.estimate(Layout(pp=4), replace(workload, num_microbatches=8, schedule="gpipe")).activations
+    assert gpipe > 1.9 * four  # GPipe keeps all 8 micro-batches of its 2 layers on every stage
+    assert planner.estimate(Layout(pp=4), replace(workload, num_microbatches=8)).activations == four
+    with pytest.raises(ValueError, match="num_microbatches=2 must be >= pp=4"):
+        planner.estimate(Layout(pp=4), replace(workload, num_microbatches=2))
 
 
 LLAMA_70B = dict(
