@@ -16,7 +16,6 @@ from optimum_parallel import (
     SequenceParallelEnd,
     optional,
 )
-from optimum_parallel.tensor_parallel import ColumnParallelLinear
 
 
 class LlamaParallelizer(Parallelizer):
@@ -73,11 +72,3 @@ class LlamaParallelizer(Parallelizer):
             layer + r"(self_attn|mlp)": SequenceParallelDisable(),
             base + "norm": SequenceParallelEnable(),
         }
-
-    @classmethod
-    def after_plan(cls, model, mesh):
-        for module in model.modules():
-            if isinstance(getattr(module, "q_proj", None), ColumnParallelLinear):
-                local_heads = module.q_proj.weight.shape[0] // module.head_dim
-                local_kv_heads = module.k_proj.weight.shape[0] // module.head_dim
-                module.num_key_value_groups = local_heads // local_kv_heads

@@ -27,11 +27,21 @@ from .styles import (
 
 __version__ = "0.1.0"
 
-_LAZY = {"ParallelTrainer": ".trainer", "ParallelTrainingArguments": ".training_args"}
+_LAZY = {
+    "ParallelTrainer": ".trainer",
+    "ParallelTrainingArguments": ".training_args",
+    "save_plan": ".plan_files",
+    "load_plan": ".plan_files",
+    "check_plan_fits": ".plan_files",
+    "plan_file_parallelizer": ".plan_files",
+    "estimate_memory": ".memory_planner",
+    "suggest_layouts": ".memory_planner",
+    "MemoryPlanner": ".memory_planner",
+}
 
 
 def __getattr__(name: str):
-    """The Trainer integration imports transformers.Trainer (slow): load it on first use only."""
+    """The Trainer, plan files and memory planner import heavy parts of transformers: load them on first use."""
     if name in _LAZY:
         import importlib
 
@@ -42,6 +52,7 @@ def __getattr__(name: str):
 __all__ = [
     "ColWiseParallel",
     "ParallelMesh",
+    "MemoryPlanner",
     "ParallelStyle",
     "ParallelTrainer",
     "ParallelTrainingArguments",
@@ -62,6 +73,12 @@ __all__ = [
     "TensorParallelConfig",
     "apply_plan",
     "check_plan",
+    "check_plan_fits",
+    "estimate_memory",
+    "load_plan",
+    "plan_file_parallelizer",
+    "save_plan",
+    "suggest_layouts",
     "parallelize",
     "consolidate_checkpoint",
     "lazy_load_for_parallelism",

@@ -90,6 +90,7 @@ def apply_plan(model: nn.Module, plan: Mapping[str, object], mesh: ParallelMesh)
             _replace_submodule(model, name, module)
     _retie_shared_parameters(model, original)
     _install_vocab_parallel_loss(model)
+    _localize_kv_groups(model)
 
     current = dict(model.named_parameters(remove_duplicate=False))
     return {id(param): current[name] for name, param in original.items()}
@@ -119,6 +120,17 @@ def _retie_shared_parameters(model: nn.Module, original: dict[str, nn.Parameter]
         shared = getattr(owners[0], leaves[0])
         for module, leaf in zip(owners[1:], leaves[1:], strict=True):
             setattr(module, leaf, shared)
+
+
+def _localize_kv_groups(model: nn.Module) -> None:
+    """HF attention repeats each kv head `num_key_value_groups` times; after the split that is the local query
+    heads per local kv head (it changes when tp > num_key_value_heads and each rank keeps one kv head)."""
+    for module in model.modules():
+        q, k = getattr(module, "q_proj", None), getattr(module, "k_proj", None)
+        head_dim = getattr(module, "head_dim", None)
+        if hasattr(module, "num_key_value_groups") and head_dim and isinstance(q, ColumnParallelLinear):
+            if isinstance(k, ColumnParallelLinear):
+                module.num_key_value_groups = (q.weight.shape[0] // head_dim) // (k.weight.shape[0] // head_dim)
 
 
 def _install_vocab_parallel_loss(model: nn.Module) -> None:

@@ -23,13 +23,13 @@ def pool():
     p.close()
 
 
-def llama_plan(sequence_parallel: bool = False) -> dict:
+def llama_plan(sequence_parallel: bool = False, kv_heads: int = 2) -> dict:
     import optimum_parallel as op
 
     plan = {
         "model.embed_tokens": op.RowWiseParallel(),
         "model.layers.*.self_attn.q_proj": op.ColWiseParallel(units=4),
-        "model.layers.*.self_attn.(k|v)_proj": op.ColWiseParallel(units=2),
+        "model.layers.*.self_attn.(k|v)_proj": op.ColWiseParallel(units=kv_heads),
         "model.layers.*.self_attn.o_proj": op.RowWiseParallel(),
         "model.layers.*.mlp.(gate|up)_proj": op.ColWiseParallel(),
         "model.layers.*.mlp.down_proj": op.RowWiseParallel(),
@@ -48,16 +48,16 @@ def llama_plan(sequence_parallel: bool = False) -> dict:
     return plan
 
 
-def check_front_door(sequence_parallel: bool, typed: bool) -> dict:
+def check_front_door(sequence_parallel: bool, typed: bool, kv_heads: int = 2) -> dict:
     import optimum_parallel as op
 
     mesh = op.init_mesh(tp=2)
-    config = tiny_config("llama")
+    config = tiny_config("llama", num_key_value_heads=kv_heads)
     reference = build_model(config)
     model = copy.deepcopy(reference)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)  # any torch optimizer
     ref_optimizer = torch.optim.SGD(reference.parameters(), lr=0.1, momentum=0.9)
-    plan = llama_plan(sequence_parallel)
+    plan = llama_plan(sequence_parallel, kv_heads)
     parallel_config = (
         op.ParallelConfig(mp_config=op.TensorParallelConfig(parallelize_plan=plan))
         if typed
@@ -77,9 +77,10 @@ def check_front_door(sequence_parallel: bool, typed: bool) -> dict:
     return {"worst": max(errors), "optimizer": type(optimizer).__name__}
 
 
-@pytest.mark.parametrize("sequence_parallel,typed", [(False, False), (True, True)])
-def test_front_door_matches_single_device(pool, sequence_parallel, typed):
-    for result in pool.run(check_front_door, sequence_parallel, typed):
+@pytest.mark.parametrize("sequence_parallel,typed,kv_heads", [(False, False, 2), (True, True, 2), (False, False, 1)])
+def test_front_door_matches_single_device(pool, sequence_parallel, typed, kv_heads):
+    """kv_heads=1 < tp: the one kv head is replicated and the attention's local kv groups are fixed up."""
+    for result in pool.run(check_front_door, sequence_parallel, typed, kv_heads):
         assert result["worst"] <= 1e-5 and result["optimizer"] == "SGD", result
 
 
