@@ -128,9 +128,12 @@ def _localize_kv_groups(model: nn.Module) -> None:
     for module in model.modules():
         q, k = getattr(module, "q_proj", None), getattr(module, "k_proj", None)
         head_dim = getattr(module, "head_dim", None)
-        if hasattr(module, "num_key_value_groups") and head_dim and isinstance(q, ColumnParallelLinear):
-            if isinstance(k, ColumnParallelLinear):
-                module.num_key_value_groups = (q.weight.shape[0] // head_dim) // (k.weight.shape[0] // head_dim)
+        if not (hasattr(module, "num_key_value_groups") and isinstance(head_dim, int) and head_dim > 0):
+            continue
+        if isinstance(q, ColumnParallelLinear) and isinstance(k, ColumnParallelLinear):
+            local_q, local_kv = divmod(q.weight.shape[0], head_dim), divmod(k.weight.shape[0], head_dim)
+            if local_q[1] == 0 and local_kv[1] == 0 and local_kv[0] > 0:  # split in whole heads
+                module.num_key_value_groups = local_q[0] // local_kv[0]
 
 
 def _install_vocab_parallel_loss(model: nn.Module) -> None:
