@@ -52,11 +52,9 @@ class Parallelizer:
         return cls.base_model_prefix(model) + "layers"
 
     @classmethod
-    def _check_pipeline(cls, input_names: list[str] | None, sequence_parallel: bool) -> None:
+    def _check_pipeline(cls, input_names: list[str] | None) -> None:
         if not cls.supports_pipeline_parallel:
             raise NotImplementedError(f"{cls.__name__} does not support pipeline parallelism (pp > 1)")
-        if sequence_parallel:
-            raise NotImplementedError("sequence parallelism together with pipeline parallelism is not supported yet")
         allowed = ("input_ids", "attention_mask", "labels")
         unknown = [name for name in input_names or () if name not in allowed]
         if unknown:
@@ -104,7 +102,7 @@ class Parallelizer:
             raise NotImplementedError(f"{cls.__name__} does not support sequence parallelism")
         pipelined = mesh.size("pp") > 1
         if pipelined:
-            cls._check_pipeline(pipeline_parallel_input_names, sequence_parallel_enabled)
+            cls._check_pipeline(pipeline_parallel_input_names)
         elif pipeline_parallel_num_microbatches != 1:
             raise ValueError(
                 f"pipeline_parallel_num_microbatches={pipeline_parallel_num_microbatches} needs a mesh with pp > 1"

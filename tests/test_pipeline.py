@@ -11,6 +11,7 @@ import torch.distributed as dist
 from _checks import TOL
 from _models import build_model, make_batch, rel_err, tiny_config
 from _pool import WorkerPool
+from torch.distributed.tensor import DTensor
 
 
 @pytest.fixture(scope="module")
@@ -32,7 +33,15 @@ def pipeline_batch(config, rows: int = 4) -> dict[str, torch.Tensor]:
 
 
 def check_pipeline(
-    pp: int, tp: int, schedule: str, microbatches: int, steps: int, overrides: dict, model_type: str = "llama"
+    pp: int,
+    tp: int,
+    schedule: str,
+    microbatches: int,
+    steps: int,
+    overrides: dict,
+    model_type: str = "llama",
+    sequence_parallel: bool = False,
+    sharding_level: int = 0,
 ) -> dict:
     """Loss and every gradient of the first step, then the loss over `steps` AdamW steps."""
     import optimum_parallel as op
@@ -46,13 +55,16 @@ def check_pipeline(
     ref_optimizer = torch.optim.AdamW(reference.parameters(), lr=1e-2, weight_decay=0.1)
     parallelizer = op.ParallelizersManager.parallelizer_for_model(model)
     model = parallelizer.parallelize(
-        model, pipeline_parallel_num_microbatches=microbatches, pipeline_parallel_schedule=schedule
+        model,
+        sequence_parallel_enabled=sequence_parallel,
+        pipeline_parallel_num_microbatches=microbatches,
+        pipeline_parallel_schedule=schedule,
     )
     optimizer = parallelizer.optimizer_for_mp(optimizer, model.orig_param_to_parallel_param)
     if dp > 1:
         from optimum_parallel.data_parallel import DataParallelConfig, apply_data_parallel
 
-        model, optimizer = apply_data_parallel(model, optimizer, mesh, DataParallelConfig(sharding_level=0))
+        model, optimizer = apply_data_parallel(model, optimizer, mesh, DataParallelConfig(sharding_level))
     batch = pipeline_batch(config, rows=4 * dp)
     rows = slice(4 * mesh.rank("dp"), 4 * mesh.rank("dp") + 4)
     local = {k: v[rows] for k, v in batch.items()}
@@ -71,7 +83,8 @@ def check_pipeline(
             for name, param in model.named_parameters():
                 layout = getattr(param, "shard_layout", None)
                 expected = ref_params[name].grad
-                grads[name] = rel_err(param.grad, layout.slice(expected) if layout is not None else expected)
+                grad = param.grad.full_tensor() if isinstance(param.grad, DTensor) else param.grad  # FSDP: gather
+                grads[name] = rel_err(grad, layout.slice(expected) if layout is not None else expected)
         ref_optimizer.step()
         optimizer.step()
         ref_optimizer.zero_grad()
@@ -126,6 +139,16 @@ def test_other_families_pipeline(pool, model_type, pp, tp, schedule, microbatche
     for rank, result in enumerate(
         pool.run(check_pipeline, pp, tp, schedule, microbatches, steps, overrides, model_type)
     ):
+        assert result["loss"] <= TOL and result["worst_grad"] <= TOL, f"rank {rank}: {result}"
+
+
+@pytest.mark.parametrize(
+    "sequence_parallel,sharding_level", [(True, 0), (False, 3)], ids=["pp2-tp2-sp", "dp2-pp2-fsdp"]
+)
+def test_pipeline_composes_with_sp_and_fsdp(pool, sequence_parallel, sharding_level):
+    tp = 2 if sequence_parallel else 1
+    results = pool.run(check_pipeline, 2, tp, "1f1b", 2, 3, {}, "llama", sequence_parallel, sharding_level)
+    for rank, result in enumerate(results):
         assert result["loss"] <= TOL and result["worst_grad"] <= TOL, f"rank {rank}: {result}"
 
 

@@ -18,6 +18,9 @@ from torch.distributed.pipelining import (
 )
 
 from ..mesh import ParallelMesh
+from ..sequence_parallel import SequenceParallelBegin
+from ..styles import PlanContext
+from ..tensor_parallel.layers import RowParallelLinear
 from .split import SplitPoint, find_layer_list, stage_layers
 from .stage import DecoderStage, prune_to_stages
 
@@ -190,6 +193,11 @@ def _reject(unused: Mapping) -> None:
         raise TypeError(f"pipeline batches take input_ids, labels and attention_mask; got also {sorted(unused)}")
 
 
+def _sequence_parallel(model: nn.Module) -> bool:
+    """Sequence parallelism is on when the plan switched row-parallel layers to reduce-scatter."""
+    return any(isinstance(m, RowParallelLinear) and m.sequence_parallel for m in model.modules())
+
+
 def _blocked_forward(*args, **kwargs):
     raise RuntimeError(
         "this model is pipeline-parallel: call model.run_train(**batch) (forward + backward, returns the loss) "
@@ -227,11 +235,14 @@ def apply_pipeline(
         print(f"[optimum-parallel] pipeline {pp} ranks x {per_rank} stages ({schedule}): {split}")
 
     tied = model.lm_head.weight if model.lm_head.weight is base.embed_tokens.weight else None
-    stages = []
-    for index in indices:
-        stage = DecoderStage(model, base, ranges[index], index == 0, index == num_stages - 1)
-        stage.stage_index = index
-        stages.append(stage)
+    stages = [DecoderStage(model, base, ranges[index], index, num_stages) for index in indices]
+    if _sequence_parallel(model):
+        for stage in stages:
+            stage.sequence_group = mesh.tp_group
+            if not stage.is_first:  # stage 0's first layer already splits (the plan's SequenceParallelBegin)
+                SequenceParallelBegin(on="input").apply(
+                    stage.layers[0], f"stage {stage.stage_index}", PlanContext(mesh)
+                )
     keep = {i for index in indices for i in ranges[index]}
     prune_to_stages(model, base, keep, 0 in indices, num_stages - 1 in indices)
     pipeline = Pipeline(model, stages, mesh, schedule, num_microbatches, tied)

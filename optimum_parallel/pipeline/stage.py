@@ -3,7 +3,8 @@
 A rank keeps only its stages' modules: the other decoder layers become parameter-less placeholders, so
 parameter names (and checkpoints) do not change. A stage runs the model's own forward over its layers:
 positions, rotary embeddings and causal masks (the `global_spec` tensors) are recomputed on every
-stage from the hidden states; the padding mask travels with the activations.
+stage from the hidden states; the padding mask travels with the activations. Under sequence
+parallelism a stage sends the whole sequence and the next one splits it again at its first layer.
 """
 
 from __future__ import annotations
@@ -12,6 +13,8 @@ from contextlib import contextmanager
 
 import torch
 from torch import nn
+
+from ..sequence_parallel import gather_sequence
 
 
 class _Placeholder(nn.Identity):
@@ -29,8 +32,10 @@ class DecoderStage(nn.Module):
     last stage:   (hidden_states, attention_mask) -> logits
     """
 
-    def __init__(self, model: nn.Module, base: nn.Module, layers: range, is_first: bool, is_last: bool) -> None:
+    def __init__(self, model: nn.Module, base: nn.Module, layers: range, stage_index: int, num_stages: int) -> None:
         super().__init__()
+        is_first, is_last = stage_index == 0, stage_index == num_stages - 1
+        self.stage_index = stage_index
         object.__setattr__(self, "_model", model)  # not a submodule: a rank's stages share the model
         object.__setattr__(self, "_base", base)
         self.layers = nn.ModuleList(base.layers[i] for i in layers)
@@ -39,6 +44,7 @@ class DecoderStage(nn.Module):
         self.lm_head = model.lm_head if is_last else None
         self.is_first, self.is_last = is_first, is_last
         self.layer_range = layers
+        self.sequence_group = None  # set under sequence parallelism: stages exchange whole sequences
 
     @contextmanager
     def _stage_view(self):
@@ -63,6 +69,8 @@ class DecoderStage(nn.Module):
                     .logits
                 )
             hidden = self._base(attention_mask=attention_mask, use_cache=False, **inputs).last_hidden_state
+        if self.sequence_group is not None:  # the next stage derives positions and masks from the length
+            hidden = gather_sequence(hidden, self.sequence_group)
         return hidden, attention_mask
 
 
