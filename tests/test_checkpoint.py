@@ -254,6 +254,11 @@ def test_pipeline_checkpoint_reshards_to_one_stage(pool, hf_dir, tmp_path):
     assert {e.pp_rank for e in index.tensors.values()} == {0, 1} and set(index.optimizer["param_groups"]) == {"0", "1"}
     for layer in (0, 1):  # head counts known on both stages (resharding to tp=4 replicates the 2 kv heads)
         assert index.tensors[f"model.layers.{layer}.self_attn.k_proj.weight"].parts == [[32, 2]]
+    op.consolidate_checkpoint(tmp_path / "pp2", tmp_path / "hf", progress=False)  # every stage, one HF checkpoint
+    consolidated = AutoModelForCausalLM.from_pretrained(tmp_path / "hf", **LOAD)
+    with torch.no_grad():
+        loss = consolidated(**_equal_token_batch(consolidated.config)).loss.item()
+    assert abs(loss - saved["loss"]) <= TOL * saved["loss"], (loss, saved)
     op.reshard_checkpoint(tmp_path / "pp2", tmp_path / "pp1", tp=2, pp=1, progress=False)
     for result in pool.run(pipeline_resume, hf_dir, str(tmp_path / "pp1")):
         assert abs(result["loss"] - saved["loss"]) <= TOL * saved["loss"], (result, saved)
