@@ -1,14 +1,13 @@
 """GPT-Neo: separate q/k/v and out_proj, global and local (windowed) attention layers alike; the
-attention reshapes with `self.num_heads`, made local after the swap."""
+attention reshapes with `self.num_heads`, which the engine makes local after the swap."""
 
 from __future__ import annotations
 
 from torch import nn
 
 from optimum_parallel import ColWiseParallel, Parallelizer, ParallelMesh, RowWiseParallel, optional
-from optimum_parallel.tensor_parallel import ColumnParallelLinear
 
-from ._common import check_heads, local_heads, prefix
+from ._common import check_heads, prefix
 
 
 class GPTNeoParallelizer(Parallelizer):
@@ -33,9 +32,3 @@ class GPTNeoParallelizer(Parallelizer):
             plan[base + "wte"] = RowWiseParallel()
             plan["lm_head"] = optional(ColWiseParallel())
         return plan
-
-    @classmethod
-    def after_plan(cls, model, mesh):
-        for module in model.modules():
-            if isinstance(getattr(module, "q_proj", None), ColumnParallelLinear):
-                module.num_heads = local_heads(module.q_proj, module.head_dim)

@@ -21,7 +21,6 @@ from .family_styles import PackedColWiseParallel, ReplicatedWithGradAllReduce, T
 from .mesh import ParallelMesh
 from .parallelizer import Parallelizer
 from .styles import ColWiseParallel, ParallelStyle, RowWiseParallel, optional
-from .tensor_parallel.layers import ColumnParallelLinear
 
 MODULE_STYLES = {
     "colwise",
@@ -178,31 +177,6 @@ class AutoPlanParallelizer(Parallelizer):
                 causal = getattr(model, "loss_type", None) in CAUSAL_LOSS_TYPES
                 plan["lm_head"] = ColWiseParallel(gather_output=not causal)
         return plan
-
-    @classmethod
-    def after_plan(cls, model, mesh):
-        """Make head counts local in attention modules whose projections were split by heads."""
-        for module in model.modules():
-            head_dim = getattr(module, "head_dim", None)
-            if not isinstance(head_dim, int):
-                continue
-            split = {
-                name: child.weight.shape[0] // head_dim
-                for name, child in module.named_children()
-                if isinstance(child, ColumnParallelLinear) and not child.gather_output
-            }
-            q = next((split[n] for n in ("q_proj", "query", "q") if n in split), None)
-            kv = next((split[n] for n in ("k_proj", "key", "k") if n in split), None)
-            if q is None:
-                continue
-            for attr in ("num_heads", "num_attention_heads"):
-                if isinstance(getattr(module, attr, None), int):
-                    setattr(module, attr, q)
-            if kv:
-                if isinstance(getattr(module, "num_key_value_heads", None), int):
-                    module.num_key_value_heads = kv
-                if hasattr(module, "num_key_value_groups"):
-                    module.num_key_value_groups = q // kv
 
 
 @cache

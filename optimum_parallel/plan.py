@@ -90,7 +90,7 @@ def apply_plan(model: nn.Module, plan: Mapping[str, object], mesh: ParallelMesh)
             _replace_submodule(model, name, module)
     _retie_shared_parameters(model, original)
     _install_vocab_parallel_loss(model)
-    _localize_kv_groups(model)
+    _localize_attention_heads(model)
 
     current = dict(model.named_parameters(remove_duplicate=False))
     return {id(param): current[name] for name, param in original.items()}
@@ -122,18 +122,32 @@ def _retie_shared_parameters(model: nn.Module, original: dict[str, nn.Parameter]
             setattr(module, leaf, shared)
 
 
-def _localize_kv_groups(model: nn.Module) -> None:
-    """HF attention repeats each kv head `num_key_value_groups` times; after the split that is the local query
-    heads per local kv head (it changes when tp > num_key_value_heads and each rank keeps one kv head)."""
+def _localize_attention_heads(model: nn.Module) -> None:
+    """HF attention modules reshape with their own head counts (`num_heads`, `num_key_value_groups`, ...);
+    after q/k/v were split in whole heads those must be the rank's local counts. Covers the common HF
+    naming (q_proj/k_proj, query/key, q/k); families with other layouts fix theirs in `after_plan`."""
     for module in model.modules():
-        q, k = getattr(module, "q_proj", None), getattr(module, "k_proj", None)
         head_dim = getattr(module, "head_dim", None)
-        if not (hasattr(module, "num_key_value_groups") and isinstance(head_dim, int) and head_dim > 0):
+        if not isinstance(head_dim, int) or head_dim <= 0:
             continue
-        if isinstance(q, ColumnParallelLinear) and isinstance(k, ColumnParallelLinear):
-            local_q, local_kv = divmod(q.weight.shape[0], head_dim), divmod(k.weight.shape[0], head_dim)
-            if local_q[1] == 0 and local_kv[1] == 0 and local_kv[0] > 0:  # split in whole heads
-                module.num_key_value_groups = local_q[0] // local_kv[0]
+        local = {
+            name: divmod(child.weight.shape[0], head_dim)
+            for name, child in module.named_children()
+            if isinstance(child, ColumnParallelLinear) and not child.gather_output
+        }
+        whole = {name: heads for name, (heads, rest) in local.items() if rest == 0 and heads > 0}
+        q = next((whole[n] for n in ("q_proj", "query", "q") if n in whole), None)
+        kv = next((whole[n] for n in ("k_proj", "key", "k") if n in whole), None)
+        if q is None:
+            continue
+        for attr in ("num_heads", "num_attention_heads"):
+            if isinstance(getattr(module, attr, None), int):
+                setattr(module, attr, q)
+        if kv:
+            if isinstance(getattr(module, "num_key_value_heads", None), int):
+                module.num_key_value_heads = kv
+            if hasattr(module, "num_key_value_groups"):
+                module.num_key_value_groups = q // kv
 
 
 def _install_vocab_parallel_loss(model: nn.Module) -> None:
