@@ -77,8 +77,11 @@ def apply_data_parallel(
         for block in _blocks(root):
             fully_shard(block, mesh=dp_mesh, reshard_after_forward=reshard, mp_policy=policy)
         fully_shard(root, mesh=dp_mesh, reshard_after_forward=reshard, mp_policy=policy)
+    after = dict(model.named_parameters(remove_duplicate=False))
+    for name, param in before.items():  # FSDP2 makes new parameters: keep their tensor-parallel layouts
+        if hasattr(param, "shard_layout"):
+            after[name].shard_layout = param.shard_layout
     if optimizer is not None:
-        after = dict(model.named_parameters(remove_duplicate=False))
         optimizer = rebuild_optimizer(optimizer, {id(p): after[name] for name, p in before.items()})
     return model, optimizer
 
