@@ -43,7 +43,6 @@ class DecoderStage(nn.Module):
         self.norm = base.norm if is_last else None
         self.lm_head = model.lm_head if is_last else None
         self.is_first, self.is_last = is_first, is_last
-        self.layer_range = layers
         self.sequence_group = None  # set under sequence parallelism: stages exchange whole sequences
 
     @contextmanager

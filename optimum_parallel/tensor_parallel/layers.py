@@ -77,17 +77,6 @@ class _ShardedModule(nn.Module):
         return {n: p.shard_layout for n, p in self.named_parameters(recurse=False) if hasattr(p, "shard_layout")}
 
 
-def _sync_replica_grads(param: nn.Parameter, group: ProcessGroup) -> None:
-    """Sum the gradient of a parameter replicated over `group` (each replica saw part of the work)."""
-
-    def hook(grad: torch.Tensor) -> torch.Tensor:
-        grad = grad.contiguous().clone()
-        dist.all_reduce(grad, group=group)
-        return grad
-
-    param.register_hook(hook)
-
-
 class ColumnParallelLinear(_ShardedModule):
     """y_local = x W_local^T + b_local: the output features are split over the tp group.
 
