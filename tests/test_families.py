@@ -13,6 +13,7 @@ import copy
 import pytest
 import torch
 import torch.distributed as dist
+from _checks import worst_loss_over_steps
 from _models import rel_err
 from _pool import WorkerPool
 from transformers import (
@@ -25,7 +26,6 @@ from transformers import (
 )
 
 TOL = 1e-5
-STEPS = 3
 AUTO = {
     "causal": AutoModelForCausalLM,
     "mlm": AutoModelForMaskedLM,
@@ -189,7 +189,7 @@ def grad_err(actual: torch.Tensor, expected: torch.Tensor, module_scale: float) 
 
 
 def compare_with_reference(reference, parallel, optimizer, batch) -> dict:
-    """Logits, loss and every gradient now, then the loss over STEPS AdamW steps; the worst errors."""
+    """Logits, loss and every gradient now, then the loss over 3 AdamW steps; the worst errors."""
     ref_optimizer = torch.optim.AdamW(reference.parameters(), lr=1e-2, weight_decay=0.1)
     ref_out = reference(**batch)
     ref_out.loss.backward()
@@ -220,18 +220,7 @@ def compare_with_reference(reference, parallel, optimizer, batch) -> dict:
     errors["n_params"] = len(dict(parallel.named_parameters()))
     errors["n_ref_params"] = len(ref_params)
     errors["n_split"] = split
-    steps = []
-    for _ in range(STEPS):
-        ref_optimizer.step()
-        optimizer.step()
-        ref_optimizer.zero_grad()
-        optimizer.zero_grad()
-        ref_loss = reference(**batch).loss
-        loss = parallel(**batch).loss
-        ref_loss.backward()
-        loss.backward()
-        steps.append(rel_err(loss, ref_loss))
-    errors["steps"] = max(steps)
+    errors["steps"] = worst_loss_over_steps(reference, parallel, ref_optimizer, optimizer, batch)
     return errors
 
 
