@@ -3,6 +3,7 @@ from_pretrained, reshard tp=2 -> 4 / 1 with optimizer state, resume, SIGKILL mid
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -353,6 +354,7 @@ def _kill_target(hf_dir: str, ckpt: str, reference: str, marker: str) -> None:
         time.sleep(600)
         return crc
 
+    Path(f"{marker}.pid{dist.get_rank()}").write_text(str(os.getpid()))  # torchrun starts ranks in own sessions
     safetensors_io.SafetensorsWriter.write = write_then_hang
     parallelizer.save_model_checkpoint(model, ckpt, optimizer=optimizer)
 
@@ -368,13 +370,16 @@ def test_sigkill_mid_save_keeps_previous_checkpoint(hf_dir, tmp_path):
     proc = subprocess.Popen(command, env=env, start_new_session=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     try:
         deadline = time.monotonic() + 120
-        while not marker.exists():
+        while not marker.exists() or len(list(tmp_path.glob("mid-save.pid*"))) < 2:
             assert proc.poll() is None, proc.stdout.read().decode()[-3000:]
             assert time.monotonic() < deadline, "the save never started"
             time.sleep(0.2)
     finally:
+        for pid_file in tmp_path.glob("mid-save.pid*"):  # both saving ranks, mid-write ...
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(int(pid_file.read_text()), signal.SIGKILL)
         if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)  # torchrun and both saving ranks, mid-write
+            os.killpg(proc.pid, signal.SIGKILL)  # ... and torchrun
         proc.wait()
     verify_checkpoint(ckpt)  # the previous checkpoint is whole ...
     after = op.consolidate_checkpoint(ckpt, tmp_path / "after", progress=False)
