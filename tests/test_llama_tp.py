@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch.distributed as dist
 from _checks import TOL, check_matches_reference, count_collectives
-from _models import build_model, tiny_config
+from _models import build_model, make_batch, tiny_config
 from _pool import WorkerPool
 
 
@@ -57,17 +57,48 @@ def test_tp_not_dividing_heads_is_rejected(pool):
 
 def test_megatron_minimal_communication(pool):
     """Per decoder layer exactly 2 all-reduces of batch*seq*hidden forward and 2 backward; the loss moves
-    O(batch*seq) numbers and nothing ever moves batch*seq*vocab."""
+    O(batch*seq) numbers and nothing ever moves batch*seq*vocab. From the second step on, every backward
+    all-reduce is asynchronous: it runs while the weight gradients of the layers behind it are computed."""
     config = tiny_config("llama")
     tokens = 2 * 16  # make_batch's batch x seq
     activation = tokens * config.hidden_size
-    one, three = pool.run(count_collectives, 1, 2)[0], pool.run(count_collectives, 3, 2)[0]
-    for calls in (one, three):
-        assert {name for _, name, _ in calls} == {"all_reduce"}
-        assert max(n for _, _, n in calls) <= activation < tokens * config.vocab_size
-        loss_sized = [n for phase, _, n in calls if n < activation]
-        assert sorted(loss_sized) == [tokens, 2 * tokens], "loss: one max and one [target, sum-exp] all-reduce"
-    for phase in ("forward", "backward"):
-        per_model = [sum(1 for p, _, n in calls if p == phase and n == activation) for calls in (one, three)]
-        assert (per_model[1] - per_model[0]) == 2 * 2, f"{phase}: {per_model} activation all-reduces for 1 / 3 layers"
-        assert per_model[0] == 2 + 1, f"{phase}: 2 per layer + 1 (embedding forward / LM-head input backward)"
+    for step in (0, 1):
+        one, three = (pool.run(count_collectives, layers, 2, False, step)[0] for layers in (1, 3))
+        for calls in (one, three):
+            assert {name for _, name, _, _ in calls} == {"all_reduce"}
+            assert max(n for _, _, n, _ in calls) <= activation < tokens * config.vocab_size
+            loss_sized = [n for phase, _, n, _ in calls if n < activation]
+            assert sorted(loss_sized) == [tokens, 2 * tokens], "loss: one max and one [target, sum-exp] all-reduce"
+        for phase in ("forward", "backward"):
+            per_model = [sum(1 for p, _, n, _ in calls if p == phase and n == activation) for calls in (one, three)]
+            assert (per_model[1] - per_model[0]) == 2 * 2, f"{phase}: {per_model} all-reduces for 1 / 3 layers"
+            assert per_model[0] == 2 + 1, f"{phase}: 2 per layer + 1 (embedding forward / LM-head input backward)"
+        assert all(is_async for p, _, n, is_async in three if p == "backward" and n == activation)
+
+
+def count_weight_grads_left_to_the_entry(step: int) -> int:
+    """How many layers of a 1-layer Llama leave their weight gradient to the tp entry's backward, on `step`."""
+    import optimum_parallel as op
+    from optimum_parallel.tensor_parallel import region_entry
+
+    op.init_mesh(dp=dist.get_world_size() // 2, tp=2)
+    config = tiny_config("llama", num_hidden_layers=1)
+    model = build_model(config)
+    model = op.ParallelizersManager.parallelizer_for_model(model).parallelize(model)
+    batch = make_batch(config)
+    for _ in range(step):
+        model(**batch).loss.backward()
+    counted, original = [], region_entry._LinearWithPendingWeightGrad.apply
+    region_entry._LinearWithPendingWeightGrad.apply = lambda *args: counted.append(1) or original(*args)
+    try:
+        model(**batch).loss.backward()
+    finally:
+        region_entry._LinearWithPendingWeightGrad.apply = original
+    return len(counted)
+
+
+def test_weight_gradients_overlap_the_entry_collective(pool):
+    """The first forward learns which column layers share an input; from the second on, all of them (q, k, v;
+    gate, up; the LM head) compute their weight gradients while the entry's all-reduce runs."""
+    assert pool.run(count_weight_grads_left_to_the_entry, 0) == [3] * 4  # q_proj, gate_proj, lm_head
+    assert pool.run(count_weight_grads_left_to_the_entry, 1) == [6] * 4

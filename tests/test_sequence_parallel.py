@@ -43,7 +43,7 @@ def test_sequence_parallel_communication(pool):
     for layers in (1, 3):
         calls = pool.run(count_collectives, layers, 2, True)[0]
         counts = {}
-        for phase, name, numel in calls:
+        for phase, name, numel, _ in calls:
             kind = "activation" if numel in (activation, activation // 2) else numel
             counts[(phase, name, kind)] = counts.get((phase, name, kind), 0) + 1
         per_model[layers] = counts

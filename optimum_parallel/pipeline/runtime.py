@@ -20,7 +20,7 @@ from torch.distributed.pipelining import (
 from ..mesh import ParallelMesh
 from ..sequence_parallel import SequenceParallelBegin
 from ..styles import PlanContext
-from ..tensor_parallel.layers import RowParallelLinear
+from ..tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
 from .split import SplitPoint, find_layer_list, stage_layers
 from .stage import DecoderStage, prune_to_stages
 
@@ -32,6 +32,9 @@ SCHEDULES = {
     "interleaved_zb": (ScheduleInterleavedZeroBubble, 2, "loop"),
     "zbv": (ScheduleZBVZeroBubble, 2, "v"),
 }
+
+# schedules that run the input and the weight gradients as separate passes (zero bubble)
+SPLIT_BACKWARD = {"interleaved_zb", "zbv"}
 
 
 def _stage_indices(rank: int, pp: int, per_rank: int, placement: str) -> list[int]:
@@ -66,6 +69,9 @@ class Pipeline:
         tied: nn.Parameter | None,
     ) -> None:
         self.model, self.stages, self.mesh = model, stages, mesh
+        if schedule in SPLIT_BACKWARD:  # they defer weight gradients themselves: the tp entry must not as well
+            for layer in (m for stage in stages for m in stage.modules() if isinstance(m, ColumnParallelLinear)):
+                layer.overlap_weight_grads = False
         self.num_microbatches = num_microbatches
         self.pp_group = mesh.group("pp")
         schedule_cls, per_rank, self.placement = SCHEDULES[schedule]

@@ -13,7 +13,8 @@ from torch import nn
 from torch.distributed import ProcessGroup
 
 from .fused import ReplicatedSegment, sum_segment_grads
-from .layers import _enter_region, _exit_region, _ShardedModule
+from .layers import _exit_region, _ShardedModule
+from .region_entry import enter_region
 
 try:  # transformers is a dependency; keep the engine importable without it all the same
     from transformers.pytorch_utils import Conv1D
@@ -45,7 +46,7 @@ class ColumnParallelConv1D(_ShardedModule):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.enter_region:
-            x = _enter_region(x, self.group, self.sequence_parallel)
+            x = enter_region(x, self.group, self.sequence_parallel)
         weight = sum_segment_grads(self.weight, 1, self.segments)
         bias = sum_segment_grads(self.bias, 0, self.segments) if self.bias is not None else None
         size_out = x.shape[:-1] + (self.nf,)

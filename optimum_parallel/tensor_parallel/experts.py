@@ -18,8 +18,8 @@ from torch.distributed import ProcessGroup
 
 from .comm import copy_to_tensor_parallel_region, reduce_from_tensor_parallel_region
 from .fused import local_parameter, packed_layout
-from .layers import _enter_region
 from .layout import ShardLayout, split_units
+from .region_entry import enter_region
 
 
 def expert_layouts(
@@ -60,9 +60,9 @@ def _enter_experts_region(module: nn.Module, args: tuple, kwargs: dict):
     group = module.tp_group
     args = list(args)
     if args:
-        args[0] = _enter_region(args[0], group, False)
+        args[0] = enter_region(args[0], group, False)
     elif "hidden_states" in kwargs:
-        kwargs["hidden_states"] = _enter_region(kwargs["hidden_states"], group, False)
+        kwargs["hidden_states"] = enter_region(kwargs["hidden_states"], group, False)
     if len(args) >= 3 and torch.is_tensor(args[2]) and args[2].is_floating_point():
         args[2] = copy_to_tensor_parallel_region(args[2], group)
     for name in _ROUTING_WEIGHT_NAMES:

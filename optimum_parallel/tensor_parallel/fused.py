@@ -18,8 +18,9 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed import ProcessGroup
 
-from .layers import ColumnParallelLinear, _enter_region
+from .layers import ColumnParallelLinear
 from .layout import ShardLayout, split_units
+from .region_entry import enter_region
 
 
 @dataclass(frozen=True)
@@ -102,7 +103,7 @@ class PackedColumnParallelLinear(ColumnParallelLinear):
         if self.gather_output:
             raise ValueError("a packed column-parallel layer cannot gather its output (the parts are interleaved)")
         if self.enter_region:
-            x = _enter_region(x, self.group, self.sequence_parallel)
+            x = enter_region(x, self.group, self.sequence_parallel)
         weight = sum_segment_grads(self.weight, 0, self.segments)
         bias = sum_segment_grads(self.bias, 0, self.segments) if self.bias is not None else None
         return F.linear(x, weight, bias)

@@ -6,8 +6,6 @@ Each layer holds only this rank's shard; every parameter carries its `ShardLayou
 
 from __future__ import annotations
 
-import weakref
-
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
@@ -16,7 +14,6 @@ from torch.distributed import ProcessGroup
 
 from .comm import (
     copy_to_tensor_parallel_region,
-    gather_from_sequence_parallel_region,
     gather_from_tensor_parallel_region,
     reduce_from_tensor_parallel_region,
     reduce_scatter_to_sequence_parallel_region,
@@ -24,34 +21,7 @@ from .comm import (
     shard_sizes,
 )
 from .layout import ShardLayout, replicated, split_units
-
-
-class _RegionEntry:
-    """Enter the tp region once per input tensor.
-
-    HF attention feeds the same `hidden_states` to q_proj, k_proj and v_proj (and the MLP to
-    gate_proj and up_proj). Re-using the entry op for the same input tensor gives one backward
-    all-reduce (or one sequence all-gather) per block, as a fused Megatron QKV would. The last
-    entry is held until the next one (a view of an activation that is alive anyway).
-    """
-
-    def __init__(self) -> None:
-        self._last: tuple[weakref.ref, int, torch.Tensor, ProcessGroup, bool] | None = None
-
-    def __call__(self, x: torch.Tensor, group: ProcessGroup, sequence_parallel: bool) -> torch.Tensor:
-        if self._last is not None:
-            src, version, entered, last_group, last_sp = self._last
-            if src() is x and x._version == version and last_group is group and last_sp == sequence_parallel:
-                return entered
-        if sequence_parallel:
-            y = gather_from_sequence_parallel_region(x, group, dim=1)
-        else:
-            y = copy_to_tensor_parallel_region(x, group)
-        self._last = (weakref.ref(x), x._version, y, group, sequence_parallel) if y.requires_grad else None
-        return y
-
-
-_enter_region = _RegionEntry()
+from .region_entry import enter_region
 
 
 def _exit_region(y: torch.Tensor, group: ProcessGroup, sequence_parallel: bool) -> torch.Tensor:
@@ -99,6 +69,7 @@ class ColumnParallelLinear(_ShardedModule):
         self.gather_output = gather_output
         self.sequence_parallel = sequence_parallel  # entry all-gathers the sequence (reduce-scatter backward)
         self.enter_region = True  # False: the caller already entered the region (e.g. gathered the sequence)
+        self.overlap_weight_grads = True  # weight gradients computed during the entry's backward collective
         self.replica_group = replica_group  # tp ranks holding this same shard: their gradients are summed
         self.in_features = weight.shape[1]
         self.out_features = weight.shard_layout.global_shape[0]
@@ -136,13 +107,11 @@ class ColumnParallelLinear(_ShardedModule):
         return gather_from_tensor_parallel_region(y, self.group, dim=-1, sizes=self.output_sizes)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.enter_region:
-            x = _enter_region(x, self.group, self.sequence_parallel)
         weight, bias = self.weight, self.bias
         if self.replica_group is not None:  # identity forward, gradient summed over the replicas backward
             weight = copy_to_tensor_parallel_region(weight, self.replica_group)
             bias = copy_to_tensor_parallel_region(bias, self.replica_group) if bias is not None else None
-        y = F.linear(x, weight, bias)
+        y = enter_region.linear(self, x, weight, bias) if self.enter_region else F.linear(x, weight, bias)
         return self.gather(y) if self.gather_output else y
 
     def extra_repr(self) -> str:
