@@ -3,11 +3,9 @@ from_pretrained, reshard tp=2 -> 4 / 1 with optimizer state, resume, SIGKILL mid
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import shutil
-import signal
 import subprocess
 import sys
 import time
@@ -16,6 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
+from _killed_run import mark_reached, run_until_reached_then_kill
 from _models import build_model, make_batch, rel_err, tiny_config
 from _pool import WorkerPool
 from safetensors.torch import load_file
@@ -350,11 +349,10 @@ def _kill_target(hf_dir: str, ckpt: str, reference: str, marker: str) -> None:
 
     def write_then_hang(self, name, tensor):
         crc = write(self, name, tensor)
-        Path(marker).touch()
+        mark_reached(marker)
         time.sleep(600)
         return crc
 
-    Path(f"{marker}.pid{dist.get_rank()}").write_text(str(os.getpid()))  # torchrun starts ranks in own sessions
     safetensors_io.SafetensorsWriter.write = write_then_hang
     parallelizer.save_model_checkpoint(model, ckpt, optimizer=optimizer)
 
@@ -367,20 +365,7 @@ def test_sigkill_mid_save_keeps_previous_checkpoint(hf_dir, tmp_path):
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", __file__]
     command += [hf_dir, str(ckpt), str(reference), str(marker)]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(Path(__file__).parent.parent)}
-    proc = subprocess.Popen(command, env=env, start_new_session=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
-    try:
-        deadline = time.monotonic() + 120
-        while not marker.exists() or len(list(tmp_path.glob("mid-save.pid*"))) < 2:
-            assert proc.poll() is None, proc.stdout.read().decode()[-3000:]
-            assert time.monotonic() < deadline, "the save never started"
-            time.sleep(0.2)
-    finally:
-        for pid_file in tmp_path.glob("mid-save.pid*"):  # both saving ranks, mid-write ...
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(int(pid_file.read_text()), signal.SIGKILL)
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)  # ... and torchrun
-        proc.wait()
+    run_until_reached_then_kill(command, env, marker, ranks=2)  # both saving ranks mid-write, and torchrun
     verify_checkpoint(ckpt)  # the previous checkpoint is whole ...
     after = op.consolidate_checkpoint(ckpt, tmp_path / "after", progress=False)
     for f in reference.glob("*.safetensors"):  # ... and unchanged

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import subprocess
 import sys
 import time
@@ -15,6 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from _killed_run import mark_reached, run_until_reached_then_kill
 from _models import build_model, rel_err, tiny_config
 from _pool import WorkerPool
 from transformers import AutoModelForCausalLM, Trainer, TrainerCallback, TrainingArguments
@@ -258,7 +258,7 @@ class PauseAfterSave(TrainerCallback):
     def on_save(self, args, state, control, **kwargs):
         if state.global_step == SAVE_AT:
             torch.distributed.barrier()
-            Path(os.environ["MARKER"]).touch()
+            mark_reached(os.environ["MARKER"])
             time.sleep(600)
 
 
@@ -277,18 +277,7 @@ def test_example_tp2_killed_after_save_resumes_to_the_same_losses(hf_dir, refere
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(EXAMPLE.parent.parent), "MARKER": str(marker)}
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2"]
     argv = _example_argv(hf_dir, text, out)
-    proc = subprocess.Popen(torchrun + [__file__] + argv, env=env, start_new_session=True,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT)  # fmt: skip
-    try:
-        deadline = time.monotonic() + 120
-        while not marker.exists():
-            assert proc.poll() is None, proc.stdout.read().decode()[-3000:]
-            assert time.monotonic() < deadline, "the step-3 checkpoint never appeared"
-            time.sleep(0.2)
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)  # torchrun and both training ranks, mid-run
-        proc.wait()
+    run_until_reached_then_kill(torchrun + [__file__] + argv, env, marker, ranks=2)  # both ranks and torchrun
     assert not (out / f"checkpoint-{2 * SAVE_AT}").exists()
     resume = ["--resume_from_checkpoint", str(out / f"checkpoint-{SAVE_AT}")]
     done = subprocess.run(torchrun + [str(EXAMPLE)] + argv + resume, env=env, capture_output=True, text=True,
