@@ -32,16 +32,16 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
 
         ignored = target == ignore_index
         loss = (sum_exp.log() - target_logit).masked_fill(ignored, 0.0)
-        softmax = exp.div_(sum_exp.unsqueeze(-1))
-        ctx.save_for_backward(softmax, local_target, ours, ignored)
+        ctx.save_for_backward(exp, sum_exp, local_target, ours, ignored)  # softmax = exp / sum_exp, in backward
         return loss
 
     @staticmethod
     def backward(ctx, grad_loss):
-        softmax, local_target, ours, ignored = ctx.saved_tensors
-        grad = softmax  # d loss / d logits = softmax - one_hot(target), in place
-        grad.scatter_add_(-1, local_target.unsqueeze(-1), -ours.unsqueeze(-1).to(grad.dtype))
-        grad.mul_(grad_loss.masked_fill(ignored, 0.0).unsqueeze(-1))
+        exp, sum_exp, local_target, ours, ignored = ctx.saved_tensors
+        scale = grad_loss.masked_fill(ignored, 0.0)
+        # d loss / d logits = (softmax - one_hot(target)) * grad, in place: one pass over the logits
+        grad = exp.mul_((scale / sum_exp).unsqueeze(-1))
+        grad.scatter_add_(-1, local_target.unsqueeze(-1), -(ours * scale).unsqueeze(-1).to(grad.dtype))
         return grad, None, None, None, None
 
 
