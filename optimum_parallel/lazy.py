@@ -3,9 +3,10 @@
 Under `lazy_load_for_parallelism`, transformers' own `from_pretrained` runs as usual (config,
 dtype, key renaming, tying, buffer init) except that its weight-loading step only records where
 each weight lives (read with `safe_open`); `Parallelizer.parallelize` then calls
-`materialize_lazy_model`, which reads this rank's slice of every split parameter (pread of its
-rows, see `read_slice`) and replicated weights in full. `from_config` builds on meta too; its
-random init then runs one module at a time.
+`materialize_lazy_model`, which takes this rank's slice of every split parameter (a copy-on-write
+mapping of its bytes where they are contiguous on disk, a pread otherwise; see `read_slice`) and
+replicated weights in full. `from_config` builds on meta too; its random init then runs one module at
+a time.
 """
 
 from __future__ import annotations
@@ -25,7 +26,8 @@ from torch import nn
 from tqdm.auto import tqdm
 
 from .checkpoint.collect import replace_tensor
-from .checkpoint.safetensors_io import SafetensorsReader
+from .checkpoint.file_mapping import can_map
+from .checkpoint.safetensors_io import SLICE_BUFFER, SafetensorsReader
 from .tensor_parallel.layout import ShardLayout
 
 SOURCES_ATTR = "_op_lazy_sources"
@@ -36,19 +38,28 @@ LAZY_OPTIMIZER_ATTR = "_op_lazy_optimizer"
 # --------------------------------------------------------------------------------------------- materialising
 
 
-def read_slice(reader: SafetensorsReader, key: str, layout: ShardLayout | None) -> torch.Tensor:
+def read_slice(
+    reader: SafetensorsReader, key: str, layout: ShardLayout | None, scratch: torch.Tensor | None = None
+) -> torch.Tensor:
     """This rank's slice of tensor `key` of a safetensors file (all of it when `layout` is None).
 
-    pread rather than `safe_open(...).get_slice`: get_slice returns views of a private mapping of the
-    file, read only when first touched (so the load is not done when it returns, and a rewritten file
-    changes the weights); this reads straight into the parameter's own memory.
+    Where the slice is one run of bytes on disk (a replicated weight, the rows of a dim-0 split) it is, as in
+    transformers' own loading, a copy-on-write mapping of the file: nothing is copied at load, a page is read
+    when first touched, writing a weight copies its page and never the file. Unlike `safe_open`, only the
+    slice's own bytes are mapped (`file_mapping`). Any other slice is read with pread into its own memory
+    (through `scratch`, see `SafetensorsReader.read_slice`).
+    Our own saves write new files and rename them, so they never change the bytes under a loaded model;
+    rewriting the HF files in place while the model lives would.
     """
-    if layout is None:
-        return reader.read(key)
     _, shape = reader.info(key)
-    if shape != tuple(layout.global_shape):
+    if layout is not None and shape != tuple(layout.global_shape):
         raise ValueError(f"{reader.path}: {key} has shape {list(shape)}, the model expects {list(layout.global_shape)}")
-    return reader.read_slice(key, layout.dim, layout.ranges)
+    if layout is None or (layout.dim == 0 and len(layout.ranges) == 1):
+        if not can_map():
+            return reader.read(key) if layout is None else reader.read_slice(key, 0, layout.ranges, scratch)
+        start, stop = layout.ranges[0] if layout is not None else (0, shape[0] if shape else 0)
+        return reader.map_rows(key, start, stop)
+    return reader.read_slice(key, layout.dim, layout.ranges, scratch)
 
 
 def _owners(model: nn.Module, meta_only: bool) -> Iterator[tuple[list[str], nn.Module, str, torch.Tensor]]:
@@ -92,6 +103,7 @@ def materialize_lazy_model(model: nn.Module, device: torch.device | str | None =
             "build the model under lazy_load_for_parallelism(...)"
         )
     readers: dict[str, SafetensorsReader] = {}
+    scratch = torch.empty(SLICE_BUFFER, dtype=torch.uint8)  # pages touched only as far as strided reads need
     try:
         for names, module, leaf, tensor in tqdm(pending, desc="lazy load", unit="tensor", disable=_show_progress()):
             source = next((sources[n] for n in names if n in sources), None)
@@ -100,11 +112,11 @@ def materialize_lazy_model(model: nn.Module, device: torch.device | str | None =
             file, key = source
             if file not in readers:
                 readers[file] = SafetensorsReader(file)
-            value = read_slice(readers[file], key, _split(tensor))
+            value = read_slice(readers[file], key, _split(tensor), scratch)
             replace_tensor(module, leaf, value.to(device=device or "cpu", dtype=tensor.dtype))
     finally:
         for reader in readers.values():
-            reader.close()
+            reader.close()  # the weights keep their mappings
     model.__dict__.pop(SOURCES_ATTR, None)
 
 

@@ -207,25 +207,36 @@ def test_bad_sizes_are_rejected():
         op.make_optimizer_constructor_lazy("AdamW")
 
 
-def test_slice_reads_match_safetensors(tmp_path, monkeypatch):
-    """pread slice reads (contiguous, strided through a small buffer, several ranges) equal safe_open's slices."""
-    from safetensors import safe_open
-    from safetensors.torch import save_file
+def test_slice_reads_map_contiguous_rows_and_read_the_rest(tmp_path, monkeypatch):
+    """read_slice equals the tensor's slice for every layout; dim-0 rows are a copy-on-write mapping of just
+    their bytes (writing them never changes the file, the mapping outlives the reader), other slices are read
+    (strided rows through a small buffer, several ranges)."""
+    from safetensors.torch import load_file, save_file
 
     from optimum_parallel.checkpoint import safetensors_io
     from optimum_parallel.checkpoint.safetensors_io import SafetensorsReader
+    from optimum_parallel.lazy import read_slice
+    from optimum_parallel.tensor_parallel.layout import ShardLayout
 
     gen = torch.Generator().manual_seed(0)
     tensors = {"a": torch.randn(6, 10, 3, generator=gen), "b": torch.randn(7, 5, generator=gen).bfloat16()}
-    save_file(tensors, tmp_path / "t.safetensors")
-    monkeypatch.setattr(safetensors_io, "_SLICE_BUFFER", 64)  # force several buffered chunks
+    path = tmp_path / "t.safetensors"
+    save_file(tensors, path)
+    monkeypatch.setattr(safetensors_io, "SLICE_BUFFER", 64)  # force several buffered chunks
     cases = [("a", 0, [(1, 4)]), ("a", 1, [(0, 2), (5, 9)]), ("a", 2, [(2, 3)]), ("b", 1, [(1, 3), (4, 5)])]
-    with SafetensorsReader(tmp_path / "t.safetensors") as reader, safe_open(tmp_path / "t.safetensors", "pt") as f:
+    cases += [("b", 0, [(0, 2), (4, 6)]), ("b", 0, [(3, 7)]), ("b", None, [])]
+    mapped = []
+    original = safetensors_io.map_bytes
+    monkeypatch.setattr(safetensors_io, "map_bytes", lambda *args: mapped.append(args[-1]) or original(*args))
+    with SafetensorsReader(path) as reader:
         for key, dim, ranges in cases:
-            sl = f.get_slice(key)
-            expected = []
-            for start, end in ranges:
-                index = [slice(None)] * len(sl.get_shape())
-                index[dim] = slice(start, end)
-                expected.append(sl[tuple(index)])
-            assert torch.equal(reader.read_slice(key, dim, ranges), torch.cat(expected, dim)), (key, dim, ranges)
+            full = tensors[key]
+            layout = ShardLayout(tuple(full.shape), dim, tuple(ranges)) if dim is not None else None
+            value = read_slice(reader, key, layout)
+            expected = full if dim is None else torch.cat([full.narrow(dim, s, e - s) for s, e in ranges], dim)
+            assert torch.equal(value, expected) and value.is_contiguous(), (key, dim, ranges)
+        view = read_slice(reader, "a", ShardLayout((6, 10, 3), 0, ((1, 4),)))
+    assert mapped == [(3, 10, 3), (4, 5), (7, 5), (3, 10, 3)]  # the single dim-0 ranges and the whole tensor
+    view.add_(1.0)  # the reader is closed: the mapping lives on, copy-on-write
+    assert torch.equal(view, tensors["a"][1:4] + 1.0)
+    assert torch.equal(load_file(path)["a"], tensors["a"])

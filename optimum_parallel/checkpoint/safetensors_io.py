@@ -21,6 +21,7 @@ from pathlib import Path
 import torch
 
 from .errors import CheckpointError
+from .file_mapping import map_bytes
 
 DTYPES: dict[torch.dtype, str] = {
     torch.float64: "F64",
@@ -39,7 +40,7 @@ DTYPES: dict[torch.dtype, str] = {
 FROM_STR: dict[str, torch.dtype] = {v: k for k, v in DTYPES.items()}
 _MAX_IO = 1 << 30  # Linux moves at most ~2 GiB per read/write call
 _WRITE_CHUNK = 64 << 20
-_SLICE_BUFFER = 16 << 20  # bytes of whole rows read at once when a slice is not contiguous on disk
+SLICE_BUFFER = 16 << 20  # bytes of whole rows read at once when a slice is not contiguous on disk
 
 
 def dtype_name(dtype: torch.dtype) -> str:
@@ -214,9 +215,25 @@ class SafetensorsReader:
                 raise CheckpointError(f"{self.path}: unexpected end of file while reading {name!r}")
             done += n
 
-    def read_slice(self, name: str, dim: int, ranges: Sequence[tuple[int, int]]) -> torch.Tensor:
+    def map_rows(self, name: str, start: int, stop: int) -> torch.Tensor:
+        """Rows [start, stop) of tensor `name` (dim 0) as a copy-on-write mapping of just their bytes: nothing
+        is read until a page is touched (see `file_mapping`)."""
+        dtype, shape = self.info(name)
+        _, _, begin, _ = self.tensors[name]
+        row = math.prod(shape[1:]) * dtype.itemsize
+        if not shape or start == stop:
+            return self.read(name) if not shape else torch.empty((0, *shape[1:]), dtype=dtype)
+        if (begin + start * row) % dtype.itemsize:  # a misaligned tensor is read, never mapped
+            return self.read_slice(name, 0, [(start, stop)])
+        return map_bytes(self._fd, begin + start * row, begin + stop * row, dtype, (stop - start, *shape[1:]))
+
+    def read_slice(
+        self, name: str, dim: int, ranges: Sequence[tuple[int, int]], scratch: torch.Tensor | None = None
+    ) -> torch.Tensor:
         """The concatenation along `dim` of `ranges` of tensor `name`, read with pread straight into a new tensor
-        (no file mapping left behind); rows that are not contiguous on disk go through a bounded buffer."""
+        (no file mapping left behind); rows that are not contiguous on disk go through a bounded buffer --
+        `scratch` (uint8, at least `SLICE_BUFFER` bytes) when given, so a run of reads reuses one buffer
+        instead of leaving the allocator a trail of freed ones."""
         dtype, shape = self.info(name)
         _, _, begin, _ = self.tensors[name]
         outer = math.prod(shape[:dim])
@@ -232,8 +249,11 @@ class SafetensorsReader:
                 position += (end - start) * row
             return out
         dest_rows = out.reshape(-1).view(torch.uint8).view(outer, local * row)
-        per_chunk = max(1, _SLICE_BUFFER // (size * row))
-        buffer = torch.empty(min(per_chunk, outer) * size * row, dtype=torch.uint8)
+        per_chunk = max(1, SLICE_BUFFER // (size * row))
+        needed = min(per_chunk, outer) * size * row
+        if scratch is None or scratch.numel() < needed:
+            scratch = torch.empty(needed, dtype=torch.uint8)
+        buffer = scratch
         for first in range(0, outer, per_chunk):
             last = min(outer, first + per_chunk)
             chunk = buffer[: (last - first) * size * row]
