@@ -87,9 +87,13 @@ def _show_progress() -> bool | None:
     return None if main else True  # tqdm: None = only on a terminal
 
 
-def materialize_lazy_model(model: nn.Module, device: torch.device | str | None = None) -> None:
+def materialize_lazy_model(
+    model: nn.Module, device: torch.device | str | None = None, read_checkpoint: bool = True
+) -> None:
     """Give every meta parameter/buffer of a (parallelized) `model` its real values: this rank's slice of
-    the checkpoint (lazy `from_pretrained`) or of a fresh init (lazy `from_config`). No-op for other models."""
+    the checkpoint (lazy `from_pretrained`) or of a fresh init (lazy `from_config`). No-op for other models.
+    `read_checkpoint=False` only allocates what the HF checkpoint would fill (a sharded checkpoint is about
+    to overwrite all of it: no double read)."""
     sources: dict[str, tuple[str, str]] | None = model.__dict__.get(SOURCES_ATTR)
     init: _LazyInit | None = model.__dict__.pop(INIT_ATTR, None)
     if init is not None:
@@ -103,13 +107,16 @@ def materialize_lazy_model(model: nn.Module, device: torch.device | str | None =
             "build the model under lazy_load_for_parallelism(...)"
         )
     readers: dict[str, SafetensorsReader] = {}
-    scratch = torch.empty(SLICE_BUFFER, dtype=torch.uint8)  # pages touched only as far as strided reads need
+    scratch = torch.empty(SLICE_BUFFER if read_checkpoint else 0, dtype=torch.uint8)  # reused by strided reads
     try:
         for names, module, leaf, tensor in tqdm(pending, desc="lazy load", unit="tensor", disable=_show_progress()):
             source = next((sources[n] for n in names if n in sources), None)
             if source is None:
                 raise ValueError(f"{names[0]} is on the meta device and was not found in the checkpoint files")
             file, key = source
+            if not read_checkpoint:
+                replace_tensor(module, leaf, torch.empty(tensor.shape, dtype=tensor.dtype, device=device or "cpu"))
+                continue
             if file not in readers:
                 readers[file] = SafetensorsReader(file)
             value = read_slice(readers[file], key, _split(tensor), scratch)

@@ -120,7 +120,8 @@ class Parallelizer:
             model.orig_param_to_parallel_param = {
                 k: (v if id(v) in present else None) for k, v in model.orig_param_to_parallel_param.items()
             }
-        materialize_lazy_model(model, device)  # no-op unless built under lazy_load_for_parallelism
+        # no-op unless built under lazy_load_for_parallelism; a sharded checkpoint to load replaces the HF weights
+        materialize_lazy_model(model, device, read_checkpoint=checkpoint_dir is None)
         if device is not None:
             model.to(device)
         if checkpoint_dir is not None:
