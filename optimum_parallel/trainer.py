@@ -72,12 +72,10 @@ def _norm_owners(model: nn.Module, mesh: ParallelMesh) -> dict[str, bool]:
 def _check_saving(args: ParallelTrainingArguments) -> None:
     """Refuse up front what the sharded checkpoints cannot hold yet (rather than fail at the first save)."""
     save_strategy = getattr(args.save_strategy, "value", args.save_strategy)
-    level = args.sharding_level
-    if level >= 1 and save_strategy != "no" and not (level == 1 and args.save_only_model):
+    if args.sharding_level == 1 and save_strategy != "no" and not args.save_only_model:
         raise ValueError(
-            f"sharding_level={level} with save_strategy={save_strategy!r}: sharded checkpoints of ZeRO-1 optimizer "
-            "state and of FSDP parameters are not supported yet; allowed: sharding_level=0, save_strategy='no', "
-            "or sharding_level=1 with save_only_model=True"
+            f"sharding_level=1 with save_strategy={save_strategy!r}: sharded checkpoints of ZeRO-1 optimizer state "
+            "are not supported yet; allowed: sharding_level=0, 2 or 3, save_strategy='no', or save_only_model=True"
         )
 
 

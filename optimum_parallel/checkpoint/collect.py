@@ -12,15 +12,29 @@ from ..tensor_parallel.layout import ShardLayout
 from .safetensors_io import dtype_name
 
 
+def is_dtensor(tensor: torch.Tensor) -> bool:
+    """A DTensor: here, a parameter (or its optimizer state) sharded over dp by FSDP2 (sharding levels 2-3)."""
+    return hasattr(tensor, "device_mesh") and hasattr(tensor, "full_tensor")
+
+
 @dataclass
 class LocalTensor:
-    """One checkpoint tensor as held by this rank."""
+    """One checkpoint tensor as held by this rank (for FSDP2, by this rank's data-parallel group)."""
 
     tensor: torch.Tensor
     kind: str  # "param" | "buffer" | "state"
     layout: ShardLayout | None  # None: replicated (the whole tensor)
     param: str | None = None
     like_param: bool = False
+
+    @property
+    def sharded_over_dp(self) -> bool:
+        return is_dtensor(self.tensor)
+
+    def value(self) -> torch.Tensor:
+        """The tensor to store: an FSDP2 shard is all-gathered over dp first (a collective: every rank of the
+        dp group must ask for the same tensors in the same order)."""
+        return self.tensor.full_tensor() if self.sharded_over_dp else self.tensor
 
     def spec(self) -> dict:
         """What the other ranks need to know about this tensor to plan the files (picklable, no data)."""
@@ -45,8 +59,6 @@ def _split_layout(tensor: torch.Tensor) -> ShardLayout | None:
 def _check_plain(name: str, tensor: torch.Tensor) -> None:
     if tensor.device.type == "meta":
         raise ValueError(f"{name} is still on the meta device: parallelize (materialise) the model before saving it")
-    if type(tensor).__name__ == "DTensor" or hasattr(tensor, "_local_tensor"):
-        raise NotImplementedError(f"{name} is a DTensor (FSDP); sharded checkpoints of DTensors are not supported yet")
 
 
 def model_tensors(model: nn.Module) -> tuple[dict[str, LocalTensor], dict[str, str]]:

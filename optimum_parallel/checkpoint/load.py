@@ -11,8 +11,9 @@ from pathlib import Path
 
 import torch
 from torch import nn
+from torch.distributed.tensor import distribute_tensor
 
-from .collect import parameter_names, replace_tensor
+from .collect import is_dtensor, parameter_names, replace_tensor
 from .errors import CheckpointError
 from .metadata import INDEX_NAME, CheckpointIndex, TensorEntry, read_index
 from .ranks import RankInfo, current_rank
@@ -54,8 +55,17 @@ def _check_layout(where: str, name: str, entry: TensorEntry, shard, tensor: torc
         )
 
 
+def _dp_shard(value: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """`value` (this tp rank's whole tensor) as the FSDP2 DTensor `like` holds it: this dp rank's part, cut
+    locally (every dp rank read the whole tensor)."""
+    return distribute_tensor(value, like.device_mesh, like.placements, src_data_rank=None)
+
+
 def _read_into(files: ShardFiles, name: str, entry: TensorEntry, shard, module: nn.Module, leaf: str, tensor) -> None:
-    if tensor.device.type == "meta":
+    if is_dtensor(tensor):
+        local = _dp_shard(files.read_shard(name, entry, shard).to(tensor.dtype), tensor).to_local()
+        tensor.to_local().copy_(local)
+    elif tensor.device.type == "meta":
         replace_tensor(module, leaf, files.read_shard(name, entry, shard).to(tensor.dtype))
     elif tensor.device.type == "cpu" and tensor.is_contiguous() and str(tensor.dtype) == f"torch.{entry.dtype}":
         files.read_shard(name, entry, shard, out=tensor.data)
@@ -122,7 +132,9 @@ def _load_optimizer(
                 shard = entry.shard_for(rank.tp, f"{where}: {name}/{key}")
                 if entry.like_param:
                     _check_layout(str(files.directory / shard.file), f"{name}/{key}", entry, shard, param)
-                values[key] = files.read_shard(f"{stored}/{key}", entry, shard)
+                value = files.read_shard(f"{stored}/{key}", entry, shard)
+                shaped_like = is_dtensor(param) and tuple(value.shape) == tuple(param.shape)
+                values[key] = _dp_shard(value, param) if shaped_like else value
             values.update(saved["scalars"].get(stored, {}))
             if values:
                 state[position] = values

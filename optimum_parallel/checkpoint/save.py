@@ -1,8 +1,9 @@
 """Collective save of a parallel model (and optimizer) as a sharded checkpoint, atomically.
 
 Every rank tells the others what it holds; one copy of each distinct shard is written by the
-lowest tp rank holding it on data-parallel replica 0, into a temporary sibling directory; rank 0
-then writes config, index and completion marker and swaps the directory into place.
+lowest tp rank holding it on data-parallel replica 0, into a temporary sibling directory (FSDP2
+shards are all-gathered over dp one tensor at a time, so the files are the same at every sharding
+level); rank 0 then writes config, index and completion marker and swaps the directory into place.
 Assumes the output directory is on a filesystem every rank sees.
 """
 
@@ -26,11 +27,16 @@ from .safetensors_io import SafetensorsWriter, dtype_from_name
 from .sharding import entries_from_specs
 
 
+def _stored_here(file: str, entries: Mapping[str, TensorEntry]) -> list[tuple[str, TensorEntry, object]]:
+    """(name, entry, shard) of every shard stored in `file`, in a fixed order (the same on every dp rank)."""
+    return [(n, e, s) for n, e in entries.items() for s in e.shards if s.file == file]
+
+
 def _write_rank_file(
     path: Path, entries: Mapping[str, TensorEntry], local: Mapping[str, LocalTensor], coords: dict
 ) -> dict:
     """Write the shards this rank stores into `path`: {"size", "sha256", "crc32": {key: crc}}."""
-    mine = [(n, e, s) for n, e in entries.items() for s in e.shards if s.file == path.name]
+    mine = _stored_here(path.name, entries)
     specs = [(s.key, dtype_from_name(e.dtype), e.local_shape(s)) for n, e, s in mine]
     layouts = {s.key: {"global_shape": e.global_shape, "dim": e.dim, "ranges": s.ranges} for n, e, s in mine}
     metadata = {"format": "pt", "optimum_parallel": json.dumps({**coords, "layouts": layouts})}
@@ -38,12 +44,19 @@ def _write_rank_file(
     crcs = {}
     try:
         for name, _, shard in mine:
-            crcs[shard.key] = writer.write(shard.key, local[name].tensor)
+            crcs[shard.key] = writer.write(shard.key, local[name].value())
     except BaseException:
         writer.abort()
         raise
     size, sha = writer.close()
     return {"size": size, "sha256": sha, "crc32": crcs}
+
+
+def _join_gathers(file: str, entries: Mapping[str, TensorEntry], local: Mapping[str, LocalTensor]) -> None:
+    """On a dp rank > 0: take part in the all-gathers of the FSDP2 shards that dp rank 0 writes into `file`."""
+    for name, _, _ in _stored_here(file, entries):
+        if local[name].sharded_over_dp:
+            local[name].value()
 
 
 def _merge_optimizer_meta(described: list[dict]) -> dict:
@@ -126,13 +139,14 @@ def save_model_checkpoint(
     rank.run(prepare, f"preparing {tmp}", only_main=True)
 
     def write() -> dict:
-        if rank.dp != 0:
-            return {}
         written = {}
         for name, kind, table in ((model_file, "model", entries), (optimizer_file, "state", state_entries)):
             if kind == "model" or optimizer is not None:
                 file = name(rank.pp, rank.tp)
-                written[file] = _write_rank_file(tmp / file, table, local[kind], coords)
+                if rank.dp == 0:
+                    written[file] = _write_rank_file(tmp / file, table, local[kind], coords)
+                else:
+                    _join_gathers(file, table, local[kind])
         return written
 
     def finish() -> None:
