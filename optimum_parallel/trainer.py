@@ -69,16 +69,6 @@ def _norm_owners(model: nn.Module, mesh: ParallelMesh) -> dict[str, bool]:
     return owners
 
 
-def _check_saving(args: ParallelTrainingArguments) -> None:
-    """Refuse up front what the sharded checkpoints cannot hold yet (rather than fail at the first save)."""
-    save_strategy = getattr(args.save_strategy, "value", args.save_strategy)
-    if args.sharding_level == 1 and save_strategy != "no" and not args.save_only_model:
-        raise ValueError(
-            f"sharding_level=1 with save_strategy={save_strategy!r}: sharded checkpoints of ZeRO-1 optimizer state "
-            "are not supported yet; allowed: sharding_level=0, 2 or 3, save_strategy='no', or save_only_model=True"
-        )
-
-
 def _inner(optimizer: torch.optim.Optimizer | None) -> torch.optim.Optimizer | None:
     return optimizer.optimizer if isinstance(optimizer, AcceleratedOptimizer) else optimizer
 
@@ -105,7 +95,6 @@ class ParallelTrainer(Trainer):
             raise TypeError(f"ParallelTrainer needs ParallelTrainingArguments, got {type(args).__name__}")
         if kwargs.get("model_init") is not None:
             raise ValueError("model_init is not supported by ParallelTrainer; pass the model or its path")
-        _check_saving(args)
         self.mesh = _mesh_for(args)
         if isinstance(model, (str, os.PathLike)):
             with lazy_load_for_parallelism(args.tensor_parallel_size, args.pipeline_parallel_size):

@@ -240,20 +240,13 @@ def test_arguments_are_validated(tmp_path, overrides, words):
     assert all(w in str(error.value) for w in words), str(error.value)
 
 
-def test_zero1_optimizer_checkpoints_are_refused_up_front(tmp_path):
-    from optimum_parallel.trainer import ParallelTrainer
-    from optimum_parallel.training_args import ParallelTrainingArguments
-
-    args = ParallelTrainingArguments(**common_args(str(tmp_path), 4), sharding_level=1)
-    with pytest.raises(ValueError, match="sharding_level=1 with save_strategy='steps'.*allowed: sharding_level=0, 2"):
-        ParallelTrainer("unused", args)
-
-
-def test_fsdp_saves_and_resumes_to_the_same_curve(pool, hf_dir, reference, tmp_path):
-    """sharding_level=3 (FSDP2) at dp=2 x tp=2: stopped after the step-3 save, resumed from it: the reference curve."""
-    part = pool.run(train_parallel, hf_dir, str(tmp_path / "part"), 2, stop_at=SAVE_AT, sharding_level=3)[0]
+@pytest.mark.parametrize("level", [1, 3])
+def test_sharded_optimizer_saves_and_resumes_to_the_same_curve(pool, hf_dir, reference, tmp_path, level):
+    """ZeRO-1 / FSDP2 at dp=2 x tp=2: stopped after the step-3 save, resumed from it: the reference curve."""
+    part = pool.run(train_parallel, hf_dir, str(tmp_path / "part"), 2, stop_at=SAVE_AT, sharding_level=level)[0]
     checkpoint = str(tmp_path / "part" / f"checkpoint-{SAVE_AT}")
-    resumed = pool.run(train_parallel, hf_dir, str(tmp_path / "resumed"), 2, resume=checkpoint, sharding_level=3)[0]
+    resumed = pool.run(train_parallel, hf_dir, str(tmp_path / "resumed"), 2, resume=checkpoint, sharding_level=level)
+    resumed = resumed[0]
     assert max(part) == SAVE_AT and worst_difference(part, reference["curve"], range(1, SAVE_AT + 1)) <= TOL, part
     assert worst_difference(resumed, reference["curve"], range(SAVE_AT + 1, 7)) <= TOL, resumed
 

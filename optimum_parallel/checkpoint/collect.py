@@ -6,7 +6,9 @@ import math
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 from torch import nn
+from torch.distributed.optim import ZeroRedundancyOptimizer
 
 from ..tensor_parallel.layout import ShardLayout
 from .safetensors_io import dtype_name
@@ -103,6 +105,28 @@ def _jsonable(value: object) -> bool:
     return False
 
 
+def is_zero1(optimizer: torch.optim.Optimizer) -> bool:
+    return isinstance(optimizer, ZeroRedundancyOptimizer)
+
+
+def optimizer_class(optimizer: torch.optim.Optimizer) -> type:
+    """The optimizer the state belongs to (for ZeRO-1, the one it wraps): checkpoints do not depend on the level."""
+    return type(optimizer.optim) if is_zero1(optimizer) else type(optimizer)
+
+
+def _state_by_param(optimizer: torch.optim.Optimizer) -> dict[int, dict]:
+    """{id(param): its state}. ZeRO-1 state is spread over the dp ranks: torch's `consolidate_state_dict`
+    gathers it on dp rank 0 (a collective of the dp group; the whole state of this stage/tp shard transiently
+    in that rank's memory), the only rank that writes; the other dp ranks hold none."""
+    if not is_zero1(optimizer):
+        return {id(p): optimizer.state.get(p, {}) for group in optimizer.param_groups for p in group["params"]}
+    optimizer.consolidate_state_dict(to=0)
+    if dist.get_rank(optimizer.process_group) != 0:
+        return {}
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    return {id(params[i]): state for i, state in optimizer.state_dict()["state"].items() if state}
+
+
 def optimizer_tensors(
     optimizer: torch.optim.Optimizer, model: nn.Module, params: dict[str, LocalTensor]
 ) -> tuple[dict[str, LocalTensor], dict]:
@@ -110,9 +134,9 @@ def optimizer_tensors(
 
     State tensors shaped like a split parameter are split like it; other state tensors (AdamW's `step`)
     must be the same on every tp rank. Hyper-parameters that JSON cannot hold are left out (listed in `unsaved`).
+    Call it on every rank (ZeRO-1 state is gathered over dp).
     """
-    if type(optimizer).__name__ == "ZeroRedundancyOptimizer":
-        raise NotImplementedError("sharded checkpoints of ZeroRedundancyOptimizer state are not supported yet")
+    held = _state_by_param(optimizer)
     names = parameter_names(model)
     groups, unsaved = [], set()
     for i, group in enumerate(optimizer.param_groups):
@@ -131,7 +155,7 @@ def optimizer_tensors(
         for param in group["params"]:
             name = names[id(param)]
             layout = params[name].layout
-            for key, value in optimizer.state.get(param, {}).items():
+            for key, value in held.get(id(param), {}).items():
                 if not torch.is_tensor(value):
                     if not _jsonable(value):
                         raise NotImplementedError(f"optimizer state {name}/{key} of type {type(value).__name__}")
@@ -147,7 +171,7 @@ def optimizer_tensors(
                 state[f"{name}/{key}"] = LocalTensor(
                     value.detach(), "state", layout if like_param else None, param=name, like_param=like_param
                 )
-    cls = type(optimizer)
+    cls = optimizer_class(optimizer)
     meta = {
         "class": f"{cls.__module__}.{cls.__qualname__}",
         "param_groups": groups,

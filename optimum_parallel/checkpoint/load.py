@@ -13,7 +13,7 @@ import torch
 from torch import nn
 from torch.distributed.tensor import distribute_tensor
 
-from .collect import is_dtensor, parameter_names, replace_tensor
+from .collect import is_dtensor, optimizer_class, parameter_names, replace_tensor
 from .errors import CheckpointError
 from .metadata import INDEX_NAME, CheckpointIndex, TensorEntry, read_index
 from .ranks import RankInfo, current_rank
@@ -103,7 +103,7 @@ def _load_optimizer(
     saved = index.optimizer
     if saved is None:
         raise CheckpointError(f"{where}: holds no optimizer state (saved without optimizer=)")
-    cls = type(optimizer)
+    cls = optimizer_class(optimizer)
     if saved["class"] != f"{cls.__module__}.{cls.__qualname__}":
         raise CheckpointError(f"{where}: holds {saved['class']} state, not {cls.__module__}.{cls.__qualname__}")
     saved_groups = saved["param_groups"].get(str(rank.pp))
@@ -142,7 +142,7 @@ def _load_optimizer(
             position += 1
         hyper = {k: tuple(v) if isinstance(group.get(k), tuple) else v for k, v in saved_group.items()}
         groups.append({**group, **hyper, "params": ids})
-    optimizer.load_state_dict({"state": state, "param_groups": groups})
+    optimizer.load_state_dict({"state": state, "param_groups": groups})  # ZeRO-1 keeps its own part
 
 
 def load_model_checkpoint(

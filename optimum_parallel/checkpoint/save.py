@@ -55,8 +55,9 @@ def _write_rank_file(
 def _join_gathers(file: str, entries: Mapping[str, TensorEntry], local: Mapping[str, LocalTensor]) -> None:
     """On a dp rank > 0: take part in the all-gathers of the FSDP2 shards that dp rank 0 writes into `file`."""
     for name, _, _ in _stored_here(file, entries):
-        if local[name].sharded_over_dp:
-            local[name].value()
+        held = local.get(name)  # ZeRO-1 state: consolidated on dp rank 0 already, none here
+        if held is not None and held.sharded_over_dp:
+            held.value()
 
 
 def _merge_optimizer_meta(described: list[dict]) -> dict:
