@@ -19,9 +19,9 @@ from .styles import ParallelStyle, PlanContext
 from .tensor_parallel.comm import shard_range
 from .tensor_parallel.conv1d import CONV1D_TYPES, ColumnParallelConv1D, RowParallelConv1D
 from .tensor_parallel.experts import expert_layouts, shard_experts
-from .tensor_parallel.fused import PackedColumnParallelLinear, local_parameter, packed_layout
+from .tensor_parallel.fused import PackedColumnParallelLinear, packed_layout
 from .tensor_parallel.layers import ColumnParallelLinear
-from .tensor_parallel.layout import ShardLayout, replicated, split_units
+from .tensor_parallel.layout import ShardLayout, local_parameter, replicated, split_units
 
 __all__ = [
     "ColWiseConv1D",

@@ -17,8 +17,8 @@ from torch import nn
 from torch.distributed import ProcessGroup
 
 from .comm import copy_to_tensor_parallel_region, reduce_from_tensor_parallel_region
-from .fused import local_parameter, packed_layout
-from .layout import ShardLayout, split_units
+from .fused import packed_layout
+from .layout import ShardLayout, local_parameter, split_units
 from .region_entry import enter_region
 
 

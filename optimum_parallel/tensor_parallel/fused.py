@@ -15,7 +15,6 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from torch import nn
 from torch.distributed import ProcessGroup
 
 from .layers import ColumnParallelLinear
@@ -107,13 +106,3 @@ class PackedColumnParallelLinear(ColumnParallelLinear):
         weight = sum_segment_grads(self.weight, 0, self.segments)
         bias = sum_segment_grads(self.bias, 0, self.segments) if self.bias is not None else None
         return F.linear(x, weight, bias)
-
-
-def local_parameter(source: torch.Tensor, layout: ShardLayout, requires_grad: bool) -> nn.Parameter:
-    """This rank's slice of `source` as a new Parameter carrying its `shard_layout` (meta stays meta)."""
-    local = layout.slice(source.detach())
-    if local.device.type != "meta":
-        local = local.clone()
-    param = nn.Parameter(local.contiguous(), requires_grad=requires_grad)
-    param.shard_layout = layout
-    return param

@@ -20,7 +20,7 @@ from .comm import (
     scatter_to_tensor_parallel_region,
     shard_sizes,
 )
-from .layout import ShardLayout, replicated, split_units
+from .layout import ShardLayout, local_parameter, replicated, split_units
 from .region_entry import enter_region
 
 
@@ -28,17 +28,6 @@ def _exit_region(y: torch.Tensor, group: ProcessGroup, sequence_parallel: bool) 
     if sequence_parallel:
         return reduce_scatter_to_sequence_parallel_region(y, group, dim=1)
     return reduce_from_tensor_parallel_region(y, group)
-
-
-def _local_param(source: torch.Tensor | None, layout: ShardLayout, requires_grad: bool) -> nn.Parameter | None:
-    if source is None:
-        return None
-    local = layout.slice(source.detach())
-    if local.device.type != "meta":
-        local = local.clone()
-    param = nn.Parameter(local.contiguous(), requires_grad=requires_grad)
-    param.shard_layout = layout
-    return param
 
 
 class _ShardedModule(nn.Module):
@@ -88,10 +77,10 @@ class ColumnParallelLinear(_ShardedModule):
         layout = split_units(tuple(linear.weight.shape), 0, rank, world, units)
         if layout.replicas > 1 and replica_group is None:
             raise ValueError("a replicated column shard needs the group of its replicas to sum gradients")
-        weight = _local_param(linear.weight, layout, linear.weight.requires_grad)
+        weight = local_parameter(linear.weight, layout, linear.weight.requires_grad)
         bias = None
         if linear.bias is not None:
-            bias = _local_param(
+            bias = local_parameter(
                 linear.bias, split_units(tuple(linear.bias.shape), 0, rank, world, units), linear.bias.requires_grad
             )
         return cls(
@@ -154,10 +143,10 @@ class RowParallelLinear(_ShardedModule):
         layout = split_units(tuple(linear.weight.shape), 1, rank, world, units)
         if layout.replicas > 1:
             raise ValueError(f"row-parallel input of {units} units cannot be split over {world} ranks")
-        weight = _local_param(linear.weight, layout, linear.weight.requires_grad)
+        weight = local_parameter(linear.weight, layout, linear.weight.requires_grad)
         bias = None
         if linear.bias is not None:
-            bias = _local_param(linear.bias, replicated(linear.bias.shape), linear.bias.requires_grad)
+            bias = local_parameter(linear.bias, replicated(linear.bias.shape), linear.bias.requires_grad)
         return cls(weight, bias, group, input_is_parallel, sequence_parallel)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -203,7 +192,7 @@ class VocabParallelEmbedding(_ShardedModule):
             raise ValueError("VocabParallelEmbedding does not support max_norm or sparse embeddings")
         rank, world = dist.get_rank(group), dist.get_world_size(group)
         layout = split_units(tuple(embedding.weight.shape), 0, rank, world)
-        weight = _local_param(embedding.weight, layout, embedding.weight.requires_grad)
+        weight = local_parameter(embedding.weight, layout, embedding.weight.requires_grad)
         layer = cls(weight, group, embedding.padding_idx, sequence_parallel)
         if hasattr(embedding, "embed_scale"):  # scaled word embeddings (Gemma and friends)
             layer.embed_scale = embedding.embed_scale

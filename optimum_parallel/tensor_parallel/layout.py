@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+from torch import nn
 
 from .comm import shard_range
 
@@ -76,3 +77,13 @@ def split_units(
     replicas = world // units
     start = (rank // replicas) * unit
     return ShardLayout(tuple(global_shape), dim, ((start, start + unit),), replicas=replicas)
+
+
+def local_parameter(source: torch.Tensor, layout: ShardLayout, requires_grad: bool) -> nn.Parameter:
+    """This rank's slice of `source` as a new Parameter carrying its `shard_layout` (meta stays meta)."""
+    local = layout.slice(source.detach())
+    if local.device.type != "meta":
+        local = local.clone()
+    param = nn.Parameter(local.contiguous(), requires_grad=requires_grad)
+    param.shard_layout = layout
+    return param
