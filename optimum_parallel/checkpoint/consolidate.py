@@ -11,6 +11,7 @@ import re
 import shutil
 from pathlib import Path
 
+import torch
 from tqdm.auto import tqdm
 
 from .atomic import partial_dir, publish
@@ -61,14 +62,16 @@ def write_hf_checkpoint(
     names = [f"model-{i + 1:05d}-of-{len(groups):05d}.safetensors" for i in range(len(groups))]
     total = sum(nbytes(e.global_shape, dtype_from_name(e.dtype)) for e in index.tensors.values())
     weight_map = {}
+    largest = max((nbytes(e.global_shape, dtype_from_name(e.dtype)) for e in index.tensors.values()), default=0)
+    buffer = torch.empty(largest, dtype=torch.uint8)  # one tensor at a time, in the same memory
     bar = tqdm(total=total, unit="B", unit_scale=True, desc="consolidate", disable=not progress)
     with ShardFiles(checkpoint_dir, index) as shards:
         for file, group in zip(names, groups, strict=True):
             specs = [(n, dtype_from_name(index.tensors[n].dtype), index.tensors[n].global_shape) for n in group]
-            writer = SafetensorsWriter(output_dir / file, specs, {"format": "pt"}, sha256=False)
+            writer = SafetensorsWriter(output_dir / file, specs, {"format": "pt"}, sha256=False, crc32=False)
             try:
                 for name in group:
-                    full = shards.assemble(name, index.tensors[name])
+                    full = shards.assemble(name, index.tensors[name], buffer)
                     writer.write(name, full)
                     bar.update(full.numel() * full.element_size())
                     weight_map[name] = file

@@ -8,7 +8,7 @@ import torch
 
 from .errors import CheckpointError
 from .metadata import CheckpointIndex, Shard, TensorEntry
-from .safetensors_io import SafetensorsReader, dtype_from_name
+from .safetensors_io import SafetensorsReader, dtype_from_name, nbytes
 
 
 class ShardFiles:
@@ -39,9 +39,15 @@ class ShardFiles:
             )
         return reader.read(shard.key, out=out, crc32=shard.crc32)
 
-    def assemble(self, name: str, entry: TensorEntry) -> torch.Tensor:
-        """The whole (global) tensor, from one copy of each distinct shard."""
-        full = torch.empty(entry.global_shape, dtype=dtype_from_name(entry.dtype))
+    def assemble(self, name: str, entry: TensorEntry, buffer: torch.Tensor | None = None) -> torch.Tensor:
+        """The whole (global) tensor, from one copy of each distinct shard; in `buffer` (flat uint8, reused from
+        tensor to tensor by streaming conversions: fresh memory costs a page fault per 4 KiB) when it is big enough."""
+        dtype = dtype_from_name(entry.dtype)
+        size = nbytes(entry.global_shape, dtype)
+        if buffer is not None and buffer.numel() >= size:
+            full = buffer[:size].view(dtype).view(entry.global_shape)
+        else:
+            full = torch.empty(entry.global_shape, dtype=dtype)
         if entry.dim is None:
             return self.read_shard(name, entry, entry.shards[0], out=full)
         dim = entry.dim

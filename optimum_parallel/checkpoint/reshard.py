@@ -11,6 +11,7 @@ import itertools
 import shutil
 from pathlib import Path
 
+import torch
 from tqdm.auto import tqdm
 
 from .atomic import partial_dir, publish
@@ -107,9 +108,11 @@ def reshard_checkpoint(
             ShardFiles(source, index) as files,
             tqdm(total=total, unit="B", unit_scale=True, desc="reshard", disable=not progress) as bar,
         ):
+            largest = max((nbytes(e.global_shape, dtype_from_name(e.dtype)) for _, o, _ in tables for e in o.values()))
+            buffer = torch.empty(largest, dtype=torch.uint8)  # one tensor at a time, in the same memory
             for new, old, _ in tables:
                 for name, entry in new.items():
-                    full = files.assemble(name, old[name])
+                    full = files.assemble(name, old[name], buffer)
                     for shard in entry.shards:
                         layout = entry.layout(shard)
                         piece = full if layout is None else layout.slice(full)

@@ -71,8 +71,8 @@ def nbytes(shape: Sequence[int], dtype: torch.dtype) -> int:
 class SafetensorsWriter:
     """Write a safetensors file whose tensor names, dtypes and shapes are known up front, one tensor at a time.
 
-    `write` returns the tensor's crc32; `close` returns (size in bytes, sha256 of the whole file, or "" when
-    `sha256=False`).
+    `write` returns the tensor's crc32 (None when `crc32=False`); `close` returns (size in bytes, sha256 of the
+    whole file, or "" when `sha256=False`).
     """
 
     def __init__(
@@ -81,6 +81,7 @@ class SafetensorsWriter:
         specs: Sequence[tuple[str, torch.dtype, Sequence[int]]],
         metadata: dict[str, str],
         sha256: bool = True,
+        crc32: bool = True,
     ) -> None:
         self.path = Path(path)
         header: dict[str, object] = {"__metadata__": metadata}
@@ -96,6 +97,7 @@ class SafetensorsWriter:
         self._fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
         self._size = 0
         self._sha = hashlib.sha256() if sha256 else None
+        self._crc32 = crc32
         self._emit(struct.pack("<Q", len(raw)) + raw)
         self._next = 0
 
@@ -108,7 +110,7 @@ class SafetensorsWriter:
             done += os.write(self._fd, view[done : done + _WRITE_CHUNK])
         self._size += done
 
-    def write(self, name: str, tensor: torch.Tensor) -> int:
+    def write(self, name: str, tensor: torch.Tensor) -> int | None:
         expected, dtype, shape = self._order[self._next]
         if name != expected or tensor.dtype != dtype or tuple(tensor.shape) != shape:
             raise ValueError(
@@ -118,7 +120,7 @@ class SafetensorsWriter:
         data = tensor_bytes(tensor.detach().cpu().contiguous())
         self._emit(data)
         self._next += 1
-        return zlib.crc32(data)
+        return zlib.crc32(data) if self._crc32 else None
 
     def close(self) -> tuple[int, str]:
         if self._next != len(self._order):
