@@ -18,6 +18,7 @@ from .styles import ParallelStyle, PlanContext, optional
 from .tensor_parallel.layers import ColumnParallelLinear
 from .tensor_parallel.layout import ShardLayout
 from .tensor_parallel.loss import VocabParallelLMLoss
+from .tensor_parallel.region_entry import link_entry_siblings
 
 
 def _as_styles(key: str, value) -> list[ParallelStyle]:
@@ -91,6 +92,7 @@ def apply_plan(model: nn.Module, plan: Mapping[str, object], mesh: ParallelMesh)
     _retie_shared_parameters(model, original)
     _install_vocab_parallel_loss(model)
     _localize_attention_heads(model)
+    link_entry_siblings(model, ColumnParallelLinear)
 
     current = dict(model.named_parameters(remove_duplicate=False))
     return {id(param): current[name] for name, param in original.items()}

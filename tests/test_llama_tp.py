@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch.distributed as dist
-from _checks import TOL, check_matches_reference, count_collectives
+from _checks import TOL, check_matches_reference, count_collectives, grad_errors
 from _models import build_model, make_batch, tiny_config
 from _pool import WorkerPool
 
@@ -57,8 +57,8 @@ def test_tp_not_dividing_heads_is_rejected(pool):
 
 def test_megatron_minimal_communication(pool):
     """Per decoder layer exactly 2 all-reduces of batch*seq*hidden forward and 2 backward; the loss moves
-    O(batch*seq) numbers and nothing ever moves batch*seq*vocab. From the second step on, every backward
-    all-reduce is asynchronous: it runs while the weight gradients of the layers behind it are computed."""
+    O(batch*seq) numbers and nothing ever moves batch*seq*vocab. Every backward all-reduce is asynchronous:
+    it runs while the weight gradients of the layers behind it are computed."""
     config = tiny_config("llama")
     tokens = 2 * 16  # make_batch's batch x seq
     activation = tokens * config.hidden_size
@@ -97,8 +97,40 @@ def count_weight_grads_left_to_the_entry(step: int) -> int:
     return len(counted)
 
 
+def check_gradient_checkpointing(reentrant: bool) -> float:
+    """tp=2 under HF gradient checkpointing: the worst gradient error over two steps against the reference."""
+    import copy
+
+    import optimum_parallel as op
+
+    op.init_mesh(dp=dist.get_world_size() // 2, tp=2)
+    config = tiny_config("llama")
+    reference = build_model(config)
+    parallel = copy.deepcopy(reference)
+    for model in (reference, parallel):
+        model.train()
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": reentrant})
+    parallel = op.ParallelizersManager.parallelizer_for_model(parallel).parallelize(parallel)
+    batch = make_batch(config)
+    reference(**batch).loss.backward()
+    worst = 0.0
+    for _ in range(2):
+        parallel.zero_grad()
+        parallel(**batch).loss.backward()
+        worst = max(worst, *grad_errors(reference, parallel).values())
+    return worst
+
+
+@pytest.mark.parametrize("reentrant", [False, True])
+def test_gradient_checkpointing(pool, reentrant):
+    """Activation checkpointing recomputes the forward in backward: the overlapped tp entry must save the same
+    tensors both times (non-reentrant checkpointing checks it) and give the reference gradients."""
+    for rank, worst in enumerate(pool.run(check_gradient_checkpointing, reentrant)):
+        assert worst <= TOL, f"rank {rank}: worst gradient relative error {worst:.2e}"
+
+
 def test_weight_gradients_overlap_the_entry_collective(pool):
-    """The first forward learns which column layers share an input; from the second on, all of them (q, k, v;
-    gate, up; the LM head) compute their weight gradients while the entry's all-reduce runs."""
-    assert pool.run(count_weight_grads_left_to_the_entry, 0) == [3] * 4  # q_proj, gate_proj, lm_head
+    """Every column layer behind a shared entry (q, k, v; gate, up; the LM head) computes its weight gradient
+    while the entry's all-reduce runs, from the first step on."""
+    assert pool.run(count_weight_grads_left_to_the_entry, 0) == [6] * 4
     assert pool.run(count_weight_grads_left_to_the_entry, 1) == [6] * 4

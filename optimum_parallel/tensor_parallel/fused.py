@@ -97,6 +97,7 @@ class PackedColumnParallelLinear(ColumnParallelLinear):
     def __init__(self, weight, bias, group, segments: Sequence[tuple[ReplicatedSegment, ProcessGroup]] = ()) -> None:
         super().__init__(weight, bias, group)
         self.segments = tuple(segments)
+        self.overlap_weight_grads = False  # its weight goes through the segment sums: no alias to defer
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.gather_output:

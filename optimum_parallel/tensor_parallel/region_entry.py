@@ -9,9 +9,11 @@ Its backward collective is overlapped with compute (Megatron's asynchronous grad
 column layers' backward computes only their input gradient and leaves (grad_output, input) behind; the
 entry's backward starts the collective on the summed input gradient, computes the weight gradients while it
 runs, then waits. The weights go through the entry op as aliases, so their gradients still arrive through
-autograd's AccumulateGrad and DDP, FSDP2 and gradient hooks see nothing unusual. Which layers share an entry
-is learnt from the previous forward (the first forward runs unoverlapped); a layer whose weight is not the
-one the entry was given simply runs the plain path.
+autograd's AccumulateGrad and DDP, FSDP2 and gradient hooks see nothing unusual. The entry aliases the
+weights of the layer that makes it and of its siblings (`link_entry_siblings`: column-parallel children of the
+same module, the layers that may read the same input); a sibling that reads another input (cross-attention)
+leaves its alias unused and makes its own entry. The entry's make-up is fixed, so a forward recomputed under
+activation checkpointing saves exactly what the first one did.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from torch import nn
 from torch.distributed import ProcessGroup
 
 from .comm import _all_gather, copy_to_tensor_parallel_region, gather_from_sequence_parallel_region
@@ -110,7 +113,6 @@ class _Entry:
     entered: torch.Tensor
     pending: _PendingWeightGrads | None = None
     aliases: dict[int, tuple[torch.Tensor, torch.Tensor, int]] = field(default_factory=dict)  # id -> w, alias, i
-    creator: weakref.ref | None = None  # the layer that made the entry; it learns who shares it
 
     def matches(self, x: torch.Tensor, group: ProcessGroup, sequence_parallel: bool) -> bool:
         return (
@@ -154,11 +156,6 @@ class RegionEntry:
     def _entry(self, x: torch.Tensor, group: ProcessGroup, sequence_parallel: bool, layer) -> _Entry:
         last = self._last
         if last is not None and last.matches(x, group, sequence_parallel):
-            creator = last.creator() if last.creator is not None else None
-            if creator is not None and layer is not None and layer is not creator:
-                partners = creator.__dict__.setdefault("_entry_partners", [])
-                if all(ref() is not layer for ref in partners):
-                    partners.append(weakref.ref(layer))
             return last
         entry = self._new_entry(x, group, sequence_parallel, layer)
         self._last = entry if entry.entered.requires_grad else None
@@ -167,15 +164,14 @@ class RegionEntry:
     def _new_entry(self, x: torch.Tensor, group: ProcessGroup, sequence_parallel: bool, layer) -> _Entry:
         layers = []
         if layer is not None and torch.is_grad_enabled() and not torch.is_autocast_enabled(x.device.type):
-            partners = [ref() for ref in layer.__dict__.get("_entry_partners", [])]
-            layers = [m for m in [layer, *partners] if m is not None and _overlappable(m)]
+            siblings = [ref() for ref in layer.__dict__.get("_entry_siblings", ())]
+            layers = [m for m in [layer, *siblings] if m is not None and _overlappable(m)]
         if not layers:
             if sequence_parallel:
                 entered = gather_from_sequence_parallel_region(x, group, dim=SEQ_DIM)
             else:
                 entered = copy_to_tensor_parallel_region(x, group)
-            creator = weakref.ref(layer) if layer is not None else None
-            return _Entry(weakref.ref(x), x._version, group, sequence_parallel, entered, creator=creator)
+            return _Entry(weakref.ref(x), x._version, group, sequence_parallel, entered)
         weights = [m.weight for m in layers]
         pending = _PendingWeightGrads(len(weights))
         entered, *aliases = _OverlappedEntry.apply(x, group, sequence_parallel, pending, *weights)
@@ -187,8 +183,16 @@ class RegionEntry:
             entered,
             pending,
             {id(m): (w, a, i) for i, (m, w, a) in enumerate(zip(layers, weights, aliases, strict=True))},
-            weakref.ref(layer),
         )
 
 
 enter_region = RegionEntry()
+
+
+def link_entry_siblings(model: nn.Module, layer_type: type) -> None:
+    """Tell every `layer_type` (column-parallel) module of `model` its siblings: the modules of that type with
+    the same parent, whose weights its entry aliases (see the module docstring)."""
+    for parent in model.modules():
+        columns = [c for c in parent.children() if isinstance(c, layer_type)]
+        for column in columns:
+            column.__dict__["_entry_siblings"] = tuple(weakref.ref(c) for c in columns if c is not column)
