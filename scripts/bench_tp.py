@@ -12,7 +12,9 @@ What it measures
 
     Each distributed variant runs on 2 processes with one thread each, so every row uses at most the 2 cores
     the single-process 2-thread row uses. A distributed step starts after a ``dist.barrier()`` and its time is the
-    slowest rank's. Before timing, every variant's loss is compared with the single-process loss.
+    slowest rank's. Before timing, every variant's loss is compared with the single-process loss. The
+    distributed variants are built side by side and timed in rounds (one step of each, in turn), so a slow
+    spell of a shared machine falls on all of them alike and the ratios between them hold.
 
 How to run
     python scripts/bench_tp.py                                      # full size (a few minutes on 2 cores)
@@ -26,7 +28,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import gc
 import os
 import queue
 import socket
@@ -143,39 +144,27 @@ def train_step(model: nn.Module, batch: Batch, context: StepContext) -> torch.Te
     return loss.detach()
 
 
-def time_steps(
-    model: nn.Module, batch: Batch, args: argparse.Namespace, context: StepContext, distributed: bool
-) -> list[float]:
-    """Warm up, then time `args.steps` steps; in a distributed run a step's time is the slowest rank's."""
+def time_steps(model: nn.Module, batch: Batch, args: argparse.Namespace, context: StepContext) -> list[float]:
+    """Warm up, then time `args.steps` steps (one process)."""
     times = []
     for step in range(args.warmup + args.steps):
-        if distributed:
-            dist.barrier()
         start = time.perf_counter()
         train_step(model, batch, context)
-        elapsed = time.perf_counter() - start
         if step >= args.warmup:
-            times.append(elapsed * 1e3)
-    if distributed:
-        slowest = torch.tensor(times, dtype=torch.float64)
-        dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
-        times = slowest.tolist()
+            times.append((time.perf_counter() - start) * 1e3)
     return times
 
 
-def benchmark(
-    name: str, prepare: Callable[[], Prepared], batch: Batch, args: argparse.Namespace, distributed: bool
-) -> Result:
-    """Build the variant, record its first loss (the correctness check), then time it."""
+def build_variant(name: str, prepare: Callable[[], Prepared], batch: Batch) -> tuple[Result, Prepared | None]:
+    """Build one variant and take its first step (its loss is the correctness check); a failure is recorded."""
     try:
         model, context = prepare()
-        loss = loss_value(train_step(model, batch, context))
-        return Result(name, time_steps(model, batch, args, context, distributed), loss)
+        return Result(name, loss=loss_value(train_step(model, batch, context))), (model, context)
     except Exception as err:  # a failed variant is reported in the table, not fatal
-        if not distributed or dist.get_rank() == 0:
+        if not dist.is_initialized() or dist.get_rank() == 0:
             traceback.print_exc()
         message = (str(err).strip().splitlines() or [""])[0]
-        return Result(name, error=f"{type(err).__name__}: {message}"[:160])
+        return Result(name, error=f"{type(err).__name__}: {message}"[:160]), None
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -279,7 +268,7 @@ def free_port() -> int:
 
 
 def worker(rank: int, port: int, args: argparse.Namespace, checkpoint: str, results: Queue) -> None:
-    """One tp rank: run every distributed variant in turn; rank 0 sends the results to the parent."""
+    """One tp rank: build every distributed variant, then time them in rounds; rank 0 sends the results."""
     torch.set_num_threads(1)
     os.environ.update(
         RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(TP), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port)
@@ -287,12 +276,27 @@ def worker(rank: int, port: int, args: argparse.Namespace, checkpoint: str, resu
     quiet_transformers()
     dist.init_process_group("gloo", rank=rank, world_size=TP, timeout=PG_TIMEOUT)
     batch = make_batch(args)
-    for name, prepare in distributed_variants(args, checkpoint).items():
-        result = benchmark(name, prepare, batch, args, distributed=True)
-        gc.collect()
-        if rank == 0:
+    variants = distributed_variants(args, checkpoint)
+    built = [build_variant(name, prepare, batch) for name, prepare in variants.items()]
+    failed = torch.tensor([prepared is None for _, prepared in built], dtype=torch.uint8)
+    dist.all_reduce(failed, op=dist.ReduceOp.MAX)  # a variant that failed on any rank is left out on all
+    live = [(result, prepared) for (result, prepared), bad in zip(built, failed.tolist(), strict=True) if not bad]
+    for step in range(args.warmup + args.steps):
+        for result, (model, context) in live:
+            dist.barrier()
+            start = time.perf_counter()
+            train_step(model, batch, context)
+            if step >= args.warmup:
+                result.times_ms.append((time.perf_counter() - start) * 1e3)
+    for result, _ in live:  # a step's time is the slowest rank's
+        slowest = torch.tensor(result.times_ms, dtype=torch.float64)
+        dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
+        result.times_ms = slowest.tolist()
+    if rank == 0:
+        for (result, _), bad in zip(built, failed.tolist(), strict=True):
+            if bad and result.error is None:
+                result.error = "failed on another rank"
             results.put(result)
-        dist.barrier()  # both ranks leave the variant before the next one starts
     dist.destroy_process_group()
 
 
@@ -404,16 +408,14 @@ def main(argv: list[str] | None = None) -> None:
     quiet_transformers()
     batch = make_batch(args)
     print("single process ...", file=sys.stderr, flush=True)
-    results = [
-        benchmark(
-            f"single process, {threads} thread{'s' * (threads > 1)}",
-            lambda threads=threads: prepare_single(args, threads),
-            batch,
-            args,
-            distributed=False,
-        )
-        for threads in (1, 2)
-    ]
+    results = []
+    for threads in (1, 2):
+        name = f"single process, {threads} thread{'s' * (threads > 1)}"
+        result, prepared = build_variant(name, lambda threads=threads: prepare_single(args, threads), batch)
+        if prepared is not None:
+            model, context = prepared
+            result.times_ms = time_steps(model, batch, args, context)
+        results.append(result)
     print(f"tp={TP} variants on {TP} processes ...", file=sys.stderr, flush=True)
     with tempfile.TemporaryDirectory(prefix="bench_tp_") as checkpoint:
         build_model(args).save_pretrained(checkpoint)
