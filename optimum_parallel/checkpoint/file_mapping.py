@@ -53,6 +53,7 @@ def map_bytes(fd: int, start: int, end: int, dtype: torch.dtype, shape: tuple[in
         errno = ctypes.get_errno()
         raise OSError(errno, f"mmap of {length} bytes at offset {offset} failed")
     buffer = (ctypes.c_char * length).from_address(address)
-    weakref.finalize(buffer, _libc.munmap, address, length)  # when the last tensor on it is freed
+    unmap = weakref.finalize(buffer, _libc.munmap, address, length)  # when the last tensor on it is freed
+    unmap.atexit = False  # never at interpreter exit, while tensors may still use it: the OS unmaps then
     count = (end - start) // dtype.itemsize
     return torch.frombuffer(buffer, dtype=dtype, count=count, offset=start - offset).view(shape)
