@@ -64,20 +64,15 @@ from __future__ import annotations
 import argparse
 import gc
 import os
-import queue
-import socket
 import sys
-import time
-import traceback
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from multiprocessing.queues import Queue
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 import transformers
+from _ranks import run_on_ranks
 from torch import nn
 from transformers import AutoModelForCausalLM, LlamaConfig
 
@@ -427,12 +422,6 @@ def quiet_transformers() -> None:
     transformers.logging.disable_progress_bar()
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 TASKS: dict[str, Callable[[argparse.Namespace], list]] = {
     "activations tp=1": activations_single_task,
     "activations": activations_task,
@@ -440,59 +429,19 @@ TASKS: dict[str, Callable[[argparse.Namespace], list]] = {
 }
 
 
-def worker(rank: int, world: int, dp: int, port: int, task: str, args: argparse.Namespace, results: Queue) -> None:
-    """One rank: init the dp x tp mesh from torchrun-style env vars, run `task`; rank 0 sends its result."""
+def rank_main(rank: int, world: int, dp: int, task: str, args: argparse.Namespace) -> list:
+    """One rank of a dp x tp mesh: run `task` (rank 0's result is the one reported)."""
     import optimum_parallel as op
 
-    torch.set_num_threads(1)
-    os.environ.update(
-        RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port)
-    )
     quiet_transformers()
-    try:
-        op.init_mesh(dp=dp, tp=world // dp, timeout=PG_TIMEOUT_S)
-        result = TASKS[task](args)
-        if rank == 0:
-            results.put(("ok", rank, result))
-    except BaseException:
-        results.put(("error", rank, traceback.format_exc()))
-        raise
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
+    op.init_mesh(dp=dp, tp=world // dp, timeout=PG_TIMEOUT_S)
+    return TASKS[task](args)
 
 
 def launch(task: str, world: int, dp: int, args: argparse.Namespace) -> list:
     """Run `task` on `world` spawned ranks (a dp x tp mesh) and return rank 0's result; raise if a rank fails."""
-    os.environ["OMP_NUM_THREADS"] = "1"
     os.environ[MMAP_THRESHOLD_ENV] = str(MMAP_THRESHOLD)  # freed buffers go back to the OS: RSS follows live memory
-    ctx = mp.get_context("spawn")
-    results = ctx.Queue()
-    port = free_port()
-    procs = [ctx.Process(target=worker, args=(r, world, dp, port, task, args, results)) for r in range(world)]
-    for proc in procs:
-        proc.start()
-    deadline = time.monotonic() + args.deadline
-    outcome = None
-    try:
-        while outcome is None and time.monotonic() < deadline:
-            try:
-                outcome = results.get(timeout=5)
-            except queue.Empty:
-                if any(proc.exitcode not in (None, 0) for proc in procs):
-                    outcome = ("error", None, "a worker process died without a traceback")
-    finally:
-        for proc in procs:
-            proc.join(timeout=60 if outcome and outcome[0] == "ok" else 5)
-            if proc.is_alive():
-                proc.kill()
-                proc.join()
-    if outcome is None:
-        raise TimeoutError(f"{task}: the {world} workers ran past --deadline={args.deadline}s")
-    status, rank, value = outcome
-    if status != "ok":
-        raise RuntimeError(f"{task}: rank {rank} failed:\n{value}")
-    return value
+    return run_on_ranks(world, rank_main, (dp, task, args), args.deadline, task)
 
 
 # --------------------------------------------------------------------------------------------------------------

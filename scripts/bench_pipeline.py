@@ -65,20 +65,16 @@ import contextlib
 import gc
 import io
 import os
-import queue
-import socket
 import statistics
 import sys
 import time
-import traceback
 from collections.abc import Callable
 from dataclasses import dataclass
-from multiprocessing.queues import Queue
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 import transformers
+from _ranks import run_on_ranks
 from torch import nn
 from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -293,69 +289,24 @@ def cpu_cores() -> int:
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-def worker(rank: int, world: int, port: int, cases: list[Case], args: argparse.Namespace, results: Queue) -> None:
-    """One pipeline rank: init a pp=world mesh from torchrun-style env vars, run every case; rank 0 sends results."""
+def rank_main(rank: int, world: int, cases: list[Case], args: argparse.Namespace) -> list[CaseResult]:
+    """One pipeline rank of a pp=world mesh: run every case (rank 0's results are the ones reported)."""
     import optimum_parallel as op
 
-    torch.set_num_threads(1)
-    os.environ.update(
-        RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port)
-    )
     transformers.logging.set_verbosity_error()
-    try:
-        op.init_mesh(pp=world, tp=1, timeout=PG_TIMEOUT_S)
-        p2p_ms = measure_p2p_ms(args)
-        out = []
-        for case in cases:
-            if rank == 0:
-                print(f"  {case.schedule} pp={case.pp} m={case.m} ...", file=sys.stderr, flush=True)
-            out.append(run_case(args, case, p2p_ms))
+    op.init_mesh(pp=world, tp=1, timeout=PG_TIMEOUT_S)
+    p2p_ms = measure_p2p_ms(args)
+    out = []
+    for case in cases:
         if rank == 0:
-            results.put(("ok", rank, out))
-    except BaseException:
-        results.put(("error", rank, traceback.format_exc()))
-        raise
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
+            print(f"  {case.schedule} pp={case.pp} m={case.m} ...", file=sys.stderr, flush=True)
+        out.append(run_case(args, case, p2p_ms))
+    return out
 
 
 def launch(pp: int, cases: list[Case], args: argparse.Namespace) -> list[CaseResult]:
     """Run `cases` on pp spawned ranks and return rank 0's results; raise if a rank fails or the deadline passes."""
-    os.environ["OMP_NUM_THREADS"] = "1"
-    ctx = mp.get_context("spawn")
-    results = ctx.Queue()
-    port = free_port()
-    procs = [ctx.Process(target=worker, args=(r, pp, port, cases, args, results)) for r in range(pp)]
-    for proc in procs:
-        proc.start()
-    deadline = time.monotonic() + args.deadline
-    outcome = None
-    try:
-        while outcome is None and time.monotonic() < deadline:
-            try:
-                outcome = results.get(timeout=5)
-            except queue.Empty:
-                if any(proc.exitcode not in (None, 0) for proc in procs):
-                    outcome = ("error", None, "a worker process died without a traceback")
-    finally:
-        for proc in procs:
-            proc.join(timeout=60 if outcome and outcome[0] == "ok" else 5)
-            if proc.is_alive():
-                proc.kill()
-                proc.join()
-    if outcome is None:
-        raise TimeoutError(f"pp={pp}: the workers ran past --deadline={args.deadline}s")
-    status, rank, value = outcome
-    if status != "ok":
-        raise RuntimeError(f"pp={pp}: rank {rank} failed:\n{value}")
-    return value
+    return run_on_ranks(pp, rank_main, (cases, args), args.deadline, f"pp={pp}")
 
 
 # --------------------------------------------------------------------------------------------------------------

@@ -29,8 +29,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import os
-import queue
-import socket
 import statistics
 import sys
 import tempfile
@@ -39,12 +37,11 @@ import traceback
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import timedelta
-from multiprocessing.queues import Queue
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 import transformers
+from _ranks import run_on_ranks
 from torch import nn
 from transformers import AutoModelForCausalLM, LlamaConfig
 
@@ -261,20 +258,10 @@ def quiet_transformers() -> None:
     transformers.logging.disable_progress_bar()
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-def worker(rank: int, port: int, args: argparse.Namespace, checkpoint: str, results: Queue) -> None:
-    """One tp rank: build every distributed variant, then time them in rounds; rank 0 sends the results."""
-    torch.set_num_threads(1)
-    os.environ.update(
-        RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(TP), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port)
-    )
+def rank_main(rank: int, world: int, args: argparse.Namespace, checkpoint: str) -> list[Result]:
+    """One tp rank: build every distributed variant, then time them in rounds (rank 0's results are reported)."""
     quiet_transformers()
-    dist.init_process_group("gloo", rank=rank, world_size=TP, timeout=PG_TIMEOUT)
+    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=PG_TIMEOUT)
     batch = make_batch(args)
     variants = distributed_variants(args, checkpoint)
     built = [build_variant(name, prepare, batch) for name, prepare in variants.items()]
@@ -292,42 +279,21 @@ def worker(rank: int, port: int, args: argparse.Namespace, checkpoint: str, resu
         slowest = torch.tensor(result.times_ms, dtype=torch.float64)
         dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
         result.times_ms = slowest.tolist()
-    if rank == 0:
-        for (result, _), bad in zip(built, failed.tolist(), strict=True):
-            if bad and result.error is None:
-                result.error = "failed on another rank"
-            results.put(result)
-    dist.destroy_process_group()
+    for (result, _), bad in zip(built, failed.tolist(), strict=True):
+        if bad and result.error is None:
+            result.error = "failed on another rank"
+    return [result for result, _ in built]
 
 
 def run_distributed(args: argparse.Namespace, checkpoint: str) -> list[Result]:
-    """Start TP worker processes, collect rank 0's results; kill the workers if they run past the deadline."""
-    os.environ["OMP_NUM_THREADS"] = "1"
-    ctx = mp.get_context("spawn")
-    results = ctx.Queue()
-    port = free_port()
-    procs = [ctx.Process(target=worker, args=(rank, port, args, checkpoint, results)) for rank in range(TP)]
-    for proc in procs:
-        proc.start()
-    names = list(distributed_variants(args, checkpoint))
-    collected: list[Result] = []
-    deadline = time.monotonic() + args.deadline
+    """The distributed variants on TP spawned ranks; if the ranks die or run past the deadline, every variant
+    is reported as failed with the reason."""
     try:
-        while len(collected) < len(names) and time.monotonic() < deadline:
-            try:
-                collected.append(results.get(timeout=5))
-            except queue.Empty:
-                if any(proc.exitcode not in (None, 0) for proc in procs):
-                    break
-    finally:
-        for proc in procs:
-            proc.join(timeout=30)
-            if proc.is_alive():
-                proc.kill()
-                proc.join()
-    done = {result.name for result in collected}
-    reason = "worker processes died or ran past --deadline"
-    return collected + [Result(name, error=reason) for name in names if name not in done]
+        return run_on_ranks(TP, rank_main, (args, checkpoint), args.deadline, f"tp={TP} variants")
+    except (RuntimeError, TimeoutError) as err:
+        print(err, file=sys.stderr)
+        reason = (str(err).splitlines() or [""])[0][:160]
+        return [Result(name, error=reason) for name in distributed_variants(args, checkpoint)]
 
 
 # --------------------------------------------------------------------------------------------------------------
