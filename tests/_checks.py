@@ -76,10 +76,8 @@ def worst_loss_over_steps(reference, parallel, ref_optimizer, optimizer, batch: 
     return max(errors)
 
 
-def count_collectives(
-    num_layers: int, tp: int, sequence_parallel: bool = False, step: int = 0
-) -> list[tuple[str, str, int, bool]]:
-    """(phase, collective, elements, async) for every torch.distributed call of forward+backward number `step`."""
+def count_collectives(num_layers: int, tp: int, sequence_parallel: bool = False) -> list[tuple[str, str, int, bool]]:
+    """(phase, collective, elements, async) for every torch.distributed call of one forward+backward."""
     import optimum_parallel as op
 
     op.init_mesh(dp=dist.get_world_size() // tp, tp=tp)
@@ -89,8 +87,6 @@ def count_collectives(
         model, sequence_parallel_enabled=sequence_parallel
     )
     batch = make_batch(config)
-    for _ in range(step):
-        model(**batch).loss.backward()
     calls, phase = [], ["forward"]
     originals = {name: getattr(dist, name) for name in ("all_reduce", "all_gather", "reduce_scatter", "broadcast")}
 

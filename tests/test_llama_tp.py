@@ -62,22 +62,21 @@ def test_megatron_minimal_communication(pool):
     config = tiny_config("llama")
     tokens = 2 * 16  # make_batch's batch x seq
     activation = tokens * config.hidden_size
-    for step in (0, 1):
-        one, three = (pool.run(count_collectives, layers, 2, False, step)[0] for layers in (1, 3))
-        for calls in (one, three):
-            assert {name for _, name, _, _ in calls} == {"all_reduce"}
-            assert max(n for _, _, n, _ in calls) <= activation < tokens * config.vocab_size
-            loss_sized = [n for phase, _, n, _ in calls if n < activation]
-            assert sorted(loss_sized) == [tokens, 2 * tokens], "loss: one max and one [target, sum-exp] all-reduce"
-        for phase in ("forward", "backward"):
-            per_model = [sum(1 for p, _, n, _ in calls if p == phase and n == activation) for calls in (one, three)]
-            assert (per_model[1] - per_model[0]) == 2 * 2, f"{phase}: {per_model} all-reduces for 1 / 3 layers"
-            assert per_model[0] == 2 + 1, f"{phase}: 2 per layer + 1 (embedding forward / LM-head input backward)"
-        assert all(is_async for p, _, n, is_async in three if p == "backward" and n == activation)
+    one, three = (pool.run(count_collectives, layers, 2)[0] for layers in (1, 3))
+    for calls in (one, three):
+        assert {name for _, name, _, _ in calls} == {"all_reduce"}
+        assert max(n for _, _, n, _ in calls) <= activation < tokens * config.vocab_size
+        loss_sized = [n for phase, _, n, _ in calls if n < activation]
+        assert sorted(loss_sized) == [tokens, 2 * tokens], "loss: one max and one [target, sum-exp] all-reduce"
+    for phase in ("forward", "backward"):
+        per_model = [sum(1 for p, _, n, _ in calls if p == phase and n == activation) for calls in (one, three)]
+        assert (per_model[1] - per_model[0]) == 2 * 2, f"{phase}: {per_model} all-reduces for 1 / 3 layers"
+        assert per_model[0] == 2 + 1, f"{phase}: 2 per layer + 1 (embedding forward / LM-head input backward)"
+    assert all(is_async for p, _, n, is_async in three if p == "backward" and n == activation)
 
 
-def count_weight_grads_left_to_the_entry(step: int) -> int:
-    """How many layers of a 1-layer Llama leave their weight gradient to the tp entry's backward, on `step`."""
+def count_weight_grads_left_to_the_entry() -> int:
+    """How many layers of a 1-layer Llama leave their weight gradient to the tp entry's backward."""
     import optimum_parallel as op
     from optimum_parallel.tensor_parallel import region_entry
 
@@ -86,8 +85,6 @@ def count_weight_grads_left_to_the_entry(step: int) -> int:
     model = build_model(config)
     model = op.ParallelizersManager.parallelizer_for_model(model).parallelize(model)
     batch = make_batch(config)
-    for _ in range(step):
-        model(**batch).loss.backward()
     counted, original = [], region_entry._LinearWithPendingWeightGrad.apply
     region_entry._LinearWithPendingWeightGrad.apply = lambda *args: counted.append(1) or original(*args)
     try:
@@ -131,6 +128,5 @@ def test_gradient_checkpointing(pool, reentrant):
 
 def test_weight_gradients_overlap_the_entry_collective(pool):
     """Every column layer behind a shared entry (q, k, v; gate, up; the LM head) computes its weight gradient
-    while the entry's all-reduce runs, from the first step on."""
-    assert pool.run(count_weight_grads_left_to_the_entry, 0) == [6] * 4
-    assert pool.run(count_weight_grads_left_to_the_entry, 1) == [6] * 4
+    while the entry's all-reduce runs."""
+    assert pool.run(count_weight_grads_left_to_the_entry) == [6] * 4

@@ -61,13 +61,30 @@ def _split(x: torch.Tensor, dim: int, group: ProcessGroup, sizes: list[int] | No
     return x.narrow(dim, sum(sizes[:rank]), sizes[rank]).contiguous()
 
 
-def _reduce_scatter(x: torch.Tensor, dim: int, group: ProcessGroup) -> torch.Tensor:
+def start_all_reduce(x: torch.Tensor, group: ProcessGroup) -> tuple[torch.Tensor, dist.Work | None]:
+    """Start an all-reduce of `x` (in place once contiguous): the tensor, and the handle to wait on (None if
+    there is nothing to do)."""
+    if dist.get_world_size(group) == 1:
+        return x, None
+    x = x.contiguous()
+    return x, dist.all_reduce(x, group=group, async_op=True)
+
+
+def start_reduce_scatter(x: torch.Tensor, dim: int, group: ProcessGroup) -> tuple[torch.Tensor, dist.Work | None]:
+    """Start a reduce-scatter of `x` along `dim`: this rank's chunk of the sum (filled once the handle is
+    waited on), and the handle (None if there is nothing to do)."""
     world = dist.get_world_size(group)
     if world == 1:
-        return x
+        return x, None
     chunks = [c.contiguous() for c in x.chunk(world, dim=dim)]
     out = torch.empty_like(chunks[dist.get_rank(group)])
-    dist.reduce_scatter(out, chunks, group=group)
+    return out, dist.reduce_scatter(out, chunks, group=group, async_op=True)
+
+
+def _reduce_scatter(x: torch.Tensor, dim: int, group: ProcessGroup) -> torch.Tensor:
+    out, work = start_reduce_scatter(x, dim, group)
+    if work is not None:
+        work.wait()
     return out
 
 

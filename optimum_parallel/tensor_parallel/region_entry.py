@@ -22,12 +22,17 @@ import weakref
 from dataclasses import dataclass, field
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 from torch.distributed import ProcessGroup
 
-from .comm import _all_gather, copy_to_tensor_parallel_region, gather_from_sequence_parallel_region
+from .comm import (
+    _all_gather,
+    copy_to_tensor_parallel_region,
+    gather_from_sequence_parallel_region,
+    start_all_reduce,
+    start_reduce_scatter,
+)
 
 SEQ_DIM = 1
 
@@ -68,19 +73,12 @@ class _OverlappedEntry(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad, *_alias_grads):
-        group, world = ctx.group, dist.get_world_size(ctx.group)
         work, grad_input = None, None
         if grad is not None and ctx.needs_input_grad[0]:
-            grad = grad.contiguous()
-            if world == 1:
-                grad_input = grad
-            elif ctx.sequence_parallel:
-                chunks = [c.contiguous() for c in grad.chunk(world, dim=SEQ_DIM)]
-                grad_input = torch.empty_like(chunks[dist.get_rank(group)])
-                work = dist.reduce_scatter(grad_input, chunks, group=group, async_op=True)
+            if ctx.sequence_parallel:
+                grad_input, work = start_reduce_scatter(grad, SEQ_DIM, ctx.group)
             else:
-                grad_input = grad
-                work = dist.all_reduce(grad_input, group=group, async_op=True)
+                grad_input, work = start_all_reduce(grad, ctx.group)
         weight_grads = ctx.pending.take()  # runs while the collective is in flight
         if work is not None:
             work.wait()
