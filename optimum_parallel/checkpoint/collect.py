@@ -9,6 +9,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.optim import ZeroRedundancyOptimizer
+from torch.distributed.tensor import DTensor
 
 from ..tensor_parallel.layout import ShardLayout
 from .safetensors_io import dtype_name
@@ -16,7 +17,7 @@ from .safetensors_io import dtype_name
 
 def is_dtensor(tensor: torch.Tensor) -> bool:
     """A DTensor: here, a parameter (or its optimizer state) sharded over dp by FSDP2 (sharding levels 2-3)."""
-    return hasattr(tensor, "device_mesh") and hasattr(tensor, "full_tensor")
+    return isinstance(tensor, DTensor)
 
 
 @dataclass
@@ -58,7 +59,7 @@ def _split_layout(tensor: torch.Tensor) -> ShardLayout | None:
     return layout if layout is not None and layout.dim is not None else None
 
 
-def _check_plain(name: str, tensor: torch.Tensor) -> None:
+def _check_materialised(name: str, tensor: torch.Tensor) -> None:
     if tensor.device.type == "meta":
         raise ValueError(f"{name} is still on the meta device: parallelize (materialise) the model before saving it")
 
@@ -73,7 +74,7 @@ def model_tensors(model: nn.Module) -> tuple[dict[str, LocalTensor], dict[str, s
             tied[name] = canonical[id(param)]
             continue
         canonical[id(param)] = name
-        _check_plain(name, param)
+        _check_materialised(name, param)
         tensors[name] = LocalTensor(param.detach(), "param", _split_layout(param))
     for module_name, module in model.named_modules():
         for leaf, buffer in module._buffers.items():
@@ -81,7 +82,7 @@ def model_tensors(model: nn.Module) -> tuple[dict[str, LocalTensor], dict[str, s
                 continue
             name = f"{module_name}.{leaf}" if module_name else leaf
             if name not in tensors:
-                _check_plain(name, buffer)
+                _check_materialised(name, buffer)
                 tensors[name] = LocalTensor(buffer.detach(), "buffer", _split_layout(buffer))
     # transformers' own tie map also names ties split over pipeline stages (each stage holds one side)
     for alias, canonical in (getattr(model, "all_tied_weights_keys", None) or {}).items():
@@ -161,7 +162,7 @@ def optimizer_tensors(
                         raise NotImplementedError(f"optimizer state {name}/{key} of type {type(value).__name__}")
                     scalars.setdefault(name, {})[key] = value
                     continue
-                _check_plain(f"optimizer state {name}/{key}", value)
+                _check_materialised(f"optimizer state {name}/{key}", value)
                 like_param = layout is not None and tuple(value.shape) == tuple(param.shape)
                 if layout is not None and not like_param and value.numel() > 1:
                     raise NotImplementedError(
