@@ -8,6 +8,8 @@ import torch
 import torch.distributed as dist
 from _models import build_model, make_batch, rel_err, tiny_config
 
+from optimum_parallel.tensor_parallel.shared_memory import SharedMemoryGroup
+
 TOL = 1e-5
 STEPS = 3
 
@@ -88,23 +90,27 @@ def count_collectives(num_layers: int, tp: int, sequence_parallel: bool = False)
     )
     batch = make_batch(config)
     calls, phase = [], ["forward"]
-    originals = {name: getattr(dist, name) for name in ("all_reduce", "all_gather", "reduce_scatter", "broadcast")}
+    # torch.distributed's collectives, and the same calls on the shared-memory stand-in of a same-host group
+    patched = [(dist, name) for name in ("all_reduce", "all_gather", "reduce_scatter", "broadcast")]
+    patched += [(SharedMemoryGroup, name) for name in ("all_reduce", "all_gather", "reduce_scatter")]
+    originals = [(owner, name, getattr(owner, name)) for owner, name in patched]
 
-    def recording(name, fn):
+    def recording(name, fn, method):
         def call(*args, **kwargs):
-            tensor = args[1] if name == "all_gather" else args[0]
+            arguments = args[1:] if method else args
+            tensor = arguments[1] if name == "all_gather" else arguments[0]
             calls.append((phase[0], name, tensor.numel(), bool(kwargs.get("async_op"))))
             return fn(*args, **kwargs)
 
         return call
 
-    for name, fn in originals.items():
-        setattr(dist, name, recording(name, fn))
+    for owner, name, fn in originals:
+        setattr(owner, name, recording(name, fn, method=owner is SharedMemoryGroup))
     try:
         loss = model(**batch).loss
         phase[0] = "backward"
         loss.backward()
     finally:
-        for name, fn in originals.items():
-            setattr(dist, name, fn)
+        for owner, name, fn in originals:
+            setattr(owner, name, fn)
     return calls

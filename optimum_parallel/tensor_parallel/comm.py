@@ -3,14 +3,17 @@
 Megatron's conjugate pairs, each an autograd.Function over one process group:
 copy (identity / all-reduce), reduce (all-reduce / identity), scatter (split / all-gather),
 gather (all-gather / split), and the sequence-dim pair all-gather / reduce-scatter.
-Every collective is a plain torch.distributed call, so tests can count them.
+Every collective is a torch.distributed call, or the same call on the group's `SharedMemoryGroup` for CPU
+tensors of ranks that share a host (see `shared_memory`); tests count both.
 """
 
 from __future__ import annotations
 
 import torch
 import torch.distributed as dist
-from torch.distributed import ProcessGroup
+from torch.distributed import ProcessGroup, ReduceOp
+
+from .shared_memory import shared_memory_group
 
 
 def shard_sizes(total: int, world: int) -> list[int]:
@@ -26,10 +29,15 @@ def shard_range(total: int, rank: int, world: int) -> tuple[int, int]:
     return start, start + sizes[rank]
 
 
-def _all_reduce(x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
+def all_reduce(x: torch.Tensor, group: ProcessGroup, op=ReduceOp.SUM) -> torch.Tensor:
+    """`x` reduced over `group` (in place once contiguous)."""
     if dist.get_world_size(group) > 1:
         x = x.contiguous()
-        dist.all_reduce(x, group=group)
+        shared = shared_memory_group(group, x)
+        if shared is not None:
+            shared.all_reduce(x, op)
+        else:
+            dist.all_reduce(x, op=op, group=group)
     return x
 
 
@@ -46,7 +54,11 @@ def _all_gather(x: torch.Tensor, dim: int, group: ProcessGroup, sizes: list[int]
         x = torch.cat([x, x.new_zeros(pad)], dim=dim)
     x = x.contiguous()
     parts = [torch.empty_like(x) for _ in range(world)]
-    dist.all_gather(parts, x, group=group)
+    shared = shared_memory_group(group, x)
+    if shared is not None and shared.fits(x):
+        shared.all_gather(parts, x)
+    else:
+        dist.all_gather(parts, x, group=group)
     if sizes:
         parts = [p.narrow(dim, 0, s) for p, s in zip(parts, sizes, strict=True)]
     return torch.cat(parts, dim=dim)
@@ -61,13 +73,16 @@ def _split(x: torch.Tensor, dim: int, group: ProcessGroup, sizes: list[int] | No
     return x.narrow(dim, sum(sizes[:rank]), sizes[rank]).contiguous()
 
 
-def start_all_reduce(x: torch.Tensor, group: ProcessGroup) -> tuple[torch.Tensor, dist.Work | None]:
+def start_all_reduce(x: torch.Tensor, group: ProcessGroup, op=ReduceOp.SUM) -> tuple[torch.Tensor, dist.Work | None]:
     """Start an all-reduce of `x` (in place once contiguous): the tensor, and the handle to wait on (None if
     there is nothing to do)."""
     if dist.get_world_size(group) == 1:
         return x, None
     x = x.contiguous()
-    return x, dist.all_reduce(x, group=group, async_op=True)
+    shared = shared_memory_group(group, x)
+    if shared is not None:
+        return x, shared.all_reduce(x, op, async_op=True)
+    return x, dist.all_reduce(x, op=op, group=group, async_op=True)
 
 
 def start_reduce_scatter(x: torch.Tensor, dim: int, group: ProcessGroup) -> tuple[torch.Tensor, dist.Work | None]:
@@ -78,6 +93,9 @@ def start_reduce_scatter(x: torch.Tensor, dim: int, group: ProcessGroup) -> tupl
         return x, None
     chunks = [c.contiguous() for c in x.chunk(world, dim=dim)]
     out = torch.empty_like(chunks[dist.get_rank(group)])
+    shared = shared_memory_group(group, x)
+    if shared is not None and shared.fits(x):
+        return out, shared.reduce_scatter(out, chunks, async_op=True)
     return out, dist.reduce_scatter(out, chunks, group=group, async_op=True)
 
 
@@ -96,16 +114,16 @@ class _CopyToRegion(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        return _all_reduce(grad, ctx.group), None
+        return all_reduce(grad, ctx.group), None
 
 
 class _ReduceFromRegion(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, group):
         if not x.is_contiguous():
-            return _all_reduce(x, group)  # .contiguous() already made a fresh tensor
+            return all_reduce(x, group)  # .contiguous() already made a fresh tensor
         ctx.mark_dirty(x)  # in place: the partial sums are a temporary nobody else holds
-        return _all_reduce(x, group)
+        return all_reduce(x, group)
 
     @staticmethod
     def backward(ctx, grad):

@@ -7,8 +7,9 @@ never the tokens x vocab logits.
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
-from torch.distributed import ProcessGroup
+from torch.distributed import ProcessGroup, ReduceOp
+
+from .comm import all_reduce
 
 
 class _VocabParallelCrossEntropy(torch.autograd.Function):
@@ -17,8 +18,7 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         logits = logits.float()
         vocab_end = vocab_start + logits.shape[-1]
         logits_max = logits.max(dim=-1).values
-        if dist.get_world_size(group) > 1:
-            dist.all_reduce(logits_max, op=dist.ReduceOp.MAX, group=group)
+        all_reduce(logits_max, group, op=ReduceOp.MAX)
         shifted = logits - logits_max.unsqueeze(-1)
 
         ours = (target >= vocab_start) & (target < vocab_end)
@@ -26,8 +26,7 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         target_logit = shifted.gather(-1, local_target.unsqueeze(-1)).squeeze(-1).masked_fill(~ours, 0.0)
         exp = shifted.exp_()  # reuse the buffer: `shifted` is not needed any more
         sums = torch.stack([target_logit, exp.sum(dim=-1)])
-        if dist.get_world_size(group) > 1:
-            dist.all_reduce(sums, group=group)
+        all_reduce(sums, group)
         target_logit, sum_exp = sums
 
         ignored = target == ignore_index
