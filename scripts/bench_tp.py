@@ -5,7 +5,8 @@ What it measures
     randomly initialised fp32 Llama (built from a config, no hub access) on the same batch, for:
 
     1. a single process without parallelism, with 1 and with 2 intra-op threads (the reference);
-    2. optimum_parallel at tp=2 (module swapping on local tensors, vocab-parallel LM head and loss);
+    2. optimum_parallel at tp=2 (module swapping on local tensors, vocab-parallel LM head and loss), with its
+       tp collectives through shared memory (the default for ranks of one host) and through gloo's sockets;
     3. torch's own ``parallelize_module`` (DTensor) at tp=2, with the plan a user would write for HF Llama,
        once with the LM head gathering the full logits and once with ``loss_parallel``;
     4. transformers' own tensor parallelism: ``from_pretrained(..., distributed_config=DistributedConfig(tp_size=2))``.
@@ -173,10 +174,20 @@ def prepare_single(args: argparse.Namespace, threads: int) -> Prepared:
     return build_model(args), contextlib.nullcontext
 
 
-def prepare_optimum_parallel(args: argparse.Namespace) -> Prepared:
+def prepare_optimum_parallel(args: argparse.Namespace, shared_memory: bool = True) -> Prepared:
+    """With `shared_memory=False` the tp group keeps gloo's sockets (as under OPTIMUM_PARALLEL_SHM=0)."""
     import optimum_parallel as op
+    from optimum_parallel.tensor_parallel import comm
 
-    op.init_mesh(tp=TP, timeout=PG_TIMEOUT)
+    mesh = op.init_mesh(tp=TP, timeout=PG_TIMEOUT)
+    previous = os.environ.get("OPTIMUM_PARALLEL_SHM")
+    os.environ["OPTIMUM_PARALLEL_SHM"] = "1" if shared_memory else "0"
+    try:
+        comm.all_reduce(torch.zeros(1), mesh.tp_group)  # a group picks its transport on its first collective
+    finally:
+        os.environ.pop("OPTIMUM_PARALLEL_SHM")
+        if previous is not None:
+            os.environ["OPTIMUM_PARALLEL_SHM"] = previous
     model = build_model(args)
     parallelizer = op.ParallelizersManager.parallelizer_for_model(model)
     return parallelizer.parallelize(model), contextlib.nullcontext
@@ -242,6 +253,9 @@ def prepare_transformers(args: argparse.Namespace, checkpoint: str) -> Prepared:
 def distributed_variants(args: argparse.Namespace, checkpoint: str) -> dict[str, Callable[[], Prepared]]:
     return {
         "optimum_parallel tp=2": lambda: prepare_optimum_parallel(args),
+        "optimum_parallel tp=2, gloo sockets (OPTIMUM_PARALLEL_SHM=0)": lambda: prepare_optimum_parallel(
+            args, shared_memory=False
+        ),
         "torch DTensor tp=2 (lm_head gathers logits)": lambda: prepare_torch_dtensor(args, loss_parallel=False),
         "torch DTensor tp=2 (loss_parallel)": lambda: prepare_torch_dtensor(args, loss_parallel=True),
         "transformers tp=2 (DistributedConfig)": lambda: prepare_transformers(args, checkpoint),

@@ -17,7 +17,7 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
     def forward(ctx, logits, target, group, vocab_start, ignore_index):
         logits = logits.float()
         vocab_end = vocab_start + logits.shape[-1]
-        logits_max = logits.max(dim=-1).values
+        logits_max = logits.amax(dim=-1)  # amax: no indices (max(dim) computes them, ~9x slower here)
         all_reduce(logits_max, group, op=ReduceOp.MAX)
         shifted = logits - logits_max.unsqueeze(-1)
 
