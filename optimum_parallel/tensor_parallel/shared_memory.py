@@ -1,8 +1,8 @@
 """Collectives through shared memory, for a gloo group whose ranks share one host (CPU tensors).
 
 Why our own: gloo moves a CPU tensor between processes of one host through TCP loopback sockets; a 2 MB
-all-reduce of 2 ranks takes ~3.5 ms here, the same through shared memory ~0.7 ms (`scripts/bench_tp.py`
-shows what it does to a training step). torch 2.13's gloo has no shared-memory path; vLLM, SGLang and
+all-reduce of 2 ranks takes ~3 ms here, the same through shared memory ~0.5 ms (`scripts/bench_tp.py`
+shows what it does to a training step: ~5% at tp=2). torch 2.13's gloo has no shared-memory path; vLLM, SGLang and
 DeepSpeed keep their own for CPU tensor parallelism for the same reason.
 
 `SharedMemoryGroup` offers `all_reduce`, `all_gather` and `reduce_scatter` with torch.distributed's
