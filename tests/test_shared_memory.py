@@ -78,7 +78,8 @@ def test_collectives_match_gloo(pool, ranks):
 
 
 def check_async_in_order() -> list[bool]:
-    """Two started all-reduces waited on in reverse order, then 50 more: slot sets are reused correctly."""
+    """Two started all-reduces waited on in reverse order, then 50 more: slot sets are reused correctly; an op
+    shared memory does not reduce goes through gloo."""
     from optimum_parallel.tensor_parallel import comm
 
     group = dist.new_group([0, 1, 2, 3])
@@ -93,6 +94,8 @@ def check_async_in_order() -> list[bool]:
         torch.randn(64, 64) @ torch.randn(64, 64)  # compute while it is in flight
         work.wait()
         ok.append(torch.equal(x, torch.full((257,), float(6 + 4 * step))))
+    product = comm.all_reduce(torch.full((3,), rank + 1.0), group, op=dist.ReduceOp.PRODUCT)  # through gloo
+    ok.append(torch.equal(product, torch.full((3,), 24.0)))
     return ok
 
 

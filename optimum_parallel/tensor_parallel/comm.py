@@ -34,7 +34,7 @@ def all_reduce(x: torch.Tensor, group: ProcessGroup, op=ReduceOp.SUM) -> torch.T
     if dist.get_world_size(group) > 1:
         x = x.contiguous()
         shared = shared_memory_group(group, x)
-        if shared is not None:
+        if shared is not None and shared.reduces(op):
             shared.all_reduce(x, op)
         else:
             dist.all_reduce(x, op=op, group=group)
@@ -80,7 +80,7 @@ def start_all_reduce(x: torch.Tensor, group: ProcessGroup, op=ReduceOp.SUM) -> t
         return x, None
     x = x.contiguous()
     shared = shared_memory_group(group, x)
-    if shared is not None:
+    if shared is not None and shared.reduces(op):
         return x, shared.all_reduce(x, op, async_op=True)
     return x, dist.all_reduce(x, op=op, group=group, async_op=True)
 

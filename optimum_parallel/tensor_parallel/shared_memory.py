@@ -2,8 +2,8 @@
 
 Why our own: gloo moves a CPU tensor between processes of one host through TCP loopback sockets; a 2 MB
 all-reduce of 2 ranks takes ~3 ms here, the same through shared memory ~0.5 ms (`scripts/bench_tp.py`
-shows what it does to a training step: ~5% at tp=2). torch 2.13's gloo has no shared-memory path; vLLM, SGLang and
-DeepSpeed keep their own for CPU tensor parallelism for the same reason.
+shows what it does to a training step: ~5% at tp=2). torch 2.13's gloo has no shared-memory path; vLLM,
+SGLang and DeepSpeed keep their own for CPU tensor parallelism for the same reason.
 
 `SharedMemoryGroup` offers `all_reduce`, `all_gather` and `reduce_scatter` with torch.distributed's
 signatures, so `comm` calls it in place of `torch.distributed` and tests count both alike. Every rank's
@@ -84,6 +84,11 @@ class SharedMemoryGroup:
     def fits(self, tensor: torch.Tensor) -> bool:
         """Whether one slot holds `tensor` (all-gather and reduce-scatter do not chunk)."""
         return tensor.numel() * tensor.element_size() <= CAPACITY
+
+    @staticmethod
+    def reduces(op) -> bool:
+        """Whether `all_reduce` takes `op` (SUM, MAX, MIN)."""
+        return op in _REDUCERS
 
     def all_reduce(self, tensor: torch.Tensor, op=ReduceOp.SUM, async_op: bool = False) -> _Work | None:
         """Reduce the contiguous `tensor` in place over the group, in chunks of at most `CAPACITY` bytes."""
