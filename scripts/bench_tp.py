@@ -38,6 +38,7 @@ import traceback
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import timedelta
+from unittest import mock
 
 import torch
 import torch.distributed as dist
@@ -180,14 +181,8 @@ def prepare_optimum_parallel(args: argparse.Namespace, shared_memory: bool = Tru
     from optimum_parallel.tensor_parallel import comm
 
     mesh = op.init_mesh(tp=TP, timeout=PG_TIMEOUT)
-    previous = os.environ.get("OPTIMUM_PARALLEL_SHM")
-    os.environ["OPTIMUM_PARALLEL_SHM"] = "1" if shared_memory else "0"
-    try:
+    with mock.patch.dict(os.environ, OPTIMUM_PARALLEL_SHM="1" if shared_memory else "0"):
         comm.all_reduce(torch.zeros(1), mesh.tp_group)  # a group picks its transport on its first collective
-    finally:
-        os.environ.pop("OPTIMUM_PARALLEL_SHM")
-        if previous is not None:
-            os.environ["OPTIMUM_PARALLEL_SHM"] = previous
     model = build_model(args)
     parallelizer = op.ParallelizersManager.parallelizer_for_model(model)
     return parallelizer.parallelize(model), contextlib.nullcontext
