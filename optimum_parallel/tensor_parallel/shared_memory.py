@@ -98,7 +98,8 @@ class SharedMemoryGroup:
 
         def finish() -> None:
             for index, chunk in enumerate(chunks):
-                slots = self._wait_for_all(first if index == 0 else self._arrive([chunk]), chunk)
+                sequence = first if index == 0 else self._arrive([chunk])
+                slots = self._wait_for_all(sequence, chunk.dtype, chunk.numel())
                 _reduce_in_rank_order(reduce, slots, out=chunk)
 
         return self._started(finish, async_op)
@@ -108,7 +109,7 @@ class SharedMemoryGroup:
         sequence = self._arrive([tensor])
 
         def finish() -> None:
-            for part, slot in zip(tensor_list, self._wait_for_all(sequence, tensor), strict=True):
+            for part, slot in zip(tensor_list, self._wait_for_all(sequence, tensor.dtype, tensor.numel()), strict=True):
                 part.copy_(slot.view_as(tensor))
 
         return self._started(finish, async_op)
@@ -119,7 +120,7 @@ class SharedMemoryGroup:
         size = output.numel()
 
         def finish() -> None:
-            slots = self._wait_for_all(sequence, output, numel=size * self.world)
+            slots = self._wait_for_all(sequence, output.dtype, size * self.world)
             mine = [slot.narrow(0, self.rank * size, size) for slot in slots]
             _reduce_in_rank_order(torch.add, mine, out=output)
 
@@ -159,8 +160,8 @@ class SharedMemoryGroup:
         self._counters[self.rank].value = sequence
         return sequence
 
-    def _wait_for_all(self, sequence: int, like: torch.Tensor, numel: int | None = None) -> list[torch.Tensor]:
-        """Wait until every rank has published `sequence`; their slots, viewed as flat `like.dtype` tensors."""
+    def _wait_for_all(self, sequence: int, dtype: torch.dtype, numel: int) -> list[torch.Tensor]:
+        """Wait until every rank has published `sequence`; their slots, as flat `dtype` tensors of `numel`."""
         deadline, spins = None, 0
         for rank, counter in enumerate(self._counters):
             while counter.value < sequence:
@@ -176,8 +177,7 @@ class SharedMemoryGroup:
                             f"shared-memory collective #{sequence} timed out after {self.timeout_s:.0f} s "
                             f"waiting for rank {rank} of its group (rank {self.rank} of {self.world})"
                         )
-        numel = like.numel() if numel is None else numel
-        return [self._slot(sequence, rank, like.dtype, numel) for rank in range(self.world)]
+        return [self._slot(sequence, rank, dtype, numel) for rank in range(self.world)]
 
 
 def _reduce_in_rank_order(reduce, slots: list[torch.Tensor], out: torch.Tensor) -> None:
@@ -196,6 +196,7 @@ def _header_bytes(world: int) -> int:
 # -- one SharedMemoryGroup per process group, made on its first collective ----------------------------------
 
 _groups: weakref.WeakKeyDictionary[ProcessGroup, SharedMemoryGroup | None] = weakref.WeakKeyDictionary()
+_SUPPORTED_DTYPES = {torch.float32, torch.float64, torch.bfloat16, torch.float16, torch.int32, torch.int64}
 
 
 def shared_memory_group(group: ProcessGroup, tensor: torch.Tensor) -> SharedMemoryGroup | None:
@@ -208,9 +209,6 @@ def shared_memory_group(group: ProcessGroup, tensor: torch.Tensor) -> SharedMemo
     if group not in _groups:
         _groups[group] = _connect(group)
     return _groups[group]
-
-
-_SUPPORTED_DTYPES = {torch.float32, torch.float64, torch.bfloat16, torch.float16, torch.int32, torch.int64}
 
 
 def _wanted(group: ProcessGroup) -> bool:
