@@ -17,8 +17,8 @@ from dataclasses import dataclass, field
 import torch
 from transformers import AutoTokenizer, HfArgumentParser, TrainerCallback
 
-from optimum_parallel.trainer import ParallelTrainer
-from optimum_parallel.training_args import ParallelTrainingArguments
+from optimum_parallel.integrations.transformers.trainer import ParallelTrainer
+from optimum_parallel.integrations.transformers.training_args import ParallelTrainingArguments
 
 
 @dataclass

@@ -1,42 +1,41 @@
 """optimum-parallel: tensor/sequence/pipeline/data parallelism for Hugging Face Transformers models."""
 
-from .api import parallelize
 from .checkpoint import consolidate_checkpoint, reshard_checkpoint
-from .config import ParallelConfig, PipelineParallelConfig, TensorParallelConfig
-from .data_parallel import DataParallelConfig
-from .lazy import lazy_load_for_parallelism, make_optimizer_constructor_lazy
-from .manager import ParallelizersManager, UnsupportedModelError
+from .engine.data_parallel import DataParallelConfig
+from .engine.lazy_optimizer import make_optimizer_constructor_lazy
+from .frontends.config import ParallelConfig, PipelineParallelConfig, TensorParallelConfig
+from .frontends.manager import ParallelizersManager, UnsupportedModelError
+from .frontends.parallelize import parallelize
+from .frontends.parallelizer import Parallelizer
+from .integrations.transformers.lazy_loading import lazy_load_for_parallelism
 from .mesh import ParallelMesh, get_mesh, init_mesh, set_mesh
-from .parallelizer import Parallelizer
 from .pipeline import SplitPoint
 from .plan import apply_plan, check_plan, parallel_layouts
-from .sequence_parallel import (
-    SequenceParallelBegin,
-    SequenceParallelDisable,
-    SequenceParallelEnable,
-    SequenceParallelEnd,
-)
 from .styles import (
     ColWiseParallel,
     ParallelStyle,
     PrepareLayerInput,
     PrepareLayerOutput,
     RowWiseParallel,
+    SequenceParallelBegin,
+    SequenceParallelDisable,
+    SequenceParallelEnable,
+    SequenceParallelEnd,
     optional,
 )
 
 __version__ = "0.1.0"
 
 _LAZY = {
-    "ParallelTrainer": ".trainer",
-    "ParallelTrainingArguments": ".training_args",
-    "save_plan": ".plan_files",
-    "load_plan": ".plan_files",
-    "check_plan_fits": ".plan_files",
-    "plan_file_parallelizer": ".plan_files",
-    "estimate_memory": ".memory_planner",
-    "suggest_layouts": ".memory_planner",
-    "MemoryPlanner": ".memory_planner",
+    "ParallelTrainer": ".integrations.transformers.trainer",
+    "ParallelTrainingArguments": ".integrations.transformers.training_args",
+    "save_plan": ".planning.plan_files",
+    "load_plan": ".planning.plan_files",
+    "check_plan_fits": ".planning.plan_files",
+    "plan_file_parallelizer": ".planning.plan_files",
+    "estimate_memory": ".planning.memory_planner",
+    "suggest_layouts": ".planning.memory_planner",
+    "MemoryPlanner": ".planning.memory_planner",
 }
 
 

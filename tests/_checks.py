@@ -8,7 +8,7 @@ import torch
 import torch.distributed as dist
 from _models import build_model, make_batch, rel_err, tiny_config
 
-from optimum_parallel.tensor_parallel.shared_memory import SharedMemoryGroup
+from optimum_parallel.comm.shared_memory import SharedMemoryGroup
 
 TOL = 1e-5
 STEPS = 3

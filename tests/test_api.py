@@ -11,16 +11,11 @@ from pathlib import Path
 import pytest
 import torch
 from _models import build_model, make_batch, rel_err, tiny_config
-from _pool import WorkerPool
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
-@pytest.fixture(scope="module")
-def pool():
-    p = WorkerPool(2)
-    yield p
-    p.close()
+WORLD_SIZE = 2  # worker processes of this module's `pool` (conftest.py)
 
 
 def llama_plan(sequence_parallel: bool = False, kv_heads: int = 2) -> dict:

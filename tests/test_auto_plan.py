@@ -5,13 +5,12 @@ from __future__ import annotations
 
 import pytest
 import torch
-from _pool import WorkerPool
 from test_families import LLAMA_LIKE, TOKENS, assert_matches, check_family, make_inputs, save_tiny_model
 from transformers import AutoConfig, AutoModelForCausalLM
 
 import optimum_parallel as op
-from optimum_parallel.auto_plan import auto_parallelizer, translate_tp_plan, unsupported_entries
-from optimum_parallel.family_styles import ReplicatedWithGradAllReduce, TensorParallelExperts
+from optimum_parallel.frontends.auto_plan import auto_parallelizer, translate_tp_plan, unsupported_entries
+from optimum_parallel.styles import ReplicatedWithGradAllReduce, TensorParallelExperts
 
 AUTO_FAMILIES = {
     # q/k/v gathered (q_norm/k_norm span all heads), o_proj splits its input: colwise_gather_output, rowwise_split_input
@@ -43,13 +42,6 @@ CASES = [
 
 def auto_config(model_type: str, **overrides):
     return AutoConfig.for_model(model_type, **{**TOKENS, **AUTO_FAMILIES[model_type], **overrides})
-
-
-@pytest.fixture(scope="module")
-def pool():
-    p = WorkerPool(4)
-    yield p
-    p.close()
 
 
 @pytest.mark.parametrize("model_type,tp,overrides", CASES, ids=[f"{m}-tp{t}-{i}" for i, (m, t, _) in enumerate(CASES)])

@@ -16,7 +16,6 @@ import torch
 import torch.distributed as dist
 from _killed_run import mark_reached, run_until_reached_then_kill
 from _models import build_model, make_batch, rel_err, tiny_config
-from _pool import WorkerPool
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
@@ -25,13 +24,6 @@ LR = 1e-2
 LOAD = dict(dtype=torch.float32, attn_implementation="eager")
 # tied embeddings, a vocabulary tp=4 splits unevenly, 2 kv heads that tp=4 replicates
 CONFIG = dict(tie_word_embeddings=True, vocab_size=130, num_key_value_heads=2)
-
-
-@pytest.fixture(scope="module")
-def pool():
-    p = WorkerPool(4)
-    yield p
-    p.close()
 
 
 @pytest.fixture(scope="module")
@@ -186,7 +178,7 @@ def resume_curve(hf_dir: str, ckpt: str, steps: int, stop: int) -> dict:
     parallelizer.save_model_checkpoint(model, ckpt, optimizer=optimizer)
     del model, optimizer
     import optimum_parallel as op
-    import optimum_parallel.lazy as lazy
+    import optimum_parallel.engine.materialize as lazy
 
     with op.lazy_load_for_parallelism(tensor_parallel_size=2):
         model = AutoModelForCausalLM.from_pretrained(hf_dir, **LOAD)
@@ -218,7 +210,7 @@ def data_parallel_round_trip(hf_dir: str, ckpt: str, consolidated: str, level: i
     A fresh model at that level loading the checkpoint holds the same weights and takes the same step, one at
     the next level (1 -> 2 -> 3 -> 0) too; consolidating gives the trained weights bit for bit."""
     import optimum_parallel as op
-    from optimum_parallel.data_parallel import DataParallelConfig, apply_data_parallel
+    from optimum_parallel.engine.data_parallel import DataParallelConfig, apply_data_parallel
 
     def build(new_mesh: bool, at: int = level):
         parallelizer, model, optimizer = _setup(hf_dir, 2, new_mesh=new_mesh)
@@ -394,7 +386,7 @@ def test_damaged_or_mismatched_checkpoint_fails_every_rank(pool, hf_dir, saved, 
 def _kill_target(hf_dir: str, ckpt: str, reference: str, marker: str) -> None:
     """Run under torchrun (2 ranks): save `ckpt`, keep a consolidated copy, then re-save `ckpt` and hang mid-write."""
     import optimum_parallel as op
-    from optimum_parallel.checkpoint import safetensors_io
+    from optimum_parallel.io import safetensors_io
 
     torch.set_num_threads(1)
     op.init_mesh(tp=2)

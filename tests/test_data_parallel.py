@@ -9,16 +9,8 @@ import pytest
 import torch
 import torch.distributed as dist
 from _models import build_model, rel_err, tiny_config
-from _pool import WorkerPool
 
 STEPS = 5
-
-
-@pytest.fixture(scope="module")
-def pool():
-    p = WorkerPool(4)
-    yield p
-    p.close()
 
 
 def global_batch(config, rows: int = 4, seq: int = 16) -> dict[str, torch.Tensor]:
@@ -47,7 +39,7 @@ def _optimizer_state(optimizer) -> list:
 
 def check_sharding_level(level: int, sequence_parallel: bool) -> dict:
     import optimum_parallel as op
-    from optimum_parallel.data_parallel import DataParallelConfig, apply_data_parallel
+    from optimum_parallel.engine.data_parallel import DataParallelConfig, apply_data_parallel
 
     mesh = op.init_mesh(dp=2, tp=2)
     config = tiny_config("llama")

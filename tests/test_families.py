@@ -15,7 +15,6 @@ import torch
 import torch.distributed as dist
 from _checks import worst_loss_over_steps
 from _models import rel_err
-from _pool import WorkerPool
 from transformers import (
     AutoConfig,
     AutoModelForCausalLM,
@@ -237,13 +236,6 @@ def check_family(model_dir: str, task: str, tp: int, batch: dict, sequence_paral
     errors = compare_with_reference(reference, parallel, optimizer, batch)
     errors["parallelizer"] = parallelizer.__name__
     return errors
-
-
-@pytest.fixture(scope="module")
-def pool():
-    p = WorkerPool(4)
-    yield p
-    p.close()
 
 
 def assert_matches(results: list[dict]) -> None:

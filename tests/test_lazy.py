@@ -7,18 +7,13 @@ import pytest
 import torch
 import torch.distributed as dist
 from _models import build_model, make_batch, rel_err, tiny_config
-from _pool import WorkerPool
 from transformers import AutoModelForCausalLM
 
 TOL = 1e-5
 LOAD = dict(dtype=torch.float32, attn_implementation="eager")
 
 
-@pytest.fixture(scope="module")
-def pool():
-    p = WorkerPool(2)
-    yield p
-    p.close()
+WORLD_SIZE = 2  # worker processes of this module's `pool` (conftest.py)
 
 
 @pytest.fixture(scope="module")
@@ -40,7 +35,7 @@ def check_lazy_matches_eager(path: str) -> dict:
     """Lazy load at tp=2: nothing real before parallelize, each rank reads exactly its shard, and the model
     matches the eagerly loaded single-device one (weights exactly; logits, loss, gradients to fp32 noise)."""
     import optimum_parallel as op
-    import optimum_parallel.lazy as lazy
+    import optimum_parallel.engine.materialize as lazy
 
     op.init_mesh(tp=2)
     reference = AutoModelForCausalLM.from_pretrained(path, **LOAD)
@@ -95,7 +90,7 @@ def test_lazy_load_matches_eager(pool, checkpoints, which):
 def check_lazy_from_config() -> dict:
     """Lazy from_config at tp=2: each rank's shards are the slices of one deterministic full init."""
     import optimum_parallel as op
-    from optimum_parallel.lazy import materialize_lazy_model
+    from optimum_parallel.engine.materialize import materialize_lazy_model
 
     op.init_mesh(tp=2)
     config = tiny_config("llama", num_key_value_heads=1)
@@ -213,10 +208,10 @@ def test_slice_reads_map_contiguous_rows_and_read_the_rest(tmp_path, monkeypatch
     (strided rows through a small buffer, several ranges)."""
     from safetensors.torch import load_file, save_file
 
-    from optimum_parallel.checkpoint import safetensors_io
-    from optimum_parallel.checkpoint.safetensors_io import SafetensorsReader
-    from optimum_parallel.lazy import read_slice
-    from optimum_parallel.tensor_parallel.layout import ShardLayout
+    from optimum_parallel.io import safetensors_io
+    from optimum_parallel.io.safetensors_io import SafetensorsReader
+    from optimum_parallel.io.slices import read_slice
+    from optimum_parallel.tensor_parallel.spec import ShardLayout
 
     gen = torch.Generator().manual_seed(0)
     tensors = {"a": torch.randn(6, 10, 3, generator=gen), "b": torch.randn(7, 5, generator=gen).bfloat16()}

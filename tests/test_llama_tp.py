@@ -6,15 +6,6 @@ import pytest
 import torch.distributed as dist
 from _checks import TOL, check_matches_reference, count_collectives, grad_errors
 from _models import build_model, make_batch, tiny_config
-from _pool import WorkerPool
-
-
-@pytest.fixture(scope="module")
-def pool():
-    p = WorkerPool(4)
-    yield p
-    p.close()
-
 
 CASES = [
     ("llama", 2, {}),
@@ -78,7 +69,7 @@ def test_megatron_minimal_communication(pool):
 def count_weight_grads_left_to_the_entry() -> int:
     """How many layers of a 1-layer Llama leave their weight gradient to the tp entry's backward."""
     import optimum_parallel as op
-    from optimum_parallel.tensor_parallel import region_entry
+    from optimum_parallel.comm import overlapped_entry as region_entry
 
     op.init_mesh(dp=dist.get_world_size() // 2, tp=2)
     config = tiny_config("llama", num_hidden_layers=1)

@@ -20,7 +20,7 @@ import torch
 from _pool import WorkerPool
 from transformers import LlamaConfig
 
-from optimum_parallel.memory_planner import (
+from optimum_parallel.planning.memory_planner import (
     GIB,
     Dims,
     Layout,
@@ -74,7 +74,7 @@ def measure(level: int, sp: bool, dtype: str, attn: str) -> dict[str, int]:
     from transformers import AutoModelForCausalLM
 
     import optimum_parallel as op
-    from optimum_parallel.data_parallel import DataParallelConfig, apply_data_parallel
+    from optimum_parallel.engine.data_parallel import DataParallelConfig, apply_data_parallel
 
     mesh = op.init_mesh(dp=2, tp=2)
     torch.manual_seed(0)

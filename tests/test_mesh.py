@@ -7,14 +7,8 @@ import time
 import pytest
 import torch
 import torch.distributed as dist
-from _pool import WorkerPool
 
-
-@pytest.fixture(scope="module")
-def pool():
-    p = WorkerPool(2)
-    yield p
-    p.close()
+WORLD_SIZE = 2  # worker processes of this module's `pool` (conftest.py)
 
 
 def check_mesh_shapes() -> dict:
@@ -63,7 +57,7 @@ def test_mesh_errors_name_the_value(pool, kwargs, words):
 
 
 def test_get_mesh_without_init_says_what_to_do():
-    import optimum_parallel.mesh as mesh
+    import optimum_parallel.mesh.parallel_mesh as mesh
 
     saved, mesh._CURRENT_MESH = mesh._CURRENT_MESH, None
     try:

@@ -10,15 +10,7 @@ import torch
 import torch.distributed as dist
 from _checks import TOL
 from _models import build_model, make_batch, rel_err, tiny_config
-from _pool import WorkerPool
 from torch.distributed.tensor import DTensor
-
-
-@pytest.fixture(scope="module")
-def pool():
-    p = WorkerPool(4)
-    yield p
-    p.close()
 
 
 def pipeline_batch(config, rows: int = 4) -> dict[str, torch.Tensor]:
@@ -33,12 +25,13 @@ def pipeline_batch(config, rows: int = 4) -> dict[str, torch.Tensor]:
 
 
 def check_pipeline(
+    *,
     pp: int,
     tp: int,
-    schedule: str,
-    microbatches: int,
-    steps: int,
-    overrides: dict,
+    schedule: str = "1f1b",
+    microbatches: int = 2,
+    steps: int = 3,
+    overrides: dict | None = None,
     model_type: str = "llama",
     sequence_parallel: bool = False,
     sharding_level: int = 0,
@@ -48,7 +41,7 @@ def check_pipeline(
 
     dp = dist.get_world_size() // (pp * tp)
     mesh = op.init_mesh(dp=dp, pp=pp, tp=tp)
-    config = tiny_config(model_type, **{"num_hidden_layers": 4, **overrides})
+    config = tiny_config(model_type, **{"num_hidden_layers": 4, **(overrides or {})})
     reference = build_model(config)
     model = copy.deepcopy(reference)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
@@ -62,7 +55,7 @@ def check_pipeline(
     )
     optimizer = parallelizer.optimizer_for_mp(optimizer, model.orig_param_to_parallel_param)
     if dp > 1:
-        from optimum_parallel.data_parallel import DataParallelConfig, apply_data_parallel
+        from optimum_parallel.engine.data_parallel import DataParallelConfig, apply_data_parallel
 
         model, optimizer = apply_data_parallel(model, optimizer, mesh, DataParallelConfig(sharding_level))
     batch = pipeline_batch(config, rows=4 * dp)
@@ -127,7 +120,9 @@ FAMILIES = [  # the other pipelined families: q/k norms, scaled embeddings, soft
     ids=[f"pp{c[0]}-tp{c[1]}-{c[2]}-m{c[3]}-{i}" for i, c in enumerate(CASES)],
 )
 def test_matches_single_device(pool, pp, tp, schedule, microbatches, steps, overrides):
-    results = pool.run(check_pipeline, pp, tp, schedule, microbatches, steps, overrides)
+    results = pool.run(
+        check_pipeline, pp=pp, tp=tp, schedule=schedule, microbatches=microbatches, steps=steps, overrides=overrides
+    )
     for rank, result in enumerate(results):
         assert result["loss"] <= TOL and result["worst_grad"] <= TOL, f"rank {rank}: {result}"
     assert sum(r["n_params"] for r in results) >= len(list(build_model(tiny_config("llama")).parameters()))
@@ -140,7 +135,16 @@ def test_matches_single_device(pool, pp, tp, schedule, microbatches, steps, over
 )
 def test_other_families_pipeline(pool, model_type, pp, tp, schedule, microbatches, steps, overrides):
     for rank, result in enumerate(
-        pool.run(check_pipeline, pp, tp, schedule, microbatches, steps, overrides, model_type)
+        pool.run(
+            check_pipeline,
+            pp=pp,
+            tp=tp,
+            schedule=schedule,
+            microbatches=microbatches,
+            steps=steps,
+            overrides=overrides,
+            model_type=model_type,
+        )
     ):
         assert result["loss"] <= TOL and result["worst_grad"] <= TOL, f"rank {rank}: {result}"
 
@@ -150,7 +154,7 @@ def test_other_families_pipeline(pool, model_type, pp, tp, schedule, microbatche
 )
 def test_pipeline_composes_with_sp_and_fsdp(pool, sequence_parallel, sharding_level):
     tp = 2 if sequence_parallel else 1
-    results = pool.run(check_pipeline, 2, tp, "1f1b", 2, 3, {}, "llama", sequence_parallel, sharding_level)
+    results = pool.run(check_pipeline, pp=2, tp=tp, sequence_parallel=sequence_parallel, sharding_level=sharding_level)
     for rank, result in enumerate(results):
         assert result["loss"] <= TOL and result["worst_grad"] <= TOL, f"rank {rank}: {result}"
 

@@ -8,14 +8,8 @@ import pytest
 import torch
 import torch.distributed as dist
 from _models import build_model, make_batch, rel_err, tiny_config
-from _pool import WorkerPool
 
-
-@pytest.fixture(scope="module")
-def pool():
-    p = WorkerPool(2)
-    yield p
-    p.close()
+WORLD_SIZE = 2  # worker processes of this module's `pool` (conftest.py)
 
 
 def user_plan():

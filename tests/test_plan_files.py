@@ -10,11 +10,10 @@ import json
 import pytest
 import torch.distributed as dist
 from _models import rel_err
-from _pool import WorkerPool
 from test_families import family_config, load_model, make_inputs, save_tiny_model
 
 import optimum_parallel as op
-from optimum_parallel.plan_files import (
+from optimum_parallel.planning.plan_files import (
     STYLES,
     check_plan_fits,
     load_plan,
@@ -24,7 +23,7 @@ from optimum_parallel.plan_files import (
     style_from_dict,
     style_to_dict,
 )
-from optimum_parallel.plan_report import build_meta_model
+from optimum_parallel.planning.simulate import build_meta_model
 
 # (family, task, tp, config overrides, sequence parallel): head splits, kv heads replicated over tp, packed qkv,
 # Conv1D, tied MLM bias, experts, sequence-parallel markers
@@ -36,13 +35,6 @@ CASES = [
     ("bert", "mlm", 2, {}, False),
     ("mixtral", "causal", 2, {}, False),
 ]
-
-
-@pytest.fixture(scope="module")
-def pool():
-    p = WorkerPool(4)
-    yield p
-    p.close()
 
 
 def saved_on_ranks(model_dir: str, task: str, tp: int, path: str, sp: bool) -> dict:

@@ -5,13 +5,13 @@ from __future__ import annotations
 
 import pytest
 import torch.distributed as dist
-from _pool import WorkerPool
 from test_auto_plan import auto_config
 from test_families import family_config, save_tiny_model
 from transformers import AutoConfig
 
 import optimum_parallel as op
-from optimum_parallel.plan_report import plan_report, simulate_plan
+from optimum_parallel.planning.report import plan_report
+from optimum_parallel.planning.simulate import simulate_plan
 
 
 def test_report_from_a_saved_model_dir(tmp_path):
@@ -65,13 +65,6 @@ def actual_layouts(model_dir: str, task: str, tp: int) -> tuple[int, dict, int]:
     model = op.ParallelizersManager.parallelizer_for_model(model).parallelize(model)
     layouts = {n: p.shard_layout for n, p in model.named_parameters() if getattr(p, "shard_layout", None)}
     return mesh.tp_rank, layouts, sum(p.numel() for p in model.parameters())
-
-
-@pytest.fixture(scope="module")
-def pool():
-    p = WorkerPool(4)
-    yield p
-    p.close()
 
 
 @pytest.mark.parametrize("model_type,task,tp,overrides", CASES, ids=[f"{m}-tp{t}" for m, _, t, _ in CASES])

@@ -6,15 +6,6 @@ import pytest
 import torch.distributed as dist
 from _checks import TOL, check_matches_reference, count_collectives
 from _models import build_model, make_batch, tiny_config
-from _pool import WorkerPool
-
-
-@pytest.fixture(scope="module")
-def pool():
-    p = WorkerPool(4)
-    yield p
-    p.close()
-
 
 CASES = [
     ("llama", 2, {}, False),

@@ -9,14 +9,6 @@ from datetime import timedelta
 import pytest
 import torch
 import torch.distributed as dist
-from _pool import WorkerPool
-
-
-@pytest.fixture(scope="module")
-def pool():
-    p = WorkerPool(4)
-    yield p
-    p.close()
 
 
 def _input(rank: int, shape: tuple[int, ...], dtype: torch.dtype, seed: int = 0) -> torch.Tensor:
@@ -27,8 +19,8 @@ def _input(rank: int, shape: tuple[int, ...], dtype: torch.dtype, seed: int = 0)
 
 
 def check_collectives_match_gloo(ranks: list[int]) -> dict:
-    from optimum_parallel.tensor_parallel import comm
-    from optimum_parallel.tensor_parallel.shared_memory import CAPACITY, shared_memory_group
+    from optimum_parallel.comm import regions as comm
+    from optimum_parallel.comm.shared_memory import CAPACITY, shared_memory_group
 
     group = dist.new_group(ranks)
     groups = {tuple(ranks): group}
@@ -80,7 +72,7 @@ def test_collectives_match_gloo(pool, ranks):
 def check_async_in_order() -> list[bool]:
     """Two started all-reduces waited on in reverse order, then 50 more: slot sets are reused correctly; an op
     shared memory does not reduce goes through gloo."""
-    from optimum_parallel.tensor_parallel import comm
+    from optimum_parallel.comm import regions as comm
 
     group = dist.new_group([0, 1, 2, 3])
     rank, ok = dist.get_rank(), []
@@ -105,8 +97,8 @@ def test_async_collectives_finish_in_order(pool):
 
 
 def check_cleanup_and_switch() -> dict:
-    from optimum_parallel.tensor_parallel import comm
-    from optimum_parallel.tensor_parallel.shared_memory import shared_memory_group
+    from optimum_parallel.comm import regions as comm
+    from optimum_parallel.comm.shared_memory import shared_memory_group
 
     on = dist.new_group([0, 1, 2, 3])
     comm.all_reduce(torch.ones(4), on)
@@ -132,7 +124,7 @@ def test_files_are_unlinked_and_env_turns_it_off(pool):
 
 
 def check_timeout() -> str:
-    from optimum_parallel.tensor_parallel import comm
+    from optimum_parallel.comm import regions as comm
 
     group = dist.new_group([0, 1], timeout=timedelta(seconds=2))
     if dist.get_rank() > 1:
@@ -154,8 +146,8 @@ def test_missing_rank_times_out(pool):
 
 def check_tp_mesh_uses_shared_memory() -> bool:
     import optimum_parallel as op
-    from optimum_parallel.tensor_parallel import comm
-    from optimum_parallel.tensor_parallel.shared_memory import shared_memory_group
+    from optimum_parallel.comm import regions as comm
+    from optimum_parallel.comm.shared_memory import shared_memory_group
 
     mesh = op.init_mesh(dp=2, tp=2)
     group = mesh.group("tp")

@@ -16,7 +16,6 @@ import pytest
 import torch
 from _killed_run import mark_reached, run_until_reached_then_kill
 from _models import build_model, rel_err, tiny_config
-from _pool import WorkerPool
 from transformers import AutoModelForCausalLM, Trainer, TrainerCallback, TrainingArguments
 
 TOL = 1e-4
@@ -78,13 +77,6 @@ def worst_difference(actual: dict[int, dict], expected: dict[int, dict], steps, 
 
 
 @pytest.fixture(scope="module")
-def pool():
-    p = WorkerPool(4)
-    yield p
-    p.close()
-
-
-@pytest.fixture(scope="module")
 def hf_dir(tmp_path_factory) -> str:
     path = tmp_path_factory.mktemp("hf") / "llama"
     build_model(tiny_config("llama"), seed=3).save_pretrained(path)
@@ -134,8 +126,8 @@ def train_parallel(
     """One ParallelTrainer run on this rank (the global batch is 4 blocks whatever the layout). With
     `lazy_optimizer` the user loads the model lazily and passes a lazy AdamW with the Trainer's param groups."""
     import optimum_parallel as op
-    from optimum_parallel.trainer import ParallelTrainer
-    from optimum_parallel.training_args import ParallelTrainingArguments
+    from optimum_parallel.integrations.transformers.trainer import ParallelTrainer
+    from optimum_parallel.integrations.transformers.training_args import ParallelTrainingArguments
 
     per_device = 4 * tp * pp // int(os.environ["WORLD_SIZE"])
     args = ParallelTrainingArguments(
@@ -233,7 +225,7 @@ def test_variants_match_single_device(pool, hf_dir, reference, tmp_path, variant
     ],
 )  # fmt: skip
 def test_arguments_are_validated(tmp_path, overrides, words):
-    from optimum_parallel.training_args import ParallelTrainingArguments
+    from optimum_parallel.integrations.transformers.training_args import ParallelTrainingArguments
 
     with pytest.raises(ValueError) as error:
         ParallelTrainingArguments(**{**common_args(str(tmp_path), 4), **overrides})

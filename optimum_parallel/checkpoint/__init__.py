@@ -4,11 +4,11 @@ A checkpoint directory is self-describing (see `metadata.py`): consolidation and
 pure CPU functions of its files, and loading checks every byte against the index.
 """
 
+from ..io.errors import CheckpointError
 from .consolidate import consolidate_checkpoint
-from .errors import CheckpointError
 from .integrity import verify_checkpoint
 from .load import load_model_checkpoint
-from .metadata import CheckpointIndex, read_index, units_from_plan
+from .metadata import CheckpointIndex, read_index
 from .reshard import reshard_checkpoint
 from .save import save_model_checkpoint
 
@@ -20,6 +20,5 @@ __all__ = [
     "read_index",
     "reshard_checkpoint",
     "save_model_checkpoint",
-    "units_from_plan",
     "verify_checkpoint",
 ]

@@ -11,8 +11,8 @@ from torch import nn
 from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.distributed.tensor import DTensor
 
-from ..tensor_parallel.layout import ShardLayout
-from .safetensors_io import dtype_name
+from ..io.safetensors_io import dtype_name
+from ..tensor_parallel.spec import ShardLayout, split_layout
 
 
 def is_dtensor(tensor: torch.Tensor) -> bool:
@@ -42,21 +42,21 @@ class LocalTensor:
     def spec(self) -> dict:
         """What the other ranks need to know about this tensor to plan the files (picklable, no data)."""
         layout = self.layout
+        if layout is not None and layout.spec is None:
+            raise ValueError(
+                f"a tensor split by {layout} carries no ShardSpec: build split parameters with ShardSpec.local"
+            )
         return {
             "dtype": dtype_name(self.tensor.dtype),
             "global_shape": list(layout.global_shape if layout is not None else self.tensor.shape),
             "dim": layout.dim if layout is not None else None,
             "ranges": [list(r) for r in layout.ranges] if layout is not None else [],
             "replicas": layout.replicas if layout is not None else 1,
+            "parts": [list(p) for p in layout.spec.parts] if layout is not None else [],
             "kind": self.kind,
             "param": self.param,
             "like_param": self.like_param,
         }
-
-
-def _split_layout(tensor: torch.Tensor) -> ShardLayout | None:
-    layout = getattr(tensor, "shard_layout", None)
-    return layout if layout is not None and layout.dim is not None else None
 
 
 def _check_materialised(name: str, tensor: torch.Tensor) -> None:
@@ -75,7 +75,7 @@ def model_tensors(model: nn.Module) -> tuple[dict[str, LocalTensor], dict[str, s
             continue
         canonical[id(param)] = name
         _check_materialised(name, param)
-        tensors[name] = LocalTensor(param.detach(), "param", _split_layout(param))
+        tensors[name] = LocalTensor(param.detach(), "param", split_layout(param))
     for module_name, module in model.named_modules():
         for leaf, buffer in module._buffers.items():
             if buffer is None or leaf in module._non_persistent_buffers_set:
@@ -83,7 +83,7 @@ def model_tensors(model: nn.Module) -> tuple[dict[str, LocalTensor], dict[str, s
             name = f"{module_name}.{leaf}" if module_name else leaf
             if name not in tensors:
                 _check_materialised(name, buffer)
-                tensors[name] = LocalTensor(buffer.detach(), "buffer", _split_layout(buffer))
+                tensors[name] = LocalTensor(buffer.detach(), "buffer", split_layout(buffer))
     # transformers' own tie map also names ties split over pipeline stages (each stage holds one side)
     for alias, canonical in (getattr(model, "all_tied_weights_keys", None) or {}).items():
         if canonical not in tied:
@@ -180,17 +180,3 @@ def optimizer_tensors(
         "unsaved": sorted(unsaved),
     }
     return state, meta
-
-
-def replace_tensor(module: nn.Module, leaf: str, value: torch.Tensor) -> None:
-    """Give `module.<leaf>` the values `value`, keeping the Parameter object (and so every reference to it:
-    tied weights, `orig_param_to_parallel_param`, its attributes and hooks)."""
-    if leaf in module._buffers:
-        module._buffers[leaf] = value
-        return
-    param = module._parameters[leaf]
-    new = nn.Parameter(value, requires_grad=param.requires_grad)
-    new.__dict__.update(param.__dict__)  # shard_layout and friends
-    for hook in (getattr(param, "_backward_hooks", None) or {}).values():
-        new.register_hook(hook)
-    torch.utils.swap_tensors(param, new)

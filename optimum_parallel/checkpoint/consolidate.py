@@ -14,11 +14,11 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
+from ..io.errors import CheckpointError
+from ..io.safetensors_io import SafetensorsWriter, dtype_from_name, nbytes
 from .atomic import partial_dir, publish
-from .errors import CheckpointError
 from .metadata import CheckpointIndex, read_index
 from .reading import ShardFiles
-from .safetensors_io import SafetensorsWriter, dtype_from_name, nbytes
 
 HF_INDEX = "model.safetensors.index.json"
 CONFIG_FILES = ("config.json", "generation_config.json")

@@ -6,9 +6,9 @@ from pathlib import Path
 
 from tqdm.auto import tqdm
 
-from .errors import CheckpointError
+from ..io.errors import CheckpointError
+from ..io.safetensors_io import SafetensorsReader, file_sha256
 from .metadata import CheckpointIndex, read_index
-from .safetensors_io import SafetensorsReader, file_sha256
 
 
 def verify_checkpoint(checkpoint_dir: str | Path, full: bool = True, progress: bool = False) -> CheckpointIndex:

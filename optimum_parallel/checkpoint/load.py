@@ -13,8 +13,9 @@ import torch
 from torch import nn
 from torch.distributed.tensor import distribute_tensor
 
-from .collect import is_dtensor, optimizer_class, parameter_names, replace_tensor
-from .errors import CheckpointError
+from ..io.errors import CheckpointError
+from ..tensor_parallel.spec import replace_tensor
+from .collect import is_dtensor, optimizer_class, parameter_names
 from .metadata import INDEX_NAME, CheckpointIndex, TensorEntry, read_index
 from .ranks import RankInfo, current_rank
 from .reading import ShardFiles

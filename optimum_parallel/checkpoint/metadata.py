@@ -16,8 +16,8 @@ from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from ..tensor_parallel.layout import ShardLayout
-from .errors import CheckpointError
+from ..io.errors import CheckpointError
+from ..tensor_parallel.spec import ShardLayout
 
 FORMAT = "optimum-parallel/sharded-checkpoint"
 VERSION = 1
@@ -56,7 +56,7 @@ class TensorEntry:
     pp_rank: int  # the pipeline rank whose files hold it (its stage, or stages under interleaved schedules)
     shards: list[Shard]
     kind: str = "param"  # "param" | "buffer" | "state"
-    split: str = "replicated"  # "replicated" | "parts" (see `parts`) | "custom" (cannot be re-split)
+    split: str = "replicated"  # "replicated" | "parts" (see `parts`) | "custom" (older saves only; cannot be re-split)
     parts: list[list] = field(default_factory=list)  # [[size, heads or None (rows)], ...] packed along `dim`
     param: str | None = None  # optimizer state: the parameter it belongs to
     like_param: bool = False  # optimizer state shaped (and split) like its parameter
@@ -184,27 +184,3 @@ def read_index(directory: str | Path) -> CheckpointIndex:
     if hashlib.sha256(text.encode()).hexdigest() != expected:
         raise CheckpointError(f"{index_path}: does not match the checksum in {marker} (altered or truncated)")
     return CheckpointIndex.from_json(text, str(index_path))
-
-
-def units_from_plan(model, plan: Mapping[str, object]) -> dict[str, int | list]:
-    """{parameter name: heads it is split in (one entry per packed part, or one for all)} for the split
-    parameters of modules whose plan style has `units`.
-
-    Resharding needs the head counts (a tp that does not divide them replicates heads, it never cuts one).
-    """
-    from ..plan import resolve_plan
-    from ..styles import optional
-
-    # every key optional: a pipeline stage holds only part of the modules the plan names
-    plan = {key: value if isinstance(value, optional) else optional(value) for key, value in plan.items()}
-    units: dict[str, int] = {}
-    for module_name, styles in resolve_plan(model, plan).items():
-        for style in styles:
-            if getattr(style, "units", None) is None:
-                continue
-            module = model.get_submodule(module_name)
-            for leaf, param in module.named_parameters(recurse=False):
-                layout = getattr(param, "shard_layout", None)
-                if layout is not None and layout.dim is not None:
-                    units[f"{module_name}.{leaf}"] = style.units
-    return units

@@ -6,9 +6,9 @@ from pathlib import Path
 
 import torch
 
-from .errors import CheckpointError
+from ..io.errors import CheckpointError
+from ..io.safetensors_io import SafetensorsReader, dtype_from_name, nbytes
 from .metadata import CheckpointIndex, Shard, TensorEntry
-from .safetensors_io import SafetensorsReader, dtype_from_name, nbytes
 
 
 class ShardFiles:

@@ -14,11 +14,11 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
+from ..io.safetensors_io import SafetensorsWriter, dtype_from_name, nbytes
 from .atomic import partial_dir, publish
 from .consolidate import copy_configs
 from .metadata import CheckpointIndex, TensorEntry, model_file, optimizer_file, read_index, write_index
 from .reading import ShardFiles
-from .safetensors_io import SafetensorsWriter, dtype_from_name, nbytes
 from .sharding import assign_pp_ranks, resharded_entry
 
 

@@ -18,12 +18,12 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from ..io.safetensors_io import SafetensorsWriter, dtype_from_name
 from .atomic import partial_dir, publish
 from .collect import LocalTensor, model_tensors, optimizer_tensors
 from .consolidate import DEFAULT_MAX_SHARD_SIZE, write_hf_checkpoint
 from .metadata import CheckpointIndex, TensorEntry, model_file, optimizer_file, write_index
 from .ranks import current_rank
-from .safetensors_io import SafetensorsWriter, dtype_from_name
 from .sharding import entries_from_specs
 
 
@@ -92,7 +92,6 @@ def save_model_checkpoint(
     as_sharded: bool = True,
     optimizer: torch.optim.Optimizer | None = None,
     *,
-    units: Mapping[str, int | list] | None = None,
     max_shard_size: int | str = DEFAULT_MAX_SHARD_SIZE,
     progress: bool = False,
 ) -> Path:
@@ -100,7 +99,7 @@ def save_model_checkpoint(
 
     as_sharded: per-rank safetensors + self-describing index (reload with `load_model_checkpoint`).
     as_regular: also a consolidated Hugging Face checkpoint in the same directory (`from_pretrained` loads it).
-    units: {parameter: heads} for split parameters (resharding needs them; `Parallelizer` passes its plan's).
+    Every split parameter carries its ShardSpec (head counts included), so resharding needs nothing else.
     """
     if not (as_sharded or as_regular):
         raise ValueError("nothing to save: as_sharded and as_regular are both False")
@@ -116,14 +115,13 @@ def save_model_checkpoint(
         local["state"], meta = ({}, None) if optimizer is None else optimizer_tensors(optimizer, model, local["model"])
         specs = {kind: {n: t.spec() for n, t in local[kind].items()} for kind in ("model", "state")}
         here = (rank.dp, rank.pp, rank.tp)
-        return {"coords": here, "specs": specs, "tied": tied, "optimizer": meta, "units": dict(units or {})}
+        return {"coords": here, "specs": specs, "tied": tied, "optimizer": meta}
 
     described = rank.run(describe, "describing the checkpoint")
     replica0 = [d for d in described if d["coords"][0] == 0]
     tp = rank.sizes["tp"]
     tied = {alias: name for d in described for alias, name in d["tied"].items()}
-    units = {n: u for d in described for n, u in d["units"].items()}  # each pipeline stage knows its own
-    entries = entries_from_specs({d["coords"][1:]: d["specs"]["model"] for d in replica0}, tp, model_file, units)
+    entries = entries_from_specs({d["coords"][1:]: d["specs"]["model"] for d in replica0}, tp, model_file)
     aliases = {alias for alias, name in tied.items() if alias in entries and name in entries}
     entries = {n: e for n, e in entries.items() if n not in aliases}  # a tie across pp stages: stored once
     state_entries, optimizer_meta = {}, None

@@ -1,80 +1,21 @@
 """Which distinct shards a checkpoint holds, who writes each, and what a new layout's shards are.
 
-Pure functions on layouts: the same code plans a parallel save (from what every rank holds) and a
-reshard (from the index alone), so both produce the same kind of checkpoint. A split tensor is
-described as packed parts along its dim (one part for a plain split; q|k|v or gate|up for fused
-weights), each split in whole heads (replicated when there are fewer heads than ranks) or in rows.
+Pure functions on shard specs: the same code plans a parallel save (from the specs every rank's tensors
+carry) and a reshard (from the index alone), so both produce the same kind of checkpoint. A split tensor
+is described by its `ShardSpec`: packed parts along its dim (one part for a plain split; q|k|v or gate|up
+for fused weights), each split in whole heads (replicated when there are fewer heads than ranks) or in rows.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping
 
-from ..tensor_parallel.layout import ShardLayout, split_units
-from .errors import CheckpointError
+from ..io.errors import CheckpointError
+from ..pipeline.split import stage_layers
+from ..tensor_parallel.spec import ShardLayout, ShardSpec
 from .metadata import Shard, TensorEntry
 
 FileName = Callable[[int, int], str]  # (pp rank, tp rank) -> file name
-
-
-def parts_layout(
-    global_shape: Sequence[int], dim: int, parts: Sequence[Sequence], rank: int, world: int
-) -> ShardLayout:
-    """The layout of `rank` when `dim` packs `parts` [[size, heads or None], ...], each split on its own
-    (mirrors tensor_parallel.fused.packed_layout; one part is exactly `split_units`)."""
-    ranges, replicas, offset = [], set(), 0
-    for size, units in parts:
-        part = split_units((size,), 0, rank, world, units)
-        ((start, end),) = part.ranges
-        ranges.append((offset + start, offset + end))
-        replicas.add(part.replicas)
-        offset += size
-    return ShardLayout(tuple(global_shape), dim, tuple(ranges), replicas.pop() if len(replicas) == 1 else 1)
-
-
-def _part_units(size: int, relative: list[tuple[int, int]], planned: int | None, tp: int) -> tuple[bool, int | None]:
-    """(found, heads) reproducing the per-rank `relative` ranges of one part of `size` rows."""
-    candidates = [planned] if planned is not None else []
-    lengths = {end - start for start, end in relative}
-    if len(lengths) == 1 and len(set(relative)) < tp:  # replicated heads: every replica group holds one unit
-        length = lengths.pop()
-        if length and size % length == 0:
-            candidates.append(size // length)
-    candidates.append(None)
-    for units in candidates:
-        try:
-            if all(split_units((size,), 0, t, tp, units).ranges == (relative[t],) for t in range(tp)):
-                return True, units
-        except ValueError:
-            continue
-    return False, None
-
-
-def classify_split(layouts: list[ShardLayout | None], planned: int | Sequence | None) -> tuple[str, list]:
-    """('replicated' | 'parts' | 'custom', parts) describing the layouts of tp ranks 0..tp-1."""
-    first, tp = layouts[0], len(layouts)
-    if first is None:
-        return "replicated", []
-    count = len(first.ranges)
-    if any(layout is None or layout.dim != first.dim or len(layout.ranges) != count for layout in layouts):
-        return "custom", []
-    lows = [min(layout.ranges[i][0] for layout in layouts) for i in range(count)]
-    highs = [max(layout.ranges[i][1] for layout in layouts) for i in range(count)]
-    if lows[0] != 0 or highs[-1] != first.global_shape[first.dim] or lows[1:] != highs[:-1]:
-        return "custom", []
-    plan = list(planned) if isinstance(planned, Sequence) else [planned] * count
-    if len(plan) != count:
-        plan = [None] * count
-    parts = []
-    for i in range(count):
-        relative = [(layout.ranges[i][0] - lows[i], layout.ranges[i][1] - lows[i]) for layout in layouts]
-        found, units = _part_units(highs[i] - lows[i], relative, plan[i], tp)
-        if not found:
-            return "custom", []
-        parts.append([highs[i] - lows[i], units])
-    if any(parts_layout(first.global_shape, first.dim, parts, t, tp) != layouts[t] for t in range(tp)):
-        return "custom", []
-    return "parts", parts
 
 
 def _shards(layouts: list[ShardLayout | None], key: str, pp_rank: int, file_name: FileName) -> list[Shard]:
@@ -89,6 +30,11 @@ def _shards(layouts: list[ShardLayout | None], key: str, pp_rank: int, file_name
     return shards
 
 
+def _split_of(spec: Mapping) -> tuple[str, list]:
+    """('replicated', []) or ('parts', [[size, heads or None], ...]) as the tensor's ShardSpec says."""
+    return ("replicated", []) if spec["dim"] is None else ("parts", [list(p) for p in spec["parts"]])
+
+
 def _layout(spec: Mapping) -> ShardLayout | None:
     if spec["dim"] is None:
         return None
@@ -100,13 +46,12 @@ def entries_from_specs(
     specs: Mapping[tuple[int, int], Mapping[str, Mapping]],
     tp: int,
     file_name: FileName,
-    units: Mapping[str, int | Sequence] | None = None,
     owners: Mapping[str, TensorEntry] | None = None,
 ) -> dict[str, TensorEntry]:
     """Index entries from what every (pp rank, tp rank) holds: {(pp, tp): {name: LocalTensor.spec()}}.
 
-    `units` gives planned head counts; `owners`, for optimizer state split like a parameter, the
-    parameter's entry (whose split it shares). A tensor on several pp ranks is stored by the first.
+    `owners`, for optimizer state split like a parameter, gives the parameter's entry (whose split it
+    shares). A tensor on several pp ranks is stored by the first.
     """
     holders: dict[str, dict[int, dict[int, Mapping]]] = {}
     for (pp_rank, t), table in sorted(specs.items()):
@@ -120,12 +65,12 @@ def entries_from_specs(
             raise ValueError(f"{name} is held by tp ranks {sorted(per_rank)} of pp rank {pp_rank}, expected all {tp}")
         first = per_rank[0]
         for t, spec in per_rank.items():
-            for key in ("dtype", "global_shape", "dim", "kind"):
+            for key in ("dtype", "global_shape", "dim", "parts", "kind"):
                 if spec[key] != first[key]:
                     raise ValueError(f"{name}: {key} is {first[key]} on tp rank 0 but {spec[key]} on tp rank {t}")
         layouts = [_layout(per_rank[t]) for t in range(tp)]
         owner = (owners or {}).get(first["param"]) if first["like_param"] else None
-        split, parts = (owner.split, owner.parts) if owner else classify_split(layouts, (units or {}).get(name))
+        split, parts = (owner.split, owner.parts) if owner else _split_of(first)
         entries[name] = TensorEntry(
             dtype=first["dtype"],
             global_shape=list(first["global_shape"]),
@@ -148,7 +93,7 @@ def target_layout(name: str, entry: TensorEntry, tp_rank: int, tp: int) -> Shard
     if entry.split != "parts":
         raise CheckpointError(f"{name}: saved with a {entry.split!r} layout that resharding cannot re-split")
     try:
-        return parts_layout(entry.global_shape, entry.dim, entry.parts, tp_rank, tp)
+        return ShardSpec(tuple(entry.global_shape), entry.dim, tuple(map(tuple, entry.parts))).local(tp_rank, tp)
     except ValueError as err:
         raise CheckpointError(f"{name}: cannot be split over tp={tp}: {err}") from None
 
@@ -179,8 +124,8 @@ def _layer_index(name: str) -> int | None:
 
 
 def assign_pp_ranks(names: Iterable[str], pp: int) -> dict[str, int]:
-    """Pipeline rank of each tensor, one stage per rank: the decoder layers split as `pipeline.split.stage_layers`
-    splits them (even blocks, the first stages one larger), what comes before the layers on the first rank,
+    """Pipeline rank of each tensor, one stage per rank: the decoder layers split by `pipeline.split.stage_layers`
+    (as `parallelize` splits them), what comes before the layers on the first rank,
     what comes after (final norm, LM head) on the last."""
     names = list(names)
     if pp == 1:
@@ -191,10 +136,9 @@ def assign_pp_ranks(names: Iterable[str], pp: int) -> dict[str, int]:
     num_layers = max(layer_of.values()) + 1
     if num_layers < pp:
         raise CheckpointError(f"cannot split {num_layers} layers into {pp} pipeline stages")
-    base, extra = divmod(num_layers, pp)
-    stage_of_layer = []
-    for stage in range(pp):
-        stage_of_layer += [stage] * (base + (1 if stage < extra else 0))
+    stage_of_layer = [
+        stage for stage, layers in enumerate(stage_layers(num_layers, pp, "layers", "layers")) for _ in layers
+    ]
     seen_layers, ranks = False, {}
     for name in names:
         if name in layer_of:

@@ -18,8 +18,8 @@ from torch.distributed.pipelining import (
 )
 
 from ..mesh import ParallelMesh
-from ..sequence_parallel import SequenceParallelBegin
 from ..styles import PlanContext
+from ..styles.sequence_parallel import SequenceParallelBegin
 from ..tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
 from .split import SplitPoint, find_layer_list, stage_layers
 from .stage import DecoderStage, prune_to_stages

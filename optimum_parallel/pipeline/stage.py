@@ -14,7 +14,7 @@ from contextlib import contextmanager
 import torch
 from torch import nn
 
-from ..sequence_parallel import gather_sequence
+from ..styles.sequence_parallel import gather_sequence
 
 
 class _Placeholder(nn.Identity):

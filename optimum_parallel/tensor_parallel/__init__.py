@@ -1,6 +1,6 @@
 """Tensor-parallel building blocks on local tensors: region ops, parallel layers, vocab-parallel loss."""
 
-from .comm import (
+from ..comm.regions import (
     copy_to_tensor_parallel_region,
     gather_from_sequence_parallel_region,
     gather_from_tensor_parallel_region,
@@ -10,8 +10,8 @@ from .comm import (
     scatter_to_tensor_parallel_region,
 )
 from .layers import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
-from .layout import ShardLayout
 from .loss import VocabParallelLMLoss, vocab_parallel_cross_entropy
+from .spec import ShardLayout
 
 __all__ = [
     "ColumnParallelLinear",

@@ -12,9 +12,9 @@ import torch
 from torch import nn
 from torch.distributed import ProcessGroup
 
-from .fused import ReplicatedSegment, sum_segment_grads
+from ..comm.overlapped_entry import enter_region
 from .layers import _exit_region, _ShardedModule
-from .region_entry import enter_region
+from .packed import ReplicatedSegment, sum_segment_grads
 
 try:  # transformers is a dependency; keep the engine importable without it all the same
     from transformers.pytorch_utils import Conv1D

@@ -16,30 +16,26 @@ import torch
 from torch import nn
 from torch.distributed import ProcessGroup
 
-from .comm import copy_to_tensor_parallel_region, reduce_from_tensor_parallel_region
-from .fused import packed_layout
-from .layout import ShardLayout, local_parameter, split_units
-from .region_entry import enter_region
+from ..comm.overlapped_entry import enter_region
+from ..comm.regions import copy_to_tensor_parallel_region, reduce_from_tensor_parallel_region
+from .spec import ShardLayout, ShardSpec, local_parameter
 
 
-def expert_layouts(
-    module: nn.Module, packed: Sequence[str], row: Sequence[str], rank: int, world: int
-) -> dict[str, ShardLayout]:
-    """Layouts of the expert tensors: `packed` ones split gate|up each on its own, `row` ones on their input dim."""
+def expert_specs(module: nn.Module, packed: Sequence[str], row: Sequence[str]) -> dict[str, ShardSpec]:
+    """Specs of the expert tensors: `packed` ones split gate|up each on its own, `row` ones on their input dim."""
     transposed = bool(getattr(module, "is_transposed", False))
-    layouts = {}
+    specs = {}
     for name in packed:
         shape = tuple(getattr(module, name).shape)
         dim = len(shape) - 1 if transposed else len(shape) - 2
         if getattr(module, "is_concatenated", True):
-            layouts[name] = packed_layout(shape, dim, [shape[dim] // 2] * 2, [None, None], rank, world)[0]
+            specs[name] = ShardSpec.packed(shape, dim, [shape[dim] // 2] * 2, [None, None])
         else:  # interleaved gate0, up0, gate1, up1...: whole (gate, up) pairs
-            layouts[name] = split_units(shape, dim, rank, world, shape[dim] // 2)
+            specs[name] = ShardSpec.split(shape, dim, shape[dim] // 2)
     for name in row:
         shape = tuple(getattr(module, name).shape)
-        dim = len(shape) - 2 if transposed else len(shape) - 1
-        layouts[name] = split_units(shape, dim, rank, world)
-    return layouts
+        specs[name] = ShardSpec.split(shape, len(shape) - 2 if transposed else len(shape) - 1)
+    return specs
 
 
 def shard_experts(module: nn.Module, layouts: dict[str, ShardLayout], group: ProcessGroup) -> nn.Module:

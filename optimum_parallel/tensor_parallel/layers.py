@@ -12,7 +12,8 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed import ProcessGroup
 
-from .comm import (
+from ..comm.overlapped_entry import enter_region
+from ..comm.regions import (
     copy_to_tensor_parallel_region,
     gather_from_tensor_parallel_region,
     reduce_from_tensor_parallel_region,
@@ -20,13 +21,12 @@ from .comm import (
     scatter_to_tensor_parallel_region,
     shard_sizes,
 )
-from .layout import ShardLayout, local_parameter, replicated, split_units
-from .region_entry import enter_region
+from .spec import ShardLayout, ShardSpec, local_parameter
 
 
 def _exit_region(y: torch.Tensor, group: ProcessGroup, sequence_parallel: bool) -> torch.Tensor:
     if sequence_parallel:
-        return reduce_scatter_to_sequence_parallel_region(y, group, dim=1)
+        return reduce_scatter_to_sequence_parallel_region(y, group)
     return reduce_from_tensor_parallel_region(y, group)
 
 
@@ -74,15 +74,14 @@ class ColumnParallelLinear(_ShardedModule):
         replica_group: ProcessGroup | None = None,
     ) -> ColumnParallelLinear:
         rank, world = dist.get_rank(group), dist.get_world_size(group)
-        layout = split_units(tuple(linear.weight.shape), 0, rank, world, units)
+        layout = ShardSpec.split(linear.weight.shape, 0, units).local(rank, world)
         if layout.replicas > 1 and replica_group is None:
             raise ValueError("a replicated column shard needs the group of its replicas to sum gradients")
         weight = local_parameter(linear.weight, layout, linear.weight.requires_grad)
         bias = None
         if linear.bias is not None:
-            bias = local_parameter(
-                linear.bias, split_units(tuple(linear.bias.shape), 0, rank, world, units), linear.bias.requires_grad
-            )
+            bias_layout = ShardSpec.split(linear.bias.shape, 0, units).local(rank, world)
+            bias = local_parameter(linear.bias, bias_layout, linear.bias.requires_grad)
         return cls(
             weight, bias, group, gather_output, sequence_parallel, replica_group if layout.replicas > 1 else None
         )
@@ -140,13 +139,15 @@ class RowParallelLinear(_ShardedModule):
         sequence_parallel: bool = False,
     ) -> RowParallelLinear:
         rank, world = dist.get_rank(group), dist.get_world_size(group)
-        layout = split_units(tuple(linear.weight.shape), 1, rank, world, units)
+        layout = ShardSpec.split(linear.weight.shape, 1, units).local(rank, world)
         if layout.replicas > 1:
             raise ValueError(f"row-parallel input of {units} units cannot be split over {world} ranks")
         weight = local_parameter(linear.weight, layout, linear.weight.requires_grad)
         bias = None
         if linear.bias is not None:
-            bias = local_parameter(linear.bias, replicated(linear.bias.shape), linear.bias.requires_grad)
+            bias = local_parameter(
+                linear.bias, ShardSpec(linear.bias.shape).local(rank, world), linear.bias.requires_grad
+            )
         return cls(weight, bias, group, input_is_parallel, sequence_parallel)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -191,7 +192,7 @@ class VocabParallelEmbedding(_ShardedModule):
         if embedding.max_norm is not None or embedding.sparse:
             raise ValueError("VocabParallelEmbedding does not support max_norm or sparse embeddings")
         rank, world = dist.get_rank(group), dist.get_world_size(group)
-        layout = split_units(tuple(embedding.weight.shape), 0, rank, world)
+        layout = ShardSpec.split(embedding.weight.shape, 0).local(rank, world)
         weight = local_parameter(embedding.weight, layout, embedding.weight.requires_grad)
         layer = cls(weight, group, embedding.padding_idx, sequence_parallel)
         if hasattr(embedding, "embed_scale"):  # scaled word embeddings (Gemma and friends)

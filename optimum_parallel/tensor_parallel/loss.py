@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 from torch.distributed import ProcessGroup, ReduceOp
 
-from .comm import all_reduce
+from ..comm.regions import all_reduce
 
 
 class _VocabParallelCrossEntropy(torch.autograd.Function):

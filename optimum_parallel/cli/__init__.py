@@ -1,0 +1,5 @@
+"""`optimum-parallel ...`: the command line."""
+
+from .commands import main
+
+__all__ = ["main"]

@@ -1,0 +1,1 @@
+"""Communication: autograd-aware region ops, the overlapped tp entry, and the shared-memory transport."""

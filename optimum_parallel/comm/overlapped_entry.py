@@ -1,0 +1,195 @@
+"""Entering a column-parallel region: one collective per input, overlapped with the weight gradients.
+
+HF attention feeds the same `hidden_states` to q_proj, k_proj and v_proj (the MLP to gate_proj and up_proj).
+The entry op -- identity forward / all-reduce backward, or sequence all-gather / reduce-scatter under
+sequence parallelism -- is shared by every column layer that reads the same input tensor, so a block costs
+one collective each way, as a fused Megatron QKV would.
+
+Its backward collective is overlapped with compute (Megatron's asynchronous grad-input all-reduce): the
+column layers' backward computes only their input gradient and leaves (grad_output, input) behind; the
+entry's backward starts the collective on the summed input gradient, computes the weight gradients while it
+runs, then waits. The weights go through the entry op as aliases, so their gradients still arrive through
+autograd's AccumulateGrad and DDP, FSDP2 and gradient hooks see nothing unusual. The entry aliases the
+weights of the layer that makes it and of its siblings (`link_entry_siblings`: column-parallel children of the
+same module, the layers that may read the same input); a sibling that reads another input (cross-attention)
+leaves its alias unused and makes its own entry. The entry's make-up is fixed, so a forward recomputed under
+activation checkpointing saves exactly what the first one did.
+"""
+
+from __future__ import annotations
+
+import weakref
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.distributed import ProcessGroup
+
+from .regions import (
+    SEQ_DIM,
+    _all_gather,
+    copy_to_tensor_parallel_region,
+    gather_from_sequence_parallel_region,
+    start_all_reduce,
+    start_reduce_scatter,
+)
+
+
+class _PendingWeightGrads:
+    """(grad_output, input) pairs the column layers leave for the entry's backward, one list per weight."""
+
+    def __init__(self, num_weights: int) -> None:
+        self.pairs: list[list[tuple[torch.Tensor, torch.Tensor]]] = [[] for _ in range(num_weights)]
+
+    def add(self, index: int, grad_output: torch.Tensor, x: torch.Tensor) -> None:
+        self.pairs[index].append((grad_output, x))
+
+    def take(self) -> list[torch.Tensor | None]:
+        grads = [_weight_grad(pairs) if pairs else None for pairs in self.pairs]
+        self.pairs = [[] for _ in self.pairs]
+        return grads
+
+
+def _weight_grad(pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+    total = None
+    for grad_output, x in pairs:
+        grad = grad_output.reshape(-1, grad_output.shape[-1]).t() @ x.reshape(-1, x.shape[-1])
+        total = grad if total is None else total.add_(grad)
+    return total
+
+
+class _OverlappedEntry(torch.autograd.Function):
+    """Forward: enter the region (identity or sequence all-gather) and alias the weights.
+    Backward: start the collective, compute the pending weight gradients, wait."""
+
+    @staticmethod
+    def forward(ctx, x, group, sequence_parallel, pending, *weights):
+        ctx.group, ctx.sequence_parallel, ctx.pending = group, sequence_parallel, pending
+        ctx.set_materialize_grads(False)
+        entered = _all_gather(x, SEQ_DIM, group) if sequence_parallel else x.view_as(x)
+        return (entered, *(w.view_as(w) for w in weights))
+
+    @staticmethod
+    def backward(ctx, grad, *_alias_grads):
+        work, grad_input = None, None
+        if grad is not None and ctx.needs_input_grad[0]:
+            if ctx.sequence_parallel:
+                grad_input, work = start_reduce_scatter(grad, SEQ_DIM, ctx.group)
+            else:
+                grad_input, work = start_all_reduce(grad, ctx.group)
+        weight_grads = ctx.pending.take()  # runs while the collective is in flight
+        if work is not None:
+            work.wait()
+        return (grad_input, None, None, None, *weight_grads)
+
+
+class _LinearWithPendingWeightGrad(torch.autograd.Function):
+    """F.linear whose backward leaves the weight gradient to the entry op that aliased the weight."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, pending, index):
+        ctx.save_for_backward(x, weight)
+        ctx.pending, ctx.index = pending, index
+        return F.linear(x, weight, bias)
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, weight = ctx.saved_tensors
+        ctx.pending.add(ctx.index, grad, x)
+        grad_bias = grad.reshape(-1, grad.shape[-1]).sum(0) if ctx.needs_input_grad[2] else None
+        return grad @ weight, None, grad_bias, None, None
+
+
+@dataclass
+class _Entry:
+    source: weakref.ref
+    version: int
+    group: ProcessGroup
+    sequence_parallel: bool
+    entered: torch.Tensor
+    pending: _PendingWeightGrads | None = None
+    aliases: dict[int, tuple[torch.Tensor, torch.Tensor, int]] = field(default_factory=dict)  # id -> w, alias, i
+
+    def matches(self, x: torch.Tensor, group: ProcessGroup, sequence_parallel: bool) -> bool:
+        return (
+            self.source() is x
+            and x._version == self.version
+            and self.group is group
+            and self.sequence_parallel == sequence_parallel
+        )
+
+
+def _overlappable(layer) -> bool:
+    weight = getattr(layer, "weight", None)
+    return (
+        getattr(layer, "overlap_weight_grads", False)
+        and weight is not None
+        and weight.requires_grad
+        and getattr(layer, "replica_group", None) is None
+    )
+
+
+class RegionEntry:
+    """Enter the tp region once per input tensor (the last entry is held until the next one: a view of an
+    activation that is alive anyway, plus weight aliases)."""
+
+    def __init__(self) -> None:
+        self._last: _Entry | None = None
+
+    def __call__(self, x: torch.Tensor, group: ProcessGroup, sequence_parallel: bool) -> torch.Tensor:
+        """The entered input for a layer that computes its own output (no overlap)."""
+        entry = self._entry(x, group, sequence_parallel, layer=None)
+        return entry.entered
+
+    def linear(self, layer, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        """`F.linear(entered x, weight, bias)` for a column-parallel `layer`, overlapped where it can be."""
+        entry = self._entry(x, layer.group, layer.sequence_parallel, layer)
+        alias = entry.aliases.get(id(layer))
+        if alias is not None and alias[0] is weight:
+            return _LinearWithPendingWeightGrad.apply(entry.entered, alias[1], bias, entry.pending, alias[2])
+        return F.linear(entry.entered, weight, bias)
+
+    def _entry(self, x: torch.Tensor, group: ProcessGroup, sequence_parallel: bool, layer) -> _Entry:
+        last = self._last
+        if last is not None and last.matches(x, group, sequence_parallel):
+            return last
+        entry = self._new_entry(x, group, sequence_parallel, layer)
+        self._last = entry if entry.entered.requires_grad else None
+        return entry
+
+    def _new_entry(self, x: torch.Tensor, group: ProcessGroup, sequence_parallel: bool, layer) -> _Entry:
+        layers = []
+        if layer is not None and torch.is_grad_enabled() and not torch.is_autocast_enabled(x.device.type):
+            siblings = [ref() for ref in layer.__dict__.get("_entry_siblings", ())]
+            layers = [m for m in [layer, *siblings] if m is not None and _overlappable(m)]
+        if not layers:
+            if sequence_parallel:
+                entered = gather_from_sequence_parallel_region(x, group, dim=SEQ_DIM)
+            else:
+                entered = copy_to_tensor_parallel_region(x, group)
+            return _Entry(weakref.ref(x), x._version, group, sequence_parallel, entered)
+        weights = [m.weight for m in layers]
+        pending = _PendingWeightGrads(len(weights))
+        entered, *aliases = _OverlappedEntry.apply(x, group, sequence_parallel, pending, *weights)
+        return _Entry(
+            weakref.ref(x),
+            x._version,
+            group,
+            sequence_parallel,
+            entered,
+            pending,
+            {id(m): (w, a, i) for i, (m, w, a) in enumerate(zip(layers, weights, aliases, strict=True))},
+        )
+
+
+enter_region = RegionEntry()
+
+
+def link_entry_siblings(model: nn.Module, layer_type: type) -> None:
+    """Tell every `layer_type` (column-parallel) module of `model` its siblings: the modules of that type with
+    the same parent, whose weights its entry aliases (see the module docstring)."""
+    for parent in model.modules():
+        columns = [c for c in parent.children() if isinstance(c, layer_type)]
+        for column in columns:
+            column.__dict__["_entry_siblings"] = tuple(weakref.ref(c) for c in columns if c is not column)

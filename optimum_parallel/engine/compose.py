@@ -1,0 +1,114 @@
+"""The composition order, written once: TP/SP plan -> pipeline split -> materialise -> optimizer -> data parallel.
+
+Both front doors (`Parallelizer.parallelize`, `parallelize(model, optimizer, mesh, config)`) and the Trainer
+end here. `compose` runs every step; the Trainer runs the model half (`compose_model`) before transformers'
+Trainer exists and the training half (`compose_training`) once it has built its optimizer, in the same order.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from ..mesh import ParallelMesh
+from ..pipeline import apply_pipeline
+from ..pipeline.split import SplitPoint
+from ..plan import apply_plan
+from .data_parallel import DataParallelConfig, apply_data_parallel
+from .lazy_optimizer import build_lazy_optimizer, is_lazy_optimizer
+from .materialize import materialize_lazy_model
+from .optimizer import rebuild_optimizer
+
+ParamMap = dict[int, nn.Parameter | None]  # {id(original parameter): parallel parameter, or None on another stage}
+
+
+@dataclass(frozen=True)
+class PipelineRequest:
+    """How to split the model into pipeline stages (see `pipeline.apply_pipeline`)."""
+
+    split_spec: str | Mapping[str, SplitPoint]
+    num_microbatches: int
+    schedule: str = "1f1b"
+
+
+def compose_model(
+    model: nn.Module,
+    mesh: ParallelMesh,
+    plan: Mapping[str, object] | None,
+    *,
+    after_plan: Callable[[nn.Module, ParallelMesh], None] | None = None,
+    pipeline: PipelineRequest | None = None,
+    device: torch.device | str | None = None,
+    read_checkpoint: bool = True,
+) -> ParamMap:
+    """Make `model` tensor/sequence- and pipeline-parallel in place; return the parameter map for the optimizer."""
+    mapping: ParamMap = {id(p): p for p in model.parameters()}
+    # 1. TP/SP on the whole model first: every rank resolves and checks the same plan, tied weights stay tied.
+    if plan:
+        mapping.update(apply_plan(model, plan, mesh))
+    if after_plan is not None:  # family fix-ups of module attributes (local head counts, config views)
+        after_plan(model, mesh)
+    # 2. Pipeline split: the rank keeps its stages; the parameters of other stages map to None.
+    if pipeline is not None:
+        apply_pipeline(model, mesh, pipeline.split_spec, pipeline.num_microbatches, pipeline.schedule)
+        present = {id(p) for p in model.parameters()}
+        mapping = {k: (v if id(v) in present else None) for k, v in mapping.items()}
+    # 3. Materialise only now, so a lazily built model reads only this rank's slices of its own stages
+    #    (no-op for a model built normally; read_checkpoint=False when a sharded checkpoint will overwrite it).
+    materialize_lazy_model(model, device, read_checkpoint=read_checkpoint)
+    if device is not None:
+        model.to(device)
+    return mapping
+
+
+def compose_training(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer | None,
+    mesh: ParallelMesh,
+    mapping: Mapping[int, nn.Parameter | None],
+    data_parallel: DataParallelConfig | None,
+) -> tuple[nn.Module, torch.optim.Optimizer | None]:
+    """Rebuild `optimizer` over the parallel parameters, then make the model data-parallel."""
+    # 4. The optimizer over the parallel parameters (a lazy one is built here for the first time).
+    if optimizer is not None:
+        optimizer = optimizer_for_parallel_model(optimizer, mapping)
+    # 5. Data parallel last: FSDP2 shards the already tp-split parameters; DDP/ZeRO-1 see the final ones.
+    if data_parallel is not None:
+        model, optimizer = apply_data_parallel(model, optimizer, mesh, data_parallel)
+    return model, optimizer
+
+
+def compose(
+    model: nn.Module,
+    mesh: ParallelMesh,
+    plan: Mapping[str, object] | None = None,
+    *,
+    after_plan: Callable[[nn.Module, ParallelMesh], None] | None = None,
+    pipeline: PipelineRequest | None = None,
+    optimizer: torch.optim.Optimizer | None = None,
+    data_parallel: DataParallelConfig | None = None,
+    device: torch.device | str | None = None,
+    read_checkpoint: bool = True,
+) -> tuple[nn.Module, torch.optim.Optimizer | None, ParamMap]:
+    """Every step in order; returns (model, optimizer, parameter map)."""
+    mapping = compose_model(
+        model, mesh, plan, after_plan=after_plan, pipeline=pipeline, device=device, read_checkpoint=read_checkpoint
+    )
+    model, optimizer = compose_training(model, optimizer, mesh, mapping, data_parallel)
+    return model, optimizer, mapping
+
+
+def optimizer_for_parallel_model(
+    optimizer: torch.optim.Optimizer, mapping: Mapping[int, nn.Parameter | None]
+) -> torch.optim.Optimizer:
+    """A lazy optimizer built for the first time, or a regular one rebuilt, over the parameters `mapping` gives;
+    the same object when nothing changed (a data-parallel-only layout)."""
+    if is_lazy_optimizer(optimizer):
+        return build_lazy_optimizer(optimizer, mapping)
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    if all(mapping.get(id(p), p) is p for p in params):
+        return optimizer
+    return rebuild_optimizer(optimizer, mapping)

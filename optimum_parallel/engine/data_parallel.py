@@ -1,0 +1,96 @@
+"""Data parallelism on the mesh's dp dim, with Paddle's sharding levels, on torch's own machinery.
+
+level 0: parameters replicated, gradients all-reduced (composable DDP, `replicate`);
+level 1: + optimizer state sharded (ZeRO-1, `ZeroRedundancyOptimizer`);
+level 2: + gradients sharded (FSDP2 `fully_shard`, parameters kept gathered between forward and backward);
+level 3: + parameters sharded (FSDP2, resharded after forward).
+Tensor-parallel shards are plain local tensors, so every level composes with tp on a dp x tp mesh.
+"""
+
+from __future__ import annotations
+
+import inspect
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+from torch.distributed._composable import replicate
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.optim import ZeroRedundancyOptimizer
+
+from ..mesh import ParallelMesh
+from .optimizer import rebuild_optimizer
+
+SHARDING_LEVELS = (0, 1, 2, 3)
+
+
+@dataclass
+class DataParallelConfig:
+    """`dp_config`: sharding_level 0-3; reduce_dtype e.g. torch.float32 to reduce bf16 gradients in fp32 (FSDP)."""
+
+    sharding_level: int = 0
+    reduce_dtype: torch.dtype | None = None
+
+    def __post_init__(self) -> None:
+        if isinstance(self.sharding_level, bool) or self.sharding_level not in SHARDING_LEVELS:
+            raise ValueError(
+                f"dp_config['sharding_level'] = {self.sharding_level!r} is not allowed; allowed: 0, 1, 2, 3"
+            )
+        if self.reduce_dtype is not None and not isinstance(self.reduce_dtype, torch.dtype):
+            raise ValueError(f"dp_config['reduce_dtype'] = {self.reduce_dtype!r} is not a torch.dtype")
+
+
+def _blocks(model: nn.Module) -> list[nn.Module]:
+    """The repeated blocks (decoder layers) FSDP wraps one by one, so one block is gathered at a time."""
+    for module in model.modules():
+        if isinstance(module, nn.ModuleList) and len(module) > 1:
+            return list(module)
+    return []
+
+
+def apply_data_parallel(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer | None,
+    mesh: ParallelMesh,
+    config: DataParallelConfig,
+) -> tuple[nn.Module, torch.optim.Optimizer | None]:
+    """Make `model` (already tensor-parallel, or not) data-parallel over `mesh`'s dp dim; rebuild `optimizer`."""
+    if mesh.size("dp") == 1:
+        return model, optimizer
+    # Under pp the schedule calls the stage modules, not the model: the stages are the wrapped roots.
+    pipeline = getattr(model, "pipeline", None)
+    roots = list(pipeline.stages) if pipeline is not None else [model]
+    if config.sharding_level <= 1:
+        if pipeline is not None:  # one all-reduce of all gradients after the last micro-batch (DDP's reducer
+            pipeline.dp_group = mesh.group("dp")  # cannot follow a schedule's interleaved micro-batches)
+        else:
+            replicate(model, process_group=mesh.group("dp"))
+        if optimizer is not None and config.sharding_level == 1:
+            optimizer = _zero1(optimizer, mesh)
+        return model, optimizer
+
+    before = dict(model.named_parameters(remove_duplicate=False))
+    dp_mesh = mesh.device_mesh["dp"]
+    policy = MixedPrecisionPolicy(reduce_dtype=config.reduce_dtype)
+    reshard = config.sharding_level == 3
+    for root in roots:
+        for block in _blocks(root):
+            fully_shard(block, mesh=dp_mesh, reshard_after_forward=reshard, mp_policy=policy)
+        fully_shard(root, mesh=dp_mesh, reshard_after_forward=reshard, mp_policy=policy)
+    after = dict(model.named_parameters(remove_duplicate=False))
+    for name, param in before.items():  # FSDP2 makes new parameters: keep their tensor-parallel layouts
+        if hasattr(param, "shard_layout"):
+            after[name].shard_layout = param.shard_layout
+    if optimizer is not None:
+        optimizer = rebuild_optimizer(optimizer, {id(p): after[name] for name, p in before.items()})
+    return model, optimizer
+
+
+def _zero1(optimizer: torch.optim.Optimizer, mesh: ParallelMesh) -> ZeroRedundancyOptimizer:
+    """The same optimizer with its state sharded over dp (param groups and hyper-parameters kept)."""
+    if optimizer.state:
+        raise ValueError("sharding_level=1 needs a fresh optimizer: its state cannot be re-partitioned here")
+    groups = [dict(group) for group in optimizer.param_groups]
+    accepted = inspect.signature(type(optimizer)).parameters
+    defaults = {k: v for k, v in optimizer.defaults.items() if k in accepted and k != "params"}
+    return ZeroRedundancyOptimizer(groups, optimizer_class=type(optimizer), process_group=mesh.group("dp"), **defaults)

@@ -1,0 +1,31 @@
+"""Mixture-of-experts decoders (Mixtral, Qwen2-MoE): Llama-style attention, experts split over tp.
+
+Every expert's intermediate dim is split over tp (`TensorParallelExperts`): each rank computes its
+slice of every routed expert, one all-reduce per MoE block. The router (and Qwen2-MoE's
+`shared_expert_gate`) stays replicated outside the tp region, so routing is identical on every rank
+and its gradients need no extra reduction. Qwen2-MoE's shared expert is an ordinary column/row MLP.
+"""
+
+from __future__ import annotations
+
+from optimum_parallel import ColWiseParallel, RowWiseParallel, optional
+from optimum_parallel.styles import TensorParallelExperts
+
+from ._common import prefix
+from .llama import LlamaParallelizer
+
+
+class MoEParallelizer(LlamaParallelizer):
+    supports_sequence_parallel = False  # the experts region enters from the whole sequence
+    supports_pipeline_parallel = False  # not verified for this family yet
+
+    @classmethod
+    def plan(cls, model, mesh, parallelize_embeddings, sequence_parallel_enabled):
+        plan = super().plan(model, mesh, parallelize_embeddings, sequence_parallel_enabled)
+        mlp = prefix(model) + r"layers\.\d+\.mlp\."
+        for key in [k for k in plan if k.startswith(mlp)]:  # dense MLPs exist only in some layers here
+            plan[key] = optional(plan[key])
+        plan[mlp + "experts"] = TensorParallelExperts()
+        plan[mlp + r"shared_expert\.(gate|up)_proj"] = optional(ColWiseParallel())
+        plan[mlp + r"shared_expert\.down_proj"] = optional(RowWiseParallel())
+        return plan

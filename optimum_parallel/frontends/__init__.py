@@ -1,0 +1,1 @@
+"""The front doors: optimum-neuron's Parallelizer/ParallelizersManager and Paddle's `parallelize(...)`."""

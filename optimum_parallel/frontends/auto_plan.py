@@ -1,0 +1,214 @@
+"""Automatic plans: a Parallelizer built from transformers' `base_model_tp_plan` for model types that
+have no hand-written one.
+
+transformers 5 ships a tensor-parallel plan on many configs (`"layers.*.self_attn.q_proj": "colwise"`).
+Its style names are translated to this engine's styles: colwise/rowwise split in whole heads where
+the module sits in an attention block (its parent has `head_dim`), the gathered/split-input variants,
+packed gate|up experts with the experts module as one tp region, replicated-with-grad-all-reduce
+norms and the vocab-parallel embedding. A plan using any other style is not supported (the model
+type is then reported unsupported rather than parallelized wrongly).
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping
+from functools import cache
+
+from torch import nn
+
+from ..mesh import ParallelMesh
+from ..styles import (
+    ColWiseParallel,
+    PackedColWiseParallel,
+    ParallelStyle,
+    ReplicatedWithGradAllReduce,
+    RowWiseParallel,
+    TensorParallelExperts,
+    optional,
+)
+from ..tensor_parallel.spec import check_attention_heads
+from .parallelizer import Parallelizer
+
+MODULE_STYLES = {
+    "colwise",
+    "rowwise",
+    "colwise_gather_output",
+    "colwise_rep",
+    "rowwise_split_input",
+    "rowwise_rep",
+    "packed_colwise",
+    "replicated_with_grad_allreduce",
+    "embedding_rowwise",
+    "moe_tp_experts",
+    "replicate",
+}
+EXPERT_PARAM_STYLES = {"packed_colwise": "packed", "packed_rowwise": "packed", "rowwise": "row"}
+CAUSAL_LOSS_TYPES = ("ForCausalLM",)
+# Plans that translate but give a wrong model here (found by running each automatic type at tp=2
+# against transformers): the model type is reported unsupported instead.
+KNOWN_BAD_PLANS = {
+    "apertus": "its xIELU activation has learnable parameters inside the split MLP that the plan leaves unsummed",
+    "doge": "its per-head attention parameters (A, dt_proj) are not split with the heads by the plan",
+}
+
+
+def _config_class(model_type: str):
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+    try:
+        return CONFIG_MAPPING[model_type]
+    except (KeyError, ValueError, ImportError):
+        return None
+
+
+def tp_plan_of(model_type_or_config) -> dict[str, str] | None:
+    """The `base_model_tp_plan` of a model type (its config class) or of a config instance."""
+    if isinstance(model_type_or_config, str):
+        config = _config_class(model_type_or_config)
+    else:
+        config = getattr(model_type_or_config, "config", model_type_or_config)
+    plan = getattr(config, "base_model_tp_plan", None) if config is not None else None
+    return dict(plan) if plan else None
+
+
+def _experts_keys(tp_plan: Mapping[str, str]) -> set[str]:
+    return {key for key, style in tp_plan.items() if style == "moe_tp_experts"}
+
+
+def unsupported_entries(tp_plan: Mapping[str, str]) -> dict[str, str]:
+    """The plan entries this engine cannot translate ({} when the whole plan is supported)."""
+    experts = _experts_keys(tp_plan)
+    bad = {}
+    for key, style in tp_plan.items():
+        parent = key.rpartition(".")[0]
+        if parent in experts:
+            if style not in EXPERT_PARAM_STYLES:
+                bad[key] = style
+        elif style not in MODULE_STYLES:
+            bad[key] = style
+    return bad
+
+
+def _key_regex(prefix: str, key: str) -> str:
+    return prefix + r"\.".join(r"\d+" if part == "*" else re.escape(part) for part in key.split("."))
+
+
+def _heads_of(model: nn.Module, regex: str, dim: int) -> int | None:
+    """Whole heads of the first module `regex` names when it sits in an attention block (parent has head_dim)."""
+    modules = dict(model.named_modules())
+    for name, module in modules.items():
+        if isinstance(module, nn.Linear) and re.fullmatch(regex, name):
+            head_dim = getattr(modules.get(name.rpartition(".")[0]), "head_dim", None)
+            features = module.weight.shape[dim]
+            if isinstance(head_dim, int) and head_dim > 0 and features % head_dim == 0:
+                return features // head_dim
+            return None
+    return None
+
+
+def translate_tp_plan(model: nn.Module, tp_plan: Mapping[str, str], prefix: str) -> dict[str, object]:
+    """This engine's plan for `model` from a transformers tp plan whose keys are relative to `prefix`."""
+    bad = unsupported_entries(tp_plan)
+    if bad:
+        raise ValueError(f"base_model_tp_plan entries without a translation: {bad}")
+    experts = _experts_keys(tp_plan)
+    plan: dict[str, object] = {}
+    for key, style in tp_plan.items():
+        parent = key.rpartition(".")[0]
+        if parent in experts or style == "replicate":
+            continue
+        regex = _key_regex(prefix, key)
+        translated: ParallelStyle
+        if style == "colwise":
+            translated = ColWiseParallel(units=_heads_of(model, regex, 0))
+        elif style == "rowwise":
+            translated = RowWiseParallel(units=_heads_of(model, regex, 1))
+        elif style in ("colwise_gather_output", "colwise_rep"):
+            translated = ColWiseParallel(gather_output=True)
+        elif style in ("rowwise_split_input", "rowwise_rep"):
+            translated = RowWiseParallel(input_is_parallel=False)
+        elif style == "packed_colwise":
+            translated = PackedColWiseParallel(2)
+        elif style == "replicated_with_grad_allreduce":
+            translated = ReplicatedWithGradAllReduce()
+        elif style == "embedding_rowwise":
+            translated = RowWiseParallel()
+        else:  # moe_tp_experts: the expert tensors named under this key, packed gate|up or row
+            params = {
+                k.rpartition(".")[2]: EXPERT_PARAM_STYLES[s] for k, s in tp_plan.items() if k.startswith(key + ".")
+            }
+            translated = TensorParallelExperts(
+                packed=[p for p, kind in params.items() if kind == "packed"],
+                row=[p for p, kind in params.items() if kind == "row"],
+            )
+        plan[regex] = optional(translated)  # layer-type variants: not every key exists in every model
+    return plan
+
+
+def _check_heads(config, tp: int) -> None:
+    heads = getattr(config, "num_attention_heads", None)
+    kv_heads = getattr(config, "num_key_value_heads", None)
+    if isinstance(heads, int):
+        kv = ("num_key_value_heads", kv_heads) if isinstance(kv_heads, int) else None
+        check_attention_heads(tp, ("num_attention_heads", heads), kv)
+
+
+class AutoPlanParallelizer(Parallelizer):
+    """A Parallelizer whose plan is translated from the model's `base_model_tp_plan` (see `auto_parallelizer`)."""
+
+    model_type: str = ""
+    supports_sequence_parallel = False
+
+    @classmethod
+    def check(cls, model: nn.Module, mesh: ParallelMesh) -> None:
+        _check_heads(model.config, mesh.tp_size)
+        plan = tp_plan_of(model)
+        if not plan:
+            raise ValueError(f"{type(model).__name__}'s config carries no base_model_tp_plan to build a plan from")
+        bad = unsupported_entries(plan)
+        if bad:
+            raise ValueError(f"{type(model).__name__}: base_model_tp_plan entries without a translation: {bad}")
+
+    @classmethod
+    def plan(cls, model, mesh, parallelize_embeddings, sequence_parallel_enabled):
+        if sequence_parallel_enabled:
+            raise NotImplementedError("automatic plans do not support sequence parallelism yet")
+        prefix = cls.base_model_prefix(model)
+        plan = translate_tp_plan(model, tp_plan_of(model), prefix.replace(".", r"\."))
+        base = model.get_submodule(prefix[:-1]) if prefix else model
+        if parallelize_embeddings:
+            if isinstance(getattr(base, "embed_tokens", None), nn.Embedding):
+                plan.setdefault(re.escape(prefix) + "embed_tokens", RowWiseParallel())
+            if isinstance(getattr(model, "lm_head", None), nn.Linear):
+                causal = getattr(model, "loss_type", None) in CAUSAL_LOSS_TYPES
+                plan["lm_head"] = ColWiseParallel(gather_output=not causal)
+        return plan
+
+
+@cache
+def _auto_parallelizer_class(model_type: str) -> type[Parallelizer]:
+    return type(f"AutoPlanParallelizer[{model_type}]", (AutoPlanParallelizer,), {"model_type": model_type})
+
+
+def auto_parallelizer(model_type_or_config) -> type[Parallelizer] | None:
+    """A Parallelizer built from the `base_model_tp_plan` of a model type / config / model, or None
+    when there is no plan or it uses styles this engine cannot translate."""
+    plan = tp_plan_of(model_type_or_config)
+    if not plan or unsupported_entries(plan):
+        return None
+    if isinstance(model_type_or_config, str):
+        model_type = model_type_or_config
+    else:
+        model_type = getattr(getattr(model_type_or_config, "config", model_type_or_config), "model_type", "")
+    if model_type in KNOWN_BAD_PLANS:
+        return None
+    return _auto_parallelizer_class(model_type)
+
+
+@cache
+def auto_plan_model_types() -> tuple[str, ...]:
+    """Every transformers model type whose `base_model_tp_plan` translates (imports each config class once)."""
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+    return tuple(sorted(mt for mt in CONFIG_MAPPING.keys() if auto_parallelizer(mt) is not None))

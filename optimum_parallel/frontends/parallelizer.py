@@ -1,0 +1,145 @@
+"""Parallelizer: the per-model-family front door (optimum-neuron's API) over `apply_plan`."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from ..checkpoint import load_model_checkpoint, save_model_checkpoint
+from ..engine.compose import PipelineRequest, compose_model, optimizer_for_parallel_model
+from ..mesh import ParallelMesh, get_mesh
+
+
+class Parallelizer:
+    """Base class of the model-family parallelizers.
+
+    A family supplies `plan()` (regex -> style) and, where it needs them, `check()` (raise before
+    any weight moves) and `after_plan()` (fix module attributes such as local head counts).
+    """
+
+    supports_sequence_parallel = False  # the family's plan honours sequence_parallel_enabled
+    supports_pipeline_parallel = False
+
+    @classmethod
+    def plan(
+        cls, model: nn.Module, mesh: ParallelMesh, parallelize_embeddings: bool, sequence_parallel_enabled: bool
+    ) -> dict:
+        raise NotImplementedError(f"{cls.__name__} must define plan()")
+
+    @classmethod
+    def check(cls, model: nn.Module, mesh: ParallelMesh) -> None:
+        """Raise ValueError if `model` cannot be split over `mesh` (called before anything changes)."""
+
+    @classmethod
+    def after_plan(cls, model: nn.Module, mesh: ParallelMesh) -> None:
+        """Adjust module attributes once the plan is applied."""
+
+    @staticmethod
+    def base_model_prefix(model: nn.Module) -> str:
+        """'model.' for `LlamaForCausalLM`-style wrappers, '' for the bare base model."""
+        prefix = getattr(model, "base_model_prefix", "")
+        return f"{prefix}." if prefix and isinstance(getattr(model, prefix, None), nn.Module) else ""
+
+    @classmethod
+    def pipeline_split_spec(cls, model: nn.Module) -> str:
+        """The layer list the pipeline splits evenly: the decoder layers of the base model."""
+        return cls.base_model_prefix(model) + "layers"
+
+    @classmethod
+    def _check_pipeline(cls, input_names: list[str] | None) -> None:
+        if not cls.supports_pipeline_parallel:
+            raise NotImplementedError(f"{cls.__name__} does not support pipeline parallelism (pp > 1)")
+        allowed = ("input_ids", "attention_mask", "labels")
+        unknown = [name for name in input_names or () if name not in allowed]
+        if unknown:
+            raise ValueError(f"pipeline_parallel_input_names {unknown} not supported; allowed: {', '.join(allowed)}")
+
+    @classmethod
+    def parallelize(
+        cls,
+        model: nn.Module,
+        device: torch.device | None = None,
+        parallelize_embeddings: bool = True,
+        sequence_parallel_enabled: bool = False,
+        pipeline_parallel_input_names: list[str] | None = None,
+        pipeline_parallel_num_microbatches: int = 1,
+        pipeline_parallel_use_zero1_optimizer: bool = False,
+        checkpoint_dir: str | Path | None = None,
+        pipeline_parallel_schedule: str = "1f1b",
+    ) -> nn.Module:
+        """Parallelize `model` over the current mesh (see `init_mesh`) and return it.
+
+        Under pp > 1 the rank keeps only its pipeline stages; train with `model.run_train(**batch)`.
+        `pipeline_parallel_use_zero1_optimizer` is accepted for optimum-neuron compatibility: here the
+        data-parallel wrappers own gradient averaging whatever the optimizer. The mapping
+        {id(original parameter): parallel parameter, or None if it lives on another stage} is left on
+        `model.orig_param_to_parallel_param` for `optimizer_for_mp`.
+        """
+        mesh = get_mesh()
+        if sequence_parallel_enabled and not cls.supports_sequence_parallel:
+            raise NotImplementedError(f"{cls.__name__} does not support sequence parallelism")
+        pipelined = mesh.size("pp") > 1
+        if pipelined:
+            cls._check_pipeline(pipeline_parallel_input_names)
+        elif pipeline_parallel_num_microbatches != 1:
+            raise ValueError(
+                f"pipeline_parallel_num_microbatches={pipeline_parallel_num_microbatches} needs a mesh with pp > 1"
+            )
+        cls.check(model, mesh)
+        plan = cls.plan(model, mesh, parallelize_embeddings, sequence_parallel_enabled)
+        pipeline = None
+        if pipelined:
+            split = cls.pipeline_split_spec(model)
+            pipeline = PipelineRequest(split, pipeline_parallel_num_microbatches, pipeline_parallel_schedule)
+        # a sharded checkpoint about to be loaded replaces the HF weights: allocate instead of reading them
+        model.orig_param_to_parallel_param = compose_model(
+            model,
+            mesh,
+            plan,
+            after_plan=cls.after_plan,
+            pipeline=pipeline,
+            device=device,
+            read_checkpoint=checkpoint_dir is None,
+        )
+        if checkpoint_dir is not None:
+            cls.load_model_checkpoint(model, checkpoint_dir)
+        return model
+
+    @classmethod
+    def optimizer_for_mp(
+        cls, optimizer: torch.optim.Optimizer, orig_param_to_parallel_param: Mapping[int, nn.Parameter]
+    ) -> torch.optim.Optimizer:
+        """The same optimizer (class, param groups, hyper-parameters) over the parallel parameters.
+
+        A lazy optimizer (`make_optimizer_constructor_lazy`) is built for the first time here, exactly
+        as it was asked for. State already held for an original parameter is cut to the parameter's shard.
+        """
+        return optimizer_for_parallel_model(optimizer, orig_param_to_parallel_param)
+
+    @classmethod
+    def save_model_checkpoint(
+        cls,
+        model: nn.Module,
+        output_dir: str | Path,
+        as_regular: bool = False,
+        as_sharded: bool = True,
+        optimizer: torch.optim.Optimizer | None = None,
+    ) -> Path:
+        """Save a sharded checkpoint (per-rank safetensors + layout metadata) and/or a regular HF one.
+
+        Call it on every rank. Every split parameter carries its shard spec, so the files reshard to any layout.
+        """
+        return save_model_checkpoint(
+            model, output_dir, as_regular=as_regular, as_sharded=as_sharded, optimizer=optimizer
+        )
+
+    @classmethod
+    def load_model_checkpoint(
+        cls, model: nn.Module, load_dir: str | Path, optimizer: torch.optim.Optimizer | None = None
+    ) -> None:
+        """Load this rank's shards of a sharded checkpoint into a parallelized `model`, and the optimizer state into
+        `optimizer` when given (build it with `optimizer_for_mp` first); call on every rank."""
+        load_model_checkpoint(model, load_dir, optimizer=optimizer)

@@ -1,0 +1,1 @@
+"""Integrations with other libraries; every contact with their private internals lives here."""

@@ -1,0 +1,378 @@
+"""ParallelTrainer: `transformers.Trainer` with tensor, sequence, pipeline and data parallelism.
+
+The model is parallelized in `__init__` (the model half of `engine.compose`) before any optimizer exists, so the
+Trainer's own optimizer (or one passed in, rebuilt) holds the parallel parameters; the training half (data
+parallel) runs once transformers' Trainer has built it. Every override below says why it exists;
+everything else (logging, callbacks, evaluation loop, checkpoint rotation, resuming) is the Trainer's own.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from accelerate.data_loader import prepare_data_loader
+from accelerate.optimizer import AcceleratedOptimizer
+from accelerate.utils import recursively_apply
+from torch import nn
+from torch.distributed.tensor import DTensor
+from transformers import AutoModelForCausalLM, PreTrainedModel, Trainer
+
+from ...checkpoint import read_index, reshard_checkpoint
+from ...checkpoint.ranks import current_rank
+from ...engine.compose import compose_training, optimizer_for_parallel_model
+from ...engine.data_parallel import DataParallelConfig
+from ...frontends.manager import ParallelizersManager
+from ...mesh import ParallelMesh, get_mesh, init_mesh
+from ...tensor_parallel.layers import ColumnParallelLinear
+from .internals import InternalsChanged, check_overrides, private_override, transformers_internal
+from .lazy_loading import lazy_load_for_parallelism
+from .training_args import ParallelTrainingArguments
+
+SCHEDULER_NAME = transformers_internal("trainer.SCHEDULER_NAME")
+TRAINING_ARGS_NAME = transformers_internal("trainer.TRAINING_ARGS_NAME")
+PIPELINE_COLUMNS = ["input_ids", "attention_mask", "labels", "label", "label_ids"]
+
+
+def _mesh_for(args: ParallelTrainingArguments) -> ParallelMesh:
+    """The current mesh if it has the asked sizes, else a new dp x pp x tp one (dp = world / (tp * pp))."""
+    tp, pp = args.tensor_parallel_size, args.pipeline_parallel_size
+    world = dist.get_world_size() if dist.is_initialized() else int(os.environ.get("WORLD_SIZE", "1"))
+    if world % (tp * pp):
+        raise ValueError(
+            f"tensor_parallel_size={tp} x pipeline_parallel_size={pp} does not divide the world size {world}; "
+            "allowed: sizes whose product divides the number of processes"
+        )
+    sizes = {"dp": world // (tp * pp), "pp": pp, "tp": tp}
+    with contextlib.suppress(RuntimeError):
+        if get_mesh().sizes == sizes:
+            return get_mesh()
+    return init_mesh(**sizes, timeout=args.ddp_timeout)
+
+
+def _norm_owners(model: nn.Module, mesh: ParallelMesh) -> dict[str, bool]:
+    """{parameter name: whether this rank adds its gradient to the global norm}: every distinct piece once.
+
+    A tp-split shard is counted by the first of its `replicas` holders, a tp-replicated parameter by tp rank 0,
+    and a tied embedding that two pipeline stages hold by the first stage only.
+    """
+    tp_rank = mesh.rank("tp")
+    pipeline = getattr(model, "pipeline", None)
+    shared = pipeline is not None and pipeline.tied_group is not None and not pipeline.holds_first
+    tied_copy = pipeline.tied if shared else None
+    owners = {}
+    for name, param in model.named_parameters():
+        layout = getattr(param, "shard_layout", None)
+        split = layout is not None and layout.dim is not None
+        owners[name] = (tp_rank % layout.replicas == 0 if split else tp_rank == 0) and param is not tied_copy
+    return owners
+
+
+def _register_data_loader(accelerator, data_loader) -> None:
+    """accelerate keeps the loaders it prepared in a private list (for their state and end-of-epoch handling)."""
+    loaders = getattr(accelerator, "_dataloaders", None)
+    if not isinstance(loaders, list):
+        raise InternalsChanged(
+            f"accelerate's Accelerator has no `_dataloaders` list any more (found {type(loaders).__name__}); "
+            "ParallelTrainer registers its dp-sharded data loaders there. Install an accelerate version this "
+            "release supports."
+        )
+    loaders.append(data_loader)
+
+
+def _inner(optimizer: torch.optim.Optimizer | None) -> torch.optim.Optimizer | None:
+    return optimizer.optimizer if isinstance(optimizer, AcceleratedOptimizer) else optimizer
+
+
+class ParallelTrainer(Trainer):
+    """A `Trainer` over a dp x pp x tp mesh set by `ParallelTrainingArguments`; launch it with `torchrun`.
+
+    `model` is a transformers model or a checkpoint path (loaded under `lazy_load_for_parallelism` with
+    `model_class.from_pretrained(path, **model_kwargs)`, so no rank ever holds the whole model). Other arguments
+    are the Trainer's, passed by keyword; `model_init` is not supported.
+    """
+
+    def __init__(
+        self,
+        model: PreTrainedModel | str | os.PathLike,
+        args: ParallelTrainingArguments,
+        *,
+        model_class: type = AutoModelForCausalLM,
+        model_kwargs: dict[str, Any] | None = None,
+        optimizers: tuple[torch.optim.Optimizer | None, Any] = (None, None),
+        **kwargs: Any,
+    ) -> None:
+        if not isinstance(args, ParallelTrainingArguments):
+            raise TypeError(f"ParallelTrainer needs ParallelTrainingArguments, got {type(args).__name__}")
+        if kwargs.get("model_init") is not None:
+            raise ValueError("model_init is not supported by ParallelTrainer; pass the model or its path")
+        self.mesh = _mesh_for(args)
+        if isinstance(model, (str, os.PathLike)):
+            with lazy_load_for_parallelism(args.tensor_parallel_size, args.pipeline_parallel_size):
+                model = model_class.from_pretrained(model, **(model_kwargs or {}))
+        self.parallelizer = ParallelizersManager.parallelizer_for_model(model)
+        model = self.parallelizer.parallelize(
+            model,
+            device=args.device,
+            sequence_parallel_enabled=args.sequence_parallel,
+            pipeline_parallel_num_microbatches=args.pipeline_parallel_num_microbatches,
+            pipeline_parallel_schedule=args.pipeline_schedule,
+        )
+        optimizer, scheduler = optimizers
+        if optimizer is not None:  # step 4 of compose, early: transformers' Trainer takes it as the one it steps
+            optimizer = optimizer_for_parallel_model(optimizer, model.orig_param_to_parallel_param)
+        self._norm_owners = _norm_owners(model, self.mesh)
+        self._pipeline = getattr(model, "pipeline", None)
+        self._resume_dir: tuple[str, Path] | None = None
+        super().__init__(model=model, args=args, optimizers=(optimizer, scheduler), **kwargs)
+        # The model owns its placement and gradient reduction: accelerate must neither DDP-wrap nor move it.
+        self.is_distributed_loading_by_transformers = True
+        self.accelerator.prepare_data_loader = self._prepare_data_loader
+        if self.optimizer is None:
+            self.create_optimizer()
+        config = DataParallelConfig(sharding_level=args.sharding_level)
+        self.model, self.optimizer = compose_training(
+            self.model, self.optimizer, self.mesh, model.orig_param_to_parallel_param, config
+        )
+        self.model_wrapped = self.model
+        if self.lr_scheduler is not None:
+            self.lr_scheduler.optimizer = self.optimizer  # it was built over the optimizer before parallelism
+
+    # ------------------------------------------------------------------ accelerate: no wrapping, batches per dp rank
+
+    @private_override
+    def _build_accelerator_args(self, **kwargs) -> dict[str, Any]:
+        """No device placement by accelerate: parallelize placed the model, and moving a ZeRO optimizer's state
+        (a state_dict round trip) is not possible; batches are moved by `_prepare_inputs`."""
+        return {**super()._build_accelerator_args(**kwargs), "device_placement": False}
+
+    def _prepare_data_loader(self, data_loader, device_placement=None, slice_fn_for_dispatch=None):
+        """accelerate shards batches over the world; here over dp only, so the tp and pp ranks of one replica
+        get identical batches (same seedable sampler, same order as one process with the global batch)."""
+        acc = self.accelerator
+        if getattr(data_loader, "_is_accelerate_prepared", False):
+            return data_loader
+        prepared = prepare_data_loader(
+            data_loader,
+            acc.device,
+            num_processes=self.mesh.size("dp"),
+            process_index=self.mesh.rank("dp"),
+            split_batches=acc.split_batches,
+            put_on_device=False,
+            rng_types=acc.rng_types.copy(),
+            dispatch_batches=False,
+            even_batches=acc.even_batches,
+            slice_fn_for_dispatch=slice_fn_for_dispatch,
+            use_seedable_sampler=acc.use_seedable_sampler,
+            data_seed=acc.dataloader_config.data_seed,
+            non_blocking=acc.non_blocking,
+            use_stateful_dataloader=acc.use_stateful_dataloader,
+        )
+        _register_data_loader(acc, prepared)
+        return prepared
+
+    def get_tp_size(self) -> int:
+        """Ranks that share one batch (tp x pp): the Trainer divides world-wide token counts and batch sizes by it."""
+        return self.mesh.size("tp") * self.mesh.size("pp")
+
+    @private_override
+    def _sync_replicated_trainable_parameters(self, model: nn.Module) -> None:
+        """The Trainer's fix-up for DTensor models would average tp shards over the world: ours need none."""
+
+    @private_override
+    @contextlib.contextmanager
+    def _defer_fsdp_gradient_reduction(self):
+        """FSDP2 (sharding_level 2-3) with gradient accumulation: reduce-scatter after the last micro-batch only."""
+        self.model.set_requires_gradient_sync(False)
+        try:
+            yield
+        finally:
+            self.model.set_requires_gradient_sync(True)
+
+    @private_override
+    def _set_signature_columns_if_needed(self) -> None:
+        """Under pp `model.forward` is blocked (the pipeline runs it): keep the columns `run_train` takes."""
+        if self._signature_columns is None and self._pipeline is not None:
+            self._signature_columns = list(PIPELINE_COLUMNS)
+        super()._set_signature_columns_if_needed()
+
+    @private_override
+    def _track_num_input_tokens(self, inputs) -> None:
+        """The Trainer sums tokens over the world; tp and pp ranks of a replica saw the same ones."""
+        before = self.state.num_input_tokens_seen
+        super()._track_num_input_tokens(inputs)
+        self.state.num_input_tokens_seen = before + (self.state.num_input_tokens_seen - before) // self.get_tp_size()
+
+    # ------------------------------------------------------------------ training step and the global gradient norm
+
+    def training_step(self, model: nn.Module, inputs: dict[str, Any], num_items_in_batch=None) -> torch.Tensor:
+        """Under pp the pipeline runs forward and backward over its micro-batches and returns the mean loss."""
+        if self._pipeline is None:
+            return super().training_step(model, inputs, num_items_in_batch)
+        model.train()
+        with self.accelerator.autocast():  # accelerate's mixed precision wraps model.forward, which pp bypasses
+            return model.run_train(**self._prepare_inputs(inputs)).detach()
+
+    def _global_grad_norm(self, model: nn.Module) -> torch.Tensor:
+        """The 2-norm of the whole model's gradient: squares of each rank's own pieces (tp shards once, pp stages,
+        FSDP shards per dp rank; replicated gradients on dp rank 0 only), summed over the world."""
+        first_replica = self.mesh.rank("dp") == 0
+        squares = []
+        for name, param in model.named_parameters():
+            if name not in self._norm_owners:
+                raise KeyError(f"parameter {name} appeared after parallelization; cannot place it in the global norm")
+            if param.grad is None or not self._norm_owners[name]:
+                continue
+            if isinstance(param.grad, DTensor):
+                squares.append(param.grad.to_local().float().square().sum())
+            elif first_replica:
+                squares.append(param.grad.float().square().sum())
+        total = torch.stack(squares).sum() if squares else torch.zeros((), device=self.args.device)
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            dist.all_reduce(total)
+        return total.sqrt()
+
+    @private_override
+    def _clip_grad_norm(self, model: nn.Module) -> torch.Tensor:
+        """Clip with the global norm (torch's rule: scale by min(1, max_norm / (norm + 1e-6))); returns the norm."""
+        norm = self._global_grad_norm(model)
+        coef = torch.clamp(self.args.max_grad_norm / (norm + 1e-6), max=1.0)
+        for param in model.parameters():
+            if param.grad is not None:
+                (param.grad.to_local() if isinstance(param.grad, DTensor) else param.grad).mul_(coef)
+        return norm
+
+    @private_override
+    def _get_grad_norm(self, model: nn.Module, grad_norm=None):
+        """The logged norm is the global one too (computed when clipping is off)."""
+        return grad_norm if grad_norm is not None else self._global_grad_norm(model)
+
+    # ------------------------------------------------------------------ evaluation
+
+    def prediction_step(self, model: nn.Module, inputs: dict[str, Any], prediction_loss_only: bool, ignore_keys=None):
+        """Under pp the pipeline runs the forward (loss on every rank, logits sent from the last stage); a
+        vocab-parallel head's logits are gathered, so metrics see the whole vocabulary."""
+        if self._pipeline is None:
+            loss, logits, labels = super().prediction_step(model, inputs, prediction_loss_only, ignore_keys)
+            head = model.get_output_embeddings()
+            if torch.is_tensor(logits) and isinstance(head, ColumnParallelLinear) and not head.gather_output:
+                logits = head.gather(logits)
+            return loss, logits, labels
+        inputs = self._prepare_inputs(inputs)
+        model.eval()
+        with self.accelerator.autocast():
+            out = model.run_eval(**inputs)
+        if prediction_loss_only:
+            return out.loss, None, None
+        return out.loss, self._logits_from_last_stage(out.logits, inputs["input_ids"]), inputs.get("labels")
+
+    def _logits_from_last_stage(self, logits: torch.Tensor | None, input_ids: torch.Tensor) -> torch.Tensor:
+        pipeline = self._pipeline
+        if logits is not None and isinstance(self.model.lm_head, ColumnParallelLinear):
+            logits = self.model.lm_head.gather(logits)
+        if logits is None:
+            shape = (*input_ids.shape, self.model.config.vocab_size)
+            logits = torch.empty(shape, dtype=self.model.dtype, device=input_ids.device)
+        logits = logits.contiguous()
+        dist.broadcast(logits, src=pipeline.last_rank, group=pipeline.pp_group)
+        return logits
+
+    def evaluation_loop(self, *args, **kwargs):
+        """Gather predictions over the dp replicas only (the Trainer resets `gather_function` after each loop)."""
+        self.gather_function = self._gather_over_dp
+        return super().evaluation_loop(*args, **kwargs)
+
+    def _gather_over_dp(self, data, use_gather_object: bool = False):
+        """`gather_for_metrics` over dp: tp/pp ranks hold copies; the even_batches padding of the last batch goes."""
+        dp = self.mesh.size("dp")
+        if dp > 1:
+
+            def gather(tensor: torch.Tensor) -> torch.Tensor:
+                parts = [torch.empty_like(tensor) for _ in range(dp)]
+                dist.all_gather(parts, tensor.contiguous(), group=self.mesh.group("dp"))
+                return torch.cat(parts)
+
+            data = recursively_apply(gather, data)
+        state = self.accelerator.gradient_state
+        if state.end_of_dataloader and state.remainder > 0:
+            data = recursively_apply(lambda t: t[: state.remainder], data)
+        return data
+
+    # ------------------------------------------------------------------ checkpoints
+
+    def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
+        """Checkpoints (`_internal_call`) are sharded: each rank's shards, and the optimizer state unless
+        `save_only_model`. A user's `save_model()` writes a consolidated checkpoint `from_pretrained` loads."""
+        output_dir = Path(output_dir or self.args.output_dir)
+        if _internal_call:
+            optimizer = None if self.args.save_only_model else _inner(self.optimizer)
+            self.parallelizer.save_model_checkpoint(self.model, output_dir, optimizer=optimizer)
+            return
+        staging = output_dir / ".consolidating"  # publishing replaces a directory: do not replace output_dir
+        self.parallelizer.save_model_checkpoint(self.model, staging, as_regular=True, as_sharded=False)
+        if self.args.should_save:
+            for file in staging.iterdir():
+                os.replace(file, output_dir / file.name)
+            staging.rmdir()
+            if self.processing_class is not None:
+                self.processing_class.save_pretrained(output_dir)
+            torch.save(self.args, output_dir / TRAINING_ARGS_NAME)
+        dist.barrier()
+
+    @private_override
+    def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
+        """The optimizer state went into the sharded checkpoint with the model; only the scheduler is left."""
+        if self.args.should_save:
+            torch.save(self.lr_scheduler.state_dict(), os.path.join(output_dir, SCHEDULER_NAME))
+
+    def _sharded_dir(self, checkpoint: str) -> Path:
+        """`checkpoint`, or a copy resharded to the running tp/pp sizes (next to the outputs, removed after use)."""
+        if self._resume_dir is not None and self._resume_dir[0] == checkpoint:
+            return self._resume_dir[1]
+        saved = read_index(checkpoint).mesh
+        tp, pp = self.mesh.size("tp"), self.mesh.size("pp")
+        path = Path(checkpoint)
+        if (saved.get("tp", 1), saved.get("pp", 1)) != (tp, pp):
+            path = Path(self.args.output_dir) / f".{Path(checkpoint).name}-resharded-tp{tp}-pp{pp}"
+            current_rank().run(
+                lambda: reshard_checkpoint(checkpoint, path, tp=tp, pp=pp, progress=False),
+                f"resharding {checkpoint} to tp={tp}, pp={pp}",
+                only_main=True,
+            )
+        self._resume_dir = (checkpoint, path)
+        return path
+
+    @private_override
+    def _load_from_checkpoint(self, resume_from_checkpoint: str, model: nn.Module | None = None) -> None:
+        """Each rank reads its shards (resharded first if the checkpoint was saved at another tp/pp layout)."""
+        self.parallelizer.load_model_checkpoint(model or self.model, self._sharded_dir(resume_from_checkpoint))
+
+    @private_override
+    def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
+        """The optimizer state comes from the sharded checkpoint (its loader reads the model's shards with it)."""
+        if checkpoint is None:
+            return
+        path = self._sharded_dir(checkpoint)
+        if read_index(path).optimizer is not None:
+            self.parallelizer.load_model_checkpoint(self.model, path, optimizer=_inner(self.optimizer))
+        scheduler = os.path.join(checkpoint, SCHEDULER_NAME)
+        if os.path.isfile(scheduler):
+            self.lr_scheduler.load_state_dict(torch.load(scheduler, weights_only=True))
+        if path != Path(checkpoint):
+            dist.barrier()
+            if self.args.should_save:
+                shutil.rmtree(path, ignore_errors=True)
+        self._resume_dir = None
+
+    @private_override
+    def _load_best_model(self) -> None:
+        """The best checkpoint is a sharded one too."""
+        self.parallelizer.load_model_checkpoint(self.model, self._sharded_dir(self.state.best_model_checkpoint))
+
+
+check_overrides(ParallelTrainer, Trainer)  # at import: a renamed Trainer method fails here, loudly

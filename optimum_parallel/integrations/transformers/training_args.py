@@ -1,0 +1,67 @@
+"""ParallelTrainingArguments: `transformers.TrainingArguments` plus the mesh and parallelism settings."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from transformers import TrainingArguments
+
+from ...engine.data_parallel import SHARDING_LEVELS
+from ...mesh import check_positive_int
+from ...pipeline import SCHEDULES
+
+
+@dataclass
+class ParallelTrainingArguments(TrainingArguments):
+    """TrainingArguments for `ParallelTrainer`; the data-parallel size is what is left: world / (tp * pp)."""
+
+    tensor_parallel_size: int = field(default=1, metadata={"help": "Ranks each layer is split over (tp)."})
+    pipeline_parallel_size: int = field(default=1, metadata={"help": "Pipeline stages the layers are cut into (pp)."})
+    sequence_parallel: bool = field(default=False, metadata={"help": "Split activations along the sequence in tp."})
+    sharding_level: int = field(
+        default=0,
+        metadata={
+            "help": "Data parallelism: 0 replicate, 1 + optimizer state sharded (ZeRO-1), 2 + gradients "
+            "sharded (FSDP2), 3 + parameters sharded (FSDP2, resharded after forward)."
+        },
+    )
+    pipeline_parallel_num_microbatches: int = field(
+        default=1, metadata={"help": "Micro-batches each per-device batch is cut into under pp (>= pp)."}
+    )
+    pipeline_schedule: str = field(default="1f1b", metadata={"help": f"One of: {', '.join(SCHEDULES)}."})
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        check_positive_int("tensor_parallel_size", self.tensor_parallel_size)
+        check_positive_int("pipeline_parallel_size", self.pipeline_parallel_size)
+        check_positive_int("pipeline_parallel_num_microbatches", self.pipeline_parallel_num_microbatches)
+        if isinstance(self.sharding_level, bool) or self.sharding_level not in SHARDING_LEVELS:
+            raise ValueError(f"sharding_level={self.sharding_level!r} is not allowed; allowed: 0, 1, 2, 3")
+        if self.pipeline_schedule not in SCHEDULES:
+            raise ValueError(
+                f"pipeline_schedule={self.pipeline_schedule!r} is not allowed; allowed: {', '.join(SCHEDULES)}"
+            )
+        if self.pipeline_parallel_size == 1:
+            if self.pipeline_parallel_num_microbatches != 1:
+                raise ValueError(
+                    f"pipeline_parallel_num_microbatches={self.pipeline_parallel_num_microbatches} needs "
+                    "pipeline_parallel_size > 1; allowed with pipeline_parallel_size=1: 1"
+                )
+            return
+        # the pipeline accumulates over its micro-batches: Trainer-side accumulation would scale wrongly
+        if self.gradient_accumulation_steps != 1:
+            raise ValueError(
+                f"gradient_accumulation_steps={self.gradient_accumulation_steps} is not allowed with "
+                "pipeline_parallel_size > 1; allowed: 1 (raise pipeline_parallel_num_microbatches instead)"
+            )
+        if self.pipeline_parallel_num_microbatches < self.pipeline_parallel_size:
+            raise ValueError(
+                f"pipeline_parallel_num_microbatches={self.pipeline_parallel_num_microbatches} is not allowed; "
+                f"it must be >= pipeline_parallel_size={self.pipeline_parallel_size}"
+            )
+        for name in ("per_device_train_batch_size", "per_device_eval_batch_size"):
+            if getattr(self, name) % self.pipeline_parallel_num_microbatches:
+                raise ValueError(
+                    f"{name}={getattr(self, name)} is not allowed: it must be a multiple of "
+                    f"pipeline_parallel_num_microbatches={self.pipeline_parallel_num_microbatches}"
+                )

@@ -1,0 +1,176 @@
+"""ParallelMesh: the named dp/pp/tp process grid over a torch DeviceMesh, initialised from torchrun's env."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+MESH_DIMS = ("dp", "pp", "tp")  # outermost to innermost: tp ranks are neighbours (fastest links)
+DIM_ALIASES = {"mp": "tp"}
+DEFAULT_TIMEOUT = timedelta(seconds=60)
+
+
+@dataclass
+class ParallelMesh:
+    """A dp x pp x tp grid of ranks; each named dim has its own process group (with a timeout)."""
+
+    device_mesh: DeviceMesh
+    sizes: dict[str, int]
+    timeout: timedelta = DEFAULT_TIMEOUT
+    _extra_groups: dict[tuple[int, ...], dist.ProcessGroup] = field(default_factory=dict, repr=False)
+
+    def size(self, dim: str) -> int:
+        return self.sizes[_canonical_dim(dim)]
+
+    def rank(self, dim: str) -> int:
+        dim = _canonical_dim(dim)
+        return self.device_mesh.get_local_rank(dim) if self.sizes[dim] > 1 else 0
+
+    def group(self, dim: str) -> dist.ProcessGroup:
+        return self.device_mesh.get_group(_canonical_dim(dim))
+
+    def ranks(self, dim: str) -> list[int]:
+        """Global ranks of this rank's group along `dim`, in group-rank order."""
+        return dist.get_process_group_ranks(self.group(dim))
+
+    @property
+    def tp_size(self) -> int:
+        return self.sizes["tp"]
+
+    @property
+    def tp_rank(self) -> int:
+        return self.rank("tp")
+
+    @property
+    def tp_group(self) -> dist.ProcessGroup:
+        return self.group("tp")
+
+    @property
+    def device_type(self) -> str:
+        return self.device_mesh.device_type
+
+    def subgroups(self, dim: str, parts: int) -> dist.ProcessGroup:
+        """Split every group along `dim` into `parts` contiguous blocks; return this rank's block's group.
+
+        Used e.g. for the tp ranks that hold the same replicated kv head.
+        """
+        size = self.sizes[_canonical_dim(dim)]
+        block = size // parts
+        mine = [self.group_of(dim, range(start, start + block)) for start in range(0, size, block)]
+        return next(group for group in mine if group is not None)
+
+    def group_of(self, dim: str, positions) -> dist.ProcessGroup | None:
+        """The group of the ranks at `positions` along `dim` (in every line of the mesh); None if this rank
+        is not among them. Every rank takes part in creating every group (torch requires it); cached."""
+        dim = _canonical_dim(dim)
+        mine = None
+        lines = self.device_mesh.mesh.movedim(MESH_DIMS.index(dim), -1).reshape(-1, self.sizes[dim])
+        for line in lines.tolist():
+            ranks = tuple(line[p] for p in positions)
+            if ranks not in self._extra_groups:
+                self._extra_groups[ranks] = dist.new_group(list(ranks), timeout=self.timeout)
+            if dist.get_rank() in ranks:
+                mine = self._extra_groups[ranks]
+        return mine
+
+
+_CURRENT_MESH: ParallelMesh | None = None
+
+
+def _canonical_dim(dim: str) -> str:
+    name = DIM_ALIASES.get(dim, dim)
+    if name not in MESH_DIMS:
+        allowed = ", ".join(MESH_DIMS + tuple(DIM_ALIASES))
+        raise ValueError(f"unknown mesh dim {dim!r}; allowed: {allowed}")
+    return name
+
+
+def check_positive_int(name: str, value: object, what: str = "it") -> int:
+    """`value` if it is a positive int (not a bool); else ValueError naming `name` and the value."""
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise ValueError(f"{name}={value!r} is not allowed; {what} must be a positive integer")
+    return value
+
+
+def _init_process_group(timeout: timedelta) -> None:
+    """Start torch.distributed from torchrun's environment (or a single local process)."""
+    if dist.is_initialized():
+        return
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", "29500")
+    os.environ.setdefault("RANK", "0")
+    os.environ.setdefault("WORLD_SIZE", "1")
+    if torch.cuda.is_available():
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    backend = "nccl" if torch.cuda.is_available() else "gloo"
+    dist.init_process_group(backend=backend, timeout=timeout)
+
+
+def _gloo_or_nccl_options(timeout: timedelta):
+    """Backend options carrying `timeout`: DeviceMesh's sub-groups otherwise get torch's 30-minute default."""
+    if torch.cuda.is_available():
+        backend, options = "nccl", dist.ProcessGroupNCCL.Options()
+    else:
+        backend, options = "gloo", dist.ProcessGroupGloo._Options()
+    options._timeout = timeout
+    return backend, options
+
+
+def init_mesh(
+    dp: int = 1,
+    tp: int | None = None,
+    pp: int = 1,
+    *,
+    timeout: timedelta | float = DEFAULT_TIMEOUT,
+    **aliases: int,
+) -> ParallelMesh:
+    """Build (and set as current) the dp x pp x tp mesh; `tp` (alias `mp`) defaults to world / (dp * pp).
+
+    Starts torch.distributed from the torchrun environment if needed (gloo on CPU, NCCL on CUDA);
+    every process group of the mesh gets `timeout` (seconds or a timedelta), so a lost rank fails
+    the run instead of hanging it.
+    """
+    for name, value in aliases.items():
+        if DIM_ALIASES.get(name) != "tp":
+            allowed = ", ".join(MESH_DIMS + tuple(DIM_ALIASES))
+            raise ValueError(f"unknown mesh dim {name!r}; allowed: {allowed}")
+        if tp is not None and tp != value:
+            raise ValueError(f"tp={tp} and its alias {name}={value} disagree; pass one of them")
+        tp = value
+    if not isinstance(timeout, timedelta):
+        timeout = timedelta(seconds=float(timeout))
+    _init_process_group(timeout)
+    world = dist.get_world_size()
+    check_positive_int("dp", dp, "a mesh size")
+    check_positive_int("pp", pp, "a mesh size")
+    tp = world // (dp * pp) if tp is None else tp
+    check_positive_int("tp", tp, "a mesh size")
+    sizes = {"dp": dp, "pp": pp, "tp": tp}
+    total = dp * pp * tp
+    if total != world:
+        raise ValueError(f"mesh dp={dp} x pp={pp} x tp={tp} = {total} ranks, but the world size is {world}")
+    device_type = "cuda" if torch.cuda.is_available() else "cpu"
+    backend, options = _gloo_or_nccl_options(timeout)
+    overrides = {name: (backend, options) for name in MESH_DIMS}
+    device_mesh = init_device_mesh(device_type, (dp, pp, tp), mesh_dim_names=MESH_DIMS, backend_override=overrides)
+    return set_mesh(ParallelMesh(device_mesh, sizes, timeout))
+
+
+def set_mesh(mesh: ParallelMesh) -> ParallelMesh:
+    """Make `mesh` the one `get_mesh()` and the front doors use when none is passed."""
+    global _CURRENT_MESH
+    if not isinstance(mesh, ParallelMesh):
+        raise TypeError(f"set_mesh expects a ParallelMesh (from init_mesh), got {type(mesh).__name__}")
+    _CURRENT_MESH = mesh
+    return mesh
+
+
+def get_mesh() -> ParallelMesh:
+    if _CURRENT_MESH is None:
+        raise RuntimeError("no parallel mesh is set: call optimum_parallel.init_mesh(dp=..., tp=..., pp=...) first")
+    return _CURRENT_MESH

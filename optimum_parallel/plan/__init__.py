@@ -1,0 +1,5 @@
+"""Plans: regex -> style dicts, resolved against a model, checked, then applied."""
+
+from .apply import apply_plan, check_plan, parallel_layouts, resolve_plan
+
+__all__ = ["apply_plan", "check_plan", "parallel_layouts", "resolve_plan"]

@@ -1,0 +1,110 @@
+"""Parallel plans: regex keys over module (or parameter) names -> styles, applied by `apply_plan`.
+
+A plan is data: `{"model.layers.*.mlp.up_proj": ColWiseParallel(), "lm_head.weight": ColWiseParallel()}`.
+Keys are Python regexes matched against full names (`re.fullmatch`), so `model.layers.*.mlp` works.
+A key ending in a parameter name targets the module that owns it. Every key and every style is
+checked before the first module is swapped, so a bad plan never leaves a half-parallel model.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping
+
+from torch import nn
+
+from ..comm.overlapped_entry import link_entry_siblings
+from ..mesh import ParallelMesh
+from ..styles import ParallelStyle, PlanContext, optional
+from ..tensor_parallel.layers import ColumnParallelLinear
+from ..tensor_parallel.spec import ShardLayout
+from .fixups import install_vocab_parallel_loss, localize_attention_heads, retie_shared_parameters
+
+
+def _as_styles(key: str, value) -> list[ParallelStyle]:
+    styles = value if isinstance(value, (list, tuple)) else [value]
+    for style in styles:
+        if not isinstance(style, ParallelStyle):
+            raise TypeError(
+                f"parallelize_plan[{key!r}] holds {style!r}, which is not a parallel style; "
+                f"allowed: ColWiseParallel, RowWiseParallel, PrepareLayerInput, PrepareLayerOutput, ..."
+            )
+    return list(styles)
+
+
+def resolve_plan(model: nn.Module, plan: Mapping[str, object]) -> dict[str, list[ParallelStyle]]:
+    """Map every plan key to the modules it names, in model order; unknown keys raise ValueError."""
+    if not isinstance(plan, Mapping):
+        raise TypeError(f"parallelize_plan must be a dict of name regex -> style, got {type(plan).__name__}")
+    modules = dict(model.named_modules())
+    param_owner = {name: name.rpartition(".")[0] for name, _ in model.named_parameters(remove_duplicate=False)}
+    targets: dict[str, list[ParallelStyle]] = {}
+    for key, value in plan.items():
+        is_optional = isinstance(value, optional)
+        styles = _as_styles(key, value.styles if is_optional else value)
+        try:
+            pattern = re.compile(key)
+        except re.error as err:
+            raise ValueError(f"parallelize_plan key {key!r} is not a valid regex: {err}") from None
+        matched = [n for n in modules if n and pattern.fullmatch(n)]
+        if not matched:
+            matched = [owner for p, owner in param_owner.items() if pattern.fullmatch(p)]
+        if not matched and not is_optional:
+            examples = ", ".join(list(n for n in modules if n)[:6])
+            raise ValueError(
+                f"parallelize_plan key {key!r} matches no module or parameter of {type(model).__name__} "
+                f"(names look like: {examples}, ...)"
+            )
+        for name in matched:
+            targets.setdefault(name, []).extend(styles)
+    order = {name: i for i, name in enumerate(modules)}
+    return dict(sorted(targets.items(), key=lambda item: order[item[0]]))
+
+
+def check_plan(model: nn.Module, plan: Mapping[str, object], mesh: ParallelMesh) -> dict[str, list[ParallelStyle]]:
+    """Resolve every key and check every style against its module; raise before anything is modified."""
+    ctx = PlanContext(mesh)
+    targets = resolve_plan(model, plan)
+    for name, styles in targets.items():
+        module = model.get_submodule(name)
+        for style in styles:
+            style.check(module, name, ctx)
+    return targets
+
+
+def apply_plan(model: nn.Module, plan: Mapping[str, object], mesh: ParallelMesh) -> dict[int, nn.Parameter]:
+    """Parallelize `model` in place by `plan`; return {id(original parameter): parallel parameter}.
+
+    Module-swapping styles (ColWise/RowWise) run first, then the hooks and markers, so a marker on
+    a module sees its children already swapped whatever the order of the plan's keys.
+    """
+    targets = check_plan(model, plan, mesh)
+    ctx = PlanContext(mesh)
+
+    original = dict(model.named_parameters(remove_duplicate=False))
+    for swapping in (True, False):
+        for name, styles in targets.items():
+            module = model.get_submodule(name)
+            for style in styles:
+                if style.swaps_module == swapping:
+                    module = style.apply(module, name, ctx)
+            _replace_submodule(model, name, module)
+    retie_shared_parameters(model, original)
+    install_vocab_parallel_loss(model)
+    localize_attention_heads(model)
+    link_entry_siblings(model, ColumnParallelLinear)
+
+    current = dict(model.named_parameters(remove_duplicate=False))
+    return {id(param): current[name] for name, param in original.items()}
+
+
+def _replace_submodule(model: nn.Module, name: str, module: nn.Module) -> None:
+    parent_name, _, child = name.rpartition(".")
+    parent = model.get_submodule(parent_name)
+    if getattr(parent, child) is not module:
+        setattr(parent, child, module)
+
+
+def parallel_layouts(model: nn.Module) -> dict[str, ShardLayout]:
+    """{parameter name: ShardLayout} for every split parameter of `model`."""
+    return {name: p.shard_layout for name, p in model.named_parameters() if hasattr(p, "shard_layout")}

@@ -1,0 +1,72 @@
+"""Fix-ups after a plan's modules are swapped: what the swaps alone leave wrong in a Hugging Face model."""
+
+from __future__ import annotations
+
+from torch import nn
+
+from ..tensor_parallel.layers import ColumnParallelLinear
+from ..tensor_parallel.loss import VocabParallelLMLoss
+
+
+def retie_shared_parameters(model: nn.Module, original: dict[str, nn.Parameter]) -> None:
+    """Parameters shared before (tied embeddings) stay shared, if every user was split the same way."""
+    groups: dict[int, list[str]] = {}
+    for name, param in original.items():
+        groups.setdefault(id(param), []).append(name)
+    for names in (g for g in groups.values() if len(g) > 1):
+        owners = [model.get_submodule(n.rpartition(".")[0]) for n in names]
+        leaves = [n.rpartition(".")[2] for n in names]
+        layouts = [getattr(getattr(m, leaf), "shard_layout", None) for m, leaf in zip(owners, leaves, strict=True)]
+        if any(layout != layouts[0] for layout in layouts):
+            raise ValueError(
+                f"tied parameters {names} are split differently ({layouts}); give every module that shares "
+                "them the same style (e.g. vocab-parallel embedding and column-parallel lm_head)"
+            )
+        shared = getattr(owners[0], leaves[0])
+        for module, leaf in zip(owners[1:], leaves[1:], strict=True):
+            setattr(module, leaf, shared)
+
+
+def localize_attention_heads(model: nn.Module) -> None:
+    """HF attention modules reshape with their own head counts (`num_heads`, `num_key_value_groups`, ...);
+    after q/k/v were split in whole heads those must be the rank's local counts. Covers the common HF
+    naming (q_proj/k_proj, query/key, q/k); families with other layouts fix theirs in `after_plan`."""
+    for module in model.modules():
+        head_dim = getattr(module, "head_dim", None)
+        if not isinstance(head_dim, int) or head_dim <= 0:
+            continue
+        local = {
+            name: divmod(child.weight.shape[0], head_dim)
+            for name, child in module.named_children()
+            if isinstance(child, ColumnParallelLinear) and not child.gather_output
+        }
+        whole = {name: heads for name, (heads, rest) in local.items() if rest == 0 and heads > 0}
+        q = next((whole[n] for n in ("q_proj", "query", "q") if n in whole), None)
+        kv = next((whole[n] for n in ("k_proj", "key", "k") if n in whole), None)
+        if q is None:
+            continue
+        for attr in ("num_heads", "num_attention_heads"):
+            if isinstance(getattr(module, attr, None), int):
+                setattr(module, attr, q)
+        if kv:
+            if isinstance(getattr(module, "num_key_value_heads", None), int):
+                module.num_key_value_heads = kv
+            if hasattr(module, "num_key_value_groups"):
+                module.num_key_value_groups = q // kv
+
+
+def install_vocab_parallel_loss(model: nn.Module) -> None:
+    """A column-parallel LM head without gathered output needs the vocab-parallel loss."""
+    get_head = getattr(model, "get_output_embeddings", None)
+    head = get_head() if get_head is not None else None
+    if not isinstance(head, ColumnParallelLinear) or head.gather_output:
+        return
+    loss_type = getattr(model, "loss_type", None)
+    shifts = {"ForCausalLM": True, "ForConditionalGeneration": True, "ForMaskedLM": False}
+    if loss_type not in shifts:
+        raise ValueError(
+            f"a vocab-parallel LM head needs a vocab-parallel loss, available for loss types {sorted(shifts)}, "
+            f"not {loss_type!r}; use ColWiseParallel(gather_output=True) for this head instead"
+        )
+    vocab_start = head.weight.shard_layout.ranges[0][0]
+    model.loss_function = VocabParallelLMLoss(head.group, vocab_start, shift=shifts[loss_type])

@@ -1,0 +1,420 @@
+"""Plan files: a resolved plan (every module's styles, every parameter's layout on every tp rank) as JSON.
+
+Like MindSpore's strategy files: a plan is made once, even on one process as a dry run at a simulated
+tp size (`save_plan(config_or_model, path, tp=8)`), and reused on the cluster (`load_plan(path, model=...)`
+or `plan_file_parallelizer(path).parallelize(model)`). Loading checks that the file fits the model and
+names the first entry that does not (a missing module, a shape, the tp size, a layout).
+
+File layout (JSON, `"format": "optimum-parallel-plan"`, version 1)::
+
+    model_type, model_class, parallelizer, mesh {dp, pp, tp}, options {parallelize_embeddings, sequence_parallel}
+    modules: {module name: [{"style": class name, "args": {...}}, ...]}       (in model order)
+    params:  {parameter name: {"shape": global shape, "split": null | {"dim", "replicas", "ranges": per tp rank}}}
+    tied:    {alias parameter name: the name it shares storage with}
+
+A style whose arguments are not plain data (a `PrepareLayerInput` function) is kept by name with
+`"reloadable": false`; loading such a file raises unless `skip_unreloadable=True`.
+"""
+
+from __future__ import annotations
+
+import inspect
+import json
+import os
+import re
+import warnings
+from collections.abc import Mapping
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from .. import styles
+from ..frontends.manager import ParallelizersManager
+from ..frontends.parallelizer import Parallelizer
+from ..styles import ParallelStyle
+from ..tensor_parallel.spec import ShardLayout
+from .simulate import ResolvedPlan, build_meta_model, resolve_for_tp
+
+FORMAT, VERSION = "optimum-parallel-plan", 1
+
+STYLES: dict[str, type[ParallelStyle]] = {
+    name: obj
+    for name, obj in vars(styles).items()
+    if isinstance(obj, type) and issubclass(obj, ParallelStyle) and obj is not ParallelStyle
+}
+
+
+def register_style(cls: type[ParallelStyle]) -> type[ParallelStyle]:
+    """Make a custom style class (plain-data constructor arguments) savable and loadable by its class name."""
+    if not (isinstance(cls, type) and issubclass(cls, ParallelStyle)):
+        raise TypeError(f"register_style needs a ParallelStyle subclass, got {cls!r}")
+    STYLES[cls.__name__] = cls
+    return cls
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Resolving a plan on one process
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Styles <-> JSON
+
+
+def _plain(value: object) -> object:
+    """`value` as JSON data (tuples become lists); raises TypeError for anything else."""
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    if isinstance(value, (list, tuple)):
+        return [_plain(v) for v in value]
+    raise TypeError(type(value).__name__)
+
+
+def style_to_dict(style: ParallelStyle) -> dict:
+    """{"style": class name, "args": constructor arguments}; not reloadable when an argument is not plain data."""
+    name = type(style).__name__
+    try:
+        args = {key: _plain(value) for key, value in vars(style).items()}
+    except TypeError:
+        args = {key: repr(value) for key, value in vars(style).items()}
+        return {"style": name, "args": args, "reloadable": False}
+    if STYLES.get(name) is not type(style):
+        return {"style": name, "args": args, "reloadable": False}
+    try:
+        rebuilt = style_from_dict({"style": name, "args": args}, "")
+        same = {k: _plain(v) for k, v in vars(rebuilt).items()} == args
+    except (TypeError, ValueError):
+        same = False
+    return {"style": name, "args": args} if same else {"style": name, "args": args, "reloadable": False}
+
+
+def style_from_dict(entry: Mapping, where: str) -> ParallelStyle:
+    """The style an entry of `modules` describes; `where` names the entry in errors."""
+    name = entry.get("style")
+    if entry.get("reloadable", True) is False:
+        raise ValueError(
+            f"plan file entry {where}: style {name} was saved with arguments that are not plain data "
+            f"({entry.get('args')}); it cannot be rebuilt from a file: add it to the loaded plan by hand, "
+            "or load with skip_unreloadable=True"
+        )
+    cls = STYLES.get(name)
+    if cls is None:
+        raise ValueError(
+            f"plan file entry {where}: unknown style {name!r}; known: {', '.join(sorted(STYLES))} "
+            "(register custom ones with optimum_parallel.planning.plan_files.register_style)"
+        )
+    args = dict(entry.get("args") or {})
+    accepted = inspect.signature(cls.__init__).parameters
+    call = {k: v for k, v in args.items() if k in accepted}
+    try:
+        style = cls(**call)
+    except (TypeError, ValueError) as err:
+        raise ValueError(f"plan file entry {where}: {name}(**{call}) failed: {err}") from None
+    for key, value in args.items():  # attributes the constructor does not take (ColWiseConv1D's parts=1)
+        if key not in call and _plain(getattr(style, key, None)) != value:
+            raise ValueError(f"plan file entry {where}: {name} cannot be rebuilt with {key}={value!r}")
+    return style
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Documents
+
+
+def _split_entry(per_rank: list[ShardLayout | None], shape: tuple[int, ...], name: str) -> dict | None:
+    first = per_rank[0]
+    if first is None or first.dim is None:
+        return None
+    for layout in per_rank:
+        if layout is None or layout.dim != first.dim or layout.global_shape != tuple(shape):
+            raise ValueError(f"parameter {name!r} is split on some tp ranks and not on others: {per_rank}")
+    return {
+        "dim": first.dim,
+        "replicas": first.replicas,
+        "ranges": [[list(r) for r in layout.ranges] for layout in per_rank],
+    }
+
+
+def plan_document(
+    resolved: ResolvedPlan,
+    mesh_sizes: Mapping[str, int] | None = None,
+    parallelize_embeddings: bool = True,
+    sequence_parallel_enabled: bool = False,
+) -> dict:
+    """The JSON document of a resolved plan (see the module docstring for its layout)."""
+    model = resolved.model
+    sizes = {"dp": 1, "pp": 1, **(mesh_sizes or {}), "tp": resolved.tp}
+    modules = {name: [style_to_dict(s) for s in module_styles] for name, module_styles in resolved.targets.items()}
+    params, tied, first_name = {}, {}, {}
+    for name, param in model.named_parameters(remove_duplicate=False):
+        if id(param) in first_name:
+            tied[name] = first_name[id(param)]
+        first_name.setdefault(id(param), name)
+        per_rank = [layouts.get(name) for layouts in resolved.layouts]
+        params[name] = {"shape": list(param.shape), "split": _split_entry(per_rank, tuple(param.shape), name)}
+    config = getattr(model, "config", None)
+    return {
+        "format": FORMAT,
+        "version": VERSION,
+        "model_type": getattr(config, "model_type", None),
+        "model_class": _model_class(model).__name__,
+        "parallelizer": resolved.parallelizer.__name__ if resolved.parallelizer is not None else None,
+        "mesh": sizes,
+        "options": {
+            "parallelize_embeddings": parallelize_embeddings,
+            "sequence_parallel": sequence_parallel_enabled,
+        },
+        "modules": modules,
+        "params": params,
+        "tied": tied,
+    }
+
+
+def _model_class(model: nn.Module) -> type:
+    """The model's own class (FSDP2 wraps it in a generated subclass)."""
+    from torch.distributed.fsdp import FSDPModule
+
+    return next(cls for cls in type(model).__mro__ if not issubclass(cls, FSDPModule))
+
+
+def _meta_twin(model_or_config) -> nn.Module:
+    """An unparallelized copy of the model's structure on the meta device (the model itself if it is one)."""
+    if isinstance(model_or_config, nn.Module):
+        if not _is_parallelized(model_or_config):
+            return model_or_config
+        with torch.device("meta"):
+            return _model_class(model_or_config)._from_config(model_or_config.config)
+    if isinstance(model_or_config, (str, Path)):
+        from transformers import AutoConfig
+
+        model_or_config = AutoConfig.from_pretrained(model_or_config)
+    return build_meta_model(model_or_config)
+
+
+def _is_parallelized(model: nn.Module) -> bool:
+    return any(hasattr(p, "shard_layout") for p in model.parameters()) or hasattr(model, "orig_param_to_parallel_param")
+
+
+def _write_json(doc: dict, path: str | Path) -> None:
+    """Write atomically: a temp file in the same directory, then rename."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    try:
+        with open(tmp, "w") as f:
+            json.dump(doc, f, indent=1)
+            f.write("\n")
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+
+
+def save_plan(
+    model_or_config,
+    path: str | Path,
+    plan: Mapping[str, object] | None = None,
+    *,
+    tp: int | None = None,
+    dp: int = 1,
+    pp: int = 1,
+    parallelize_embeddings: bool = True,
+    sequence_parallel_enabled: bool = False,
+) -> dict:
+    """Write the resolved plan of a model to JSON at `path` and return the document.
+
+    Dry run (`tp` given): `model_or_config` is an unparallelized model (meta is fine), a config or a model
+    directory; no process group is needed. On a parallelized model (`tp` None, every rank calls it): the
+    plan is resolved at the current mesh's tp on a meta twin and checked against this rank's parameters
+    (raises on every rank if a layout differs); global rank 0 writes. `plan` defaults to the family's plan,
+    with the same `parallelize_embeddings` / `sequence_parallel_enabled` the model was parallelized with.
+    """
+    import torch.distributed as dist
+
+    if tp is None:
+        from ..mesh import get_mesh
+
+        mesh = get_mesh()
+        tp, sizes = mesh.tp_size, dict(mesh.sizes)
+    else:
+        sizes = {"dp": dp, "pp": pp, "tp": tp}
+    resolved = resolve_for_tp(_meta_twin(model_or_config), tp, plan, parallelize_embeddings, sequence_parallel_enabled)
+    doc = plan_document(resolved, sizes, parallelize_embeddings, sequence_parallel_enabled)
+    distributed = isinstance(model_or_config, nn.Module) and _is_parallelized(model_or_config)
+    if distributed:
+        from ..mesh import get_mesh
+
+        problem = _check_local_layouts(model_or_config, resolved, get_mesh().tp_rank)
+        if dist.is_initialized():
+            problems: list[str | None] = [None] * dist.get_world_size()
+            dist.all_gather_object(problems, problem)
+            problem = next((p for p in problems if p), None)
+        if problem:
+            raise ValueError(problem)
+    if not dist.is_initialized() or not distributed or dist.get_rank() == 0:
+        _write_json(doc, path)
+    if distributed and dist.is_initialized():
+        dist.barrier()
+    return doc
+
+
+def _check_local_layouts(model: nn.Module, resolved: ResolvedPlan, tp_rank: int) -> str | None:
+    """The first parameter of this rank whose layout differs from the resolved plan's, as a message."""
+    expected = resolved.layouts[tp_rank]
+    for name, param in model.named_parameters(remove_duplicate=False):
+        if hasattr(param, "to_local"):  # re-created by FSDP2 (a DTensor): its layout attribute is gone
+            continue
+        actual = getattr(param, "shard_layout", None)
+        planned = expected.get(name)
+        if _split_or_none(planned) != _split_or_none(actual):
+            actual_text, planned_text = (str(x) if _split_or_none(x) else "not split" for x in (actual, planned))
+            return (
+                f"parameter {name!r} on tp rank {tp_rank} is {actual_text}, but the plan being saved gives "
+                f"{planned_text}; pass save_plan the plan (and flags) the model was parallelized with"
+            )
+    return None
+
+
+def _split_or_none(layout: ShardLayout | None) -> ShardLayout | None:
+    return None if layout is None or layout.dim is None else layout
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Loading
+
+
+def read_plan_file(path_or_doc: str | Path | Mapping) -> dict:
+    """The document of a plan file (or the document itself), with its format checked."""
+    if isinstance(path_or_doc, Mapping):
+        doc = dict(path_or_doc)
+    else:
+        try:
+            with open(path_or_doc) as f:
+                doc = json.load(f)
+        except json.JSONDecodeError as err:
+            raise ValueError(f"{path_or_doc}: not a plan file (invalid JSON: {err})") from None
+    if not isinstance(doc, dict) or doc.get("format") != FORMAT:
+        raise ValueError(f'{path_or_doc}: not a plan file (no "format": "{FORMAT}")')
+    if doc.get("version") != VERSION:
+        raise ValueError(f"{path_or_doc}: plan file version {doc.get('version')!r}; this version reads {VERSION}")
+    for key in ("mesh", "modules", "params"):
+        if not isinstance(doc.get(key), dict):
+            raise ValueError(f"{path_or_doc}: plan file has no {key!r} object")
+    return doc
+
+
+def load_plan(
+    path_or_doc: str | Path | Mapping,
+    model: nn.Module | None = None,
+    *,
+    tp: int | None = None,
+    skip_unreloadable: bool = False,
+) -> dict[str, list[ParallelStyle]]:
+    """The plan of a plan file, for `apply_plan` / `mp_config["parallelize_plan"]`: {re.escape(module): styles}.
+
+    With `model`, first checks that the file fits it (at `tp`, default the file's) and raises ValueError
+    naming the first mismatching entry. Styles saved as not reloadable raise, or are left out (with a
+    warning) under `skip_unreloadable`.
+    """
+    doc = read_plan_file(path_or_doc)
+    if model is not None:
+        check_plan_fits(model, doc, tp=tp, skip_unreloadable=skip_unreloadable)
+    return _plan_of(doc, skip_unreloadable)
+
+
+def _plan_of(doc: Mapping, skip_unreloadable: bool) -> dict[str, list[ParallelStyle]]:
+    plan, skipped = {}, []
+    for name, entries in doc["modules"].items():
+        module_styles = []
+        for i, entry in enumerate(entries):
+            if entry.get("reloadable", True) is False and skip_unreloadable:
+                skipped.append(f"{name}: {entry.get('style')}")
+                continue
+            module_styles.append(style_from_dict(entry, f"modules[{name!r}][{i}]"))
+        if module_styles:
+            plan[re.escape(name)] = module_styles
+    if skipped:
+        warnings.warn(f"plan file styles left out (not reloadable): {'; '.join(skipped)}", stacklevel=3)
+    return plan
+
+
+def check_plan_fits(
+    model: nn.Module, path_or_doc: str | Path | Mapping, *, tp: int | None = None, skip_unreloadable: bool = False
+) -> None:
+    """Raise ValueError naming the first entry of the plan file that does not fit `model` at tp size `tp`.
+
+    Checks, in order: the tp size, the model type, every module and parameter name, every global shape,
+    and that the file's styles, resolved on the model, give exactly the file's layouts.
+    """
+    doc = read_plan_file(path_or_doc)
+    file_tp = doc["mesh"].get("tp")
+    if tp is not None and tp != file_tp:
+        raise ValueError(f"plan file entry mesh.tp: the file was made for tp={file_tp}, the mesh has tp={tp}")
+    config = getattr(model, "config", None)
+    model_type = getattr(config, "model_type", None)
+    if doc.get("model_type") is not None and model_type is not None and doc["model_type"] != model_type:
+        raise ValueError(
+            f"plan file entry model_type: the file is for {doc['model_type']!r}, the model is {model_type!r}"
+        )
+    twin = _meta_twin(model)
+    modules = dict(twin.named_modules())
+    for name in doc["modules"]:
+        if name not in modules:
+            raise ValueError(f"plan file entry modules[{name!r}]: {type(twin).__name__} has no module {name!r}")
+    shapes = {name: tuple(p.shape) for name, p in twin.named_parameters(remove_duplicate=False)}
+    for name, entry in doc["params"].items():
+        if name not in shapes:
+            raise ValueError(f"plan file entry params[{name!r}]: {type(twin).__name__} has no parameter {name!r}")
+        if tuple(entry["shape"]) != shapes[name]:
+            raise ValueError(
+                f"plan file entry params[{name!r}]: shape {entry['shape']} in the file, {list(shapes[name])} "
+                "in the model"
+            )
+    missing = next((name for name in shapes if name not in doc["params"]), None)
+    if missing is not None:
+        raise ValueError(f"plan file entry params: the model's parameter {missing!r} is not in the file")
+    plan = _plan_of(doc, skip_unreloadable)
+    try:
+        resolved = resolve_for_tp(twin, file_tp, plan)
+    except ValueError as err:
+        raise ValueError(f"plan file styles do not fit {type(twin).__name__}: {err}") from None
+    for name, param in twin.named_parameters(remove_duplicate=False):
+        per_rank = [layouts.get(name) for layouts in resolved.layouts]
+        if _split_entry(per_rank, tuple(param.shape), name) != doc["params"][name]["split"]:
+            raise ValueError(
+                f"plan file entry params[{name!r}]: split {doc['params'][name]['split']} in the file, but its "
+                f"styles give {_split_entry(per_rank, tuple(param.shape), name)} on this model"
+            )
+
+
+def plan_file_parallelizer(path_or_doc: str | Path | Mapping) -> type[Parallelizer]:
+    """A Parallelizer whose plan is the file's (checked against the model and the mesh first), with the model
+    family's checks, hooks and pipeline support: `plan_file_parallelizer(path).parallelize(model, ...)`."""
+    doc = read_plan_file(path_or_doc)
+    family: type[Parallelizer] = Parallelizer  # a user plan for a model type without a parallelizer
+    if doc.get("model_type"):
+        try:
+            family = ParallelizersManager.parallelizer_for_model(doc["model_type"])
+        except ValueError:
+            pass
+    options = doc.get("options", {})
+
+    @classmethod
+    def plan(cls, model, mesh, parallelize_embeddings, sequence_parallel_enabled):
+        return load_plan(doc, model=model, tp=mesh.tp_size)
+
+    @classmethod
+    def parallelize(cls, model, *args, **kwargs):
+        for key, saved in (("sequence_parallel_enabled", "sequence_parallel"), ("parallelize_embeddings", None)):
+            value = kwargs.get(key)
+            recorded = options.get(saved or key)
+            if value is not None and recorded is not None and value != recorded:
+                raise ValueError(f"{key}={value} but the plan file was made with {key}={recorded}")
+        return family.parallelize.__func__(cls, model, *args, **kwargs)
+
+    attrs = {
+        "plan": plan,
+        "parallelize": parallelize,
+        "supports_sequence_parallel": bool(options.get("sequence_parallel")),
+        "__doc__": f"{family.__name__} with the plan of a plan file.",
+    }
+    return type(f"PlanFile[{family.__name__}]", (family,), attrs)

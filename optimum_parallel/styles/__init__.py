@@ -1,0 +1,34 @@
+"""Parallel styles: the values of a plan, each saying how one module is parallelized."""
+
+from .base import ParallelStyle, PlanContext, optional
+from .experts import TensorParallelExperts
+from .hooks import PrepareLayerInput, PrepareLayerOutput, ReplicatedWithGradAllReduce
+from .linear import ColWiseParallel, LocalColWiseEmbedding, RowWiseParallel, TiedBiasColWiseParallel
+from .packed import ColWiseConv1D, PackedColWiseParallel, RowWiseConv1D
+from .sequence_parallel import (
+    SequenceParallelBegin,
+    SequenceParallelDisable,
+    SequenceParallelEnable,
+    SequenceParallelEnd,
+)
+
+__all__ = [
+    "ColWiseConv1D",
+    "ColWiseParallel",
+    "LocalColWiseEmbedding",
+    "PackedColWiseParallel",
+    "ParallelStyle",
+    "PlanContext",
+    "PrepareLayerInput",
+    "PrepareLayerOutput",
+    "ReplicatedWithGradAllReduce",
+    "RowWiseConv1D",
+    "RowWiseParallel",
+    "SequenceParallelBegin",
+    "SequenceParallelDisable",
+    "SequenceParallelEnable",
+    "SequenceParallelEnd",
+    "TensorParallelExperts",
+    "TiedBiasColWiseParallel",
+    "optional",
+]

@@ -1,0 +1,69 @@
+"""The style contract: how one module of a plan is parallelized.
+
+A style checks that it fits its module before anything moves (`check`), says how it splits the module's own
+parameters (`param_specs`, rank-free, so a plan can be resolved for any tp on one process) and then swaps or
+hooks the module (`apply`). Styles know the engine's layers, never a model family.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch.distributed as dist
+from torch import nn
+
+from ..mesh import ParallelMesh
+from ..tensor_parallel.spec import ShardSpec, check_heads
+
+
+@dataclass
+class PlanContext:
+    """What a style needs to know while it is applied."""
+
+    mesh: ParallelMesh
+
+    @property
+    def tp_rank_world(self) -> tuple[int, int]:
+        group = self.mesh.tp_group
+        return dist.get_rank(group), dist.get_world_size(group)
+
+
+class ParallelStyle:
+    """One way of parallelizing a module. `check` raises before anything moves; `apply` may swap the module."""
+
+    allowed_modules: tuple[type, ...] = (nn.Module,)
+    swaps_module = False  # True for styles that replace the module (applied before hooks and markers)
+
+    def check(self, module: nn.Module, name: str, ctx: PlanContext) -> None:
+        if not isinstance(module, self.allowed_modules):
+            allowed = ", ".join(t.__name__ for t in self.allowed_modules)
+            raise ValueError(
+                f"{type(self).__name__} does not fit module {name!r} of type {type(module).__name__}; "
+                f"it applies to: {allowed}"
+            )
+
+    def param_specs(self, module: nn.Module) -> dict[str, ShardSpec]:
+        """{name of a parameter of `module` (dotted for a child's): how this style splits it}; {} for hooks."""
+        return {}
+
+    def apply(self, module: nn.Module, name: str, ctx: PlanContext) -> nn.Module:
+        raise NotImplementedError
+
+    def __repr__(self) -> str:
+        fields = ", ".join(f"{k}={v!r}" for k, v in vars(self).items())
+        return f"{type(self).__name__}({fields})"
+
+
+@dataclass(frozen=True)
+class optional:  # noqa: N801 - reads as a marker in plans: {"lm_head": optional(ColWiseParallel())}
+    """Mark a plan entry that may match nothing (model-family plans covering several variants)."""
+
+    styles: ParallelStyle | list[ParallelStyle]
+
+
+def check_style_heads(heads: int | None, tp: int, name: str, allow_replication: bool = True) -> None:
+    """`check_heads` with the module's name in the message."""
+    try:
+        check_heads(heads, tp, allow_replication=allow_replication)
+    except ValueError as err:
+        raise ValueError(f"{name!r}: {err}") from None

@@ -1,0 +1,58 @@
+"""Tensor-parallel mixture-of-experts: every expert's intermediate dim split over tp (3D expert tensors)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from torch import nn
+
+from ..tensor_parallel.experts import expert_specs, shard_experts
+from .base import ParallelStyle
+
+
+class TensorParallelExperts(ParallelStyle):
+    """Split every expert's intermediate dim over tp (3D expert tensors, transformers 5 layout).
+
+    packed: tensors packing gate|up (split each half on its own); row: tensors whose input is the
+    intermediate dim. The experts module becomes one tp region; the router stays replicated.
+    """
+
+    swaps_module = True
+
+    def __init__(self, packed: Sequence[str] = ("gate_up_proj",), row: Sequence[str] = ("down_proj",)) -> None:
+        self.packed, self.row = tuple(packed), tuple(row)
+
+    def check(self, module, name, ctx):
+        super().check(module, name, ctx)
+        for param_name in self.packed + self.row:
+            param = getattr(module, param_name, None)
+            if not isinstance(param, nn.Parameter) or param.dim() != 3:
+                raise ValueError(
+                    f"TensorParallelExperts on {name!r}: {param_name!r} is not a 3D expert tensor "
+                    f"(packed={self.packed}, row={self.row})"
+                )
+        if getattr(module, "has_bias", False):
+            raise ValueError(f"TensorParallelExperts on {name!r}: experts with biases are not supported yet")
+        for param_name in self.packed:
+            param = getattr(module, param_name)
+            dim = param.dim() - 1 if getattr(module, "is_transposed", False) else param.dim() - 2
+            if param.shape[dim] % 2:
+                raise ValueError(f"{name}.{param_name}: packed gate|up dim of size {param.shape[dim]} is odd")
+            pairs, tp = param.shape[dim] // 2, ctx.mesh.tp_size
+            if not getattr(module, "is_concatenated", True) and pairs % tp:
+                raise ValueError(
+                    f"{name}.{param_name}: {pairs} interleaved gate/up pairs cannot be split over tensor-parallel "
+                    f"size {tp}; tp must divide {pairs}"
+                )
+
+    def param_specs(self, module):
+        return expert_specs(module, self.packed, self.row)
+
+    def apply(self, module, name, ctx):
+        rank, world = ctx.tp_rank_world
+        layouts = {leaf: spec.local(rank, world) for leaf, spec in self.param_specs(module).items()}
+        shard_experts(module, layouts, ctx.mesh.tp_group)
+        if self.row and hasattr(module, "intermediate_dim"):
+            row = layouts[self.row[0]]
+            module.intermediate_dim = row.local_shape[row.dim]
+        return module

@@ -1,0 +1,135 @@
+"""Sequence-parallel styles (Megatron-style SP; Paddle's names), for activations laid out [batch, seq, hidden].
+
+Inside the region every rank holds a slice of the sequence: norms run on it (their gradients are
+summed over tp), column-parallel layers all-gather it (reduce-scatter backward) and row-parallel
+layers reduce-scatter their output (all-gather backward) instead of all-reducing.
+
+For Hugging Face models the region starts at the first decoder layer's input
+(`SequenceParallelBegin(on="input")`): HF derives position ids and the causal mask from the
+embedding output's length, so the embedding output stays whole (Megatron reduce-scatters there).
+`need_transpose` is accepted for Paddle compatibility; batch-first activations need no transpose.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch.distributed import ProcessGroup
+
+from ..comm.regions import (
+    SEQ_DIM,
+    gather_from_sequence_parallel_region,
+    gather_from_tensor_parallel_region,
+    scatter_to_sequence_parallel_region,
+)
+from ..tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
+from ..tensor_parallel.replicated import sum_parameter_gradients
+from .base import ParallelStyle, PlanContext
+
+
+def split_sequence(x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
+    """This rank's slice of the sequence (all-gather of the gradient backward)."""
+    tp = dist.get_world_size(group)
+    if x.shape[SEQ_DIM] % tp:
+        raise ValueError(
+            f"sequence length {x.shape[SEQ_DIM]} is not divisible by the tensor-parallel size {tp} "
+            "(sequence parallelism); pad the batch to a multiple of tp"
+        )
+    return scatter_to_sequence_parallel_region(x, group, dim=SEQ_DIM)
+
+
+def gather_sequence(x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
+    """The whole sequence for replicated work (this rank's slice of the gradient backward)."""
+    return gather_from_tensor_parallel_region(x, group, dim=SEQ_DIM)
+
+
+def _map_first(value, fn):
+    """Apply `fn` to a module's main tensor: the tensor itself or the first element of a tuple."""
+    if torch.is_tensor(value):
+        return fn(value)
+    if isinstance(value, tuple) and value and torch.is_tensor(value[0]):
+        return (fn(value[0]), *value[1:])
+    raise TypeError(f"sequence parallelism expects a tensor or a tuple starting with one, got {type(value).__name__}")
+
+
+def _first_input_hook(fn):
+    def hook(module, args, kwargs):
+        if args:
+            return (_map_first(args[0], fn), *args[1:]), kwargs
+        if "hidden_states" in kwargs:
+            return args, {**kwargs, "hidden_states": fn(kwargs["hidden_states"])}
+        raise TypeError(f"{type(module).__name__}: no positional input or hidden_states keyword to (un)split")
+
+    return hook
+
+
+def _output_hook(fn):
+    return lambda module, args, output: _map_first(output, fn)
+
+
+class SequenceParallelBegin(ParallelStyle):
+    """Enter the region: split the module's output (or, with on="input", its first input) along the sequence."""
+
+    def __init__(self, need_transpose: bool = True, on: str = "output") -> None:
+        if on not in ("input", "output"):
+            raise ValueError(f"SequenceParallelBegin(on={on!r}): allowed values are 'input' and 'output'")
+        self.need_transpose, self.on = need_transpose, on
+
+    def apply(self, module, name, ctx: PlanContext):
+        split = lambda x: split_sequence(x, ctx.mesh.tp_group)  # noqa: E731
+        if self.on == "input":
+            module.register_forward_pre_hook(_first_input_hook(split), with_kwargs=True)
+        else:
+            module.register_forward_hook(_output_hook(split))
+        return module
+
+
+class SequenceParallelEnd(ParallelStyle):
+    """Leave the region before the module: a column-parallel layer all-gathers its input itself
+    (reduce-scatter backward); any other module gets the whole sequence (split backward)."""
+
+    def __init__(self, need_transpose: bool = True) -> None:
+        self.need_transpose = need_transpose
+
+    def apply(self, module, name, ctx: PlanContext):
+        if isinstance(module, ColumnParallelLinear):
+            module.sequence_parallel = True
+        else:
+            gather = lambda x: gather_sequence(x, ctx.mesh.tp_group)  # noqa: E731
+            module.register_forward_pre_hook(_first_input_hook(gather), with_kwargs=True)
+        return module
+
+
+class SequenceParallelEnable(ParallelStyle):
+    """Run the module on the local sequence slice (norms, dropout); its parameters' gradients are summed over tp."""
+
+    def apply(self, module, name, ctx: PlanContext):
+        if any(p.requires_grad for p in module.parameters(recurse=False)):
+            sum_parameter_gradients(module, ctx.mesh.tp_group)
+        return module
+
+
+class SequenceParallelDisable(ParallelStyle):
+    """Run the module on the whole sequence: its input is all-gathered at the module boundary (HF attention
+    reads the sequence length from its input). Column-parallel layers inside then skip their own entry
+    (the gather's backward reduce-scatters their partial gradients) and row-parallel layers reduce-scatter
+    their output; a module without them is replicated work: gather in (split backward), split out."""
+
+    def __init__(self, need_transpose: bool = True) -> None:
+        self.need_transpose = need_transpose
+
+    def apply(self, module, name, ctx: PlanContext):
+        group = ctx.mesh.tp_group
+        columns = [m for m in module.modules() if isinstance(m, ColumnParallelLinear)]
+        rows = [m for m in module.modules() if isinstance(m, RowParallelLinear)]
+        if columns or rows:
+            enter = lambda x: gather_from_sequence_parallel_region(x, group, dim=SEQ_DIM)  # noqa: E731
+            module.register_forward_pre_hook(_first_input_hook(enter), with_kwargs=True)
+            for layer in columns:
+                layer.enter_region = False
+            for layer in rows:
+                layer.sequence_parallel = True
+        else:
+            module.register_forward_pre_hook(_first_input_hook(lambda x: gather_sequence(x, group)), with_kwargs=True)
+            module.register_forward_hook(_output_hook(lambda x: split_sequence(x, group)))
+        return module
