@@ -79,6 +79,32 @@ def test_front_door_matches_single_device(pool, sequence_parallel, typed, kv_hea
         assert result["worst"] <= 1e-5 and result["optimizer"] == "SGD", result
 
 
+def save_front_door_checkpoint(path: str) -> None:
+    import optimum_parallel as op
+    from optimum_parallel.checkpoint import save_model_checkpoint
+
+    mesh = op.init_mesh(tp=2)
+    model = build_model(tiny_config("llama", num_key_value_heads=2))
+    model, _ = op.parallelize(model, mesh=mesh, config={"mp_config": {"parallelize_plan": llama_plan()}})
+    save_model_checkpoint(model, path)
+
+
+def test_front_door_checkpoint_carries_head_counts_and_reshards_by_them(pool, tmp_path):
+    """The styles' shard specs reach the index: at tp=4 the 2 kv heads are replicated, never cut in half."""
+    import optimum_parallel as op
+    from optimum_parallel.checkpoint import read_index
+
+    pool.run(save_front_door_checkpoint, str(tmp_path / "tp2"))
+    saved = read_index(tmp_path / "tp2").tensors["model.layers.0.self_attn.k_proj.weight"]
+    assert saved.parts == [[32, 2]], saved.parts
+    op.reshard_checkpoint(tmp_path / "tp2", tmp_path / "tp4", tp=4, progress=False)
+    resharded = read_index(tmp_path / "tp4").tensors["model.layers.0.self_attn.k_proj.weight"]
+    assert [(s.tp_ranks, s.ranges, s.replicas) for s in resharded.shards] == [
+        ([0, 1], [[0, 16]], 2),
+        ([2, 3], [[16, 32]], 2),
+    ]
+
+
 def check_bad_config(case: str) -> tuple[str, str, bool]:
     import optimum_parallel as op
 

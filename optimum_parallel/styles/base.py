@@ -54,6 +54,20 @@ class ParallelStyle:
         return f"{type(self).__name__}({fields})"
 
 
+class HeadSplitStyle(ParallelStyle):
+    """A style that splits its module in whole heads (`units`; None: in rows). `replicates_heads`: fewer heads
+    than ranks is allowed, each head then living on tp / heads ranks (column splits of kv heads)."""
+
+    replicates_heads = False
+
+    def __init__(self, units: int | None = None) -> None:
+        self.units = units
+
+    def check(self, module: nn.Module, name: str, ctx: PlanContext) -> None:
+        super().check(module, name, ctx)
+        check_style_heads(self.units, ctx.mesh.tp_size, name, allow_replication=self.replicates_heads)
+
+
 @dataclass(frozen=True)
 class optional:  # noqa: N801 - reads as a marker in plans: {"lm_head": optional(ColWiseParallel())}
     """Mark a plan entry that may match nothing (model-family plans covering several variants)."""

@@ -6,10 +6,10 @@ from torch import nn
 
 from ..tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
 from ..tensor_parallel.spec import ShardSpec, shard_parameter
-from .base import ParallelStyle, check_style_heads
+from .base import HeadSplitStyle, ParallelStyle
 
 
-class ColWiseParallel(ParallelStyle):
+class ColWiseParallel(HeadSplitStyle):
     """Split a Linear's output features (torch weight dim 0) over tp.
 
     units: split in whole blocks (attention heads); fewer heads than ranks replicates each head
@@ -18,13 +18,10 @@ class ColWiseParallel(ParallelStyle):
 
     allowed_modules = (nn.Linear,)
     swaps_module = True
+    replicates_heads = True
 
     def __init__(self, gather_output: bool = False, units: int | None = None) -> None:
         self.gather_output, self.units = gather_output, units
-
-    def check(self, module, name, ctx):
-        super().check(module, name, ctx)
-        check_style_heads(self.units, ctx.mesh.tp_size, name)
 
     def param_specs(self, module):
         specs = {"weight": ShardSpec.split(module.weight.shape, 0, self.units)}
@@ -42,7 +39,7 @@ class ColWiseParallel(ParallelStyle):
         )
 
 
-class RowWiseParallel(ParallelStyle):
+class RowWiseParallel(HeadSplitStyle):
     """Split a Linear's input features (torch weight dim 1), or an Embedding's rows (the vocabulary)."""
 
     allowed_modules = (nn.Linear, nn.Embedding)
@@ -50,10 +47,6 @@ class RowWiseParallel(ParallelStyle):
 
     def __init__(self, input_is_parallel: bool = True, units: int | None = None) -> None:
         self.input_is_parallel, self.units = input_is_parallel, units
-
-    def check(self, module, name, ctx):
-        super().check(module, name, ctx)
-        check_style_heads(self.units, ctx.mesh.tp_size, name, allow_replication=False)
 
     def param_specs(self, module):
         if isinstance(module, nn.Embedding):
@@ -69,7 +62,7 @@ class RowWiseParallel(ParallelStyle):
         return RowParallelLinear.from_linear(module, ctx.mesh.tp_group, self.units, self.input_is_parallel)
 
 
-class LocalColWiseEmbedding(ParallelStyle):
+class LocalColWiseEmbedding(HeadSplitStyle):
     """Split an Embedding's columns (dim 1) in whole `units` and keep its output split: no communication.
 
     For per-head tables such as T5's relative attention bias (buckets x heads): each rank looks up
@@ -79,13 +72,6 @@ class LocalColWiseEmbedding(ParallelStyle):
     swaps_module = True
 
     allowed_modules = (nn.Embedding,)
-
-    def __init__(self, units: int | None = None) -> None:
-        self.units = units
-
-    def check(self, module, name, ctx):
-        super().check(module, name, ctx)
-        check_style_heads(self.units, ctx.mesh.tp_size, name, allow_replication=False)
 
     def param_specs(self, module):
         return {"weight": ShardSpec.split(module.weight.shape, 1, self.units)}

@@ -9,7 +9,7 @@ from torch import nn
 from ..tensor_parallel.conv1d import CONV1D_TYPES, ColumnParallelConv1D, RowParallelConv1D
 from ..tensor_parallel.packed import PackedColumnParallelLinear
 from ..tensor_parallel.spec import ShardSpec, local_parameter
-from .base import ParallelStyle, check_style_heads
+from .base import HeadSplitStyle, ParallelStyle, check_style_heads
 
 
 def _is_conv1d(module: nn.Module) -> bool:
@@ -92,19 +92,12 @@ class ColWiseConv1D(PackedColWiseParallel):
         super().__init__(parts=1, units=units)
 
 
-class RowWiseConv1D(ParallelStyle):
+class RowWiseConv1D(HeadSplitStyle):
     """Row split of a transformers `Conv1D` (weight [in, out]: split dim 0); the output is all-reduced."""
 
     swaps_module = True
 
     allowed_modules = CONV1D_TYPES
-
-    def __init__(self, units: int | None = None) -> None:
-        self.units = units
-
-    def check(self, module, name, ctx):
-        super().check(module, name, ctx)
-        check_style_heads(self.units, ctx.mesh.tp_size, name, allow_replication=False)
 
     def param_specs(self, module):
         specs = {"weight": ShardSpec.split(module.weight.shape, 0, self.units)}
