@@ -7,6 +7,7 @@ from .frontends.config import ParallelConfig, PipelineParallelConfig, TensorPara
 from .frontends.manager import ParallelizersManager, UnsupportedModelError
 from .frontends.parallelize import parallelize
 from .frontends.parallelizer import Parallelizer
+from .integrations.peft import register as _register_peft
 from .integrations.transformers.lazy_loading import lazy_load_for_parallelism
 from .mesh import ParallelMesh, get_mesh, init_mesh, set_mesh
 from .pipeline import SplitPoint
@@ -23,6 +24,8 @@ from .styles import (
     SequenceParallelEnd,
     optional,
 )
+
+_register_peft()  # PEFT layers around planned modules are split with them (peft itself is imported only if used)
 
 __version__ = "0.1.0"
 

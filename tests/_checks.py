@@ -114,3 +114,14 @@ def count_collectives(num_layers: int, tp: int, sequence_parallel: bool = False)
         for owner, name, fn in originals:
             setattr(owner, name, fn)
     return calls
+
+
+def error_and_whether_untouched(model, call) -> tuple[str, str, bool]:
+    """(error type, message, whether every parameter of `model` is still the same object) of `call()`, which
+    should raise ValueError or TypeError before it changes anything; ("", "no error", False) if it does not raise."""
+    before = dict(model.named_parameters())
+    try:
+        call()
+    except (ValueError, TypeError) as err:
+        return type(err).__name__, str(err), all(p is before[n] for n, p in model.named_parameters())
+    return "", "no error", False

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from _checks import error_and_whether_untouched
 from _models import build_model, make_batch, rel_err, tiny_config
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -110,7 +111,6 @@ def check_bad_config(case: str) -> tuple[str, str, bool]:
 
     mesh = op.init_mesh(tp=2)
     model = build_model(tiny_config("llama"))
-    before = {n: p for n, p in model.named_parameters()}
     plan = llama_plan()
     configs = {
         "unknown_section": {"xp_config": {}},
@@ -131,13 +131,7 @@ def check_bad_config(case: str) -> tuple[str, str, bool]:
     if case in ("split_count", "bad_schedule"):
         mesh = op.init_mesh(pp=2, tp=1)
         model = build_model(tiny_config("llama", num_hidden_layers=4))
-        before = {n: p for n, p in model.named_parameters()}
-    try:
-        op.parallelize(model, None, mesh, configs[case])
-    except (ValueError, TypeError) as err:
-        unchanged = all(p is before[n] for n, p in model.named_parameters())
-        return type(err).__name__, str(err), unchanged
-    return "", "no error", False
+    return error_and_whether_untouched(model, lambda: op.parallelize(model, None, mesh, configs[case]))
 
 
 @pytest.mark.parametrize(

@@ -7,6 +7,7 @@ import copy
 import pytest
 import torch
 import torch.distributed as dist
+from _checks import error_and_whether_untouched
 from _models import build_model, make_batch, rel_err, tiny_config
 
 WORLD_SIZE = 2  # worker processes of this module's `pool` (conftest.py)
@@ -67,7 +68,6 @@ def check_bad_plan(case: str) -> tuple[str, str, bool]:
 
     mesh = op.init_mesh(tp=2)
     model = build_model(tiny_config("llama"))
-    before = {n: p for n, p in model.named_parameters()}
     plan = user_plan()
     if case == "unknown_key":
         plan["model.layers.*.self_attn.qkv_proj"] = op.ColWiseParallel()
@@ -79,12 +79,7 @@ def check_bad_plan(case: str) -> tuple[str, str, bool]:
         plan["model.layers.(*"] = op.ColWiseParallel()
     elif case == "heads":
         plan["model.layers.*.self_attn.q_proj"] = op.ColWiseParallel(units=3)
-    try:
-        op.apply_plan(model, plan, mesh)
-    except (ValueError, TypeError) as err:
-        unchanged = all(p is before[n] for n, p in model.named_parameters())
-        return type(err).__name__, str(err), unchanged
-    return "", "no error", False
+    return error_and_whether_untouched(model, lambda: op.apply_plan(model, plan, mesh))
 
 
 @pytest.mark.parametrize(

@@ -18,6 +18,7 @@ from ..mesh import ParallelMesh, get_mesh
 from ..pipeline import SCHEDULES
 from ..pipeline.split import find_layer_list, stage_layers
 from ..plan import check_plan
+from ..plan.wrappers import plan_root
 from .config import ParallelConfig, PipelineParallelConfig
 
 
@@ -37,20 +38,21 @@ def parallelize(
         warnings.warn("parallelize: config has no dp_config, mp_config or pp_config; nothing to do", stacklevel=2)
         return model, optimizer
     mesh = _resolve_mesh(mesh, parsed)
+    inner = plan_root(model)  # the transformers model inside a PeftModel: plans name its modules
     if parsed.pp_config is not None:
-        _check_pipeline_config(model, parsed.pp_config, mesh)
+        _check_pipeline_config(inner, parsed.pp_config, mesh)
     if parsed.mp_config is not None:
-        check_plan(model, parsed.mp_config.parallelize_plan, mesh)
+        check_plan(inner, parsed.mp_config.parallelize_plan, mesh)
 
     pipeline = None
     if parsed.pp_config is not None:
         pp = parsed.pp_config
         pipeline = PipelineRequest(pp.split_spec, pp.num_microbatches or mesh.size("pp"), pp.schedule)
     plan = parsed.mp_config.parallelize_plan if parsed.mp_config is not None else None
-    model, optimizer, _ = compose(
-        model, mesh, plan, pipeline=pipeline, optimizer=optimizer, data_parallel=parsed.dp_config
+    parallel, optimizer, _ = compose(
+        inner, mesh, plan, pipeline=pipeline, optimizer=optimizer, data_parallel=parsed.dp_config
     )
-    return model, optimizer
+    return (model if inner is not model else parallel), optimizer
 
 
 def _check_pipeline_config(model: nn.Module, config: PipelineParallelConfig, mesh: ParallelMesh) -> None:

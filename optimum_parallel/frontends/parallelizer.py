@@ -11,6 +11,7 @@ from torch import nn
 from ..checkpoint import load_model_checkpoint, save_model_checkpoint
 from ..engine.compose import PipelineRequest, compose_model, optimizer_for_parallel_model
 from ..mesh import ParallelMesh, get_mesh
+from ..plan.wrappers import plan_root
 
 
 class Parallelizer:
@@ -88,15 +89,16 @@ class Parallelizer:
             raise ValueError(
                 f"pipeline_parallel_num_microbatches={pipeline_parallel_num_microbatches} needs a mesh with pp > 1"
             )
-        cls.check(model, mesh)
-        plan = cls.plan(model, mesh, parallelize_embeddings, sequence_parallel_enabled)
+        inner = plan_root(model)  # the transformers model inside a PeftModel: plans name its modules
+        cls.check(inner, mesh)
+        plan = cls.plan(inner, mesh, parallelize_embeddings, sequence_parallel_enabled)
         pipeline = None
         if pipelined:
-            split = cls.pipeline_split_spec(model)
+            split = cls.pipeline_split_spec(inner)
             pipeline = PipelineRequest(split, pipeline_parallel_num_microbatches, pipeline_parallel_schedule)
         # a sharded checkpoint about to be loaded replaces the HF weights: allocate instead of reading them
         model.orig_param_to_parallel_param = compose_model(
-            model,
+            inner,
             mesh,
             plan,
             after_plan=cls.after_plan,

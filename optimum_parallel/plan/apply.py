@@ -19,6 +19,7 @@ from ..styles import ParallelStyle, PlanContext, optional
 from ..tensor_parallel.layers import ColumnParallelLinear
 from ..tensor_parallel.spec import ShardLayout
 from .fixups import install_vocab_parallel_loss, localize_attention_heads, retie_shared_parameters
+from .wrappers import HANDLERS, handler_for, style_target
 
 
 def _as_styles(key: str, value) -> list[ParallelStyle]:
@@ -66,7 +67,7 @@ def check_plan(model: nn.Module, plan: Mapping[str, object], mesh: ParallelMesh)
     ctx = PlanContext(mesh)
     targets = resolve_plan(model, plan)
     for name, styles in targets.items():
-        module = model.get_submodule(name)
+        module = style_target(model.get_submodule(name))
         for style in styles:
             style.check(module, name, ctx)
     return targets
@@ -84,11 +85,19 @@ def apply_plan(model: nn.Module, plan: Mapping[str, object], mesh: ParallelMesh)
     original = dict(model.named_parameters(remove_duplicate=False))
     for swapping in (True, False):
         for name, styles in targets.items():
-            module = model.get_submodule(name)
+            wrapper = model.get_submodule(name)
+            module = style_target(wrapper)
             for style in styles:
                 if style.swaps_module == swapping:
                     module = style.apply(module, name, ctx)
-            _replace_submodule(model, name, module)
+            if module is wrapper or wrapper is style_target(wrapper):
+                _replace_submodule(model, name, module)
+            elif wrapper.base_layer is not module:  # a wrapper (LoRA) around the swapped layer: its own
+                wrapper.base_layer = module  # parameters are split to follow the layer's split
+                handler_for(wrapper).parallelize(wrapper, ctx)
+    for handler in HANDLERS.values():
+        if handler.after_apply is not None:
+            handler.after_apply(model, ctx)
     retie_shared_parameters(model, original)
     install_vocab_parallel_loss(model)
     localize_attention_heads(model)

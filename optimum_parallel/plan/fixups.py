@@ -6,6 +6,7 @@ from torch import nn
 
 from ..tensor_parallel.layers import ColumnParallelLinear
 from ..tensor_parallel.loss import VocabParallelLMLoss
+from .wrappers import unwrap
 
 
 def retie_shared_parameters(model: nn.Module, original: dict[str, nn.Parameter]) -> None:
@@ -35,9 +36,10 @@ def localize_attention_heads(model: nn.Module) -> None:
         head_dim = getattr(module, "head_dim", None)
         if not isinstance(head_dim, int) or head_dim <= 0:
             continue
+        columns = {name: unwrap(child) for name, child in module.named_children()}
         local = {
             name: divmod(child.weight.shape[0], head_dim)
-            for name, child in module.named_children()
+            for name, child in columns.items()
             if isinstance(child, ColumnParallelLinear) and not child.gather_output
         }
         whole = {name: heads for name, (heads, rest) in local.items() if rest == 0 and heads > 0}
@@ -59,6 +61,12 @@ def install_vocab_parallel_loss(model: nn.Module) -> None:
     """A column-parallel LM head without gathered output needs the vocab-parallel loss."""
     get_head = getattr(model, "get_output_embeddings", None)
     head = get_head() if get_head is not None else None
+    if head is not None and unwrap(head) is not head and isinstance(unwrap(head), ColumnParallelLinear):
+        raise NotImplementedError(
+            f"an adapter on the vocab-parallel LM head ({type(head).__name__}) is not supported yet; "
+            "leave the LM head out of the adapter's target modules (or keep it whole with "
+            "ColWiseParallel(gather_output=True))"
+        )
     if not isinstance(head, ColumnParallelLinear) or head.gather_output:
         return
     loss_type = getattr(model, "loss_type", None)

@@ -87,6 +87,16 @@ class ColumnParallelLinear(_ShardedModule):
         )
 
     @property
+    def input_size(self) -> int:
+        """Megatron's name for the global input size (PEFT sizes adapters by it)."""
+        return self.in_features
+
+    @property
+    def output_size(self) -> int:
+        """Megatron's name for the global output size."""
+        return self.out_features
+
+    @property
     def output_sizes(self) -> list[int]:
         return shard_sizes(self.out_features, dist.get_world_size(self.group))
 
@@ -149,6 +159,16 @@ class RowParallelLinear(_ShardedModule):
                 linear.bias, ShardSpec(linear.bias.shape).local(rank, world), linear.bias.requires_grad
             )
         return cls(weight, bias, group, input_is_parallel, sequence_parallel)
+
+    @property
+    def input_size(self) -> int:
+        """Megatron's name for the global input size (PEFT sizes adapters by it)."""
+        return self.in_features
+
+    @property
+    def output_size(self) -> int:
+        """Megatron's name for the global output size."""
+        return self.out_features
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.input_is_parallel:

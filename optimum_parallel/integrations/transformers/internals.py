@@ -1,4 +1,4 @@
-"""Every contact with transformers' (and accelerate's) private internals, named once and checked loudly.
+"""Every contact with transformers' (and accelerate's, peft's) private internals, named once and checked loudly.
 
 Private symbols change between releases without notice. Each one this package touches is listed here with
 what it is for; code reaches it through `transformers_internal(name)`, which raises `InternalsChanged`
@@ -74,6 +74,12 @@ INTERNALS: dict[str, Internal] = {
     ),
     "trainer.TRAINING_ARGS_NAME": Internal(
         "transformers.trainer", "TRAINING_ARGS_NAME", "ParallelTrainer: the arguments file of save_model"
+    ),
+    "LoraModel._create_new_module": Internal(
+        "peft.tuners.lora.model",
+        "LoraModel._create_new_module",
+        "get_peft_model on a tensor-parallel model: PEFT's LoRA dispatch learns the parallel layers",
+        ("lora_config", "adapter_name", "target"),
     ),
     "Trainer._prepare_inputs": Internal(
         "transformers.trainer", "Trainer._prepare_inputs", "ParallelTrainer: batches moved under pp", ("self", "inputs")

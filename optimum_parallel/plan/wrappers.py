@@ -1,0 +1,57 @@
+"""Layers that wrap the module a plan names (PEFT's LoRA layers wrap `q_proj` around a `base_layer`).
+
+A style applies to the wrapped layer; the wrapper's handler, registered by its integration, then splits the
+wrapper's own parameters to match (`handler.parallelize(wrapper, ctx)`). The engine knows no wrapper library:
+integrations register handlers here.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from torch import nn
+
+
+@dataclass(frozen=True)
+class WrapperHandler:
+    """`matches(module)`: is this a wrapper the handler knows; `parallelize(wrapper, ctx)`: split its own
+    parameters once its `base_layer` has been swapped; `after_apply(model, ctx)`: anything to do once the
+    whole plan has been applied (e.g. make later-created wrappers work)."""
+
+    name: str
+    matches: Callable[[nn.Module], bool]
+    parallelize: Callable[[nn.Module, object], None]
+    after_apply: Callable[[nn.Module, object], None] | None = None
+
+
+HANDLERS: dict[str, WrapperHandler] = {}
+
+
+def register_wrapper_handler(handler: WrapperHandler) -> None:
+    HANDLERS[handler.name] = handler
+
+
+def handler_for(module: nn.Module) -> WrapperHandler | None:
+    return next((h for h in HANDLERS.values() if h.matches(module)), None)
+
+
+def style_target(module: nn.Module) -> nn.Module:
+    """The module a style acts on: a known wrapper's `base_layer`, else the module itself."""
+    base = getattr(module, "base_layer", None)
+    return base if isinstance(base, nn.Module) and handler_for(module) is not None else module
+
+
+def unwrap(module: nn.Module) -> nn.Module:
+    """The innermost wrapped layer (for code that looks for parallel layers by type)."""
+    while (inner := style_target(module)) is not module:
+        module = inner
+    return module
+
+
+def plan_root(model: nn.Module) -> nn.Module:
+    """The model a plan names: the transformers model inside an adapter wrapper (PEFT's `PeftModel`), else `model`.
+    Plan keys and pipeline split specs are written against the transformers model's own module names."""
+    if hasattr(model, "peft_config") and callable(getattr(model, "get_base_model", None)):
+        return model.get_base_model()
+    return model

@@ -1,0 +1,90 @@
+"""LoRA (PEFT) under tensor parallelism, in both orders, against the single-device PEFT model: loss, every LoRA
+gradient, the loss after AdamW steps, frozen base weights, and the collectives the adapters add."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from _checks import TOL
+from _models import build_model, make_batch, rel_err, tiny_config
+
+pytest.importorskip("peft")
+
+TARGETS = ["q_proj", "v_proj", "down_proj"]  # column (q: 4 heads, v: 2 kv heads) and row-parallel bases
+
+
+def lora_config():
+    from peft import LoraConfig
+
+    # random A and B (PEFT's default B = 0 would make A's gradient 0 at the first step, testing nothing)
+    return LoraConfig(r=4, lora_alpha=8, target_modules=TARGETS, lora_dropout=0.0, init_lora_weights=False)
+
+
+def _peft(model):
+    from peft import get_peft_model
+
+    torch.manual_seed(123)  # the adapters' init draws the same numbers on every rank and on one device
+    return get_peft_model(model, lora_config())
+
+
+def check_lora(order: str, tp: int, sequence_parallel: bool = False) -> dict:
+    import torch.distributed as dist
+
+    import optimum_parallel as op
+
+    op.init_mesh(dp=dist.get_world_size() // tp, tp=tp)
+    config = tiny_config("llama", num_key_value_heads=2)  # tp=4 replicates the 2 kv heads (and v's adapter B)
+    base = build_model(config)
+    reference = _peft(copy.deepcopy(base))
+    parallelizer = op.ParallelizersManager.parallelizer_for_model(base)
+    if order == "peft_first":
+        model = parallelizer.parallelize(_peft(copy.deepcopy(base)), sequence_parallel_enabled=sequence_parallel)
+    else:
+        model = _peft(parallelizer.parallelize(copy.deepcopy(base), sequence_parallel_enabled=sequence_parallel))
+    frozen = {n: p.detach().clone() for n, p in model.named_parameters() if not p.requires_grad}
+    trainable = [n for n, p in model.named_parameters() if p.requires_grad]
+
+    batch = make_batch(config)
+    ref_loss, loss = reference(**batch).loss, model(**batch).loss
+    ref_loss.backward()
+    loss.backward()
+    expected = dict(reference.named_parameters())
+    grads = {}
+    for name in trainable:
+        param, full = dict(model.named_parameters())[name], expected[name].grad
+        layout = getattr(param, "shard_layout", None)
+        grads[name] = rel_err(param.grad, layout.slice(full) if layout is not None else full)
+
+    ref_opt = torch.optim.AdamW([p for p in reference.parameters() if p.requires_grad], lr=1e-2)
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+    steps = []
+    for _ in range(3):
+        for o in (ref_opt, opt):
+            o.step()
+            o.zero_grad()
+        ref_loss, loss = reference(**batch).loss, model(**batch).loss
+        ref_loss.backward()
+        loss.backward()
+        steps.append(rel_err(loss, ref_loss))
+    return {
+        "loss": rel_err(model(**batch).loss, reference(**batch).loss),
+        "worst_grad": max(grads.values()),
+        "n_lora_grads": len(grads),
+        "trainable_are_lora": all(".lora_" in n for n in trainable),
+        "base_unchanged": all(torch.equal(p, frozen[n]) for n, p in model.named_parameters() if n in frozen),
+        "steps": max(steps),
+    }
+
+
+@pytest.mark.parametrize(
+    "order,tp,sequence_parallel",
+    [("peft_first", 2, False), ("parallel_first", 2, False), ("peft_first", 4, False), ("parallel_first", 2, True)],
+    ids=["peft-then-tp2", "tp2-then-peft", "peft-then-tp4", "peft-then-tp2-sp"],
+)
+def test_lora_matches_single_device_peft(pool, order, tp, sequence_parallel):
+    for rank, result in enumerate(pool.run(check_lora, order, tp, sequence_parallel)):
+        assert result["n_lora_grads"] == 2 * len(TARGETS) * 2, result  # A and B of 3 targets x 2 layers
+        assert result["trainable_are_lora"] and result["base_unchanged"], result
+        assert max(result["loss"], result["worst_grad"], result["steps"]) <= TOL, f"rank {rank}: {result}"
