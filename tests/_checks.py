@@ -78,13 +78,20 @@ def worst_loss_over_steps(reference, parallel, ref_optimizer, optimizer, batch: 
     return max(errors)
 
 
-def count_collectives(num_layers: int, tp: int, sequence_parallel: bool = False) -> list[tuple[str, str, int, bool]]:
-    """(phase, collective, elements, async) for every torch.distributed call of one forward+backward."""
+def count_collectives(
+    num_layers: int, tp: int, sequence_parallel: bool = False, *, lora_targets: tuple[str, ...] = ()
+) -> list[tuple[str, str, int, bool]]:
+    """(phase, collective, elements, async) for every torch.distributed call of one forward+backward
+    (of a PEFT LoRA model on `lora_targets`, if given)."""
     import optimum_parallel as op
 
     op.init_mesh(dp=dist.get_world_size() // tp, tp=tp)
     config = tiny_config("llama", num_hidden_layers=num_layers)
     model = build_model(config)
+    if lora_targets:
+        from peft import LoraConfig, get_peft_model
+
+        model = get_peft_model(model, LoraConfig(r=4, target_modules=list(lora_targets), init_lora_weights=False))
     model = op.ParallelizersManager.parallelizer_for_model(model).parallelize(
         model, sequence_parallel_enabled=sequence_parallel
     )

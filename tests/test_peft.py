@@ -4,10 +4,11 @@ gradient, the loss after AdamW steps, frozen base weights, and the collectives t
 from __future__ import annotations
 
 import copy
+from collections import Counter
 
 import pytest
 import torch
-from _checks import TOL
+from _checks import TOL, count_collectives
 from _models import build_model, make_batch, rel_err, tiny_config
 
 pytest.importorskip("peft")
@@ -88,3 +89,26 @@ def test_lora_matches_single_device_peft(pool, order, tp, sequence_parallel):
         assert result["n_lora_grads"] == 2 * len(TARGETS) * 2, result  # A and B of 3 targets x 2 layers
         assert result["trainable_are_lora"] and result["base_unchanged"], result
         assert max(result["loss"], result["worst_grad"], result["steps"]) <= TOL, f"rank {rank}: {result}"
+
+
+def test_lora_adds_no_collective(pool):
+    """Without SP the adapters ride on the base layers' collectives: the same calls, each a little larger
+    ([x | u] at the column entries, [W x | A x] at the row exits). Under SP the replicated adapter matrices get the
+    sequence-parallel parameter all-reduce (one per adapter, r x hidden), as trainable norms do; nothing else."""
+    plain = pool.run(count_collectives, 1, 2)[0]
+    lora = pool.run(count_collectives, 1, 2, lora_targets=tuple(TARGETS))[0]
+    assert [(p, c) for p, c, _, _ in lora] == [(p, c) for p, c, _, _ in plain]
+    assert sum(n for *_, n, _ in lora) > sum(n for *_, n, _ in plain)
+
+    plain_sp = pool.run(count_collectives, 1, 2, True)[0]
+    lora_sp = pool.run(count_collectives, 1, 2, True, lora_targets=tuple(TARGETS))[0]
+
+    def parameter_sized(call) -> bool:  # norm weights (frozen under LoRA) and the adapter matrices
+        phase, collective, elements, _ = call
+        return phase == "backward" and collective == "all_reduce" and elements <= 4 * 64
+
+    # the frozen embeddings need no input gradient: autograd skips layer 0's entry collectives backward
+    activations = Counter((p, c) for p, c, n, a in lora_sp if not parameter_sized((p, c, n, a)))
+    baseline = Counter((p, c) for p, c, n, a in plain_sp if not parameter_sized((p, c, n, a)))
+    assert activations <= baseline and activations[("forward", "all_gather")] == baseline[("forward", "all_gather")]
+    assert [n for call in lora_sp if parameter_sized(call) for n in [call[2]]] == [4 * 64] * len(TARGETS)

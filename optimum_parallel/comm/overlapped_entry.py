@@ -150,6 +150,12 @@ class RegionEntry:
             return _LinearWithPendingWeightGrad.apply(entry.entered, alias[1], bias, entry.pending, alias[2])
         return F.linear(entry.entered, weight, bias)
 
+    def remember(self, x: torch.Tensor, group: ProcessGroup, sequence_parallel: bool, entered: torch.Tensor) -> None:
+        """Record that `x` entered the region as `entered` through a collective made elsewhere (e.g. one that
+        carried LoRA activations along): layers reading `x` next reuse it instead of entering again."""
+        if entered.requires_grad:
+            self._last = _Entry(weakref.ref(x), x._version, group, sequence_parallel, entered)
+
     def _entry(self, x: torch.Tensor, group: ProcessGroup, sequence_parallel: bool, layer) -> _Entry:
         last = self._last
         if last is not None and last.matches(x, group, sequence_parallel):

@@ -10,7 +10,7 @@ from __future__ import annotations
 import importlib.util
 
 from ...plan.wrappers import WrapperHandler, register_wrapper_handler
-from .lora import is_peft_layer, shard_lora_layer
+from .lora import is_peft_layer, link_lora_siblings, shard_lora_layer
 
 
 def _parallelize(wrapper, ctx) -> None:
@@ -19,6 +19,7 @@ def _parallelize(wrapper, ctx) -> None:
 
 
 def _after_apply(model, ctx) -> None:
+    link_lora_siblings(model)
     if importlib.util.find_spec("peft") is not None:
         from .dispatch import install_peft_dispatch
 

@@ -1,16 +1,19 @@
 """LoRA (PEFT) adapters on tensor-parallel layers, split by the base layer's style.
 
 Column-parallel base (output features split): A is replicated and B split on its output dim exactly like the
-base weight (head parts included). The adapter reads the same entered input as the base layer, so the input
-gradient of both is all-reduced in the base layer's one backward collective. A's gradient is a sum over the
-output shards: it is all-reduced over tp (one parameter-sized r x in all-reduce per adapter, like a
-sequence-parallel norm's weight).
+base weight (head parts included). u = A x is computed before the tp region and enters it together with x:
+the first column layer of a block to run makes [x | u_q | u_v ...] for every adapter of its siblings (the
+layers that read the same input) and sends it through the block's one entry, so the backward all-reduce that
+sums the input gradient also sums each u's gradient and A's gradient is complete on every rank.
 
 Row-parallel base (input features split): A is split on its input dim and B replicated. The adapter's partial
 product A_local x_local joins the base layer's all-reduce (reduce-scatter under sequence parallelism):
 [W_local x_local | A_local x_local] go through one collective and B applies to the summed A x, so the adapter
-adds no collective and B's gradient is complete (summed over tp only under sequence parallelism, where each rank
-sees a slice of the sequence).
+adds no collective and B's gradient is complete.
+
+Under sequence parallelism each rank computes the replicated matrix's product (A x on a column base, B z on a
+row base) on its slice of the sequence, so that matrix's gradient is summed over tp, as Megatron sums a
+sequence-parallel norm's.
 
 Dropout on the adapter input draws its mask on each rank; on a column-parallel base the input is replicated, so
 each output shard sees its own mask (a valid dropout, not the single-device one: compare with dropout 0).
@@ -18,6 +21,9 @@ Merging (`merge_and_unload`) works shard by shard: B_local A and B A_local have 
 """
 
 from __future__ import annotations
+
+import weakref
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -90,6 +96,7 @@ def shard_lora_layer(wrapper: nn.Module, rank: int, tp: int) -> None:
             _shard(b, ShardSpec(tuple(b.weight.shape), 0, base_spec.parts), rank, tp)
         else:
             _shard(a, ShardSpec(tuple(a.weight.shape), 1, base_spec.parts), rank, tp)
+    base.__dict__["_lora_wrapper"] = weakref.ref(wrapper)
     wrapper.__class__ = _parallel_class(type(wrapper))
 
 
@@ -120,22 +127,96 @@ def _forward(self, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
     return _row_forward(self, x, active)
 
 
+@dataclass
+class _JoinedEntry:
+    """x and the adapters' u = A x of a block's column layers, entered into the tp region in one collective."""
+
+    source: weakref.ref
+    version: int
+    entered: torch.Tensor  # x inside the region
+    adapters: dict[tuple[int, str], torch.Tensor]  # (id(layer), adapter) -> its u inside the region
+
+
+_last_joined: _JoinedEntry | None = None
+
+
+def _joined_entry(self, x: torch.Tensor, active: list[str]) -> _JoinedEntry:
+    """The block's entry of `x` with the u of every active adapter of this layer and its siblings."""
+    global _last_joined
+    last = _last_joined
+    if (
+        last is not None
+        and last.source() is x
+        and last.version == x._version
+        and (id(self), active[0]) in last.adapters
+    ):
+        return last
+    base = self.base_layer
+    layers = [self] + [s for s in _siblings(self) if s is not self]
+    keys, parts = [], [x]
+    for layer in layers:
+        for name in (n for n in layer.active_adapters if n in layer.lora_A):
+            a = layer.lora_A[name].weight
+            if base.sequence_parallel:  # A x on a slice of the sequence: A's gradient is summed over tp
+                a = copy_to_tensor_parallel_region(a, base.group)
+            keys.append(((id(layer), name), a.shape[0]))
+            parts.append(F.linear(layer.lora_dropout[name](x.to(a.dtype)), a).to(x.dtype))
+    joined = enter_region(torch.cat(parts, dim=-1), base.group, base.sequence_parallel)
+    hidden = x.shape[-1]
+    entered, adapters, offset = joined[..., :hidden], {}, hidden
+    for key, rank in keys:
+        adapters[key] = joined[..., offset : offset + rank]
+        offset += rank
+    enter_region.remember(x, base.group, base.sequence_parallel, entered)  # plain siblings reuse the entry
+    _last_joined = _JoinedEntry(weakref.ref(x), x._version, entered, adapters) if entered.requires_grad else None
+    return _JoinedEntry(weakref.ref(x), x._version, entered, adapters)
+
+
 def _column_forward(self, x: torch.Tensor, active: list[str]) -> torch.Tensor:
     base = self.base_layer
-    entered = enter_region(x, base.group, base.sequence_parallel) if base.enter_region else x
+    if base.enter_region:
+        joined = _joined_entry(self, x, active)
+    else:  # the block gathered the whole sequence already (sequence parallelism): A's gradient is summed over tp
+        adapters = {}
+        for name in active:
+            a = copy_to_tensor_parallel_region(self.lora_A[name].weight, base.group)
+            adapters[(id(self), name)] = F.linear(self.lora_dropout[name](x.to(a.dtype)), a)
+        joined = _JoinedEntry(weakref.ref(x), x._version, x, adapters)
     weight, bias = base.weight, base.bias
     if base.replica_group is not None:  # replicated heads: their gradients are summed over the replicas
         weight = copy_to_tensor_parallel_region(weight, base.replica_group)
         bias = copy_to_tensor_parallel_region(bias, base.replica_group) if bias is not None else None
-    result = F.linear(entered, weight, bias)
+    result = F.linear(joined.entered, weight, bias)
     for name in active:
-        a = copy_to_tensor_parallel_region(self.lora_A[name].weight, base.group)  # A's gradient: summed over tp
         b = self.lora_B[name].weight
         if base.replica_group is not None:
             b = copy_to_tensor_parallel_region(b, base.replica_group)
-        hidden = self.lora_dropout[name](entered.to(a.dtype))
-        result = result + (F.linear(F.linear(hidden, a), b) * self.scaling[name]).to(result.dtype)
+        u = joined.adapters[(id(self), name)]
+        result = result + (F.linear(u.to(b.dtype), b) * self.scaling[name]).to(result.dtype)
     return result
+
+
+def _siblings(layer: nn.Module) -> list[nn.Module]:
+    """The column-parallel LoRA layers that may read the same input as `layer` (itself included)."""
+    refs = layer.__dict__.get("_lora_siblings")
+    if refs is None:  # adapters added after the split: the base layers know their siblings
+        bases = [layer.base_layer] + [ref() for ref in layer.base_layer.__dict__.get("_entry_siblings", ())]
+        refs = [w for b in bases if b is not None and (w := b.__dict__.get("_lora_wrapper")) is not None]
+    return [s for ref in refs if (s := ref()) is not None]
+
+
+def link_lora_siblings(model: nn.Module) -> None:
+    """Tell every column-parallel LoRA layer the others of its parent module (q/k/v, gate/up): the first of them to
+    run carries all their adapter activations through the block's one entry."""
+    for parent in model.modules():
+        columns = [
+            c
+            for c in parent.children()
+            if isinstance(getattr(c, "base_layer", None), ColumnParallelLinear)
+            and type(c) in _PARALLEL_CLASSES.values()
+        ]
+        for column in columns:
+            column.__dict__["_lora_siblings"] = tuple(weakref.ref(c) for c in columns)
 
 
 def _row_forward(self, x: torch.Tensor, active: list[str]) -> torch.Tensor:
