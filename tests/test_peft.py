@@ -112,3 +112,51 @@ def test_lora_adds_no_collective(pool):
     baseline = Counter((p, c) for p, c, n, a in plain_sp if not parameter_sized((p, c, n, a)))
     assert activations <= baseline and activations[("forward", "all_gather")] == baseline[("forward", "all_gather")]
     assert [n for call in lora_sp if parameter_sized(call) for n in [call[2]]] == [4 * 64] * len(TARGETS)
+
+
+def export_adapter_and_merge(order: str, adapter_dir: str, merged_dir: str) -> None:
+    import torch.distributed as dist
+
+    import optimum_parallel as op
+    from optimum_parallel.checkpoint import save_model_checkpoint
+
+    op.init_mesh(dp=dist.get_world_size() // 2, tp=2)
+    base = build_model(tiny_config("llama", num_key_value_heads=2))
+    parallelizer = op.ParallelizersManager.parallelizer_for_model(base)
+    if order == "peft_first":
+        model = parallelizer.parallelize(_peft(base))
+    else:
+        model = _peft(parallelizer.parallelize(base))
+    model.save_pretrained(adapter_dir)  # every rank: the shards are gathered over tp
+    merged = model.merge_and_unload()
+    save_model_checkpoint(merged, merged_dir, as_regular=True, as_sharded=False)
+
+
+@pytest.mark.parametrize("order", ["peft_first", "parallel_first"])
+def test_adapter_saves_as_a_standard_peft_adapter_and_merges_like_one_device(pool, tmp_path, order):
+    from peft import PeftModel
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    pool.run(export_adapter_and_merge, order, str(tmp_path / "adapter"), str(tmp_path / "merged"))
+    assert sorted(p.name for p in (tmp_path / "adapter").iterdir()) == [
+        "README.md",
+        "adapter_config.json",
+        "adapter_model.safetensors",
+    ]
+    config = tiny_config("llama", num_key_value_heads=2)
+    reference = _peft(build_model(config))
+    expected = {n: p for n, p in reference.named_parameters() if ".lora_" in n}
+    saved = load_file(tmp_path / "adapter" / "adapter_model.safetensors")
+    assert {n.replace(".weight", ".default.weight") for n in saved} == set(expected)
+    loaded = PeftModel.from_pretrained(build_model(config), tmp_path / "adapter")
+    for name, param in loaded.named_parameters():
+        if ".lora_" in name:
+            assert torch.equal(param, expected[name]), name
+    batch = make_batch(config)
+    assert rel_err(loaded(**batch).logits, reference(**batch).logits) == 0
+
+    merged = AutoModelForCausalLM.from_pretrained(tmp_path / "merged", dtype=torch.float32)
+    reference_merged = dict(reference.merge_and_unload().named_parameters())
+    for name, param in merged.named_parameters():
+        assert rel_err(param, reference_merged[name]) <= TOL, name

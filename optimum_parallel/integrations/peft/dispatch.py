@@ -1,4 +1,5 @@
-"""Teach PEFT to wrap this package's parallel layers: `get_peft_model` on an already parallel model.
+"""Teach PEFT this package's parallel layers: `get_peft_model` on an already parallel model, and adapters saved
+from a parallel model in PEFT's own format (whole tensors, loadable on one device).
 
 PEFT picks the LoRA layer for a target module through `LoraModel._create_new_module`, whose dispatchers know
 torch's layers, Megatron's and a few quantised ones. It is wrapped once: a target whose base is a
@@ -11,9 +12,10 @@ from __future__ import annotations
 
 import torch.distributed as dist
 
+from ...tensor_parallel.gather import gather_full
 from ...tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
 from ..transformers.internals import transformers_internal
-from .lora import shard_lora_layer
+from .lora import is_parallel_lora, shard_lora_layer
 
 _INSTALLED = False
 
@@ -37,4 +39,30 @@ def install_peft_dispatch() -> None:
         return module
 
     LoraModel._create_new_module = staticmethod(create_new_module)
+    _install_save()
     _INSTALLED = True
+
+
+def _install_save() -> None:
+    """`PeftModel.save_pretrained` of a tensor-parallel model writes whole adapter tensors, from rank 0 (call it on
+    every rank: the shards are gathered over tp); other models save exactly as before."""
+    from peft import PeftModel
+
+    original = PeftModel.save_pretrained
+
+    def save_pretrained(self, save_directory, *args, is_main_process: bool = True, **kwargs):
+        layers = [m for m in self.modules() if is_parallel_lora(m)]
+        if not layers or "state_dict" in kwargs:
+            return original(self, save_directory, *args, is_main_process=is_main_process, **kwargs)
+        groups = {id(p): layer.base_layer.group for layer in layers for p in layer.parameters(recurse=True)}
+        state = self.state_dict()
+        for name, param in self.named_parameters():
+            if id(param) in groups and name in state:
+                state[name] = gather_full(param, getattr(param, "shard_layout", None), groups[id(param)])
+        main = is_main_process and (not dist.is_initialized() or dist.get_rank() == 0)
+        result = original(self, save_directory, *args, is_main_process=main, state_dict=state, **kwargs)
+        if dist.is_initialized():
+            dist.barrier()
+        return result
+
+    PeftModel.save_pretrained = save_pretrained

@@ -54,6 +54,11 @@ def is_peft_layer(module: nn.Module) -> bool:
     return from_peft and isinstance(getattr(module, "base_layer", None), nn.Module)
 
 
+def is_parallel_lora(module: nn.Module) -> bool:
+    """A PEFT LoRA layer whose adapters were split over tp by `shard_lora_layer`."""
+    return type(module) in _PARALLEL_CLASSES.values()
+
+
 def _check_supported(wrapper: nn.Module) -> None:
     base = wrapper.base_layer
     if not isinstance(wrapper, _lora_linear_class()):
