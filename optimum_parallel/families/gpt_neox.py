@@ -3,31 +3,23 @@ head h), so a plain split in whole heads is already a valid local fused projecti
 
 from __future__ import annotations
 
-from torch import nn
+from optimum_parallel import ColWiseParallel, RowWiseParallel, optional
 
-from optimum_parallel import ColWiseParallel, Parallelizer, ParallelMesh, RowWiseParallel, optional
-
-from ._common import check_heads, prefix
+from ._common import HeadSplitParallelizer, layer_plan, prefix
 
 
-class GPTNeoXParallelizer(Parallelizer):
-    supports_sequence_parallel = False
-
-    @classmethod
-    def check(cls, model: nn.Module, mesh: ParallelMesh) -> None:
-        check_heads(mesh.tp_size, ("num_attention_heads", model.config.num_attention_heads))
-
+class GPTNeoXParallelizer(HeadSplitParallelizer):
     @classmethod
     def plan(cls, model, mesh, parallelize_embeddings, sequence_parallel_enabled):
-        heads = model.config.num_attention_heads
         base = prefix(model)
-        layer = base + r"layers\.\d+\."
-        plan = {
-            layer + r"attention\.query_key_value": ColWiseParallel(units=heads),
-            layer + r"attention\.dense": RowWiseParallel(units=heads),
-            layer + r"mlp\.dense_h_to_4h": ColWiseParallel(),
-            layer + r"mlp\.dense_4h_to_h": RowWiseParallel(),
-        }
+        plan = layer_plan(
+            base + r"layers\.\d+\.",
+            cls.num_heads(model),
+            qkv=r"attention\.query_key_value",
+            out=r"attention\.dense",
+            mlp_in=r"mlp\.dense_h_to_4h",
+            mlp_out=r"mlp\.dense_4h_to_h",
+        )
         if parallelize_embeddings:
             plan[base + "embed_in"] = RowWiseParallel()
             plan["(lm_head|embed_out)"] = optional(ColWiseParallel())
