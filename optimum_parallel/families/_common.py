@@ -5,11 +5,12 @@ from __future__ import annotations
 
 from torch import nn
 
-from optimum_parallel import ColWiseParallel, Parallelizer, ParallelMesh, RowWiseParallel
+from optimum_parallel import ColWiseParallel, Parallelizer, ParallelMesh, RowWiseParallel, optional
 from optimum_parallel.tensor_parallel import ColumnParallelLinear
 from optimum_parallel.tensor_parallel.spec import check_attention_heads as check_heads
 
 __all__ = [
+    "DecoderParallelizer",
     "HeadSplitParallelizer",
     "LocalConfig",
     "check_heads",
@@ -34,6 +35,30 @@ class HeadSplitParallelizer(Parallelizer):
     @classmethod
     def check(cls, model: nn.Module, mesh: ParallelMesh) -> None:
         check_heads(mesh.tp_size, (cls.heads_attribute, cls.num_heads(model)))
+
+
+class DecoderParallelizer(HeadSplitParallelizer):
+    """A decoder whose plan is Megatron's layer (`layer_plan`) plus a vocab-parallel word embedding and LM head,
+    given as data: the regexes below, the layer's and the embedding's after the base-model prefix and `decoder`."""
+
+    decoder = ""  # between the base-model prefix and the layers and embedding (OPT's r"decoder\.")
+    layer: str  # one decoder layer: r"h\.\d+\."
+    qkv_proj: str
+    out_proj: str
+    mlp_in: str
+    mlp_out: str
+    embedding: str
+    lm_head = "lm_head"  # absent on the bare base model
+
+    @classmethod
+    def plan(cls, model, mesh, parallelize_embeddings, sequence_parallel_enabled):
+        base = prefix(model) + cls.decoder
+        heads = cls.num_heads(model)
+        plan = layer_plan(base + cls.layer, heads, cls.qkv_proj, cls.out_proj, cls.mlp_in, cls.mlp_out)
+        if parallelize_embeddings:
+            plan[base + cls.embedding] = RowWiseParallel()
+            plan[cls.lm_head] = optional(ColWiseParallel())
+        return plan
 
 
 def layer_plan(layer: str, heads: int, qkv: str, out: str, mlp_in: str, mlp_out: str) -> dict:

@@ -3,24 +3,12 @@ head h), so a plain split in whole heads is already a valid local fused projecti
 
 from __future__ import annotations
 
-from optimum_parallel import ColWiseParallel, RowWiseParallel, optional
-
-from ._common import HeadSplitParallelizer, layer_plan, prefix
+from ._common import DecoderParallelizer
 
 
-class GPTNeoXParallelizer(HeadSplitParallelizer):
-    @classmethod
-    def plan(cls, model, mesh, parallelize_embeddings, sequence_parallel_enabled):
-        base = prefix(model)
-        plan = layer_plan(
-            base + r"layers\.\d+\.",
-            cls.num_heads(model),
-            qkv=r"attention\.query_key_value",
-            out=r"attention\.dense",
-            mlp_in=r"mlp\.dense_h_to_4h",
-            mlp_out=r"mlp\.dense_4h_to_h",
-        )
-        if parallelize_embeddings:
-            plan[base + "embed_in"] = RowWiseParallel()
-            plan["(lm_head|embed_out)"] = optional(ColWiseParallel())
-        return plan
+class GPTNeoXParallelizer(DecoderParallelizer):
+    layer = r"layers\.\d+\."
+    qkv_proj, out_proj = r"attention\.query_key_value", r"attention\.dense"
+    mlp_in, mlp_out = r"mlp\.dense_h_to_4h", r"mlp\.dense_4h_to_h"
+    embedding = "embed_in"
+    lm_head = "(lm_head|embed_out)"
