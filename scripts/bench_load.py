@@ -24,6 +24,8 @@ import sys
 import time
 from pathlib import Path
 
+from _common import local_tensor, proc_status_bytes
+
 CONFIG = dict(  # ~0.5B parameters
     vocab_size=32000,
     hidden_size=1536,
@@ -35,13 +37,6 @@ CONFIG = dict(  # ~0.5B parameters
     tie_word_embeddings=False,
 )
 IMPLS = ("optimum-parallel", "transformers")
-
-
-def _status_kb(field: str) -> int:
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith(field + ":"):
-            return int(line.split()[1]) * 1024
-    raise RuntimeError(f"{field} not in /proc/self/status")
 
 
 def build_checkpoint(path: Path) -> None:
@@ -73,7 +68,7 @@ def worker(impl: str, checkpoint: str, result_dir: str, sharded_out: str | None)
     else:
         dist.init_process_group("gloo")
     dist.barrier()
-    after_imports = _status_kb("VmRSS")
+    after_imports = proc_status_bytes("VmRSS")
     start = time.perf_counter()
     if impl == "optimum-parallel":
         with op.lazy_load_for_parallelism(tensor_parallel_size=world):
@@ -86,12 +81,9 @@ def worker(impl: str, checkpoint: str, result_dir: str, sharded_out: str | None)
         )
     dist.barrier()
     seconds = time.perf_counter() - start
-    peak = _status_kb("VmHWM")
+    peak = proc_status_bytes("VmHWM")
 
-    def local(t: torch.Tensor) -> torch.Tensor:
-        return t.to_local() if hasattr(t, "to_local") else t
-
-    tensors = [local(t.detach()) for t in [*model.parameters(), *model.buffers()]]
+    tensors = [local_tensor(t.detach()) for t in [*model.parameters(), *model.buffers()]]
     # a weight that is still a view of the file mapping is only read when first used: touch every page
     start = time.perf_counter()
     for t in tensors:
@@ -101,7 +93,7 @@ def worker(impl: str, checkpoint: str, result_dir: str, sharded_out: str | None)
     shard = sum(t.numel() * t.element_size() for t in tensors)
     rank = dist.get_rank()
     result = {"impl": impl, "rank": rank, "after_imports": after_imports, "peak": peak, "shard": shard, "s": seconds}
-    result.update(touch_s=touched, peak_touched=_status_kb("VmHWM"))
+    result.update(touch_s=touched, peak_touched=proc_status_bytes("VmHWM"))
     Path(result_dir, f"{impl}-{rank}.json").write_text(json.dumps(result))
     if sharded_out:
         parallelizer.save_model_checkpoint(model, sharded_out)
@@ -114,11 +106,11 @@ def timed_child(kind: str, source: str, output: str, result: str) -> None:
     if kind == "consolidate":
         import optimum_parallel as op
 
-        after_imports = _status_kb("VmRSS")
+        after_imports = proc_status_bytes("VmRSS")
         start = time.perf_counter()
         op.consolidate_checkpoint(source, output, progress=False)
     else:
-        after_imports = _status_kb("VmRSS")
+        after_imports = proc_status_bytes("VmRSS")
         start = time.perf_counter()
         Path(output).mkdir(parents=True)
         for f in sorted(Path(source).glob("model-pp*.safetensors")):
@@ -126,7 +118,7 @@ def timed_child(kind: str, source: str, output: str, result: str) -> None:
             with open(Path(output) / f.name, "rb+") as copy:  # durable, as consolidate's files are
                 os.fsync(copy.fileno())
     seconds = time.perf_counter() - start
-    data = {"s": seconds, "peak": _status_kb("VmHWM"), "after_imports": after_imports}
+    data = {"s": seconds, "peak": proc_status_bytes("VmHWM"), "after_imports": after_imports}
     Path(result).write_text(json.dumps(data))
 
 

@@ -72,14 +72,28 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 import transformers
+from _common import (
+    Batch,
+    add_llama_args,
+    add_run_args,
+    build_llama,
+    llama_config,
+    local_tensor,
+    proc_status_bytes,
+    quiet_transformers,
+    random_batch,
+    tensor_bytes,
+)
 from _ranks import run_on_ranks
 from torch import nn
-from transformers import AutoModelForCausalLM, LlamaConfig
+from transformers import LlamaConfig
+
+from optimum_parallel.planning.activations import Dims, llama_layer_terms, paper_layer_terms
 
 PG_TIMEOUT_S = 120
 TP = 2
 DP = 2
-FP32_SCALE = 2  # the paper counts 16-bit activations
+FP32 = 4  # bytes per element: the models here are fp32 (the paper counts 16-bit activations: its formula x2)
 MIB = 2**20
 ATTN_IMPLEMENTATIONS = ("eager", "sdpa")
 LOSS_SITE = "(LlamaForCausalLM.forward: loss)"
@@ -99,8 +113,6 @@ SITE_NOTES = {  # what the first saver keeps, for the per-module table
 }
 MMAP_THRESHOLD_ENV, MMAP_THRESHOLD = "MALLOC_MMAP_THRESHOLD_", 64 * 1024  # glibc: mmap (and unmap) large blocks
 
-Batch = dict[str, torch.Tensor]
-
 
 # --------------------------------------------------------------------------------------------------------------
 # Arguments, model, batch
@@ -109,47 +121,27 @@ Batch = dict[str, torch.Tensor]
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--batch", type=int, default=2, help="rows (activation part)")
-    parser.add_argument("--seq", type=int, default=512, help="sequence length (activation part)")
-    parser.add_argument("--layers", type=int, default=4)
-    parser.add_argument("--hidden", type=int, default=512)
-    parser.add_argument("--intermediate", type=int, default=None, help="MLP size (default 11008/4096 x hidden)")
-    parser.add_argument("--heads", type=int, default=8)
+    add_llama_args(parser, seq=512, seq_help="sequence length (activation part)")
     parser.add_argument("--kv-heads", type=int, default=None, help="key/value heads (default: --heads)")
-    parser.add_argument("--vocab", type=int, default=8192)
     parser.add_argument("--attn", nargs="+", choices=ATTN_IMPLEMENTATIONS, default=list(ATTN_IMPLEMENTATIONS))
     parser.add_argument("--dp-batch", type=int, default=2, help="rows per dp rank (sharding part)")
     parser.add_argument("--dp-seq", type=int, default=128, help="sequence length (sharding part)")
     parser.add_argument("--levels", nargs="+", type=int, choices=(0, 1, 2, 3), default=[0, 1, 2, 3])
     parser.add_argument("--parts", nargs="+", choices=("activations", "sharding"), default=["activations", "sharding"])
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--deadline", type=float, default=900, help="seconds before a worker group is killed")
+    add_run_args(parser, deadline=900, deadline_help="seconds before a worker group is killed")
     return parser.parse_args(argv)
 
 
 def model_config(args: argparse.Namespace) -> LlamaConfig:
-    return LlamaConfig(
-        hidden_size=args.hidden,
-        intermediate_size=args.intermediate or args.hidden * 11008 // 4096,
-        num_hidden_layers=args.layers,
-        num_attention_heads=args.heads,
-        num_key_value_heads=args.kv_heads or args.heads,
-        vocab_size=args.vocab,
-        max_position_embeddings=max(512, args.seq, args.dp_seq),
-        tie_word_embeddings=False,
-    )
+    return llama_config(args, longest=max(args.seq, args.dp_seq))
 
 
 def build_model(args: argparse.Namespace, attn: str) -> nn.Module:
-    """The same random fp32 model in every process (fixed seed); train mode (Llama has no dropout anyway)."""
-    torch.manual_seed(args.seed)
-    model = AutoModelForCausalLM.from_config(model_config(args), attn_implementation=attn)
-    return model.float().train()
+    return build_llama(args, attn, model_config(args))
 
 
 def make_batch(args: argparse.Namespace, rows: int, seq: int, seed_offset: int = 0) -> Batch:
-    generator = torch.Generator().manual_seed(args.seed + 1 + seed_offset)
-    input_ids = torch.randint(0, args.vocab, (rows, seq), generator=generator)
-    return {"input_ids": input_ids, "labels": input_ids.clone()}
+    return random_batch(args.vocab, rows, seq, args.seed + seed_offset)
 
 
 def parallelize_tp(model: nn.Module, sequence_parallel: bool) -> nn.Module:
@@ -163,42 +155,19 @@ def parallelize_tp(model: nn.Module, sequence_parallel: bool) -> nn.Module:
 # Measuring: saved tensors, tensor bytes, RSS
 
 
-def local_tensor(t: torch.Tensor) -> torch.Tensor:
-    """This rank's part of a DTensor (FSDP2 parameters, gradients, optimizer state); any other tensor as is."""
-    return t.to_local() if hasattr(t, "to_local") else t
-
-
-def tensor_bytes(tensors: Iterator[object]) -> int:
-    """Bytes of this rank's data of the tensors among `tensors` (DTensors by their local shard)."""
-    total = 0
-    for t in tensors:
-        if torch.is_tensor(t):
-            t = local_tensor(t)
-            total += t.numel() * t.element_size()
-    return total
-
-
-def _status_kib(key: str) -> int:
-    with open("/proc/self/status") as status:
-        for line in status:
-            if line.startswith(key + ":"):
-                return int(line.split()[1])
-    raise KeyError(key)
-
-
 def reset_peak_rss() -> int:
     """Reset VmHWM to the current RSS (Linux >= 4.0) and return the current RSS in bytes (0 where unsupported)."""
     try:
         with open("/proc/self/clear_refs", "w") as clear_refs:
             clear_refs.write("5")
-        return _status_kib("VmRSS") * 1024
+        return proc_status_bytes("VmRSS")
     except OSError:
         return 0
 
 
 def peak_rss_growth(start: int) -> int | None:
     """Growth of the peak RSS since `reset_peak_rss` returned `start`, or None where it cannot be measured."""
-    return _status_kib("VmHWM") * 1024 - start if start else None
+    return proc_status_bytes("VmHWM") - start if start else None
 
 
 @dataclass
@@ -417,11 +386,6 @@ def sharding_task(args: argparse.Namespace) -> list[ShardingResult]:
 # Processes
 
 
-def quiet_transformers() -> None:
-    transformers.logging.set_verbosity_error()
-    transformers.logging.disable_progress_bar()
-
-
 TASKS: dict[str, Callable[[argparse.Namespace], list]] = {
     "activations tp=1": activations_single_task,
     "activations": activations_task,
@@ -448,50 +412,21 @@ def launch(task: str, world: int, dp: int, args: argparse.Namespace) -> list:
 # Formulas
 
 
-@dataclass(frozen=True)
-class Dims:
-    """s, b, h, a as in the paper; i the MLP size; g = kv heads / heads."""
-
-    s: int
-    b: int
-    h: int
-    a: int
-    i: int
-    g: float
-
-    @classmethod
-    def from_args(cls, args: argparse.Namespace) -> Dims:
-        config = model_config(args)
-        heads = config.num_attention_heads
-        return cls(
-            args.seq,
-            args.batch,
-            config.hidden_size,
-            heads,
-            config.intermediate_size,
-            config.num_key_value_heads / heads,
-        )
-
-    @property
-    def sbh(self) -> int:
-        return self.s * self.b * self.h
+def dims_of(args: argparse.Namespace) -> Dims:
+    """The paper's symbols for the activation part's model and batch."""
+    return Dims.from_config(model_config(args), s=args.seq, b=args.batch)
 
 
 def paper_terms(d: Dims, tp: int, sp: bool) -> tuple[float, float]:
     """Korthikanti et al. 2022, bytes per s*b*h per layer scaled to fp32: (s*b*h term, 5as/h score term)."""
-    scores = 5 * d.a * d.s / d.h / tp
-    linear = 34 / tp if sp or tp == 1 else 10 + 24 / tp
-    return FP32_SCALE * linear, FP32_SCALE * scores
+    return paper_layer_terms(d, tp, sp, FP32)
 
 
 def llama_terms(d: Dims, tp: int, sp: bool, attn: str) -> tuple[float, float]:
-    """The paper's counting for this Llama at fp32 (see the module docstring), bytes per s*b*h per layer."""
-    replicated = 4 * (2 * 2 + 1 + 1)
-    split = 4 * ((1 + 2 * d.g) + 1 + 4 * d.i / d.h)
-    scores = 4 * d.a * d.s / d.h if attn == "eager" else 4 * d.a / d.h  # softmax output, or sdpa's log-sum-exp
-    if sp or tp == 1:
-        return (replicated + split) / tp, scores / tp
-    return replicated + split / tp, scores / tp
+    """The paper's counting for this Llama at fp32 (see the module docstring), bytes per s*b*h per layer. Under SP
+    it divides everything by t, the q/k/v and gate/up inputs too (Megatron's ideal; the memory planner counts
+    them whole, as this engine keeps them)."""
+    return llama_layer_terms(d, tp, sp, FP32, attn, whole_inputs=False)
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -587,9 +522,9 @@ def term_rows(results: list[ActivationResult], d: Dims) -> list[tuple[str, ...]]
                 f"{llama_scores:.2f}",
                 f"{paper_scores:.2f}",
                 ratio(off_linear, linear * d.sbh) if r.sequence_parallel and off_linear else "-",
-                ratio(FP32_SCALE * (10 + 24 / r.tp), paper_linear) if r.sequence_parallel else "-",
+                ratio(paper_terms(d, r.tp, False)[0], paper_linear) if r.sequence_parallel else "-",
                 ratio(base_linear, linear * d.sbh) if base_linear and r.tp > 1 else "-",
-                ratio(FP32_SCALE * 34, paper_linear) if r.tp > 1 else "-",
+                ratio(paper_terms(d, 1, False)[0], paper_linear) if r.tp > 1 else "-",
             )
         )
     return rows
@@ -620,7 +555,7 @@ def site_rows(results: list[ActivationResult], d: Dims) -> list[tuple[str, ...]]
 
 
 def print_activation_report(args: argparse.Namespace, results: list[ActivationResult]) -> None:
-    d = Dims.from_args(args)
+    d = dims_of(args)
     config = model_config(args)
     print(
         f"\nActivation memory per rank: Llama hidden {d.h}, intermediate {d.i}, {args.layers} layers, {d.a} heads "

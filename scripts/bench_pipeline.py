@@ -74,9 +74,9 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 import transformers
+from _common import add_llama_args, add_run_args, build_llama, quiet_transformers, random_batch
 from _ranks import run_on_ranks
 from torch import nn
-from transformers import LlamaConfig, LlamaForCausalLM
 
 PG_TIMEOUT_S = 120
 ZERO_BUBBLE = ("zbv", "interleaved_zb")
@@ -119,11 +119,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--microbatches-pp2", nargs="+", type=int, default=[2, 4, 8])
     parser.add_argument("--microbatches-pp4", nargs="+", type=int, default=[4, 8])
     parser.add_argument("--mb-rows", type=int, default=1, help="rows per micro-batch (the batch is m x this)")
-    parser.add_argument("--seq", type=int, default=128)
-    parser.add_argument("--layers", type=int, default=8)
-    parser.add_argument("--hidden", type=int, default=512)
-    parser.add_argument("--heads", type=int, default=8)
-    parser.add_argument("--vocab", type=int, default=1024, help="small, so the last stage's head stays light")
+    add_llama_args(
+        parser,
+        seq=128,
+        layers=8,
+        vocab=1024,
+        vocab_help="small, so the last stage's head stays light",
+    )
     parser.add_argument("--warmup", type=int, default=1)
     parser.add_argument("--steps", type=int, default=4, help="measured steps per case (median)")
     parser.add_argument("--tolerance", type=float, default=0.10, help="allowed idle above theory + comm (fraction)")
@@ -133,8 +135,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default=0.8,
         help="rows where a rank got less CPU than this inside its computations are marked 'cores shared'",
     )
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--deadline", type=float, default=600, help="seconds before a worker group is killed")
+    add_run_args(parser, deadline=600, deadline_help="seconds before a worker group is killed")
     args = parser.parse_args(argv)
     if args.layers < 2 * max(args.pp):
         parser.error(f"--layers {args.layers}: 2-stages-per-rank schedules need at least 2 x pp = {2 * max(args.pp)}")
@@ -149,24 +150,11 @@ def cases_for(pp: int, args: argparse.Namespace) -> list[Case]:
 
 
 def build_model(args: argparse.Namespace) -> nn.Module:
-    """The same random fp32 Llama on every rank (fixed seed)."""
-    torch.manual_seed(args.seed)
-    config = LlamaConfig(
-        hidden_size=args.hidden,
-        intermediate_size=args.hidden * 11008 // 4096,
-        num_hidden_layers=args.layers,
-        num_attention_heads=args.heads,
-        num_key_value_heads=args.heads,
-        vocab_size=args.vocab,
-        max_position_embeddings=max(512, args.seq),
-        tie_word_embeddings=False,
-    )
-    return LlamaForCausalLM(config)
+    return build_llama(args, "sdpa")
 
 
 def make_input_ids(args: argparse.Namespace, m: int) -> torch.Tensor:
-    generator = torch.Generator().manual_seed(args.seed + 1)
-    return torch.randint(args.vocab, (m * args.mb_rows, args.seq), generator=generator)
+    return random_batch(args.vocab, m * args.mb_rows, args.seq, args.seed)["input_ids"]
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -293,7 +281,7 @@ def rank_main(rank: int, world: int, cases: list[Case], args: argparse.Namespace
     """One pipeline rank of a pp=world mesh: run every case (rank 0's results are the ones reported)."""
     import optimum_parallel as op
 
-    transformers.logging.set_verbosity_error()
+    quiet_transformers()
     op.init_mesh(pp=world, tp=1, timeout=PG_TIMEOUT_S)
     p2p_ms = measure_p2p_ms(args)
     out = []

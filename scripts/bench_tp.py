@@ -43,9 +43,10 @@ from unittest import mock
 import torch
 import torch.distributed as dist
 import transformers
+from _common import Batch, add_llama_args, add_run_args, build_llama, llama_config, quiet_transformers, random_batch
 from _ranks import run_on_ranks
 from torch import nn
-from transformers import AutoModelForCausalLM, LlamaConfig
+from transformers import AutoModelForCausalLM
 
 TP = 2
 PG_TIMEOUT = timedelta(seconds=90)
@@ -53,7 +54,6 @@ ATTN_IMPLEMENTATION = "sdpa"
 LOSS_RTOL = 1e-5  # |loss - reference| <= LOSS_RTOL * max(1, |reference|)
 GOAL_RATIO = 0.8  # optimum_parallel must take <= 0.8x the time of the best of torch DTensor / transformers
 
-Batch = dict[str, torch.Tensor]
 StepContext = Callable[[], contextlib.AbstractContextManager]  # entered around forward + backward
 Prepared = tuple[nn.Module, StepContext]
 
@@ -86,46 +86,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--steps", type=int, default=20, help="timed steps per variant (default 20)")
     parser.add_argument("--warmup", type=int, default=3, help="untimed warm-up steps per variant (default 3)")
     parser.add_argument("--batch", type=int, default=4)
-    parser.add_argument("--seq", type=int, default=256)
-    parser.add_argument("--layers", type=int, default=4)
-    parser.add_argument("--hidden", type=int, default=512)
-    parser.add_argument(
-        "--intermediate",
-        type=int,
-        default=None,
-        help="MLP size (default: Llama's 11008/4096 x hidden, 1376 at hidden 512)",
-    )
-    parser.add_argument("--vocab", type=int, default=8192)
-    parser.add_argument("--heads", type=int, default=8, help="attention heads (= kv heads)")
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--deadline", type=float, default=3600, help="seconds before the workers are killed")
+    add_llama_args(parser, seq=256, heads_help="attention heads (= kv heads)")
+    add_run_args(parser, deadline=3600, deadline_help="seconds before the workers are killed")
     return parser.parse_args(argv)
 
 
-def model_config(args: argparse.Namespace) -> LlamaConfig:
-    return LlamaConfig(
-        hidden_size=args.hidden,
-        intermediate_size=args.intermediate or args.hidden * 11008 // 4096,
-        num_hidden_layers=args.layers,
-        num_attention_heads=args.heads,
-        num_key_value_heads=args.heads,
-        vocab_size=args.vocab,
-        max_position_embeddings=max(512, args.seq),
-        tie_word_embeddings=False,
-    )
-
-
 def build_model(args: argparse.Namespace) -> nn.Module:
-    """The same random fp32 model in every process (fixed seed)."""
-    torch.manual_seed(args.seed)
-    model = AutoModelForCausalLM.from_config(model_config(args), attn_implementation=ATTN_IMPLEMENTATION)
-    return model.float().train()  # Llama has no dropout: train() and eval() compute the same thing
+    return build_llama(args, ATTN_IMPLEMENTATION)
 
 
 def make_batch(args: argparse.Namespace) -> Batch:
-    generator = torch.Generator().manual_seed(args.seed + 1)
-    input_ids = torch.randint(0, args.vocab, (args.batch, args.seq), generator=generator)
-    return {"input_ids": input_ids, "labels": input_ids.clone()}
+    return random_batch(args.vocab, args.batch, args.seq, args.seed)
 
 
 def loss_value(loss: torch.Tensor) -> float:
@@ -261,12 +232,6 @@ def distributed_variants(args: argparse.Namespace, checkpoint: str) -> dict[str,
 # Processes
 
 
-def quiet_transformers() -> None:
-    """No warnings or progress bars from transformers in the benchmark output."""
-    transformers.logging.set_verbosity_error()
-    transformers.logging.disable_progress_bar()
-
-
 def rank_main(rank: int, world: int, args: argparse.Namespace, checkpoint: str) -> list[Result]:
     """One tp rank: build every distributed variant, then time them in rounds (rank 0's results are reported)."""
     quiet_transformers()
@@ -326,7 +291,7 @@ def best_baseline(results: list[Result], reference: float) -> Result | None:
 def print_report(args: argparse.Namespace, results: list[Result]) -> None:
     single, reference = results[0], results[0].loss
     best = best_baseline(results, reference) if reference is not None else None
-    config = model_config(args)
+    config = llama_config(args)
     print()
     print(f"torch {torch.__version__}, transformers {transformers.__version__}, gloo, tp={TP}, {os.cpu_count()} CPUs")
     print(

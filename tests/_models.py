@@ -15,6 +15,15 @@ TINY = dict(
     max_position_embeddings=64,
     tie_word_embeddings=False,
 )
+LLAMA_70B = dict(  # Llama 3 70B's sizes, for the planners (config only, meta models)
+    hidden_size=8192,
+    intermediate_size=28672,
+    num_hidden_layers=80,
+    num_attention_heads=64,
+    num_key_value_heads=8,
+    vocab_size=128256,
+    tie_word_embeddings=False,
+)
 
 
 def tiny_config(model_type: str, **overrides):

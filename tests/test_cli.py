@@ -8,6 +8,7 @@ import sys
 import time
 
 import pytest
+from _models import LLAMA_70B, TINY
 from transformers import AutoConfig, LlamaConfig
 
 CLI = [sys.executable, "-m", "optimum_parallel.cli"]
@@ -59,19 +60,11 @@ def one_line_error(err: str) -> bool:
 def model_dir(tmp_path_factory) -> str:
     """A tiny Llama's config.json (plan and estimate-memory read nothing else)."""
     directory = tmp_path_factory.mktemp("llama")
-    LlamaConfig(**TINY).save_pretrained(directory)
+    LlamaConfig(**LLAMA).save_pretrained(directory)
     return str(directory)
 
 
-TINY = dict(
-    hidden_size=64,
-    intermediate_size=96,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    vocab_size=130,
-    tie_word_embeddings=False,
-)
+LLAMA = {**TINY, "vocab_size": 130}  # 130 splits unevenly over tp=2
 
 
 def test_group_help_lists_every_subcommand():
@@ -153,20 +146,22 @@ def test_plan_prints_the_split_table_and_saves_a_plan_file(model_dir, tmp_path):
     assert "model.layers.*.self_attn.q_proj.weight" in out and "ColWiseParallel(units=4)" in out
     assert "lm_head.weight" in out and "dim 0: [0, 65) of 130" in out  # vocab 130 split unevenly
     assert f"wrote plan file {tmp_path / 'plan.json'}" in out
-    plan = load_plan(tmp_path / "plan.json", model=build_meta_model(LlamaConfig(**TINY)), tp=2)
+    plan = load_plan(tmp_path / "plan.json", model=build_meta_model(LlamaConfig(**LLAMA)), tp=2)
     assert plan[r"model\.layers\.0\.self_attn\.k_proj"][0].units == 2
     code, out_json, _ = cli("plan", f"{model_dir}/config.json", "--tp", "2")  # a config.json path works too
     assert code == 0 and out_json == out.replace(f"wrote plan file {tmp_path / 'plan.json'}\n", "")
 
 
 def test_estimate_memory_prints_both_sequence_parallel_columns(model_dir):
-    from optimum_parallel.planning.memory_planner import Layout, MemoryPlanner, Workload, in_unit, pick_unit
+    from optimum_parallel.planning.memory_planner import MemoryPlanner
+    from optimum_parallel.planning.memory_text import in_unit, pick_unit
+    from optimum_parallel.planning.workload import Layout, Workload
 
     args = ["--tp", "2", "--dp", "2", "--sharding-level", "1", "--seq-len", "64", "--micro-batch", "2"]
     code, out, err = cli("estimate-memory", model_dir, *args)
     assert code == 0, err
     assert "layout: dp=2 tp=2 pp=1, sharding level 1" in out and "SP off" in out and "SP on" in out
-    planner, workload = MemoryPlanner(LlamaConfig(**TINY)), Workload(seq_len=64, micro_batch=2)
+    planner, workload = MemoryPlanner(LlamaConfig(**LLAMA)), Workload(seq_len=64, micro_batch=2)
     off, on = (planner.estimate(Layout(2, 2, 1, 1, sp), workload) for sp in (False, True))
     total = next(line for line in out.splitlines() if line.startswith("total"))
     unit, scale = pick_unit(off.total)
@@ -185,17 +180,6 @@ def test_estimate_memory_suggests_layouts_best_first(model_dir):
     assert "layouts fit 4 devices of 1.0 GiB" in out and "(--top N shows more)" in out
     rows = [row for row in map(str.split, out.splitlines()) if len(row) == 13 and row[0].isdigit()]
     assert [row[0] for row in rows] == ["1", "2", "3"] and rows[0][1:4] == ["4", "1", "1"]  # dp=4 tp=1 pp=1 first
-
-
-LLAMA_70B = dict(
-    hidden_size=8192,
-    intermediate_size=28672,
-    num_hidden_layers=80,
-    num_attention_heads=64,
-    num_key_value_heads=8,
-    vocab_size=128256,
-    tie_word_embeddings=False,
-)
 
 
 def test_entry_point_suggests_layouts_for_a_70b_llama_in_seconds(tmp_path):

@@ -17,30 +17,15 @@ from dataclasses import replace
 
 import pytest
 import torch
+from _models import LLAMA_70B, TINY
 from _pool import WorkerPool
 from transformers import LlamaConfig
 
-from optimum_parallel.planning.memory_planner import (
-    GIB,
-    Dims,
-    Layout,
-    MemoryPlanner,
-    Workload,
-    estimate_memory,
-    paper_layer_bytes,
-    suggest_layouts,
-)
+from optimum_parallel.planning.activations import Dims, paper_layer_bytes
+from optimum_parallel.planning.memory_planner import MemoryPlanner, estimate_memory, suggest_layouts
+from optimum_parallel.planning.workload import GIB, Layout, Workload
 
-CONFIG = dict(
-    hidden_size=128,
-    intermediate_size=352,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    vocab_size=512,
-    max_position_embeddings=128,
-    tie_word_embeddings=False,
-)
+CONFIG = {**TINY, "hidden_size": 128, "intermediate_size": 352, "vocab_size": 512, "max_position_embeddings": 128}
 SEQ, BATCH = 64, 2  # per dp rank
 TOLERANCE = 0.15
 # (sharding level, sequence parallel, dtype, attention); activations are measured at level 0 only (FSDP's
@@ -214,17 +199,6 @@ def test_pipeline_first_stage_keeps_pp_microbatches():
         planner.estimate(Layout(pp=4), replace(workload, num_microbatches=2))
 
 
-LLAMA_70B = dict(
-    hidden_size=8192,
-    intermediate_size=28672,
-    num_hidden_layers=80,
-    num_attention_heads=64,
-    num_key_value_heads=8,
-    vocab_size=128256,
-    tie_word_embeddings=False,
-)
-
-
 def test_suggestions_for_a_70b_llama_in_seconds():
     start = time.perf_counter()
     fits = suggest_layouts(LlamaConfig(**LLAMA_70B), devices=64, memory_gib=80, seq_len=4096, micro_batch=1)
@@ -256,3 +230,11 @@ def test_nothing_fits_and_bad_arguments():
         Workload(dtype="int8")
     with pytest.raises(ValueError, match="reserve=1.5 is not allowed"):
         planner.suggest(2, GIB, Workload(), reserve=1.5)
+
+
+def test_names_that_moved_out_still_import_from_memory_planner():
+    from optimum_parallel.planning import activations, memory_planner, memory_text, workload
+
+    for name in memory_planner.__all__:
+        value = getattr(memory_planner, name)
+        assert all(getattr(home, name, value) is value for home in (activations, memory_text, workload)), name

@@ -219,3 +219,10 @@ def test_every_style_round_trips_through_json(name):
     assert entry.get("reloadable", True), entry
     rebuilt = style_from_dict(entry, "test")
     assert type(rebuilt) is type(style) and style_to_dict(rebuilt) == entry
+
+
+def test_style_json_names_still_import_from_plan_files():
+    from optimum_parallel.planning import plan_files, style_json
+
+    for name in ("STYLES", "register_style", "style_from_dict", "style_to_dict"):
+        assert getattr(plan_files, name) is getattr(style_json, name), name

@@ -1,13 +1,76 @@
-"""Small helpers shared by the family parallelizers: head checks, name prefixes, per-rank config views."""
+"""Small helpers shared by the family parallelizers: head checks, name prefixes, per-rank config views, the
+Megatron layer plan and the local head counts of attention modules after the swap."""
 
 from __future__ import annotations
 
 from torch import nn
 
-from optimum_parallel import Parallelizer
+from optimum_parallel import ColWiseParallel, Parallelizer, ParallelMesh, RowWiseParallel, optional
+from optimum_parallel.tensor_parallel import ColumnParallelLinear
 from optimum_parallel.tensor_parallel.spec import check_attention_heads as check_heads
 
-__all__ = ["LocalConfig", "check_heads", "local_heads", "prefix"]
+__all__ = [
+    "DecoderParallelizer",
+    "HeadSplitParallelizer",
+    "LocalConfig",
+    "check_heads",
+    "layer_plan",
+    "local_heads",
+    "localize_attention",
+    "prefix",
+]
+
+
+class HeadSplitParallelizer(Parallelizer):
+    """A family whose attention splits by whole heads, all counted by one config attribute (`heads_attribute`;
+    no separate kv heads): `check()` says whether tp divides them."""
+
+    supports_sequence_parallel = False
+    heads_attribute = "num_attention_heads"
+
+    @classmethod
+    def num_heads(cls, model: nn.Module) -> int:
+        return getattr(model.config, cls.heads_attribute)
+
+    @classmethod
+    def check(cls, model: nn.Module, mesh: ParallelMesh) -> None:
+        check_heads(mesh.tp_size, (cls.heads_attribute, cls.num_heads(model)))
+
+
+class DecoderParallelizer(HeadSplitParallelizer):
+    """A decoder whose plan is Megatron's layer (`layer_plan`) plus a vocab-parallel word embedding and LM head,
+    given as data: the regexes below, the layer's and the embedding's after the base-model prefix and `decoder`."""
+
+    decoder = ""  # between the base-model prefix and the layers and embedding (OPT's r"decoder\.")
+    layer: str  # one decoder layer: r"h\.\d+\."
+    qkv_proj: str
+    out_proj: str
+    mlp_in: str
+    mlp_out: str
+    embedding: str
+    lm_head = "lm_head"  # absent on the bare base model
+
+    @classmethod
+    def plan(cls, model, mesh, parallelize_embeddings, sequence_parallel_enabled):
+        base = prefix(model) + cls.decoder
+        heads = cls.num_heads(model)
+        plan = layer_plan(base + cls.layer, heads, cls.qkv_proj, cls.out_proj, cls.mlp_in, cls.mlp_out)
+        if parallelize_embeddings:
+            plan[base + cls.embedding] = RowWiseParallel()
+            plan[cls.lm_head] = optional(ColWiseParallel())
+        return plan
+
+
+def layer_plan(layer: str, heads: int, qkv: str, out: str, mlp_in: str, mlp_out: str) -> dict:
+    """Megatron's layer: the q/k/v projection(s) `qkv` column-parallel and the attention output `out` row-parallel,
+    both by whole heads; the MLP's input projection(s) `mlp_in` column- and its output `mlp_out` row-parallel.
+    Every key is a regex appended to `layer`."""
+    return {
+        layer + qkv: ColWiseParallel(units=heads),
+        layer + out: RowWiseParallel(units=heads),
+        layer + mlp_in: ColWiseParallel(),
+        layer + mlp_out: RowWiseParallel(),
+    }
 
 
 class LocalConfig:
@@ -47,3 +110,14 @@ def prefix(model: nn.Module) -> str:
 def local_heads(projection: nn.Module, head_dim: int, dim: int = 0) -> int:
     """Heads held by this rank's split projection (its local output features / head_dim)."""
     return projection.weight.shape[dim] // head_dim
+
+
+def localize_attention(model: nn.Module, projection: str, heads: str, head_dim: str, width: str) -> None:
+    """After the swap, every attention module whose `projection` (its query) is column-parallel counts this rank's
+    heads in its attribute `heads` and their width in `width`, which its forward reshapes with; `head_dim` names
+    its attribute holding the size of one head."""
+    for module in model.modules():
+        query = getattr(module, projection, None)
+        if isinstance(query, ColumnParallelLinear):
+            setattr(module, heads, local_heads(query, getattr(module, head_dim)))
+            setattr(module, width, query.weight.shape[0])

@@ -9,25 +9,25 @@ from __future__ import annotations
 
 from torch import nn
 
-from optimum_parallel import ColWiseParallel, Parallelizer, ParallelMesh, RowWiseParallel, optional
+from optimum_parallel import ColWiseParallel, ParallelMesh, RowWiseParallel, optional
 from optimum_parallel.styles import ColWiseConv1D, PackedColWiseParallel, RowWiseConv1D
 from optimum_parallel.tensor_parallel.conv1d import ColumnParallelConv1D
 
-from ._common import check_heads, prefix
+from ._common import HeadSplitParallelizer, prefix
 
 
-class GPT2Parallelizer(Parallelizer):
-    supports_sequence_parallel = False
+class GPT2Parallelizer(HeadSplitParallelizer):
+    heads_attribute = "n_head"
 
     @classmethod
     def check(cls, model: nn.Module, mesh: ParallelMesh) -> None:
-        check_heads(mesh.tp_size, ("n_head", model.config.n_head))
+        super().check(model, mesh)
         if getattr(model.config, "add_cross_attention", False):
             raise ValueError("GPT-2 with add_cross_attention=True is not supported by tensor parallelism yet")
 
     @classmethod
     def plan(cls, model, mesh, parallelize_embeddings, sequence_parallel_enabled):
-        heads = model.config.n_head
+        heads = cls.num_heads(model)
         base = prefix(model)
         layer = base + r"h\.\d+\."
         plan = {

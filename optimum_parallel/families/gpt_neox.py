@@ -3,32 +3,12 @@ head h), so a plain split in whole heads is already a valid local fused projecti
 
 from __future__ import annotations
 
-from torch import nn
-
-from optimum_parallel import ColWiseParallel, Parallelizer, ParallelMesh, RowWiseParallel, optional
-
-from ._common import check_heads, prefix
+from ._common import DecoderParallelizer
 
 
-class GPTNeoXParallelizer(Parallelizer):
-    supports_sequence_parallel = False
-
-    @classmethod
-    def check(cls, model: nn.Module, mesh: ParallelMesh) -> None:
-        check_heads(mesh.tp_size, ("num_attention_heads", model.config.num_attention_heads))
-
-    @classmethod
-    def plan(cls, model, mesh, parallelize_embeddings, sequence_parallel_enabled):
-        heads = model.config.num_attention_heads
-        base = prefix(model)
-        layer = base + r"layers\.\d+\."
-        plan = {
-            layer + r"attention\.query_key_value": ColWiseParallel(units=heads),
-            layer + r"attention\.dense": RowWiseParallel(units=heads),
-            layer + r"mlp\.dense_h_to_4h": ColWiseParallel(),
-            layer + r"mlp\.dense_4h_to_h": RowWiseParallel(),
-        }
-        if parallelize_embeddings:
-            plan[base + "embed_in"] = RowWiseParallel()
-            plan["(lm_head|embed_out)"] = optional(ColWiseParallel())
-        return plan
+class GPTNeoXParallelizer(DecoderParallelizer):
+    layer = r"layers\.\d+\."
+    qkv_proj, out_proj = r"attention\.query_key_value", r"attention\.dense"
+    mlp_in, mlp_out = r"mlp\.dense_h_to_4h", r"mlp\.dense_4h_to_h"
+    embedding = "embed_in"
+    lm_head = "(lm_head|embed_out)"

@@ -7,34 +7,29 @@ The LM head's logits are gathered: T5ForConditionalGeneration computes its loss 
 
 from __future__ import annotations
 
-from torch import nn
-
-from optimum_parallel import ColWiseParallel, Parallelizer, ParallelMesh, RowWiseParallel, optional
+from optimum_parallel import ColWiseParallel, RowWiseParallel, optional
 from optimum_parallel.styles import LocalColWiseEmbedding
-from optimum_parallel.tensor_parallel import ColumnParallelLinear
 
-from ._common import check_heads, local_heads
+from ._common import HeadSplitParallelizer, layer_plan, localize_attention
 
 
-class T5Parallelizer(Parallelizer):
-    supports_sequence_parallel = False
-
-    @classmethod
-    def check(cls, model: nn.Module, mesh: ParallelMesh) -> None:
-        check_heads(mesh.tp_size, ("num_heads", model.config.num_heads))
+class T5Parallelizer(HeadSplitParallelizer):
+    heads_attribute = "num_heads"
 
     @classmethod
     def plan(cls, model, mesh, parallelize_embeddings, sequence_parallel_enabled):
-        heads = model.config.num_heads
+        heads = cls.num_heads(model)
         layer = r"(encoder|decoder)\.block\.\d+\.layer\.\d+\."
-        attention = layer + r"(SelfAttention|EncDecAttention)\."
-        plan = {
-            attention + r"(q|k|v)": ColWiseParallel(units=heads),
-            attention + "o": RowWiseParallel(units=heads),
-            attention + "relative_attention_bias": optional(LocalColWiseEmbedding(units=heads)),
-            layer + r"DenseReluDense\.wi(_0|_1)?": ColWiseParallel(),
-            layer + r"DenseReluDense\.wo": RowWiseParallel(),
-        }
+        attention = r"(SelfAttention|EncDecAttention)\."
+        plan = layer_plan(
+            layer,
+            heads,
+            qkv=attention + r"(q|k|v)",
+            out=attention + "o",
+            mlp_in=r"DenseReluDense\.wi(_0|_1)?",
+            mlp_out=r"DenseReluDense\.wo",
+        )
+        plan[layer + attention + "relative_attention_bias"] = optional(LocalColWiseEmbedding(units=heads))
         if parallelize_embeddings:
             plan["shared"] = RowWiseParallel()
             plan[r"(encoder|decoder)\.embed_tokens"] = RowWiseParallel()
@@ -43,7 +38,4 @@ class T5Parallelizer(Parallelizer):
 
     @classmethod
     def after_plan(cls, model, mesh):
-        for module in model.modules():
-            if isinstance(getattr(module, "q", None), ColumnParallelLinear):
-                module.n_heads = local_heads(module.q, module.key_value_proj_dim)
-                module.inner_dim = module.q.weight.shape[0]
+        localize_attention(model, "q", "n_heads", "key_value_proj_dim", "inner_dim")

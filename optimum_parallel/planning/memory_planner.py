@@ -18,8 +18,9 @@ The rank with the most bytes is reported. Assumptions (the `notes` of every esti
   materialised) sbh(34 + 5as/h) at tp=1, sbh(10 + 24/t + 5as/(ht)) at tp=t without sequence parallelism and
   sbh(34/t + 5as/(ht)) with it, scaled by the dtype, plus 4sbh(1 + v/h)/t outside the layers; and, for
   Llama-style decoders, the same counting done for this engine's Llama (`llama_layer_bytes`), which matches
-  measurement (tests/test_memory_planner.py). Pipeline: under 1F1B stage s keeps pp - s micro-batches in
-  flight (the first stage holds pp of them); under GPipe every stage keeps all of them.
+  measurement (tests/test_memory_planner.py); both formulas are in activations.py. Pipeline: under 1F1B stage
+  s keeps pp - s micro-batches in flight (the first stage holds pp of them); under GPipe every stage keeps all
+  of them.
 Not counted: the runtime (CUDA context, NCCL), allocator fragmentation, temporary buffers of single ops:
 `suggest_layouts` keeps a reserve of device memory for them.
 """
@@ -27,189 +28,36 @@ Not counted: the runtime (CUDA context, NCCL), allocator fragmentation, temporar
 from __future__ import annotations
 
 from collections.abc import Iterator
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from functools import cached_property
 
-import torch
 from torch import nn
 
-from ..mesh import check_positive_int
 from ..pipeline.split import stage_layers
+from .activations import LLAMA_STYLE, Dims, activation_bytes, llama_layer_bytes, paper_layer_bytes
+from .memory_text import format_estimate, format_suggestions, in_unit, pick_unit
 from .simulate import build_meta_model, load_config, resolve_for_tp
-from .tables import numel, table
+from .tables import numel
+from .workload import DTYPES, GIB, Layout, MemoryEstimate, Workload, parse_dtype
 
-GIB = 1024**3
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
-DTYPE_ALIASES = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16", "half": "fp16", "float": "fp32"}
-ATTENTION = ("sdpa", "eager")
-ACTIVATION_METHODS = ("auto", "llama", "paper")
-SCHEDULES = ("1f1b", "gpipe")
-LLAMA_STYLE = ("llama", "mistral", "qwen2", "qwen3")  # RMSNorm, SwiGLU, no dropout: `llama_layer_bytes` applies
-
-
-def parse_dtype(dtype: str | torch.dtype) -> str:
-    """'fp32' | 'bf16' | 'fp16' from a name or a torch dtype; ValueError names the allowed values."""
-    if isinstance(dtype, torch.dtype):
-        dtype = str(dtype).removeprefix("torch.")
-    name = DTYPE_ALIASES.get(dtype, dtype)
-    if name not in DTYPES:
-        raise ValueError(f"dtype {dtype!r} is not allowed; allowed: {', '.join(DTYPES)}")
-    return name
-
-
-@dataclass(frozen=True)
-class Layout:
-    """One way to lay a model over dp x tp x pp devices."""
-
-    dp: int = 1
-    tp: int = 1
-    pp: int = 1
-    sharding_level: int = 0
-    sequence_parallel: bool = False
-
-    def __post_init__(self) -> None:
-        for name in ("dp", "tp", "pp"):
-            check_positive_int(name, getattr(self, name), "a size")
-        if self.sharding_level not in (0, 1, 2, 3) or isinstance(self.sharding_level, bool):
-            raise ValueError(f"sharding_level={self.sharding_level!r} is not allowed; allowed: 0, 1, 2, 3")
-
-    @property
-    def devices(self) -> int:
-        return self.dp * self.tp * self.pp
-
-    def __str__(self) -> str:
-        sp = ", SP" if self.sequence_parallel else ""
-        return f"dp={self.dp} tp={self.tp} pp={self.pp} level {self.sharding_level}{sp}"
-
-
-@dataclass(frozen=True)
-class Workload:
-    """What one training step runs: tokens per micro-batch, precision, attention kernel."""
-
-    seq_len: int = 2048
-    micro_batch: int = 1
-    num_microbatches: int | None = None  # pipeline micro-batches per step (default: pp)
-    schedule: str = "1f1b"  # pipeline schedule: "1f1b" or "gpipe"
-    dtype: str = "bf16"
-    master_weights: bool | None = None  # default: True for 16-bit dtypes
-    attention: str = "sdpa"
-    activations: str = "auto"
-
-    def __post_init__(self) -> None:
-        object.__setattr__(self, "dtype", parse_dtype(self.dtype))
-        for name in ("seq_len", "micro_batch"):
-            check_positive_int(name, getattr(self, name))
-        if self.attention not in ATTENTION:
-            raise ValueError(f"attention={self.attention!r} is not allowed; allowed: {', '.join(ATTENTION)}")
-        if self.schedule not in SCHEDULES:
-            raise ValueError(f"schedule={self.schedule!r} is not allowed; allowed: {', '.join(SCHEDULES)}")
-        if self.activations not in ACTIVATION_METHODS:
-            raise ValueError(f"activations={self.activations!r}; allowed: {', '.join(ACTIVATION_METHODS)}")
-
-    @property
-    def element(self) -> int:
-        return torch.empty((), dtype=DTYPES[self.dtype]).element_size()
-
-    @property
-    def uses_master_weights(self) -> bool:
-        if self.dtype == "fp32":
-            return False
-        return True if self.master_weights is None else self.master_weights
-
-    @property
-    def optimizer_bytes_per_param(self) -> int:
-        """AdamW state bytes per parameter: m and v (+ the fp32 master copy)."""
-        return 12 if self.uses_master_weights else 2 * self.element
-
-
-# --------------------------------------------------------------------------------------------------------------
-# Activation formulas (bytes per micro-batch)
-
-
-@dataclass(frozen=True)
-class Dims:
-    """The paper's symbols: s sequence, b micro-batch, h hidden, a heads, v vocabulary; i MLP size, g = kv/a."""
-
-    s: int
-    b: int
-    h: int
-    a: int
-    v: int
-    i: int
-    g: float
-    head_dim: int
-
-    @property
-    def sbh(self) -> int:
-        return self.s * self.b * self.h
-
-
-def paper_layer_bytes(d: Dims, tp: int, sp: bool, element: int) -> float:
-    """Korthikanti et al. 2022, one transformer layer, scaled from 16-bit to `element` bytes."""
-    linear = 34 / tp if sp or tp == 1 else 10 + 24 / tp
-    return d.sbh * (linear + 5 * d.a * d.s / (d.h * tp)) * element / 2
-
-
-def paper_outside_bytes(d: Dims, tp: int, sp: bool, element: int) -> tuple[float, float]:
-    """The paper's activations outside the layers: (first stage: embedding, last stage: norm, head input and the
-    fp32 cross-entropy), i.e. 4sbh(1 + v/h)/t in total at 16 bits (the sbh part not split without SP)."""
-    split = tp if sp else 1
-    return d.sbh * element / 2 / split, 3 * d.sbh * element / 2 / split + 4 * d.s * d.b * d.v / tp
-
-
-def llama_layer_bytes(d: Dims, tp: int, sp: bool, element: int, attention: str) -> float:
-    """One Llama decoder layer as this engine runs it (transformers' code, bytes saved for backward).
-
-    Norms keep an fp32 copy of their input and the normalised output (4 + e bytes per element each); the q/k/v
-    and gate/up inputs are saved whole, also under SP (the column-parallel layers save their all-gathered
-    input); q, k, v, the attention output and the 4 MLP tensors (SiLU in/out, up out, down in) are split;
-    scores: eager keeps the fp32 softmax (and its cast for 16-bit), sdpa a fp32 log-sum-exp of b*a*s.
-    """
-    e = element
-    norms = 2 * (4 + e) / (tp if sp else 1)
-    inputs = 2 * e
-    split = (e * (1 + 2 * d.g) + e + 4 * e * d.i / d.h) / tp
-    if attention == "eager":
-        scores = (4 + (e if e != 4 else 0)) * d.a * d.s / d.h / tp
-    else:
-        scores = 4 * d.a / d.h / tp
-    return d.sbh * (norms + inputs + split + scores)
-
-
-def llama_outside_bytes(d: Dims, tp: int, sp: bool, element: int) -> tuple[float, float]:
-    """(first stage: RoPE cos/sin, last stage: final norm, LM-head input (whole), fp32 vocab-parallel softmax)."""
-    rope = 2 * d.s * d.head_dim * element
-    last = d.sbh * ((4 + element) / (tp if sp else 1) + element) + 4 * d.s * d.b * d.v / tp
-    return rope, last
-
-
-# --------------------------------------------------------------------------------------------------------------
-# Estimates
-
-
-@dataclass
-class MemoryEstimate:
-    """Bytes on the rank with the most of them (each line is that line's maximum over ranks)."""
-
-    layout: Layout
-    workload: Workload
-    parameters: float
-    gradients: float
-    optimizer_state: float
-    buffers: float
-    activations: float
-    activations_paper: float
-    activations_llama: float | None
-    activation_method: str
-    notes: list[str] = field(default_factory=list)
-
-    @property
-    def total(self) -> float:
-        return self.parameters + self.gradients + self.optimizer_state + self.buffers + self.activations
-
-    @property
-    def states(self) -> float:
-        return self.parameters + self.gradients + self.optimizer_state
+__all__ = [  # the formulas, value types and text beside this module still import from here
+    "DTYPES",
+    "GIB",
+    "Dims",
+    "Layout",
+    "MemoryEstimate",
+    "MemoryPlanner",
+    "Workload",
+    "estimate_memory",
+    "format_estimate",
+    "format_suggestions",
+    "in_unit",
+    "llama_layer_bytes",
+    "paper_layer_bytes",
+    "parse_dtype",
+    "pick_unit",
+    "suggest_layouts",
+]
 
 
 @dataclass
@@ -261,13 +109,7 @@ class MemoryPlanner:
 
     @cached_property
     def dims_template(self) -> Dims:
-        c = self.config.get_text_config() if hasattr(self.config, "get_text_config") else self.config
-        h = _first(c, "hidden_size", "n_embd", "d_model")
-        a = _first(c, "num_attention_heads", "n_head", "num_heads")
-        kv = getattr(c, "num_key_value_heads", None) or a
-        i = getattr(c, "intermediate_size", None) or getattr(c, "n_inner", None) or getattr(c, "d_ff", None) or 4 * h
-        head_dim = getattr(c, "head_dim", None) or h // a
-        return Dims(s=0, b=0, h=h, a=a, v=c.vocab_size, i=i, g=kv / a, head_dim=head_dim)
+        return Dims.from_config(self.config)
 
     @property
     def llama_style(self) -> bool:
@@ -367,13 +209,10 @@ class MemoryPlanner:
 
     def _activations(self, layout: Layout, workload: Workload, method: str) -> float:
         """The stage with the most activation bytes (1F1B: stage s keeps min(pp - s, m) micro-batches; GPipe: m)."""
-        d, e, tp, sp, pp = self.dims(workload), workload.element, layout.tp, layout.sequence_parallel, layout.pp
-        if method == "paper":
-            layer = paper_layer_bytes(d, tp, sp, e)
-            first, last = paper_outside_bytes(d, tp, sp, e)
-        else:
-            layer = llama_layer_bytes(d, tp, sp, e, workload.attention)
-            first, last = llama_outside_bytes(d, tp, sp, e)
+        pp = layout.pp
+        layer, first, last = activation_bytes(
+            method, self.dims(workload), layout.tp, layout.sequence_parallel, workload.element, workload.attention
+        )
         micro = workload.num_microbatches or pp
         stages = stage_layers(self.num_layers, pp, "layers", "layers")
         worst = 0.0
@@ -490,114 +329,6 @@ def suggest_layouts(
 ) -> list[MemoryEstimate]:
     """The layouts that fit `devices` devices of `memory_gib` GiB, best first (see `MemoryPlanner.suggest`)."""
     return MemoryPlanner(model_dir_or_config).suggest(devices, memory_gib * GIB, Workload(**workload), reserve)
-
-
-# --------------------------------------------------------------------------------------------------------------
-# Text
-
-
-UNITS = (("GiB", 1024**3), ("MiB", 1024**2), ("KiB", 1024))
-
-
-def pick_unit(largest: float) -> tuple[str, float]:
-    """The largest binary unit in which `largest` bytes is at least 1 (GiB for real models, MiB for tiny ones)."""
-    return next(((name, scale) for name, scale in UNITS if largest >= scale), UNITS[-1])
-
-
-def in_unit(n: float | None, scale: float) -> str:
-    return "-" if n is None else f"{n / scale:.2f}"
-
-
-def _count(n: int) -> str:
-    for suffix, scale in (("B", 1e9), ("M", 1e6), ("K", 1e3)):
-        if n >= scale:
-            return f"{n / scale:.2f}{suffix}"
-    return str(n)
-
-
-def describe_model(planner: MemoryPlanner, workload: Workload) -> str:
-    c = planner.config
-    d = planner.dims(workload)
-    master = " + fp32 master weights" if workload.uses_master_weights else ""
-    return (
-        f"{type(planner.model).__name__} ({c.model_type}): {_count(planner.num_parameters)} parameters, "
-        f"{planner.num_layers} layers, hidden {d.h}, {d.a} heads ({round(d.g * d.a)} kv), vocab {d.v}; "
-        f"{workload.dtype}{master}, seq {workload.seq_len} x micro-batch {workload.micro_batch}, "
-        f"{workload.attention} attention"
-    )
-
-
-def format_estimate(planner: MemoryPlanner, off: MemoryEstimate, on: MemoryEstimate | None) -> str:
-    """A table of one layout without (and with) sequence parallelism, bytes per rank in a readable unit."""
-    layout = off.layout
-    method = {"llama": "Llama count", "paper": "Korthikanti et al. 2022"}[off.activation_method]
-    columns = [off] + ([on] if on is not None else [])
-    unit, scale = pick_unit(max(e.total for e in columns))
-    lines = [
-        describe_model(planner, off.workload),
-        f"layout: dp={layout.dp} tp={layout.tp} pp={layout.pp}, sharding level {layout.sharding_level}; "
-        f"{unit} on the rank with the most",
-        "",
-    ]
-    header = ["", "SP off"] + (["SP on"] if on is not None else [])
-    rows = [
-        ["parameters", *(in_unit(e.parameters, scale) for e in columns)],
-        ["gradients", *(in_unit(e.gradients, scale) for e in columns)],
-        ["optimizer state", *(in_unit(e.optimizer_state, scale) for e in columns)],
-        ["buffers", *(in_unit(e.buffers, scale) for e in columns)],
-        [f"activations ({method})", *(in_unit(e.activations, scale) for e in columns)],
-        ["total", *(in_unit(e.total, scale) for e in columns)],
-        ["", *("" for _ in columns)],
-        ["activations, Korthikanti et al. 2022", *(in_unit(e.activations_paper, scale) for e in columns)],
-    ]
-    if off.activations_llama is not None:
-        rows.append(["activations, Llama count", *(in_unit(e.activations_llama, scale) for e in columns)])
-    lines += table(header, rows, align_numbers=True)
-    notes = list(dict.fromkeys(n for e in columns for n in e.notes))
-    if on is None and layout.tp > 1:
-        notes.append(f"{planner.parallelizer.__name__} has no sequence-parallel plan: SP on is not shown")
-    lines += ["", *(f"note: {n}" for n in notes)]
-    return "\n".join(lines) + "\n"
-
-
-def format_suggestions(
-    planner: MemoryPlanner, estimates: list[MemoryEstimate], devices: int, memory_bytes: float, reserve: float, top: int
-) -> str:
-    workload = estimates[0].workload if estimates else None
-    lines = [describe_model(planner, workload)] if workload else []
-    budget = memory_bytes * (1 - reserve)
-    lines.append(
-        f"{len(estimates)} layouts fit {devices} devices of {memory_bytes / GIB:.1f} GiB "
-        f"(budget {budget / GIB:.1f} GiB per device after a {reserve:.0%} reserve); best first: fewest tp, then "
-        "fewest pp, then lowest sharding level, then most headroom"
-    )
-    if not estimates:
-        return "\n".join(lines) + "\n"
-    unit, scale = pick_unit(max(e.total for e in estimates[:top]))
-    rows = []
-    for rank, e in enumerate(estimates[:top], 1):
-        sizes = (e.parameters, e.gradients, e.optimizer_state, e.buffers, e.activations, e.total)
-        layout = (e.layout.dp, e.layout.tp, e.layout.pp, e.layout.sharding_level)
-        sp = "on" if e.layout.sequence_parallel else "off"
-        free = f"{1 - e.total / memory_bytes:.0%}"
-        rows.append([str(rank), *map(str, layout), sp, *(in_unit(n, scale) for n in sizes), free])
-    header = ["#", "dp", "tp", "pp", "level", "SP", "params", "grads", "optim", "buffers", "activ."]
-    header += [f"total {unit}", "free"]
-    lines += ["", *table(header, rows, align_numbers=True)]
-    if len(estimates) > top:
-        lines.append(f"... {len(estimates) - top} more (--top N shows more)")
-    return "\n".join(lines) + "\n"
-
-
-# --------------------------------------------------------------------------------------------------------------
-
-
-def _first(config, *names: str) -> int:
-    for name in names:
-        value = getattr(config, name, None)
-        if isinstance(value, int) and value > 0:
-            return value
-    raise ValueError(f"{type(config).__name__} has none of {', '.join(names)}; cannot size the activations")
 
 
 def _divisors(n: int) -> list[int]:

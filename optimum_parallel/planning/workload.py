@@ -1,0 +1,117 @@
+"""What the memory planner is asked about: a layout of dp x tp x pp devices, the workload of one training step,
+and the per-rank estimate it answers with."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from ..mesh import check_positive_int
+
+GIB = 1024**3
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+DTYPE_ALIASES = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16", "half": "fp16", "float": "fp32"}
+ATTENTION = ("sdpa", "eager")
+ACTIVATION_METHODS = ("auto", "llama", "paper")
+SCHEDULES = ("1f1b", "gpipe")
+
+
+def parse_dtype(dtype: str | torch.dtype) -> str:
+    """'fp32' | 'bf16' | 'fp16' from a name or a torch dtype; ValueError names the allowed values."""
+    if isinstance(dtype, torch.dtype):
+        dtype = str(dtype).removeprefix("torch.")
+    name = DTYPE_ALIASES.get(dtype, dtype)
+    if name not in DTYPES:
+        raise ValueError(f"dtype {dtype!r} is not allowed; allowed: {', '.join(DTYPES)}")
+    return name
+
+
+@dataclass(frozen=True)
+class Layout:
+    """One way to lay a model over dp x tp x pp devices."""
+
+    dp: int = 1
+    tp: int = 1
+    pp: int = 1
+    sharding_level: int = 0
+    sequence_parallel: bool = False
+
+    def __post_init__(self) -> None:
+        for name in ("dp", "tp", "pp"):
+            check_positive_int(name, getattr(self, name), "a size")
+        if self.sharding_level not in (0, 1, 2, 3) or isinstance(self.sharding_level, bool):
+            raise ValueError(f"sharding_level={self.sharding_level!r} is not allowed; allowed: 0, 1, 2, 3")
+
+    @property
+    def devices(self) -> int:
+        return self.dp * self.tp * self.pp
+
+    def __str__(self) -> str:
+        sp = ", SP" if self.sequence_parallel else ""
+        return f"dp={self.dp} tp={self.tp} pp={self.pp} level {self.sharding_level}{sp}"
+
+
+@dataclass(frozen=True)
+class Workload:
+    """What one training step runs: tokens per micro-batch, precision, attention kernel."""
+
+    seq_len: int = 2048
+    micro_batch: int = 1
+    num_microbatches: int | None = None  # pipeline micro-batches per step (default: pp)
+    schedule: str = "1f1b"  # pipeline schedule: "1f1b" or "gpipe"
+    dtype: str = "bf16"
+    master_weights: bool | None = None  # default: True for 16-bit dtypes
+    attention: str = "sdpa"
+    activations: str = "auto"
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "dtype", parse_dtype(self.dtype))
+        for name in ("seq_len", "micro_batch"):
+            check_positive_int(name, getattr(self, name))
+        if self.attention not in ATTENTION:
+            raise ValueError(f"attention={self.attention!r} is not allowed; allowed: {', '.join(ATTENTION)}")
+        if self.schedule not in SCHEDULES:
+            raise ValueError(f"schedule={self.schedule!r} is not allowed; allowed: {', '.join(SCHEDULES)}")
+        if self.activations not in ACTIVATION_METHODS:
+            raise ValueError(f"activations={self.activations!r}; allowed: {', '.join(ACTIVATION_METHODS)}")
+
+    @property
+    def element(self) -> int:
+        return torch.empty((), dtype=DTYPES[self.dtype]).element_size()
+
+    @property
+    def uses_master_weights(self) -> bool:
+        if self.dtype == "fp32":
+            return False
+        return True if self.master_weights is None else self.master_weights
+
+    @property
+    def optimizer_bytes_per_param(self) -> int:
+        """AdamW state bytes per parameter: m and v (+ the fp32 master copy)."""
+        return 12 if self.uses_master_weights else 2 * self.element
+
+
+@dataclass
+class MemoryEstimate:
+    """Bytes on the rank with the most of them (each line is that line's maximum over ranks)."""
+
+    layout: Layout
+    workload: Workload
+    parameters: float
+    gradients: float
+    optimizer_state: float
+    buffers: float
+    activations: float
+    activations_paper: float
+    activations_llama: float | None
+    activation_method: str
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def total(self) -> float:
+        return self.parameters + self.gradients + self.optimizer_state + self.buffers + self.activations
+
+    @property
+    def states(self) -> float:
+        return self.parameters + self.gradients + self.optimizer_state
