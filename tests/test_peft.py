@@ -30,12 +30,21 @@ def _peft(model):
     return get_peft_model(model, lora_config())
 
 
-def check_lora(order: str, tp: int, sequence_parallel: bool = False) -> dict:
+def _whole(tensor: torch.Tensor) -> torch.Tensor:
+    from torch.distributed.tensor import DTensor
+
+    return tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
+
+
+def check_lora(order: str, tp: int, sequence_parallel: bool = False, sharding_level: int | None = None) -> dict:
+    """Every rank trains on the same batch, so data-parallel replicas average identical gradients."""
     import torch.distributed as dist
 
     import optimum_parallel as op
+    from optimum_parallel.engine.compose import compose_training
+    from optimum_parallel.plan.wrappers import plan_root
 
-    op.init_mesh(dp=dist.get_world_size() // tp, tp=tp)
+    mesh = op.init_mesh(dp=dist.get_world_size() // tp, tp=tp)
     config = tiny_config("llama", num_key_value_heads=2)  # tp=4 replicates the 2 kv heads (and v's adapter B)
     base = build_model(config)
     reference = _peft(copy.deepcopy(base))
@@ -46,6 +55,10 @@ def check_lora(order: str, tp: int, sequence_parallel: bool = False) -> dict:
         model = _peft(parallelizer.parallelize(copy.deepcopy(base), sequence_parallel_enabled=sequence_parallel))
     frozen = {n: p.detach().clone() for n, p in model.named_parameters() if not p.requires_grad}
     trainable = [n for n, p in model.named_parameters() if p.requires_grad]
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+    if sharding_level is not None:
+        dp_config = op.DataParallelConfig(sharding_level=sharding_level)
+        opt = compose_training(plan_root(model), opt, mesh, {}, dp_config)[1]
 
     batch = make_batch(config)
     ref_loss, loss = reference(**batch).loss, model(**batch).loss
@@ -56,10 +69,9 @@ def check_lora(order: str, tp: int, sequence_parallel: bool = False) -> dict:
     for name in trainable:
         param, full = dict(model.named_parameters())[name], expected[name].grad
         layout = getattr(param, "shard_layout", None)
-        grads[name] = rel_err(param.grad, layout.slice(full) if layout is not None else full)
+        grads[name] = rel_err(_whole(param.grad), layout.slice(full) if layout is not None else full)
 
     ref_opt = torch.optim.AdamW([p for p in reference.parameters() if p.requires_grad], lr=1e-2)
-    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
     steps = []
     for _ in range(3):
         for o in (ref_opt, opt):
@@ -74,7 +86,7 @@ def check_lora(order: str, tp: int, sequence_parallel: bool = False) -> dict:
         "worst_grad": max(grads.values()),
         "n_lora_grads": len(grads),
         "trainable_are_lora": all(".lora_" in n for n in trainable),
-        "base_unchanged": all(torch.equal(p, frozen[n]) for n, p in model.named_parameters() if n in frozen),
+        "base_unchanged": all(torch.equal(_whole(p), frozen[n]) for n, p in model.named_parameters() if n in frozen),
         "steps": max(steps),
     }
 
@@ -85,7 +97,17 @@ def check_lora(order: str, tp: int, sequence_parallel: bool = False) -> dict:
     ids=["peft-then-tp2", "tp2-then-peft", "peft-then-tp4", "peft-then-tp2-sp"],
 )
 def test_lora_matches_single_device_peft(pool, order, tp, sequence_parallel):
-    for rank, result in enumerate(pool.run(check_lora, order, tp, sequence_parallel)):
+    _assert_matches(pool.run(check_lora, order, tp, sequence_parallel))
+
+
+@pytest.mark.parametrize("sharding_level", [0, 1, 2, 3])
+def test_lora_composes_with_data_parallel(pool, sharding_level):
+    """dp=2 x tp=2: DDP, ZeRO-1, FSDP2 (frozen base and adapters sharded together) keep the single-device numbers."""
+    _assert_matches(pool.run(check_lora, "peft_first", 2, sharding_level=sharding_level))
+
+
+def _assert_matches(results: list[dict]) -> None:
+    for rank, result in enumerate(results):
         assert result["n_lora_grads"] == 2 * len(TARGETS) * 2, result  # A and B of 3 targets x 2 layers
         assert result["trainable_are_lora"] and result["base_unchanged"], result
         assert max(result["loss"], result["worst_grad"], result["steps"]) <= TOL, f"rank {rank}: {result}"
@@ -160,3 +182,31 @@ def test_adapter_saves_as_a_standard_peft_adapter_and_merges_like_one_device(poo
     reference_merged = dict(reference.merge_and_unload().named_parameters())
     for name, param in merged.named_parameters():
         assert rel_err(param, reference_merged[name]) <= TOL, name
+
+
+def unsupported_methods() -> list[str]:
+    import optimum_parallel as op
+    from peft import IA3Config, LoraConfig, get_peft_model
+
+    op.init_mesh(tp=2, dp=2)
+    messages = []
+    for config in (
+        IA3Config(target_modules=["q_proj", "down_proj"], feedforward_modules=["down_proj"]),
+        LoraConfig(r=4, target_modules=["q_proj"], use_dora=True),
+        LoraConfig(r=4, target_modules=["lm_head"]),
+    ):
+        model = get_peft_model(build_model(tiny_config("llama")), config)
+        try:
+            op.ParallelizersManager.parallelizer_for_model(model).parallelize(model)
+        except NotImplementedError as err:
+            messages.append(str(err))
+        else:
+            messages.append("no error")
+    return messages
+
+
+def test_unsupported_peft_methods_are_named(pool):
+    ia3, dora, head = pool.run(unsupported_methods)[0]
+    assert "peft.tuners.ia3" in ia3 and "supported: LoRA" in ia3, ia3
+    assert "DoRA" in dora or "Dora" in dora, dora
+    assert "LM head" in head, head
