@@ -185,8 +185,9 @@ def test_adapter_saves_as_a_standard_peft_adapter_and_merges_like_one_device(poo
 
 
 def unsupported_methods() -> list[str]:
-    import optimum_parallel as op
     from peft import IA3Config, LoraConfig, get_peft_model
+
+    import optimum_parallel as op
 
     op.init_mesh(tp=2, dp=2)
     messages = []
@@ -210,3 +211,18 @@ def test_unsupported_peft_methods_are_named(pool):
     assert "peft.tuners.ia3" in ia3 and "supported: LoRA" in ia3, ia3
     assert "DoRA" in dora or "Dora" in dora, dora
     assert "LM head" in head, head
+
+
+def test_lora_example_runs_under_torchrun(tmp_path):
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    example = Path(__file__).resolve().parents[1] / "examples" / "lora_llama.py"
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", str(example)]
+    command += ["--output_dir", str(tmp_path / "out"), "--steps", "3"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    result = subprocess.run(command, capture_output=True, text=True, timeout=240, env=env)
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-4000:]
+    assert "step 2: loss" in result.stdout and (tmp_path / "out" / "adapter_model.safetensors").exists()
