@@ -259,3 +259,47 @@ def test_lora_under_pipeline_and_tensor_parallelism(pool):
     for rank, result in enumerate(pool.run(check_lora_pipeline)):
         assert result["n"] == 2 * len(TARGETS) * 2, result  # A and B of 3 targets x the stage's 2 layers
         assert max(result["loss"], result["worst_grad"]) <= TOL, f"rank {rank}: {result}"
+
+
+def check_lazy_base_then_lora(path: str) -> dict:
+    """The frozen base loaded lazily (each rank reads only its slices), then the adapters on the parallel model."""
+    from transformers import AutoModelForCausalLM
+
+    import optimum_parallel as op
+    import optimum_parallel.engine.materialize as materialize
+
+    op.init_mesh(tp=2, dp=2)
+    load = {"dtype": torch.float32, "attn_implementation": "eager"}
+    reference = _peft(AutoModelForCausalLM.from_pretrained(path, **load))
+    with op.lazy_load_for_parallelism(tensor_parallel_size=2):
+        model = AutoModelForCausalLM.from_pretrained(path, **load)
+    read, original = [], materialize.read_slice
+    materialize.read_slice = lambda *args: read.append(original(*args)) or read[-1]
+    try:
+        model = op.ParallelizersManager.parallelizer_for_model(model).parallelize(model)
+    finally:
+        materialize.read_slice = original
+    base_elements = sum(p.numel() for p in model.parameters())
+    model = _peft(model)
+    batch = make_batch(model.config)
+    loss, ref_loss = model(**batch).loss, reference(**batch).loss
+    with op.lazy_load_for_parallelism(tensor_parallel_size=2):
+        meta = _peft(AutoModelForCausalLM.from_pretrained(path, **load))
+    try:
+        op.ParallelizersManager.parallelizer_for_model(meta).parallelize(meta)
+        refused = "no error"
+    except NotImplementedError as err:
+        refused = str(err)
+    return {
+        "read": sum(t.numel() for t in read),
+        "local": base_elements,
+        "loss": rel_err(loss, ref_loss),
+        "refused": refused,
+    }
+
+
+def test_lazily_loaded_base_reads_only_its_slices(pool, tmp_path):
+    build_model(tiny_config("llama", num_key_value_heads=2)).save_pretrained(tmp_path / "base")
+    for result in pool.run(check_lazy_base_then_lora, str(tmp_path / "base")):
+        assert result["read"] == result["local"] and result["loss"] <= TOL, result
+        assert "call get_peft_model on the parallel model" in result["refused"], result

@@ -91,6 +91,11 @@ def _shard(module: nn.Linear, spec: ShardSpec, rank: int, tp: int) -> None:
 def shard_lora_layer(wrapper: nn.Module, rank: int, tp: int) -> None:
     """Split the adapters of a PEFT LoRA layer whose `base_layer` is already tensor-parallel; swap its forward."""
     _check_supported(wrapper)
+    if any(p.device.type == "meta" for p in (*wrapper.lora_A.parameters(), *wrapper.lora_B.parameters())):
+        raise NotImplementedError(
+            "LoRA adapters made on the meta device (get_peft_model under lazy_load_for_parallelism) have no values "
+            "to load: load the base lazily, parallelize it, then call get_peft_model on the parallel model"
+        )
     base = wrapper.base_layer
     base_spec = base.weight.shard_layout.spec
     for name in wrapper.lora_A:
