@@ -303,3 +303,42 @@ def test_lazily_loaded_base_reads_only_its_slices(pool, tmp_path):
     for result in pool.run(check_lazy_base_then_lora, str(tmp_path / "base")):
         assert result["read"] == result["local"] and result["loss"] <= TOL, result
         assert "call get_peft_model on the parallel model" in result["refused"], result
+
+
+def train_lora_trainer(hf_dir: str, output_dir: str, tp: int, resume: str | None = None) -> dict:
+    """ParallelTrainer with a peft_config over a lazily loaded base; the global batch is 4 blocks at any tp."""
+    import os
+
+    from peft import LoraConfig
+    from test_trainer import common_args, curve, datasets
+
+    from optimum_parallel import ParallelTrainer, ParallelTrainingArguments
+
+    per_device = 4 * tp // int(os.environ["WORLD_SIZE"])
+    args = ParallelTrainingArguments(
+        **{**common_args(output_dir, per_device), "tensor_parallel_size": tp, "eval_strategy": "no"}
+    )
+    train, _ = datasets()
+    lora = LoraConfig(r=4, lora_alpha=8, target_modules=TARGETS, init_lora_weights=False)
+    torch.manual_seed(123)
+    trainer = ParallelTrainer(hf_dir, args, peft_config=lora, train_dataset=train)
+    trainer.train(resume_from_checkpoint=resume)
+    trainer.save_model()
+    return curve(trainer.state.log_history)
+
+
+def test_trainer_trains_lora_and_saves_adapter_only_checkpoints(pool, tmp_path):
+    """tp=2 (dp=2), adapters added by peft_config over a lazily loaded base: training runs, the checkpoints hold
+    the adapters and their AdamW state only, and save_model() writes a standard PEFT adapter."""
+    import json
+
+    from test_trainer import SAVE_AT
+
+    hf_dir = tmp_path / "base"
+    build_model(tiny_config("llama", num_key_value_heads=2), seed=3).save_pretrained(hf_dir)
+    losses = pool.run(train_lora_trainer, str(hf_dir), str(tmp_path / "tp2"), 2)[0]
+    assert len([s for s in losses if "loss" in losses[s]]) >= 2 * SAVE_AT, losses
+    index = json.loads((tmp_path / "tp2" / f"checkpoint-{SAVE_AT}" / "parallel_checkpoint.json").read_text())
+    assert index["tensors"] and all(".lora_" in name for name in index["tensors"]), list(index["tensors"])[:4]
+    assert index["optimizer_tensors"] and index["extra"]["trainable_only"]
+    assert (tmp_path / "tp2" / "adapter_model.safetensors").exists()

@@ -64,8 +64,9 @@ def _check_materialised(name: str, tensor: torch.Tensor) -> None:
         raise ValueError(f"{name} is still on the meta device: parallelize (materialise) the model before saving it")
 
 
-def model_tensors(model: nn.Module) -> tuple[dict[str, LocalTensor], dict[str, str]]:
-    """({name: tensor} for every parameter (tied ones once) and persistent buffer, {tied alias: canonical name})."""
+def model_tensors(model: nn.Module, trainable_only: bool = False) -> tuple[dict[str, LocalTensor], dict[str, str]]:
+    """({name: tensor} for every parameter (tied ones once) and persistent buffer, {tied alias: canonical name});
+    with `trainable_only`, the parameters that require a gradient and nothing else (adapters over a frozen base)."""
     tensors: dict[str, LocalTensor] = {}
     canonical: dict[int, str] = {}
     tied: dict[str, str] = {}
@@ -74,8 +75,12 @@ def model_tensors(model: nn.Module) -> tuple[dict[str, LocalTensor], dict[str, s
             tied[name] = canonical[id(param)]
             continue
         canonical[id(param)] = name
+        if trainable_only and not param.requires_grad:
+            continue
         _check_materialised(name, param)
         tensors[name] = LocalTensor(param.detach(), "param", split_layout(param))
+    if trainable_only:
+        return tensors, {alias: name for alias, name in tied.items() if name in tensors}
     for module_name, module in model.named_modules():
         for leaf, buffer in module._buffers.items():
             if buffer is None or leaf in module._non_persistent_buffers_set:

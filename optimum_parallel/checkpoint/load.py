@@ -77,6 +77,8 @@ def _read_into(files: ShardFiles, name: str, entry: TensorEntry, shard, module: 
 def _load_model(model: nn.Module, index: CheckpointIndex, files: ShardFiles, rank: RankInfo) -> None:
     where = str(files.directory / INDEX_NAME)
     live = _live_tensors(model)
+    if index.extra.get("trainable_only"):  # adapters only: the frozen base comes from the model's own weights
+        live = {n: held for n, held in live.items() if isinstance(held[2], nn.Parameter) and held[2].requires_grad}
     used, missing = set(), []
     for name in live:
         stored = name if name in index.tensors else index.tied.get(name)
@@ -107,23 +109,31 @@ def _load_optimizer(
     cls = optimizer_class(optimizer)
     if saved["class"] != f"{cls.__module__}.{cls.__qualname__}":
         raise CheckpointError(f"{where}: holds {saved['class']} state, not {cls.__module__}.{cls.__qualname__}")
-    saved_groups = saved["param_groups"].get(str(rank.pp))
-    if saved_groups is None or len(saved_groups) != len(optimizer.param_groups):
+    # empty groups hold no state (transformers' Trainer makes a no-decay group even when nothing goes in it)
+    saved_groups = [g for g in saved["param_groups"].get(str(rank.pp)) or [] if g["params"]]
+    filled = [g for g in optimizer.param_groups if g["params"]]
+    if len(saved_groups) != len(filled):
         raise CheckpointError(
-            f"{where}: {len(saved_groups or [])} optimizer param groups saved for pp rank {rank.pp}, the optimizer "
-            f"has {len(optimizer.param_groups)}"
+            f"{where}: {len(saved_groups)} non-empty optimizer param groups saved for pp rank {rank.pp}, the "
+            f"optimizer has {len(filled)}"
         )
     names = parameter_names(model)
     states: dict[str, dict[str, TensorEntry]] = {}
     for key, entry in index.optimizer_tensors.items():
         states.setdefault(entry.param, {})[key.rpartition("/")[2]] = entry
     state, groups, position = {}, [], 0
-    for i, (group, saved_group) in enumerate(zip(optimizer.param_groups, saved_groups, strict=True)):
+    saved_of = dict(zip((id(g) for g in filled), saved_groups, strict=True))
+    for i, group in enumerate(optimizer.param_groups):
+        if not group["params"]:
+            groups.append({**group, "params": []})
+            continue
+        saved_group = saved_of[id(group)]
         params = [names.get(id(p), "<not a model parameter>") for p in group["params"]]
-        if params != saved_group["params"]:
+        if sorted(params) != sorted(saved_group["params"]):  # state is matched by name, not position
             raise CheckpointError(
-                f"{where}: optimizer param group {i} was saved over {len(saved_group['params'])} parameters "
-                f"{saved_group['params'][:3]}..., the optimizer's holds {len(params)} {params[:3]}..."
+                f"{where}: optimizer param group {i} was saved over {len(saved_group['params'])} parameters, the "
+                f"optimizer's holds {len(params)}; only saved: {sorted(set(saved_group['params']) - set(params))[:3]}, "
+                f"only in the optimizer: {sorted(set(params) - set(saved_group['params']))[:3]}"
             )
         ids = []
         for param, name in zip(group["params"], params, strict=True):

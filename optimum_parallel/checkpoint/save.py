@@ -92,6 +92,7 @@ def save_model_checkpoint(
     as_sharded: bool = True,
     optimizer: torch.optim.Optimizer | None = None,
     *,
+    trainable_only: bool = False,
     max_shard_size: int | str = DEFAULT_MAX_SHARD_SIZE,
     progress: bool = False,
 ) -> Path:
@@ -99,6 +100,8 @@ def save_model_checkpoint(
 
     as_sharded: per-rank safetensors + self-describing index (reload with `load_model_checkpoint`).
     as_regular: also a consolidated Hugging Face checkpoint in the same directory (`from_pretrained` loads it).
+    trainable_only: only the parameters that require a gradient (LoRA adapters over a frozen base the model was
+    built from): a small checkpoint that `load_model_checkpoint` loads into the same kind of model.
     Every split parameter carries its ShardSpec (head counts included), so resharding needs nothing else.
     """
     if not (as_sharded or as_regular):
@@ -111,7 +114,7 @@ def save_model_checkpoint(
     local: dict = {}
 
     def describe() -> dict:
-        local["model"], tied = model_tensors(model)
+        local["model"], tied = model_tensors(model, trainable_only)
         local["state"], meta = ({}, None) if optimizer is None else optimizer_tensors(optimizer, model, local["model"])
         specs = {kind: {n: t.spec() for n, t in local[kind].items()} for kind in ("model", "state")}
         here = (rank.dp, rank.pp, rank.tp)
@@ -168,6 +171,7 @@ def save_model_checkpoint(
             files=files,
             optimizer=optimizer_meta,
             optimizer_tensors=state_entries,
+            extra={"trainable_only": True} if trainable_only else {},
         )
         _save_configs(model, tmp)
         if as_regular:

@@ -129,13 +129,20 @@ class Parallelizer:
         as_regular: bool = False,
         as_sharded: bool = True,
         optimizer: torch.optim.Optimizer | None = None,
+        trainable_only: bool = False,
     ) -> Path:
         """Save a sharded checkpoint (per-rank safetensors + layout metadata) and/or a regular HF one.
 
         Call it on every rank. Every split parameter carries its shard spec, so the files reshard to any layout.
+        `trainable_only`: just the parameters that train (LoRA adapters), for a model that rebuilds its frozen base.
         """
         return save_model_checkpoint(
-            model, output_dir, as_regular=as_regular, as_sharded=as_sharded, optimizer=optimizer
+            model,
+            output_dir,
+            as_regular=as_regular,
+            as_sharded=as_sharded,
+            optimizer=optimizer,
+            trainable_only=trainable_only,
         )
 
     @classmethod

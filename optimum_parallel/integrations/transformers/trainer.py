@@ -29,6 +29,7 @@ from ...engine.compose import compose_training, optimizer_for_parallel_model
 from ...engine.data_parallel import DataParallelConfig
 from ...frontends.manager import ParallelizersManager
 from ...mesh import ParallelMesh, get_mesh, init_mesh
+from ...plan.wrappers import plan_root
 from ...tensor_parallel.layers import ColumnParallelLinear
 from .internals import InternalsChanged, check_overrides, private_override, transformers_internal
 from .lazy_loading import lazy_load_for_parallelism
@@ -93,8 +94,9 @@ class ParallelTrainer(Trainer):
     """A `Trainer` over a dp x pp x tp mesh set by `ParallelTrainingArguments`; launch it with `torchrun`.
 
     `model` is a transformers model or a checkpoint path (loaded under `lazy_load_for_parallelism` with
-    `model_class.from_pretrained(path, **model_kwargs)`, so no rank ever holds the whole model). Other arguments
-    are the Trainer's, passed by keyword; `model_init` is not supported.
+    `model_class.from_pretrained(path, **model_kwargs)`, so no rank ever holds the whole model). A PEFT model, or
+    `peft_config` (adapters added once the base is split), trains its adapters; its checkpoints hold only them.
+    Other arguments are the Trainer's, passed by keyword; `model_init` is not supported.
     """
 
     def __init__(
@@ -105,6 +107,7 @@ class ParallelTrainer(Trainer):
         model_class: type = AutoModelForCausalLM,
         model_kwargs: dict[str, Any] | None = None,
         optimizers: tuple[torch.optim.Optimizer | None, Any] = (None, None),
+        peft_config: Any = None,
         **kwargs: Any,
     ) -> None:
         if not isinstance(args, ParallelTrainingArguments):
@@ -123,6 +126,11 @@ class ParallelTrainer(Trainer):
             pipeline_parallel_num_microbatches=args.pipeline_parallel_num_microbatches,
             pipeline_parallel_schedule=args.pipeline_schedule,
         )
+        if peft_config is not None:  # adapters on the parallel model (its frozen base may have been loaded lazily)
+            from peft import get_peft_model
+
+            model = get_peft_model(model, peft_config)
+        self._adapters_only = plan_root(model) is not model  # a PEFT model: checkpoints hold what trains
         optimizer, scheduler = optimizers
         if optimizer is not None:  # step 4 of compose, early: transformers' Trainer takes it as the one it steps
             optimizer = optimizer_for_parallel_model(optimizer, model.orig_param_to_parallel_param)
@@ -306,12 +314,23 @@ class ParallelTrainer(Trainer):
     # ------------------------------------------------------------------ checkpoints
 
     def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
-        """Checkpoints (`_internal_call`) are sharded: each rank's shards, and the optimizer state unless
-        `save_only_model`. A user's `save_model()` writes a consolidated checkpoint `from_pretrained` loads."""
+        """Checkpoints (`_internal_call`) are sharded: each rank's shards (of the adapters only for a PEFT model),
+        and the optimizer state unless `save_only_model`. A user's `save_model()` writes a consolidated checkpoint
+        `from_pretrained` loads, or for a PEFT model the adapter `PeftModel.from_pretrained` loads."""
         output_dir = Path(output_dir or self.args.output_dir)
         if _internal_call:
             optimizer = None if self.args.save_only_model else _inner(self.optimizer)
-            self.parallelizer.save_model_checkpoint(self.model, output_dir, optimizer=optimizer)
+            self.parallelizer.save_model_checkpoint(
+                self.model, output_dir, optimizer=optimizer, trainable_only=self._adapters_only
+            )
+            return
+        if self._adapters_only:  # a standard PEFT adapter (whole tensors, written by rank 0)
+            self.model.save_pretrained(output_dir)
+            if self.args.should_save:
+                if self.processing_class is not None:
+                    self.processing_class.save_pretrained(output_dir)
+                torch.save(self.args, output_dir / TRAINING_ARGS_NAME)
+            dist.barrier()
             return
         staging = output_dir / ".consolidating"  # publishing replaces a directory: do not replace output_dir
         self.parallelizer.save_model_checkpoint(self.model, staging, as_regular=True, as_sharded=False)
