@@ -34,6 +34,7 @@ from .regions import (
     start_all_reduce,
     start_reduce_scatter,
 )
+from .sequence_switch import sequence_switch
 
 
 class _PendingWeightGrads:
@@ -144,7 +145,7 @@ class RegionEntry:
 
     def linear(self, layer, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         """`F.linear(entered x, weight, bias)` for a column-parallel `layer`, overlapped where it can be."""
-        entry = self._entry(x, layer.group, layer.sequence_parallel, layer)
+        entry = self._entry(x, layer.group, sequence_switch(layer.sequence_parallel), layer)
         alias = entry.aliases.get(id(layer))
         if alias is not None and alias[0] is weight:
             return _LinearWithPendingWeightGrad.apply(entry.entered, alias[1], bias, entry.pending, alias[2])
