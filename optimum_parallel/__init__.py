@@ -10,7 +10,7 @@ from .frontends.parallelizer import Parallelizer
 from .integrations.transformers.lazy_loading import lazy_load_for_parallelism
 from .mesh import ParallelMesh, get_mesh, init_mesh, set_mesh
 from .pipeline import SplitPoint
-from .plan import apply_plan, check_plan, parallel_layouts
+from .plan import apply_plan, check_plan, logits_mode, parallel_layouts
 from .styles import (
     ColWiseParallel,
     ParallelStyle,
@@ -75,6 +75,7 @@ __all__ = [
     "check_plan_fits",
     "estimate_memory",
     "load_plan",
+    "logits_mode",
     "plan_file_parallelizer",
     "save_plan",
     "suggest_layouts",
