@@ -42,9 +42,8 @@ def main() -> None:
     batch = tokenizer(["w5 w9 w17 w33 w65 w129", "w100 w7 w44"], return_tensors="pt", padding=True)
     with torch.no_grad():
         logits = model(**batch).logits  # the whole vocabulary, the same on every rank
-    print(
-        f"rank {rank}: logits {tuple(logits.shape)}, equal to one process: {torch.allclose(logits, single(**batch).logits, atol=1e-5)}"
-    )  # noqa: E501
+    same = torch.allclose(logits, single(**batch).logits, atol=1e-5)
+    print(f"rank {rank}: logits {tuple(logits.shape)}, equal to one process: {same}")
 
     for name, options in {
         "greedy": dict(do_sample=False),
