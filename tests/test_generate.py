@@ -254,3 +254,26 @@ def check_pipeline_parallel_generate() -> str:
 def test_generate_under_pipeline_parallelism_is_a_clear_error(pool):
     for message in pool.run(check_pipeline_parallel_generate):
         assert "pipeline-parallel" in message and "tensor parallelism only" in message, message
+
+
+def check_different_prompts_on_tp_ranks() -> str:
+    """A tp rank holding other prompts than its peers: one clear error on every rank, no hang, no wrong tokens."""
+    import optimum_parallel as op
+
+    mesh = op.init_mesh(dp=dist.get_world_size() // 2, tp=2)
+    config = tiny_config("llama")
+    model = build_model(config)
+    model = op.ParallelizersManager.parallelizer_for_model(model).parallelize(model)
+    inputs = {k: v for k, v in _prompts(config).items() if k != "labels"}
+    if mesh.rank("tp") == 1:
+        inputs["input_ids"] = inputs["input_ids"].flip(-1)
+    try:
+        model.generate(**inputs, **GREEDY)
+    except ValueError as err:
+        return str(err)
+    return "no error"
+
+
+def test_different_prompts_on_tp_ranks_is_a_clear_error(pool):
+    for message in pool.run(check_different_prompts_on_tp_ranks):
+        assert "tp ranks [1] hold other prompts than tp rank 0" in message, message
