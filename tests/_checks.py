@@ -89,7 +89,6 @@ def count_collectives(num_layers: int, tp: int, sequence_parallel: bool = False)
         model, sequence_parallel_enabled=sequence_parallel
     )
     batch = make_batch(config)
-    model.train()  # a training step: labels given, the logits stay vocab-parallel (tiny Llama has no dropout)
     calls, phase = [], ["forward"]
     # torch.distributed's collectives, and the same calls on the shared-memory stand-in of a same-host group
     patched = [(dist, name) for name in ("all_reduce", "all_gather", "reduce_scatter", "broadcast")]

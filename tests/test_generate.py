@@ -75,9 +75,11 @@ def check_causal(config, tp: int, sequence_parallel: bool = False, kind: str = "
         with op.logits_mode(parallel, "local"):
             result["local_logits"] = rel_err(parallel(**inputs).logits, ref.logits[..., start:end])
         result["mode_restored"] = head.logits_mode
+    out = parallel(**batch)  # a training step (labels, gradients on), even in eval mode: the logits stay local
+    result["eval_mode_step_width"] = out.logits.shape[-1]
     parallel.train()
     reference.train()
-    out = parallel(**batch)  # training with labels: the logits stay local
+    out = parallel(**batch)
     result["train_local_width"] = (out.logits.shape[-1], end - start)
     result["train_loss"] = rel_err(out.loss, reference(**batch).loss)
     with op.logits_mode(parallel, "full"):
@@ -95,6 +97,7 @@ def assert_causal(results: list[dict]) -> None:
         assert result["mode_restored"] == "auto"
         width, local = result["train_local_width"]
         assert width == local, f"rank {rank}: training logits {width} wide, the local vocabulary is {local}"
+        assert result["eval_mode_step_width"] == local, f"rank {rank}: an eval-mode training step gathered logits"
         for strategy, (got, want) in result["generate"].items():
             assert got == want, f"rank {rank}: {strategy} generated {got}, the single-device model {want}"
     assert len({r["logits_checksum"] for r in results}) == 1, "the full logits differ between ranks"

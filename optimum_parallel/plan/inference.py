@@ -4,9 +4,11 @@ tp ranks never diverge.
 Logits. A vocab-parallel LM head computes this rank's slice of the vocabulary (the loss is vocab-parallel, so
 training never moves tokens x vocab numbers). Whoever reads `output.logits` -- `generate`, pipelines,
 `Trainer.evaluate` with metrics, a user -- gets the full vocabulary, identical on every tp rank, gathered at the
-model's output. The one exception, mode "auto" (the default): a forward in training mode that computed a
-loss keeps its logits local. `logits_mode(model, "local")` asks for the local slice everywhere (rank r holds
-vocabulary ids `head.weight.shard_layout.ranges[0]`), `logits_mode(model, "full")` for full logits everywhere.
+model's output. The one exception, mode "auto" (the default): a training step -- a forward that computed the
+loss with gradients enabled -- keeps its logits local (whatever the module's train/eval mode: `from_pretrained`
+returns an eval-mode model that custom loops often train as it is). `logits_mode(model, "local")` asks for
+the local slice everywhere (rank r holds vocabulary ids `head.weight.shard_layout.ranges[0]`),
+`logits_mode(model, "full")` for full logits everywhere.
 
 Generation. Every tp rank runs `generate` on the same inputs and takes the same decisions: the logits are
 identical, and before generating the ranks check that their inputs match and take tp rank 0's random
@@ -33,8 +35,8 @@ def _vocab_parallel_heads(model: nn.Module) -> list[ColumnParallelLinear]:
 
 
 class logits_mode:  # noqa: N801 - used like torch.set_grad_enabled: a call, or a context manager
-    """Set how a model with a vocab-parallel LM head returns its logits: "auto" (full unless a training
-    forward computed the loss), "full" or "local" (this rank's vocabulary slice).
+    """Set how a model with a vocab-parallel LM head returns its logits: "auto" (full unless the forward computed
+    the loss with gradients enabled), "full" or "local" (this rank's vocabulary slice).
 
     `logits_mode(model, "local")` sets it; `with logits_mode(model, "local"): ...` sets it for the block.
     Works on the model or any wrapper of it (DDP, FSDP2).
@@ -76,7 +78,7 @@ def _full_logits_hook(model: nn.Module, args, kwargs, output):
     if mode == "local":
         return output
     container, key, has_loss = _logits_position(output)
-    if key is None or (mode == "auto" and model.training and has_loss):
+    if key is None or (mode == "auto" and has_loss and torch.is_grad_enabled()):
         return output
     logits = container[key]
     if logits.shape[-1] != head.weight.shape[0]:  # already whole (a head that gathers its output itself)
