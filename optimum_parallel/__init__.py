@@ -11,7 +11,7 @@ from .integrations.peft import register as _register_peft
 from .integrations.transformers.lazy_loading import lazy_load_for_parallelism
 from .mesh import ParallelMesh, get_mesh, init_mesh, set_mesh
 from .pipeline import SplitPoint
-from .plan import apply_plan, check_plan, parallel_layouts
+from .plan import apply_plan, check_plan, logits_mode, parallel_layouts
 from .styles import (
     ColWiseParallel,
     ParallelStyle,
@@ -78,6 +78,7 @@ __all__ = [
     "check_plan_fits",
     "estimate_memory",
     "load_plan",
+    "logits_mode",
     "plan_file_parallelizer",
     "save_plan",
     "suggest_layouts",

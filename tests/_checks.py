@@ -6,7 +6,7 @@ import copy
 
 import torch
 import torch.distributed as dist
-from _models import build_model, make_batch, rel_err, tiny_config
+from _models import build_model, make_batch, rel_err, tiny_config, whole_logits
 
 from optimum_parallel.comm.shared_memory import SharedMemoryGroup
 
@@ -40,7 +40,7 @@ def check_matches_reference(model_type: str, tp: int, overrides: dict, sequence_
     out.loss.backward()
 
     errors = {
-        "logits": rel_err(parallel.lm_head.gather(out.logits), ref_out.logits),
+        "logits": rel_err(whole_logits(parallel, out.logits), ref_out.logits),
         "loss": rel_err(out.loss, ref_out.loss),
     }
     grads = grad_errors(reference, parallel)

@@ -53,3 +53,10 @@ def rel_err(actual: torch.Tensor, expected: torch.Tensor) -> float:
     """max |actual - expected| / max |expected|."""
     actual, expected = actual.detach().double(), expected.detach().double()
     return ((actual - expected).abs().max() / expected.abs().max().clamp_min(1e-30)).item()
+
+
+def whole_logits(model, logits: torch.Tensor) -> torch.Tensor:
+    """The full-vocabulary logits: a parallel model returns them, except from a training step (labels, grad on)."""
+    head = model.get_output_embeddings()
+    local = getattr(head, "logits_mode", None) is not None and logits.shape[-1] == head.weight.shape[0]
+    return head.gather(logits) if local else logits

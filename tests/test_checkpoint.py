@@ -15,7 +15,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from _killed_run import mark_reached, run_until_reached_then_kill
-from _models import build_model, make_batch, rel_err, tiny_config
+from _models import build_model, make_batch, rel_err, tiny_config, whole_logits
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
@@ -94,7 +94,7 @@ def _full_state(model) -> dict[str, torch.Tensor]:
 def _probe(model, optimizer, batch) -> dict:
     """Logits and loss now, then the loss after one more optimizer step (which needs the optimizer state)."""
     out = model(**batch)
-    logits = model.lm_head.gather(out.logits).detach()
+    logits = whole_logits(model, out.logits).detach()
     out.loss.backward()
     optimizer.step()
     optimizer.zero_grad()

@@ -34,6 +34,7 @@ from .regions import (
     start_all_reduce,
     start_reduce_scatter,
 )
+from .sequence_switch import sequence_switch
 
 
 class _PendingWeightGrads:
@@ -139,12 +140,17 @@ class RegionEntry:
 
     def __call__(self, x: torch.Tensor, group: ProcessGroup, sequence_parallel: bool) -> torch.Tensor:
         """The entered input for a layer that computes its own output (no overlap)."""
+        if not sequence_parallel and not torch.is_grad_enabled():
+            return x
         entry = self._entry(x, group, sequence_parallel, layer=None)
         return entry.entered
 
     def linear(self, layer, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         """`F.linear(entered x, weight, bias)` for a column-parallel `layer`, overlapped where it can be."""
-        entry = self._entry(x, layer.group, layer.sequence_parallel, layer)
+        sequence_parallel = sequence_switch(layer.sequence_parallel)
+        if not sequence_parallel and not torch.is_grad_enabled():  # inference: entering is the identity
+            return F.linear(x, weight, bias)
+        entry = self._entry(x, layer.group, sequence_parallel, layer)
         alias = entry.aliases.get(id(layer))
         if alias is not None and alias[0] is weight:
             return _LinearWithPendingWeightGrad.apply(entry.entered, alias[1], bias, entry.pending, alias[2])

@@ -178,11 +178,15 @@ class _ReduceScatterToSequenceRegion(torch.autograd.Function):
 
 def copy_to_tensor_parallel_region(x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
     """Identity forward; all-reduce of the gradient backward (entry of a column-parallel block)."""
+    if not torch.is_grad_enabled():  # inference: no autograd node to build (a decode step calls these a lot)
+        return x
     return _CopyToRegion.apply(x, group)
 
 
 def reduce_from_tensor_parallel_region(x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
     """All-reduce forward; identity backward (exit of a row-parallel block)."""
+    if not torch.is_grad_enabled():
+        return all_reduce(x, group)
     return _ReduceFromRegion.apply(x, group)
 
 
@@ -197,6 +201,8 @@ def gather_from_tensor_parallel_region(
     x: torch.Tensor, group: ProcessGroup, dim: int = -1, sizes: list[int] | None = None
 ) -> torch.Tensor:
     """All-gather `dim` forward (uneven shards allowed through `sizes`); keep this rank's slice backward."""
+    if not torch.is_grad_enabled():
+        return _all_gather(x, dim, group, sizes)
     return _GatherFromRegion.apply(x, dim, group, sizes)
 
 

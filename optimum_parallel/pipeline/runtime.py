@@ -211,6 +211,16 @@ def _blocked_forward(*args, **kwargs):
     )
 
 
+def _blocked_generate(*args, **kwargs):
+    raise NotImplementedError(
+        "generate() is not supported on a pipeline-parallel model (pp > 1): decoding one token at a time through "
+        "the stages is not implemented. Generate with a model parallelized without pipeline parallelism (tensor "
+        "parallelism only, e.g. op.init_mesh(tp=N, pp=1)): save this one with save_model_checkpoint and load it "
+        "back there (optimum-parallel reshard CKPT OUT --tp N --pp 1 converts the checkpoint); for logits, "
+        "call model.run_eval(**batch)"
+    )
+
+
 def apply_pipeline(
     model: nn.Module,
     mesh: ParallelMesh,
@@ -261,4 +271,5 @@ def apply_pipeline(
     model.run_train = pipeline.run_train
     model.run_eval = pipeline.run_eval
     model.forward = _blocked_forward
+    model.generate = _blocked_generate
     return pipeline

@@ -14,6 +14,7 @@ from contextlib import contextmanager
 import torch
 from torch import nn
 
+from ..comm.sequence_switch import sequence_switch
 from ..styles.sequence_parallel import gather_sequence
 
 
@@ -68,7 +69,7 @@ class DecoderStage(nn.Module):
                     .logits
                 )
             hidden = self._base(attention_mask=attention_mask, use_cache=False, **inputs).last_hidden_state
-        if self.sequence_group is not None:  # the next stage derives positions and masks from the length
+        if self.sequence_group is not None and sequence_switch.on:  # the next stage derives positions from the length
             hidden = gather_sequence(hidden, self.sequence_group)
         return hidden, attention_mask
 

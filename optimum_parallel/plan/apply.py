@@ -19,6 +19,7 @@ from ..styles import ParallelStyle, PlanContext, optional
 from ..tensor_parallel.layers import ColumnParallelLinear
 from ..tensor_parallel.spec import ShardLayout
 from .fixups import install_vocab_parallel_loss, localize_attention_heads, retie_shared_parameters
+from .inference import install_full_logits, install_generation_sync, install_sequence_switch
 from .wrappers import HANDLERS, handler_for, style_target
 
 
@@ -100,6 +101,9 @@ def apply_plan(model: nn.Module, plan: Mapping[str, object], mesh: ParallelMesh)
             handler.after_apply(model, ctx)
     retie_shared_parameters(model, original)
     install_vocab_parallel_loss(model)
+    install_full_logits(model)  # callers see full-vocabulary logits (see plan/inference.py)
+    install_sequence_switch(model)
+    install_generation_sync(model)
     localize_attention_heads(model)
     link_entry_siblings(model, ColumnParallelLinear)
 

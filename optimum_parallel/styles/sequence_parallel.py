@@ -8,6 +8,11 @@ For Hugging Face models the region starts at the first decoder layer's input
 (`SequenceParallelBegin(on="input")`): HF derives position ids and the causal mask from the
 embedding output's length, so the embedding output stays whole (Megatron reduce-scatters there).
 `need_transpose` is accepted for Paddle compatibility; batch-first activations need no transpose.
+
+A forward whose sequence length tp does not divide (a one-token decode step) or that keeps only the last
+positions' logits (`logits_to_keep`, as `generate` does) leaves the sequence whole: the region's entry
+decides once per forward (`comm.sequence_switch`), and every style below then takes the plain
+tensor-parallel path (norm gradients are whole on every rank, so they are not summed).
 """
 
 from __future__ import annotations
@@ -18,10 +23,12 @@ from torch.distributed import ProcessGroup
 
 from ..comm.regions import (
     SEQ_DIM,
+    copy_to_tensor_parallel_region,
     gather_from_sequence_parallel_region,
     gather_from_tensor_parallel_region,
     scatter_to_sequence_parallel_region,
 )
+from ..comm.sequence_switch import sequence_switch
 from ..tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
 from ..tensor_parallel.replicated import sum_parameter_gradients
 from .base import ParallelStyle, PlanContext
@@ -36,6 +43,18 @@ def split_sequence(x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
             "(sequence parallelism); pad the batch to a multiple of tp"
         )
     return scatter_to_sequence_parallel_region(x, group, dim=SEQ_DIM)
+
+
+def _split_if_divisible(x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
+    """The region's entry: split the sequence when this forward can (see `sequence_switch`), else keep it whole."""
+    if sequence_switch.decide(x.shape[SEQ_DIM], dist.get_world_size(group)):
+        return split_sequence(x, group)
+    return x
+
+
+def _when_split(fn):
+    """`fn` inside the region while the sequence is split; the identity on a forward that keeps it whole."""
+    return lambda x: fn(x) if sequence_switch.on else x
 
 
 def gather_sequence(x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
@@ -76,7 +95,7 @@ class SequenceParallelBegin(ParallelStyle):
         self.need_transpose, self.on = need_transpose, on
 
     def apply(self, module, name, ctx: PlanContext):
-        split = lambda x: split_sequence(x, ctx.mesh.tp_group)  # noqa: E731
+        split = lambda x: _split_if_divisible(x, ctx.mesh.tp_group)  # noqa: E731
         if self.on == "input":
             module.register_forward_pre_hook(_first_input_hook(split), with_kwargs=True)
         else:
@@ -95,7 +114,7 @@ class SequenceParallelEnd(ParallelStyle):
         if isinstance(module, ColumnParallelLinear):
             module.sequence_parallel = True
         else:
-            gather = lambda x: gather_sequence(x, ctx.mesh.tp_group)  # noqa: E731
+            gather = _when_split(lambda x: gather_sequence(x, ctx.mesh.tp_group))
             module.register_forward_pre_hook(_first_input_hook(gather), with_kwargs=True)
         return module
 
@@ -105,7 +124,7 @@ class SequenceParallelEnable(ParallelStyle):
 
     def apply(self, module, name, ctx: PlanContext):
         if any(p.requires_grad for p in module.parameters(recurse=False)):
-            sum_parameter_gradients(module, ctx.mesh.tp_group)
+            sum_parameter_gradients(module, ctx.mesh.tp_group, when=lambda: sequence_switch.on)
         return module
 
 
@@ -123,13 +142,19 @@ class SequenceParallelDisable(ParallelStyle):
         columns = [m for m in module.modules() if isinstance(m, ColumnParallelLinear)]
         rows = [m for m in module.modules() if isinstance(m, RowParallelLinear)]
         if columns or rows:
-            enter = lambda x: gather_from_sequence_parallel_region(x, group, dim=SEQ_DIM)  # noqa: E731
+
+            def enter(x):  # the whole sequence enters the region; a forward that kept it whole: the plain entry
+                if sequence_switch.on:
+                    return gather_from_sequence_parallel_region(x, group, dim=SEQ_DIM)
+                return copy_to_tensor_parallel_region(x, group)
+
             module.register_forward_pre_hook(_first_input_hook(enter), with_kwargs=True)
             for layer in columns:
                 layer.enter_region = False
             for layer in rows:
                 layer.sequence_parallel = True
         else:
-            module.register_forward_pre_hook(_first_input_hook(lambda x: gather_sequence(x, group)), with_kwargs=True)
-            module.register_forward_hook(_output_hook(lambda x: split_sequence(x, group)))
+            gather = _when_split(lambda x: gather_sequence(x, group))
+            module.register_forward_pre_hook(_first_input_hook(gather), with_kwargs=True)
+            module.register_forward_hook(_output_hook(_when_split(lambda x: split_sequence(x, group))))
         return module

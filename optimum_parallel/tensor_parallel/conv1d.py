@@ -13,6 +13,7 @@ from torch import nn
 from torch.distributed import ProcessGroup
 
 from ..comm.overlapped_entry import enter_region
+from ..comm.sequence_switch import sequence_switch
 from .layers import _exit_region, _ShardedModule
 from .packed import ReplicatedSegment, sum_segment_grads
 
@@ -46,7 +47,7 @@ class ColumnParallelConv1D(_ShardedModule):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.enter_region:
-            x = enter_region(x, self.group, self.sequence_parallel)
+            x = enter_region(x, self.group, sequence_switch(self.sequence_parallel))
         weight = sum_segment_grads(self.weight, 1, self.segments)
         bias = sum_segment_grads(self.bias, 0, self.segments) if self.bias is not None else None
         size_out = x.shape[:-1] + (self.nf,)

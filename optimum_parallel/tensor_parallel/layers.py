@@ -21,11 +21,12 @@ from ..comm.regions import (
     scatter_to_tensor_parallel_region,
     shard_sizes,
 )
+from ..comm.sequence_switch import sequence_switch
 from .spec import ShardLayout, ShardSpec, local_parameter
 
 
 def _exit_region(y: torch.Tensor, group: ProcessGroup, sequence_parallel: bool) -> torch.Tensor:
-    if sequence_parallel:
+    if sequence_switch(sequence_parallel):  # a forward that leaves the sequence whole all-reduces
         return reduce_scatter_to_sequence_parallel_region(y, group)
     return reduce_from_tensor_parallel_region(y, group)
 

@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from torch.distributed import ProcessGroup
 
 from ..comm.overlapped_entry import enter_region
+from ..comm.sequence_switch import sequence_switch
 from .layers import ColumnParallelLinear
 from .spec import ReplicatedSegment
 
@@ -63,7 +64,7 @@ class PackedColumnParallelLinear(ColumnParallelLinear):
         if self.gather_output:
             raise ValueError("a packed column-parallel layer cannot gather its output (the parts are interleaved)")
         if self.enter_region:
-            x = enter_region(x, self.group, self.sequence_parallel)
+            x = enter_region(x, self.group, sequence_switch(self.sequence_parallel))
         weight = sum_segment_grads(self.weight, 0, self.segments)
         bias = sum_segment_grads(self.bias, 0, self.segments) if self.bias is not None else None
         return F.linear(x, weight, bias)

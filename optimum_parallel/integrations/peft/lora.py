@@ -35,6 +35,7 @@ from ...comm.regions import (
     reduce_from_tensor_parallel_region,
     reduce_scatter_to_sequence_parallel_region,
 )
+from ...comm.sequence_switch import sequence_switch
 from ...tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
 from ...tensor_parallel.packed import PackedColumnParallelLinear
 from ...tensor_parallel.spec import ShardSpec, local_parameter
@@ -162,22 +163,23 @@ def _joined_entry(self, x: torch.Tensor, active: list[str]) -> _JoinedEntry:
     ):
         return last
     base = self.base_layer
+    sequence_parallel = sequence_switch(base.sequence_parallel)  # a decode step leaves the sequence whole
     layers = [self] + [s for s in _siblings(self) if s is not self]
     keys, parts = [], [x]
     for layer in layers:
         for name in (n for n in layer.active_adapters if n in layer.lora_A):
             a = layer.lora_A[name].weight
-            if base.sequence_parallel:  # A x on a slice of the sequence: A's gradient is summed over tp
+            if sequence_parallel:  # A x on a slice of the sequence: A's gradient is summed over tp
                 a = copy_to_tensor_parallel_region(a, base.group)
             keys.append(((id(layer), name), a.shape[0]))
             parts.append(F.linear(layer.lora_dropout[name](x.to(a.dtype)), a).to(x.dtype))
-    joined = enter_region(torch.cat(parts, dim=-1), base.group, base.sequence_parallel)
+    joined = enter_region(torch.cat(parts, dim=-1), base.group, sequence_parallel)
     hidden = x.shape[-1]
     entered, adapters, offset = joined[..., :hidden], {}, hidden
     for key, rank in keys:
         adapters[key] = joined[..., offset : offset + rank]
         offset += rank
-    enter_region.remember(x, base.group, base.sequence_parallel, entered)  # plain siblings reuse the entry
+    enter_region.remember(x, base.group, sequence_parallel, entered)  # plain siblings reuse the entry
     _last_joined = _JoinedEntry(weakref.ref(x), x._version, entered, adapters) if entered.requires_grad else None
     return _JoinedEntry(weakref.ref(x), x._version, entered, adapters)
 
@@ -236,7 +238,8 @@ def _row_forward(self, x: torch.Tensor, active: list[str]) -> torch.Tensor:
         a = self.lora_A[name].weight
         partial.append(F.linear(self.lora_dropout[name](x.to(a.dtype)), a).to(partial[0].dtype))
     joined = torch.cat(partial, dim=-1)  # the adapters' A x join the base layer's one collective
-    if base.sequence_parallel:
+    sequence_parallel = sequence_switch(base.sequence_parallel)
+    if sequence_parallel:
         joined = reduce_scatter_to_sequence_parallel_region(joined, base.group)
     else:
         joined = reduce_from_tensor_parallel_region(joined, base.group)
@@ -248,7 +251,7 @@ def _row_forward(self, x: torch.Tensor, active: list[str]) -> torch.Tensor:
     for name in active:
         b = self.lora_B[name].weight
         rank = b.shape[1]
-        if base.sequence_parallel:  # each rank saw a slice of the sequence: B's gradient is summed over tp
+        if sequence_parallel:  # each rank saw a slice of the sequence: B's gradient is summed over tp
             b = copy_to_tensor_parallel_region(b, base.group)
         result = result + (F.linear(joined[..., offset : offset + rank].to(b.dtype), b) * self.scaling[name]).to(
             result.dtype

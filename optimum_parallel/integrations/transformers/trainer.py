@@ -29,6 +29,7 @@ from ...engine.compose import compose_training, optimizer_for_parallel_model
 from ...engine.data_parallel import DataParallelConfig
 from ...frontends.manager import ParallelizersManager
 from ...mesh import ParallelMesh, get_mesh, init_mesh
+from ...plan import logits_mode
 from ...plan.wrappers import plan_root
 from ...tensor_parallel.layers import ColumnParallelLinear
 from .internals import InternalsChanged, check_overrides, private_override, transformers_internal
@@ -84,6 +85,10 @@ def _register_data_loader(accelerator, data_loader) -> None:
             "release supports."
         )
     loaders.append(data_loader)
+
+
+def _has_vocab_parallel_head(model: nn.Module) -> bool:
+    return any(isinstance(m, ColumnParallelLinear) and hasattr(m, "logits_mode") for m in model.modules())
 
 
 def _inner(optimizer: torch.optim.Optimizer | None) -> torch.optim.Optimizer | None:
@@ -263,14 +268,13 @@ class ParallelTrainer(Trainer):
     # ------------------------------------------------------------------ evaluation
 
     def prediction_step(self, model: nn.Module, inputs: dict[str, Any], prediction_loss_only: bool, ignore_keys=None):
-        """Under pp the pipeline runs the forward (loss on every rank, logits sent from the last stage); a
-        vocab-parallel head's logits are gathered, so metrics see the whole vocabulary."""
+        """The model returns full-vocabulary logits in evaluation (see `logits_mode`): metrics see the whole
+        vocabulary; when only the loss is wanted they stay vocab-parallel (nothing gathered). Under pp the
+        pipeline runs the forward (loss on every rank, logits sent from the last stage)."""
         if self._pipeline is None:
-            loss, logits, labels = super().prediction_step(model, inputs, prediction_loss_only, ignore_keys)
-            head = model.get_output_embeddings()
-            if torch.is_tensor(logits) and isinstance(head, ColumnParallelLinear) and not head.gather_output:
-                logits = head.gather(logits)
-            return loss, logits, labels
+            keep_local = prediction_loss_only and _has_vocab_parallel_head(model)
+            with logits_mode(model, "local") if keep_local else contextlib.nullcontext():
+                return super().prediction_step(model, inputs, prediction_loss_only, ignore_keys)
         inputs = self._prepare_inputs(inputs)
         model.eval()
         with self.accelerator.autocast():
