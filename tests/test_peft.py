@@ -327,18 +327,22 @@ def train_lora_trainer(hf_dir: str, output_dir: str, tp: int, resume: str | None
     return curve(trainer.state.log_history)
 
 
-def test_trainer_trains_lora_and_saves_adapter_only_checkpoints(pool, tmp_path):
-    """tp=2 (dp=2), adapters added by peft_config over a lazily loaded base: training runs, the checkpoints hold
-    the adapters and their AdamW state only, and save_model() writes a standard PEFT adapter."""
+def test_trainer_trains_saves_and_resumes_adapters_at_another_tp(pool, tmp_path):
+    """ParallelTrainer with a peft_config over a lazily loaded base at tp=2 (dp=2): its checkpoints hold the adapters
+    and their AdamW state only, save_model() writes a PEFT adapter, and resuming at tp=4 (dp=1) from the step-3
+    checkpoint gives the uninterrupted run's losses."""
     import json
 
     from test_trainer import SAVE_AT
 
     hf_dir = tmp_path / "base"
     build_model(tiny_config("llama", num_key_value_heads=2), seed=3).save_pretrained(hf_dir)
-    losses = pool.run(train_lora_trainer, str(hf_dir), str(tmp_path / "tp2"), 2)[0]
-    assert len([s for s in losses if "loss" in losses[s]]) >= 2 * SAVE_AT, losses
-    index = json.loads((tmp_path / "tp2" / f"checkpoint-{SAVE_AT}" / "parallel_checkpoint.json").read_text())
+    full = pool.run(train_lora_trainer, str(hf_dir), str(tmp_path / "tp2"), 2)[0]
+    checkpoint = tmp_path / "tp2" / f"checkpoint-{SAVE_AT}"
+    index = json.loads((checkpoint / "parallel_checkpoint.json").read_text())
     assert index["tensors"] and all(".lora_" in name for name in index["tensors"]), list(index["tensors"])[:4]
     assert index["optimizer_tensors"] and index["extra"]["trainable_only"]
     assert (tmp_path / "tp2" / "adapter_model.safetensors").exists()
+    resumed = pool.run(train_lora_trainer, str(hf_dir), str(tmp_path / "tp4"), 4, str(checkpoint))[0]
+    later = [step for step in full if step > SAVE_AT and "loss" in full[step]]
+    assert later and all(abs(resumed[s]["loss"] - full[s]["loss"]) <= 1e-4 for s in later), (full, resumed)

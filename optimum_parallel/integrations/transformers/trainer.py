@@ -149,9 +149,9 @@ class ParallelTrainer(Trainer):
         if self.optimizer is None:
             self.create_optimizer()
         config = DataParallelConfig(sharding_level=args.sharding_level)
-        self.model, self.optimizer = compose_training(
-            self.model, self.optimizer, self.mesh, model.orig_param_to_parallel_param, config
-        )
+        # step 4 ran above for an optimizer passed in, and the Trainer's own is built over the parallel parameters:
+        # no parameter map here (its keys are ids of replaced parameters, which new ones, e.g. adapters, may reuse)
+        self.model, self.optimizer = compose_training(self.model, self.optimizer, self.mesh, {}, config)
         self.model_wrapped = self.model
         if self.lr_scheduler is not None:
             self.lr_scheduler.optimizer = self.optimizer  # it was built over the optimizer before parallelism
