@@ -32,6 +32,19 @@ def _exit_region(y: torch.Tensor, group: ProcessGroup, sequence_parallel: bool) 
 
 
 class _ShardedModule(nn.Module):
+    in_features: int  # global sizes (the local ones are the weight's shape)
+    out_features: int
+
+    @property
+    def input_size(self) -> int:
+        """Megatron's name for the global input size (PEFT sizes adapters by it)."""
+        return self.in_features
+
+    @property
+    def output_size(self) -> int:
+        """Megatron's name for the global output size."""
+        return self.out_features
+
     @property
     def shard_layouts(self) -> dict[str, ShardLayout]:
         return {n: p.shard_layout for n, p in self.named_parameters(recurse=False) if hasattr(p, "shard_layout")}
@@ -86,16 +99,6 @@ class ColumnParallelLinear(_ShardedModule):
         return cls(
             weight, bias, group, gather_output, sequence_parallel, replica_group if layout.replicas > 1 else None
         )
-
-    @property
-    def input_size(self) -> int:
-        """Megatron's name for the global input size (PEFT sizes adapters by it)."""
-        return self.in_features
-
-    @property
-    def output_size(self) -> int:
-        """Megatron's name for the global output size."""
-        return self.out_features
 
     @property
     def output_sizes(self) -> list[int]:
@@ -160,16 +163,6 @@ class RowParallelLinear(_ShardedModule):
                 linear.bias, ShardSpec(linear.bias.shape).local(rank, world), linear.bias.requires_grad
             )
         return cls(weight, bias, group, input_is_parallel, sequence_parallel)
-
-    @property
-    def input_size(self) -> int:
-        """Megatron's name for the global input size (PEFT sizes adapters by it)."""
-        return self.in_features
-
-    @property
-    def output_size(self) -> int:
-        """Megatron's name for the global output size."""
-        return self.out_features
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.input_is_parallel:
