@@ -145,10 +145,6 @@ class ShardSpec:
         return cls(tuple(data["global_shape"]), data["dim"], tuple(tuple(p) for p in data.get("parts", ())))
 
 
-def replicated(shape: torch.Size | Sequence[int]) -> ShardSpec:
-    return ShardSpec(tuple(shape))
-
-
 @dataclass(frozen=True)
 class ShardLayout:
     """What one rank holds: the concatenation, along `dim`, of `ranges` of the global tensor.

@@ -180,30 +180,31 @@ def _joined_entry(self, x: torch.Tensor, active: list[str]) -> _JoinedEntry:
         adapters[key] = joined[..., offset : offset + rank]
         offset += rank
     enter_region.remember(x, base.group, sequence_parallel, entered)  # plain siblings reuse the entry
-    _last_joined = _JoinedEntry(weakref.ref(x), x._version, entered, adapters) if entered.requires_grad else None
-    return _JoinedEntry(weakref.ref(x), x._version, entered, adapters)
+    joined = _JoinedEntry(weakref.ref(x), x._version, entered, adapters)
+    _last_joined = joined if entered.requires_grad else None
+    return joined
 
 
 def _column_forward(self, x: torch.Tensor, active: list[str]) -> torch.Tensor:
     base = self.base_layer
     if base.enter_region:
         joined = _joined_entry(self, x, active)
+        entered, adapters = joined.entered, joined.adapters
     else:  # the block gathered the whole sequence already (sequence parallelism): A's gradient is summed over tp
-        adapters = {}
+        entered, adapters = x, {}
         for name in active:
             a = copy_to_tensor_parallel_region(self.lora_A[name].weight, base.group)
             adapters[(id(self), name)] = F.linear(self.lora_dropout[name](x.to(a.dtype)), a)
-        joined = _JoinedEntry(weakref.ref(x), x._version, x, adapters)
     weight, bias = base.weight, base.bias
     if base.replica_group is not None:  # replicated heads: their gradients are summed over the replicas
         weight = copy_to_tensor_parallel_region(weight, base.replica_group)
         bias = copy_to_tensor_parallel_region(bias, base.replica_group) if bias is not None else None
-    result = F.linear(joined.entered, weight, bias)
+    result = F.linear(entered, weight, bias)
     for name in active:
         b = self.lora_B[name].weight
         if base.replica_group is not None:
             b = copy_to_tensor_parallel_region(b, base.replica_group)
-        u = joined.adapters[(id(self), name)]
+        u = adapters[(id(self), name)]
         result = result + (F.linear(u.to(b.dtype), b) * self.scaling[name]).to(result.dtype)
     return result
 
