@@ -185,6 +185,38 @@ def test_adapter_saves_as_a_standard_peft_adapter_and_merges_like_one_device(poo
         assert rel_err(param, reference_merged[name]) <= TOL, name
 
 
+def load_adapter_onto_parallel(adapter_dir: str, tp: int) -> dict:
+    """A standard adapter (whole tensors, saved on one device) onto a tp model: `PeftModel.from_pretrained`, then a
+    second copy through `load_adapter` (a further adapter on the split layers) and both active at once."""
+    import torch.distributed as dist
+    from peft import PeftModel
+
+    import optimum_parallel as op
+
+    op.init_mesh(dp=dist.get_world_size() // tp, tp=tp)
+    config = tiny_config("llama", num_key_value_heads=2)
+    batch = make_batch(config)
+    reference = PeftModel.from_pretrained(build_model(config), adapter_dir)
+    base = build_model(config)
+    parallel = op.ParallelizersManager.parallelizer_for_model(base).parallelize(base)
+    model = PeftModel.from_pretrained(parallel, adapter_dir)
+    with torch.no_grad():  # inference: whole-vocabulary logits
+        errors = {"from_pretrained": rel_err(model(**batch).logits, reference(**batch).logits)}
+        for m in (reference, model):
+            m.load_adapter(adapter_dir, adapter_name="second")
+            m.base_model.set_adapter(["default", "second"])
+        errors["two_adapters"] = rel_err(model(**batch).logits, reference(**batch).logits)
+    return errors
+
+
+@pytest.mark.parametrize("tp", [2, 4])
+def test_standard_adapter_loads_onto_a_parallel_model(pool, tmp_path, tp):
+    reference = _peft(build_model(tiny_config("llama", num_key_value_heads=2)))
+    reference.save_pretrained(tmp_path / "adapter")
+    for result in pool.run(load_adapter_onto_parallel, str(tmp_path / "adapter"), tp):
+        assert result["from_pretrained"] <= TOL and result["two_adapters"] <= TOL, result
+
+
 def unsupported_methods() -> list[str]:
     from peft import IA3Config, LoraConfig, get_peft_model
 

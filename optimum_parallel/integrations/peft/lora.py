@@ -26,6 +26,7 @@ import weakref
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
@@ -87,6 +88,15 @@ def _check_supported(wrapper: nn.Module) -> None:
 
 def _shard(module: nn.Linear, spec: ShardSpec, rank: int, tp: int) -> None:
     module.weight = local_parameter(module.weight, spec.local(rank, tp), module.weight.requires_grad)
+    module.register_load_state_dict_pre_hook(_slice_whole_weight)
+
+
+def _slice_whole_weight(module: nn.Linear, state_dict: dict, prefix: str, *_) -> None:
+    """A standard (whole-tensor) PEFT adapter loads onto a split adapter: this rank keeps its slice."""
+    layout, key = module.weight.shard_layout, prefix + "weight"
+    whole = state_dict.get(key)
+    if whole is not None and tuple(whole.shape) == layout.global_shape != tuple(module.weight.shape):
+        state_dict[key] = layout.slice(whole)
 
 
 def shard_lora_layer(wrapper: nn.Module, rank: int, tp: int) -> None:
@@ -97,6 +107,13 @@ def shard_lora_layer(wrapper: nn.Module, rank: int, tp: int) -> None:
             "LoRA adapters made on the meta device (get_peft_model under lazy_load_for_parallelism) have no values "
             "to load: load the base lazily, parallelize it, then call get_peft_model on the parallel model"
         )
+    _split_adapters(wrapper, rank, tp)
+    wrapper.base_layer.__dict__["_lora_wrapper"] = weakref.ref(wrapper)
+    wrapper.__class__ = _parallel_class(type(wrapper))
+
+
+def _split_adapters(wrapper: nn.Module, rank: int, tp: int) -> None:
+    """Split every adapter of `wrapper` that is still whole, by its base layer's spec."""
     base = wrapper.base_layer
     base_spec = base.weight.shard_layout.spec
     for name in wrapper.lora_A:
@@ -107,8 +124,6 @@ def shard_lora_layer(wrapper: nn.Module, rank: int, tp: int) -> None:
             _shard(b, ShardSpec(tuple(b.weight.shape), 0, base_spec.parts), rank, tp)
         else:
             _shard(a, ShardSpec(tuple(a.weight.shape), 1, base_spec.parts), rank, tp)
-    base.__dict__["_lora_wrapper"] = weakref.ref(wrapper)
-    wrapper.__class__ = _parallel_class(type(wrapper))
 
 
 _PARALLEL_CLASSES: dict[type, type] = {}
@@ -118,8 +133,18 @@ def _parallel_class(cls: type) -> type:
     if cls in _PARALLEL_CLASSES.values():
         return cls
     if cls not in _PARALLEL_CLASSES:
-        _PARALLEL_CLASSES[cls] = type(f"TensorParallel{cls.__name__}", (cls,), {"forward": _forward})
+        methods = {"forward": _forward, "update_layer": _update_layer}
+        _PARALLEL_CLASSES[cls] = type(f"TensorParallel{cls.__name__}", (cls,), methods)
     return _PARALLEL_CLASSES[cls]
+
+
+def _update_layer(self, adapter_name: str, *args, **kwargs) -> None:
+    """A further adapter on a split layer (`add_adapter`, `load_adapter`) is made whole, as on one device, then
+    split like the first."""
+    super(type(self), self).update_layer(adapter_name, *args, **kwargs)
+    _check_supported(self)
+    group = self.base_layer.group
+    _split_adapters(self, dist.get_rank(group), dist.get_world_size(group))
 
 
 def _forward(self, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
