@@ -1,0 +1,12 @@
+"""Context parallelism: the sequence split over cp ranks, attention over the whole of it (ring or all-to-all).
+
+`apply_context_parallel(model, group)` makes a Hugging Face decoder context-parallel in place; the engine calls it
+for a mesh with cp > 1. Rooms: layout (which tokens a rank holds), blocks (attention between two chunks),
+ring / ulysses (the two strategies), attention (the function transformers calls), loss, model (the input split).
+"""
+
+from .attention import STRATEGIES
+from .layout import ChunkLayout
+from .model import SUPPORTED_MODEL_TYPES, apply_context_parallel, split_batch
+
+__all__ = ["STRATEGIES", "SUPPORTED_MODEL_TYPES", "ChunkLayout", "apply_context_parallel", "split_batch"]

@@ -1,0 +1,86 @@
+"""The attention function a context-parallel model runs, registered in transformers' `AttentionInterface`.
+
+The model's attention modules call it with this rank's query / key / value chunks (already rotated by their
+global positions) and, as `attention_mask`, the marker the input split made: (batch, 1, 1, seq) bool over the
+whole sequence, True = a real token. transformers hands a 4-D mask to the layers untouched, so the causal,
+padding and sliding-window masks are built here, pair of chunks by pair of chunks, from global positions.
+The same function serves models loaded with eager or sdpa attention (both are exact softmax attention).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch.distributed import ProcessGroup
+
+from .blocks import Attend, default_scale
+from .layout import ChunkLayout
+from .ring import ring_attention
+from .ulysses import all_to_all_attention
+
+ATTENTION_KEY = "optimum_parallel_context"
+STRATEGIES = ("ring", "all_to_all")
+_MARK = "_optimum_parallel_sequence_mask"
+
+
+@dataclass(frozen=True)
+class ContextParallelAttention:
+    """Set on every attention module of a context-parallel model."""
+
+    group: ProcessGroup
+    layout_rank: int
+    cp: int
+    strategy: str
+
+
+def sequence_mask(key_mask: torch.Tensor) -> torch.Tensor:
+    """The marker the layers receive as `attention_mask`: the whole sequence's (batch, seq) padding mask."""
+    marker = key_mask.bool()[:, None, None, :]
+    setattr(marker, _MARK, bool(key_mask.all()))
+    return marker
+
+
+def _read_mask(attention_mask) -> tuple[torch.Tensor | None, int]:
+    every_token = getattr(attention_mask, _MARK, None)
+    if every_token is None:
+        raise ValueError(
+            "a context-parallel attention layer got an attention mask its input split did not make: pass a 2-D "
+            "(batch, seq) padding mask or none to the model; 4-D masks and key/value caches are not supported under "
+            "context parallelism"
+        )
+    return (None if every_token else attention_mask[:, 0, 0, :]), attention_mask.shape[-1]
+
+
+def context_parallel_attention(
+    module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask,
+    dropout: float = 0.0,
+    scaling: float | None = None,
+    sliding_window: int | None = None,
+    softcap: float | None = None,
+    **kwargs,
+):
+    settings: ContextParallelAttention | None = module.__dict__.get("_context_parallel")
+    if settings is None:
+        raise RuntimeError(f"{type(module).__name__} was not set up for context parallelism")
+    if dropout and module.training:
+        raise NotImplementedError("attention dropout is not supported under context parallelism; set it to 0")
+    key_mask, length = _read_mask(attention_mask)
+    layout = ChunkLayout(settings.cp, settings.layout_rank, length)
+    scale = scaling if scaling is not None else default_scale(query.shape[-1])
+    attend = Attend(layout.chunk, scale, sliding_window, softcap, key_mask)
+    if settings.strategy == "ring":
+        out = ring_attention(query, key, value, attend, layout.chunks_of, settings.group)
+    else:
+        out = all_to_all_attention(query, key, value, attend, layout.chunks_of, settings.group)
+    return out.transpose(1, 2).contiguous(), None
+
+
+def register_attention() -> None:
+    from transformers import AttentionInterface
+
+    AttentionInterface.register(ATTENTION_KEY, context_parallel_attention)

@@ -1,0 +1,233 @@
+"""Attention between chunks of one sequence, returning the log-sum-exp so partial results merge exactly.
+
+The sequence is cut into 2 cp equal chunks; a rank holds some query chunks and, at each ring step, some key /
+value chunks. Every (query chunk, key chunk) pair is one of: invisible (skipped: a later chunk under the causal
+mask, or beyond the sliding window), fully visible, causal on the diagonal, or masked element by element
+(padding keys, a window edge). Only the last kind builds a mask, of chunk x chunk.
+
+On CPU a pair runs torch's fused flash kernel (`_scaled_dot_product_flash_attention_for_cpu`, which returns the
+log-sum-exp and has a backward that takes the merged output and log-sum-exp): 5x faster than the matmul-softmax
+path at 4k tokens and O(chunk) memory. Soft-capped scores (gemma2) and other devices take the plain-tensor path,
+tiled over queries so the score block stays small.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+NEG_INF = float("-inf")
+_QUERY_TILE = 1024  # rows of the plain-tensor path's score tile
+
+
+@dataclass(frozen=True)
+class Attend:
+    """What every pair shares: the scale, the window (keys with q - k >= window are hidden), the soft cap and
+    the key padding mask of the whole sequence ((batch, seq) bool, True = a real token, or None)."""
+
+    chunk: int
+    scale: float
+    window: int | None
+    softcap: float | None
+    key_mask: torch.Tensor | None
+
+    def visibility(self, q_chunk: int, k_chunk: int) -> str:
+        """'none', 'full', 'causal' (the diagonal, no window inside) or 'masked' for a pair of chunk indices."""
+        if k_chunk > q_chunk:
+            return "none"
+        c, w = self.chunk, self.window
+        if w is not None:
+            nearest = (q_chunk - k_chunk - 1) * c + 1 if k_chunk < q_chunk else 0
+            farthest = (q_chunk - k_chunk) * c + c - 1
+            if nearest >= w:
+                return "none"
+            if farthest >= w:
+                return "masked"
+        kind = "causal" if k_chunk == q_chunk else "full"
+        if self.key_mask is not None and not bool(self._keys(k_chunk).all()):
+            return "masked"
+        return kind
+
+    def _keys(self, k_chunk: int) -> torch.Tensor:
+        return self.key_mask[:, k_chunk * self.chunk : (k_chunk + 1) * self.chunk]
+
+    def mask(self, q_chunk: int, k_chunk: int, device) -> torch.Tensor:
+        """(batch or 1, 1, chunk, chunk) bool, True = visible."""
+        q = torch.arange(q_chunk * self.chunk, (q_chunk + 1) * self.chunk, device=device)[:, None]
+        k = torch.arange(k_chunk * self.chunk, (k_chunk + 1) * self.chunk, device=device)[None, :]
+        visible = k <= q
+        if self.window is not None:
+            visible = visible & (q - k < self.window)
+        visible = visible[None, None]
+        if self.key_mask is not None:
+            visible = visible & self._keys(k_chunk).to(device)[:, None, None, :]
+        return visible
+
+
+def _repeat_kv(x: torch.Tensor, groups: int) -> torch.Tensor:
+    if groups == 1:
+        return x
+    b, h, s, d = x.shape
+    return x[:, :, None].expand(b, h, groups, s, d).reshape(b, h * groups, s, d)
+
+
+def _fold_kv_grad(grad: torch.Tensor, groups: int) -> torch.Tensor:
+    if groups == 1:
+        return grad
+    b, h, s, d = grad.shape
+    return grad.view(b, h // groups, groups, s, d).sum(2)
+
+
+def _additive(visible: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor | None:
+    if visible is None:
+        return None
+    return torch.zeros(visible.shape, dtype=dtype, device=visible.device).masked_fill_(~visible, NEG_INF)
+
+
+def _fused(attend: Attend) -> bool:
+    return attend.softcap is None and hasattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu")
+
+
+def pair_forward(q, k, v, kind: str, visible, attend: Attend, use_fused: bool):
+    """(out, lse) of queries q (b, h, c, d) over keys k, v (b, h, c, d); lse is -inf on rows that see nothing."""
+    if use_fused and q.device.type == "cpu":
+        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+            q, k, v, 0.0, kind == "causal", attn_mask=_additive(visible, q.dtype), scale=attend.scale
+        )
+        lse = lse.float()
+    else:
+        out, lse = _plain_forward(q, k, v, kind, visible, attend)
+    if visible is not None:  # the fused kernel reports lse = 0 on a row with no visible key
+        lse = lse.masked_fill(~visible.any(-1), NEG_INF)
+    return out, lse
+
+
+def pair_backward(dout, q, k, v, out, lse, kind: str, visible, attend: Attend, use_fused: bool):
+    """(dq, dk, dv) of one pair given the MERGED output and log-sum-exp of its query rows (rows that see
+    nothing anywhere carry lse = -inf and get zero gradients)."""
+    safe_lse = lse.masked_fill(lse == NEG_INF, 0.0)
+    if use_fused and q.device.type == "cpu":
+        return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+            dout, q, k, v, out, safe_lse.to(lse.dtype), 0.0, kind == "causal",
+            attn_mask=_additive(visible, q.dtype), scale=attend.scale,
+        )  # fmt: skip
+    return _plain_backward(dout, q, k, v, out, safe_lse, kind, visible, attend)
+
+
+def _scores(q, k, kind, visible, attend: Attend, rows: slice):
+    """Scaled (soft-capped) scores of query rows `rows`, masked with -inf; and tanh for the cap's derivative."""
+    scores = torch.matmul(q[:, :, rows].float(), k.float().transpose(-1, -2)) * attend.scale
+    capped = None
+    if attend.softcap is not None:
+        capped = torch.tanh(scores / attend.softcap)
+        scores = capped * attend.softcap
+    if kind == "causal":
+        c = k.shape[2]
+        r = torch.arange(rows.start, rows.stop, device=q.device)[:, None]
+        scores = scores.masked_fill(torch.arange(c, device=q.device)[None, :] > r, NEG_INF)
+    elif visible is not None:
+        scores = scores.masked_fill(~visible[:, :, rows], NEG_INF)
+    return scores, capped
+
+
+def _tiles(length: int):
+    for start in range(0, length, _QUERY_TILE):
+        yield slice(start, min(start + _QUERY_TILE, length))
+
+
+def _plain_forward(q, k, v, kind, visible, attend: Attend):
+    outs, lses = [], []
+    for rows in _tiles(q.shape[2]):
+        scores, _ = _scores(q, k, kind, visible, attend, rows)
+        lse = torch.logsumexp(scores, dim=-1)
+        probs = torch.exp(scores - lse.masked_fill(lse == NEG_INF, 0.0)[..., None])
+        outs.append(torch.matmul(probs, v.float()).to(q.dtype))
+        lses.append(lse)
+    return torch.cat(outs, dim=2), torch.cat(lses, dim=2)
+
+
+def _plain_backward(dout, q, k, v, out, lse, kind, visible, attend: Attend):
+    dq = torch.zeros_like(q, dtype=torch.float32)
+    dk = torch.zeros_like(k, dtype=torch.float32)
+    dv = torch.zeros_like(v, dtype=torch.float32)
+    delta = (dout.float() * out.float()).sum(-1)  # rowsum(dO * O): the softmax backward's correction
+    for rows in _tiles(q.shape[2]):
+        scores, capped = _scores(q, k, kind, visible, attend, rows)
+        probs = torch.exp(scores - lse[:, :, rows, None])
+        d_out = dout[:, :, rows].float()
+        dv += torch.matmul(probs.transpose(-1, -2), d_out)
+        d_scores = probs * (torch.matmul(d_out, v.float().transpose(-1, -2)) - delta[:, :, rows, None])
+        if capped is not None:  # d(cap * tanh(s / cap)) / ds = 1 - tanh^2
+            d_scores = d_scores * (1 - capped * capped)
+        d_scores = d_scores * attend.scale
+        dq[:, :, rows] = torch.matmul(d_scores, k.float())
+        dk += torch.matmul(d_scores.transpose(-1, -2), q[:, :, rows].float())
+    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
+
+
+def merge(out, lse, block_out, block_lse):
+    """Merge two partial attentions of the same query rows by their log-sum-exps (either may be empty)."""
+    if out is None:
+        return block_out, block_lse
+    new_lse = torch.logaddexp(lse, block_lse)
+    safe = new_lse.masked_fill(new_lse == NEG_INF, 0.0)
+    old_weight = torch.exp(lse - safe)[..., None].to(out.dtype)
+    new_weight = torch.exp(block_lse - safe)[..., None].to(out.dtype)
+    return out * old_weight + block_out * new_weight, new_lse
+
+
+def chunk_of(x: torch.Tensor, index: int, chunk: int) -> torch.Tensor:
+    return x.narrow(2, index * chunk, chunk)
+
+
+def attend_chunks(q, k, v, q_chunks, k_chunks, attend: Attend, groups: int):
+    """Partial attention of the query chunks (ids `q_chunks`, laid side by side in q) over the key chunks (ids
+    `k_chunks` in k, v): per query chunk its (out, lse) or (None, None) when no pair is visible."""
+    use_fused = _fused(attend)
+    c = attend.chunk
+    results = []
+    for i, qc in enumerate(q_chunks):
+        out = lse = None
+        for j, kc in enumerate(k_chunks):
+            kind = attend.visibility(qc, kc)
+            if kind == "none":
+                continue
+            visible = attend.mask(qc, kc, q.device) if kind == "masked" else None
+            block = pair_forward(
+                chunk_of(q, i, c), _repeat_kv(chunk_of(k, j, c), groups), _repeat_kv(chunk_of(v, j, c), groups),
+                kind, visible, attend, use_fused,
+            )  # fmt: skip
+            out, lse = merge(out, lse, *block)
+        results.append((out, lse))
+    return results
+
+
+def attend_chunks_backward(dout, q, k, v, out, lse, q_chunks, k_chunks, attend: Attend, groups: int):
+    """Gradients of the pairs (q_chunks x k_chunks): dq for q's rows (added into a float buffer by the caller),
+    dk and dv for k's rows (heads folded back to k's)."""
+    use_fused = _fused(attend)
+    c = attend.chunk
+    dq = torch.zeros_like(q, dtype=torch.float32)
+    dk = torch.zeros_like(k, dtype=torch.float32)
+    dv = torch.zeros_like(v, dtype=torch.float32)
+    for i, qc in enumerate(q_chunks):
+        for j, kc in enumerate(k_chunks):
+            kind = attend.visibility(qc, kc)
+            if kind == "none":
+                continue
+            visible = attend.mask(qc, kc, q.device) if kind == "masked" else None
+            grads = pair_backward(
+                chunk_of(dout, i, c), chunk_of(q, i, c),
+                _repeat_kv(chunk_of(k, j, c), groups), _repeat_kv(chunk_of(v, j, c), groups),
+                chunk_of(out, i, c), lse.narrow(2, i * c, c), kind, visible, attend, use_fused,
+            )  # fmt: skip
+            chunk_of(dq, i, c).add_(grads[0])
+            chunk_of(dk, j, c).add_(_fold_kv_grad(grads[1], groups))
+            chunk_of(dv, j, c).add_(_fold_kv_grad(grads[2], groups))
+    return dq, dk, dv
+
+
+def default_scale(head_dim: int) -> float:
+    return 1.0 / math.sqrt(head_dim)

@@ -1,0 +1,117 @@
+"""Make a Hugging Face decoder context-parallel: its forward sees this rank's chunks of the sequence.
+
+A forward pre-hook on the model cuts the batch: labels are shifted first (so the last token of a chunk keeps
+the first token of the next as its target), the sequence is padded with masked, ignored tokens up to a multiple
+of 2 cp, then every rank keeps its two chunks of input_ids / inputs_embeds, position_ids (global positions, so
+rotary embeddings follow the split) and labels. The padding mask of the whole sequence goes to the layers as
+the marker the attention function reads. A forward hook gathers the logits over cp when no gradient is being
+taken (evaluation, metrics); a training forward keeps this rank's chunks (the loss is already complete).
+"""
+
+from __future__ import annotations
+
+import inspect
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from .attention import ATTENTION_KEY, STRATEGIES, ContextParallelAttention, register_attention, sequence_mask
+from .layout import ChunkLayout, pad_sequence
+from .loss import ContextParallelLoss
+
+# families whose every cross-token computation is attention through transformers' AttentionInterface,
+# tested against one device (tests/test_context_parallel.py)
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma2")
+IGNORE_INDEX = -100
+
+
+def apply_context_parallel(model: nn.Module, group, strategy: str = "ring") -> None:
+    """Route `model`'s attention through ring (or all-to-all) attention over `group` and split its inputs."""
+    if strategy not in STRATEGIES:
+        raise ValueError(f"context_parallel_strategy={strategy!r} is not allowed; allowed: {', '.join(STRATEGIES)}")
+    config = model.config
+    if config.model_type not in SUPPORTED_MODEL_TYPES or not hasattr(model, "lm_head"):
+        raise NotImplementedError(
+            f"context parallelism is not supported for {type(model).__name__} (model_type {config.model_type!r}); "
+            f"supported: causal LMs of model_type {', '.join(SUPPORTED_MODEL_TYPES)}"
+        )
+    cp, rank = dist.get_world_size(group), dist.get_rank(group)
+    settings = ContextParallelAttention(group, rank, cp, strategy)
+    attention = [m for m in model.modules() if hasattr(m, "num_key_value_groups")]
+    if not attention:
+        raise NotImplementedError(f"no attention module found in {type(model).__name__} for context parallelism")
+    for module in attention:
+        module.__dict__["_context_parallel"] = settings
+    register_attention()
+    config._attn_implementation = ATTENTION_KEY
+    model.loss_function = ContextParallelLoss(model.loss_function, group)
+    model.__dict__["_context_parallel"] = settings
+    model.register_forward_pre_hook(_split_inputs, with_kwargs=True)
+    model.register_forward_hook(_gather_logits)
+    model.generate = _blocked_generate
+
+
+def split_batch(settings: ContextParallelAttention, kwargs: dict) -> tuple[dict, int]:
+    """This rank's part of a whole batch (input_ids or inputs_embeds, attention_mask, position_ids, labels) and the
+    whole sequence's length before padding."""
+    tokens = kwargs.get("input_ids")
+    if tokens is None:
+        tokens = kwargs.get("inputs_embeds")
+    if tokens is None:
+        raise ValueError("a context-parallel model needs input_ids or inputs_embeds")
+    batch, length = tokens.shape[:2]
+    layout = ChunkLayout.for_sequence(length, settings.cp, settings.layout_rank)
+    mask = kwargs.get("attention_mask")
+    if mask is None:
+        mask = torch.ones(batch, length, dtype=torch.bool, device=tokens.device)
+    elif mask.dim() != 2:
+        raise ValueError("under context parallelism the attention_mask must be 2-D (batch, seq) padding or None")
+    positions = kwargs.get("position_ids")
+    if positions is None:
+        positions = torch.arange(length, device=tokens.device).expand(batch, length)
+    padded = layout.length
+    extra_positions = positions[:, -1:] + torch.arange(1, padded - length + 1, device=tokens.device)
+    out = dict(kwargs)
+    for name in ("input_ids", "inputs_embeds"):
+        if kwargs.get(name) is not None:
+            out[name] = layout.take(pad_sequence(kwargs[name], padded, 0))
+    out["position_ids"] = layout.take(torch.cat([positions, extra_positions], dim=1))
+    out["attention_mask"] = sequence_mask(pad_sequence(mask.bool(), padded, False))
+    labels = kwargs.get("labels")
+    if labels is not None:
+        shifted = pad_sequence(labels[:, 1:], padded, IGNORE_INDEX)
+        out["labels"] = layout.take(shifted)
+    out["use_cache"] = False
+    return out, length
+
+
+def _split_inputs(model: nn.Module, args: tuple, kwargs: dict):
+    if kwargs.get("past_key_values") is not None:
+        raise NotImplementedError("key/value caches are not supported under context parallelism")
+    bound = inspect.signature(type(model).forward).bind_partial(model, *args, **kwargs).arguments
+    bound.pop("self", None)
+    extra = bound.pop("kwargs", {})
+    settings = model.__dict__["_context_parallel"]
+    split, length = split_batch(settings, {**bound, **extra})
+    model.__dict__["_context_parallel_length"] = length
+    return (), split
+
+
+def _gather_logits(model: nn.Module, args: tuple, output):
+    logits = getattr(output, "logits", None)
+    if logits is None or torch.is_grad_enabled():
+        return output
+    settings = model.__dict__["_context_parallel"]
+    length = model.__dict__["_context_parallel_length"]
+    layout = ChunkLayout.for_sequence(length, settings.cp, settings.layout_rank)
+    output.logits = layout.gather(logits, settings.group)[:, :length]
+    return output
+
+
+def _blocked_generate(*args, **kwargs):
+    raise NotImplementedError(
+        "generate() is not supported on a context-parallel model (cp > 1): decoding needs a key/value cache, which "
+        "ring attention does not keep. Generate with the model parallelized without cp (e.g. op.init_mesh(tp=N)); "
+        "checkpoints do not depend on cp"
+    )

@@ -1,0 +1,111 @@
+"""Ring attention: the key / value chunks travel around the cp ring while each rank attends its query chunks
+to the chunks it holds; partial results merge by log-sum-exp (online softmax), so the result is exact.
+
+Forward: cp steps; at step t a rank holds the keys of rank (rank - t), and the next transfer is started before
+the step's computation (overlapped). Backward: the keys travel the same way, each followed by the gradient of
+those keys, accumulated by every rank it visits and handed back to its owner after the last step. Memory per
+rank: its own q, k, v, output and log-sum-exp plus two key/value buffers in flight; nothing of size seq^2.
+
+torch's `context_parallel` (experimental) handles a causal mask only, with no padding mask, sliding window or
+soft cap: this is written here for those.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch.distributed import ProcessGroup
+
+from .blocks import NEG_INF, Attend, attend_chunks, attend_chunks_backward, merge
+
+_KEYS_TAG, _GRADS_TAG = 11, 12
+
+
+class _RingExchange:
+    """Send `tensor` to the next rank of the ring and receive the previous rank's, asynchronously."""
+
+    def __init__(self, tensor: torch.Tensor, group: ProcessGroup, tag: int) -> None:
+        rank, size = dist.get_rank(group), dist.get_world_size(group)
+        self.received = torch.empty_like(tensor)
+        self.works = [
+            dist.isend(tensor.contiguous(), dist.get_global_rank(group, (rank + 1) % size), group=group, tag=tag),
+            dist.irecv(self.received, dist.get_global_rank(group, (rank - 1) % size), group=group, tag=tag),
+        ]
+
+    def wait(self) -> torch.Tensor:
+        for work in self.works:
+            work.wait()
+        return self.received
+
+
+def _ring(group: ProcessGroup | None) -> tuple[int, int]:
+    return (0, 1) if group is None else (dist.get_rank(group), dist.get_world_size(group))
+
+
+class RingAttention(torch.autograd.Function):
+    """q (b, h, 2c, d), k and v (b, h_kv, 2c, d) hold this rank's two chunks; `chunks(r)` gives rank r's chunk
+    ids. With `group=None` a single rank holds every chunk `chunks(0)` names (the all-to-all strategy)."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, attend: Attend, chunks, group):
+        rank, size = _ring(group)
+        groups = q.shape[1] // k.shape[1]
+        mine = chunks(rank)
+        outs: list = [(None, None)] * len(mine)
+        keys = torch.stack([k, v])
+        for step in range(size):
+            exchange = _RingExchange(keys, group, _KEYS_TAG) if step + 1 < size else None
+            src = (rank - step) % size
+            parts = attend_chunks(q, keys[0], keys[1], mine, chunks(src), attend, groups)
+            outs = [_merge(o, p) for o, p in zip(outs, parts, strict=True)]
+            if exchange is not None:
+                keys = exchange.wait()
+        b, h, _, d = q.shape
+        out = torch.cat([o if o is not None else q.new_zeros(b, h, attend.chunk, d) for o, _ in outs], dim=2)
+        lse = torch.cat(
+            [s if s is not None else q.new_full((b, h, attend.chunk), NEG_INF, dtype=torch.float32) for _, s in outs],
+            dim=2,
+        )
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.attend, ctx.chunks, ctx.group = attend, chunks, group
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        q, k, v, out, lse = ctx.saved_tensors
+        attend, chunks, group = ctx.attend, ctx.chunks, ctx.group
+        rank, size = _ring(group)
+        groups = q.shape[1] // k.shape[1]
+        mine = chunks(rank)
+        dout = dout.contiguous()
+        dq = torch.zeros_like(q, dtype=torch.float32)
+        keys = torch.stack([k, v])
+        travelling = None  # the gradient of the keys held now, from the ranks they visited before
+        for step in range(size):
+            exchange = _RingExchange(keys, group, _KEYS_TAG) if step + 1 < size else None
+            src = (rank - step) % size
+            dq_part, dk, dv = attend_chunks_backward(
+                dout, q, keys[0], keys[1], out, lse, mine, chunks(src), attend, groups
+            )
+            dq += dq_part
+            grads = torch.stack([dk, dv])
+            if travelling is not None:
+                grads += travelling.wait()
+            if size == 1:
+                travelling = grads
+                break
+            travelling = _RingExchange(grads, group, _GRADS_TAG)  # on to the next holder; after the last step
+            if exchange is not None:  # it reaches the owner
+                keys = exchange.wait()
+        grads = travelling if size == 1 else travelling.wait()
+        return dq.to(q.dtype), grads[0].to(k.dtype), grads[1].to(v.dtype), None, None, None
+
+
+def _merge(acc, part):
+    if part[0] is None:
+        return acc
+    return merge(acc[0], acc[1], part[0], part[1])
+
+
+def ring_attention(q, k, v, attend: Attend, chunks, group: ProcessGroup | None) -> torch.Tensor:
+    return RingAttention.apply(q, k, v, attend, chunks, group)
