@@ -14,6 +14,7 @@ LEVELS = {
     "tensor_parallel": 2,
     "io": 3,
     "styles": 3,
+    "context_parallel": 3,
     "plan": 4,
     "pipeline": 4,
     "checkpoint": 4,

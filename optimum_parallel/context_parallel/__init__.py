@@ -5,8 +5,15 @@ for a mesh with cp > 1. Rooms: layout (which tokens a rank holds), blocks (atten
 ring / ulysses (the two strategies), attention (the function transformers calls), loss, model (the input split).
 """
 
-from .attention import STRATEGIES
+from .attention import STRATEGIES, sequence_mask
 from .layout import ChunkLayout
 from .model import SUPPORTED_MODEL_TYPES, apply_context_parallel, split_batch
 
-__all__ = ["STRATEGIES", "SUPPORTED_MODEL_TYPES", "ChunkLayout", "apply_context_parallel", "split_batch"]
+__all__ = [
+    "STRATEGIES",
+    "SUPPORTED_MODEL_TYPES",
+    "ChunkLayout",
+    "apply_context_parallel",
+    "sequence_mask",
+    "split_batch",
+]

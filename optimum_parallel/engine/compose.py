@@ -1,4 +1,5 @@
-"""The composition order, written once: TP/SP plan -> pipeline split -> materialise -> optimizer -> data parallel.
+"""The composition order, written once: TP/SP plan -> context parallel -> pipeline split -> materialise ->
+optimizer -> data parallel.
 
 Both front doors (`Parallelizer.parallelize`, `parallelize(model, optimizer, mesh, config)`) and the Trainer
 end here. `compose` runs every step; the Trainer runs the model half (`compose_model`) before transformers'
@@ -13,6 +14,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from ..context_parallel import apply_context_parallel
 from ..mesh import ParallelMesh
 from ..pipeline import apply_pipeline
 from ..pipeline.split import SplitPoint
@@ -41,6 +43,7 @@ def compose_model(
     *,
     after_plan: Callable[[nn.Module, ParallelMesh], None] | None = None,
     pipeline: PipelineRequest | None = None,
+    context_parallel: str = "ring",
     device: torch.device | str | None = None,
     read_checkpoint: bool = True,
 ) -> ParamMap:
@@ -51,12 +54,16 @@ def compose_model(
         mapping.update(apply_plan(model, plan, mesh))
     if after_plan is not None:  # family fix-ups of module attributes (local head counts, config views)
         after_plan(model, mesh)
-    # 2. Pipeline split: the rank keeps its stages; the parameters of other stages map to None.
+    # 2. Context parallelism: attention over the cp ring, each rank's forward cut to its chunks of the sequence
+    #    (after the plan, so the loss it wraps is the vocab-parallel one; weights are not touched).
+    if mesh.sizes.get("cp", 1) > 1:
+        apply_context_parallel(model, mesh.group("cp"), context_parallel)
+    # 3. Pipeline split: the rank keeps its stages; the parameters of other stages map to None.
     if pipeline is not None:
         apply_pipeline(model, mesh, pipeline.split_spec, pipeline.num_microbatches, pipeline.schedule)
         present = {id(p) for p in model.parameters()}
         mapping = {k: (v if id(v) in present else None) for k, v in mapping.items()}
-    # 3. Materialise only now, so a lazily built model reads only this rank's slices of its own stages
+    # 4. Materialise only now, so a lazily built model reads only this rank's slices of its own stages
     #    (no-op for a model built normally; read_checkpoint=False when a sharded checkpoint will overwrite it).
     materialize_lazy_model(model, device, read_checkpoint=read_checkpoint)
     if device is not None:
@@ -72,10 +79,10 @@ def compose_training(
     data_parallel: DataParallelConfig | None,
 ) -> tuple[nn.Module, torch.optim.Optimizer | None]:
     """Rebuild `optimizer` over the parallel parameters, then make the model data-parallel."""
-    # 4. The optimizer over the parallel parameters (a lazy one is built here for the first time).
+    # 5. The optimizer over the parallel parameters (a lazy one is built here for the first time).
     if optimizer is not None:
         optimizer = optimizer_for_parallel_model(optimizer, mapping)
-    # 5. Data parallel last: FSDP2 shards the already tp-split parameters; DDP/ZeRO-1 see the final ones.
+    # 6. Data parallel last: FSDP2 shards the already tp-split parameters; DDP/ZeRO-1 see the final ones.
     if data_parallel is not None:
         model, optimizer = apply_data_parallel(model, optimizer, mesh, data_parallel)
     return model, optimizer
@@ -88,6 +95,7 @@ def compose(
     *,
     after_plan: Callable[[nn.Module, ParallelMesh], None] | None = None,
     pipeline: PipelineRequest | None = None,
+    context_parallel: str = "ring",
     optimizer: torch.optim.Optimizer | None = None,
     data_parallel: DataParallelConfig | None = None,
     device: torch.device | str | None = None,
@@ -95,7 +103,14 @@ def compose(
 ) -> tuple[nn.Module, torch.optim.Optimizer | None, ParamMap]:
     """Every step in order; returns (model, optimizer, parameter map)."""
     mapping = compose_model(
-        model, mesh, plan, after_plan=after_plan, pipeline=pipeline, device=device, read_checkpoint=read_checkpoint
+        model,
+        mesh,
+        plan,
+        after_plan=after_plan,
+        pipeline=pipeline,
+        context_parallel=context_parallel,
+        device=device,
+        read_checkpoint=read_checkpoint,
     )
     model, optimizer = compose_training(model, optimizer, mesh, mapping, data_parallel)
     return model, optimizer, mapping

@@ -70,6 +70,7 @@ class Parallelizer:
         pipeline_parallel_use_zero1_optimizer: bool = False,
         checkpoint_dir: str | Path | None = None,
         pipeline_parallel_schedule: str = "1f1b",
+        context_parallel_strategy: str = "ring",
     ) -> nn.Module:
         """Parallelize `model` over the current mesh (see `init_mesh`) and return it.
 
@@ -77,7 +78,8 @@ class Parallelizer:
         `pipeline_parallel_use_zero1_optimizer` is accepted for optimum-neuron compatibility: here the
         data-parallel wrappers own gradient averaging whatever the optimizer. The mapping
         {id(original parameter): parallel parameter, or None if it lives on another stage} is left on
-        `model.orig_param_to_parallel_param` for `optimizer_for_mp`.
+        `model.orig_param_to_parallel_param` for `optimizer_for_mp`. On a mesh with cp > 1 the sequence is split
+        over cp and attention runs as `context_parallel_strategy`: "ring" or "all_to_all" (heads must divide by cp).
         """
         mesh = get_mesh()
         if sequence_parallel_enabled and not cls.supports_sequence_parallel:
@@ -103,6 +105,7 @@ class Parallelizer:
             plan,
             after_plan=cls.after_plan,
             pipeline=pipeline,
+            context_parallel=context_parallel_strategy,
             device=device,
             read_checkpoint=checkpoint_dir is None,
         )

@@ -17,6 +17,7 @@ from torch.distributed.pipelining import (
     ScheduleZBVZeroBubble,
 )
 
+from ..context_parallel import ChunkLayout, split_batch
 from ..mesh import ParallelMesh
 from ..styles import PlanContext
 from ..styles.sequence_parallel import SequenceParallelBegin
@@ -111,6 +112,17 @@ class Pipeline:
             attention_mask = torch.ones_like(input_ids)
         return (input_ids, attention_mask) if self.holds_first else ()
 
+    def _split_context(self, input_ids, labels, attention_mask):
+        """Under context parallelism: this rank's chunks of input_ids and of the shifted labels; the padding mask
+        of the whole (padded) sequence travels with the activations. Returns the whole length too (or None)."""
+        settings = self.model.__dict__.get("_context_parallel")
+        if settings is None:
+            return input_ids, labels, attention_mask, None
+        split, length = split_batch(
+            settings, {"input_ids": input_ids, "labels": labels, "attention_mask": attention_mask}
+        )
+        return split["input_ids"], split.get("labels"), split["attention_mask"][:, 0, 0, :].long(), length
+
     def _share_loss(self, losses: list[torch.Tensor]) -> torch.Tensor:
         """The mean micro-batch loss, computed on the last stage, on every rank of the pipeline."""
         if self.holds_last:
@@ -125,6 +137,7 @@ class Pipeline:
     ) -> torch.Tensor:
         """Forward and backward over all micro-batches (gradients accumulated); returns the mean loss."""
         _reject(unused)
+        input_ids, labels, attention_mask, _ = self._split_context(input_ids, labels, attention_mask)
         losses: list[torch.Tensor] = []
         target = labels if self.holds_last else None
         self.schedule.step(*self._inputs(input_ids, attention_mask), target=target, losses=losses, return_outputs=False)
@@ -143,6 +156,7 @@ class Pipeline:
         """Forward only, micro-batch by micro-batch through the stages in order (any placement, any schedule);
         the loss (if labels are given) on every rank, the logits on the last stage."""
         _reject(unused)
+        input_ids, labels, attention_mask, length = self._split_context(input_ids, labels, attention_mask)
         self._inputs(input_ids, attention_mask)
         mask = torch.ones_like(input_ids) if attention_mask is None else attention_mask
         chunks = zip(input_ids.chunk(self.num_microbatches), mask.chunk(self.num_microbatches), strict=True)
@@ -154,7 +168,12 @@ class Pipeline:
                 if labels is not None:
                     losses.append(self._loss(out, labels.chunk(self.num_microbatches)[index]))
         loss = self._share_loss(losses) if labels is not None else None
-        return PipelineOutput(loss=loss, logits=torch.cat(logits) if logits else None)
+        logits = torch.cat(logits) if logits else None
+        if logits is not None and length is not None:  # the whole sequence from the cp ranks' chunks
+            settings = self.model.__dict__["_context_parallel"]
+            layout = ChunkLayout.for_sequence(length, settings.cp, settings.layout_rank)
+            logits = layout.gather(logits, settings.group)[:, :length]
+        return PipelineOutput(loss=loss, logits=logits)
 
     def _forward_through_stages(self, input_ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor | None:
         """Run every stage this rank holds, receiving from / sending to the ranks of the neighbouring stages."""

@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 from ..comm.sequence_switch import sequence_switch
+from ..context_parallel import ChunkLayout, sequence_mask
 from ..styles.sequence_parallel import gather_sequence
 
 
@@ -59,16 +60,23 @@ class DecoderStage(nn.Module):
         finally:
             modules["layers"], modules["norm"] = saved
 
+    def _masks(self, attention_mask: torch.Tensor) -> dict:
+        """The padding mask as the layers take it; under context parallelism the stage holds this rank's chunks
+        of the sequence and `attention_mask` covers the whole (padded) sequence: positions follow the split."""
+        settings = self._model.__dict__.get("_context_parallel")
+        if settings is None:
+            return {"attention_mask": attention_mask}
+        layout = ChunkLayout(settings.cp, settings.layout_rank, attention_mask.shape[1])
+        positions = layout.positions(attention_mask.device).expand(attention_mask.shape[0], -1)
+        return {"attention_mask": sequence_mask(attention_mask), "position_ids": positions}
+
     def forward(self, x: torch.Tensor, attention_mask: torch.Tensor):
         inputs = {"input_ids": x} if self.is_first else {"inputs_embeds": x}
+        masks = self._masks(attention_mask)
         with self._stage_view():
             if self.is_last:  # the model's own head code (soft-capping and the like), no loss
-                return (
-                    type(self._model)
-                    .forward(self._model, attention_mask=attention_mask, use_cache=False, **inputs)
-                    .logits
-                )
-            hidden = self._base(attention_mask=attention_mask, use_cache=False, **inputs).last_hidden_state
+                return type(self._model).forward(self._model, use_cache=False, **masks, **inputs).logits
+            hidden = self._base(use_cache=False, **masks, **inputs).last_hidden_state
         if self.sequence_group is not None and sequence_switch.on:  # the next stage derives positions from the length
             hidden = gather_sequence(hidden, self.sequence_group)
         return hidden, attention_mask

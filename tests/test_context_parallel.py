@@ -1,0 +1,158 @@
+"""Context parallelism (ring and all-to-all attention) against the single-device transformers model: loss, every
+gradient, whole-sequence logits and the loss after AdamW steps, alone and composed with tp (+sp), dp at sharding
+levels 0-3, pp and activation checkpointing; padding, ignored labels and lengths cp does not divide."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.distributed as dist
+from _checks import TOL
+from _models import rel_err, tiny_config
+from torch.distributed.tensor import DTensor
+
+WINDOW = 8  # sliding-window families: shorter than the test sequences, so whole chunk pairs drop out
+
+
+def cp_config(model_type: str, **overrides):
+    extra = {"num_hidden_layers": 2}
+    if model_type in ("mistral", "gemma2", "qwen3"):
+        extra["sliding_window"] = WINDOW
+    if model_type == "qwen3":  # layer 0 sliding, layer 1 full
+        extra.update(use_sliding_window=True, max_window_layers=1)
+    return tiny_config(model_type, **{**extra, **overrides})
+
+
+def cp_batch(config, length: int = 30, rows: int = 2) -> dict[str, torch.Tensor]:
+    """Left padding (row 0), right padding (row 1), an ignored label in the middle. The first real token after
+    left padding has no real context (transformers attends it to masked keys, ring attention to none), so its
+    label is ignored, as it carries no information either way."""
+    gen = torch.Generator().manual_seed(1)
+    input_ids = torch.randint(0, config.vocab_size, (rows, length), generator=gen)
+    mask = torch.ones(rows, length, dtype=torch.long)
+    labels = input_ids.clone()
+    mask[0, :3] = 0
+    labels[0, :4] = -100
+    mask[1, -4:] = 0
+    labels[1, -4:] = -100
+    labels[:, length // 2] = -100
+    return {"input_ids": input_ids, "attention_mask": mask, "labels": labels}
+
+
+def _whole(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
+
+
+def _reference(config, impl: str):
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    return AutoModelForCausalLM.from_config(config, attn_implementation=impl).float()
+
+
+def check_context(
+    model_type: str = "llama",
+    *,
+    cp: int = 2,
+    tp: int = 1,
+    strategy: str = "ring",
+    sequence_parallel: bool = False,
+    sharding_level: int = 0,
+    length: int = 30,
+    impl: str = "eager",
+    checkpointing: bool = False,
+    steps: int = 3,
+) -> dict:
+    """The cp model and one device on the same batch (every dp replica gets it too, so averages are exact)."""
+    import optimum_parallel as op
+    from optimum_parallel.engine.compose import compose_training
+
+    mesh = op.init_mesh(dp=dist.get_world_size() // (cp * tp), cp=cp, tp=tp)
+    config = cp_config(model_type)
+    reference = _reference(config, impl)
+    reference.train() if checkpointing else reference.eval()
+    model = copy.deepcopy(reference)
+    if checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    parallelizer = op.ParallelizersManager.parallelizer_for_model(model)
+    model = parallelizer.parallelize(
+        model, sequence_parallel_enabled=sequence_parallel, context_parallel_strategy=strategy
+    )
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    model, optimizer = compose_training(
+        model, optimizer, mesh, {}, op.DataParallelConfig(sharding_level=sharding_level)
+    )
+    ref_optimizer = torch.optim.AdamW(reference.parameters(), lr=1e-2)
+
+    batch = cp_batch(config, length)
+    loss, ref_loss = model(**batch).loss, reference(**batch).loss
+    loss.backward()
+    ref_loss.backward()
+    expected = dict(reference.named_parameters())
+    grads = {}
+    for name, param in model.named_parameters():
+        layout = getattr(param, "shard_layout", None)
+        full = expected[name].grad
+        grads[name] = rel_err(_whole(param.grad), layout.slice(full) if layout is not None else full)
+    worst = max(grads, key=grads.get)
+
+    with torch.no_grad():
+        logits, ref_logits = model(**batch).logits, reference(**batch).logits
+    real = batch["attention_mask"].bool()
+    real[0, :4] = False  # left padding and the token right after it (see cp_batch)
+
+    losses = []
+    for _ in range(steps):
+        for opt in (optimizer, ref_optimizer):
+            opt.step()
+            opt.zero_grad()
+        loss, ref_loss = model(**batch).loss, reference(**batch).loss
+        loss.backward()
+        ref_loss.backward()
+        losses.append(rel_err(loss, ref_loss))
+    return {
+        "loss": rel_err(model(**batch).loss if steps == 0 else loss, ref_loss),
+        "grad": grads[worst],
+        "worst": worst,
+        "grads": len(grads),
+        "logits": rel_err(logits[real], ref_logits[real]),
+        "logits_shape": tuple(logits.shape),
+        "steps": max(losses, default=0.0),
+    }
+
+
+def _assert_exact(results: list[dict], length: int = 30) -> None:
+    for rank, result in enumerate(results):
+        assert result["logits_shape"][:2] == (2, length), result
+        worst = max(result["loss"], result["grad"], result["logits"], result["steps"])
+        assert worst <= TOL, f"rank {rank}: {result}"
+
+
+@pytest.mark.parametrize("model_type", ["llama", "qwen3", "mistral", "gemma2"])
+@pytest.mark.parametrize("cp", [2, 4])
+def test_matches_one_device(pool, model_type, cp):
+    """dp=2 x cp=2 and cp=4; 30 tokens (padded to 32 inside); sliding windows and gemma2's soft cap."""
+    _assert_exact(pool.run(check_context, model_type, cp=cp))
+
+
+@pytest.mark.parametrize("impl", ["sdpa", "eager"])
+def test_all_to_all_strategy(pool, impl):
+    _assert_exact(pool.run(check_context, "llama", strategy="all_to_all", impl=impl))
+
+
+@pytest.mark.parametrize("sequence_parallel", [False, True])
+def test_composes_with_tensor_parallelism(pool, sequence_parallel):
+    """cp=2 x tp=2: the ring runs over each tp rank's heads; the vocab-parallel loss sums over cp."""
+    _assert_exact(pool.run(check_context, "llama", tp=2, sequence_parallel=sequence_parallel))
+
+
+@pytest.mark.parametrize("sharding_level", [0, 1, 2, 3])
+def test_composes_with_data_parallelism(pool, sharding_level):
+    """dp=2 x cp=2: gradients averaged over dp x cp (DDP, ZeRO-1, FSDP2) give the one-device gradient."""
+    _assert_exact(pool.run(check_context, "llama", sharding_level=sharding_level))
+
+
+def test_activation_checkpointing_recomputes_the_ring(pool):
+    _assert_exact(pool.run(check_context, "llama", checkpointing=True))
