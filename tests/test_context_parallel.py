@@ -156,3 +156,52 @@ def test_composes_with_data_parallelism(pool, sharding_level):
 
 def test_activation_checkpointing_recomputes_the_ring(pool):
     _assert_exact(pool.run(check_context, "llama", checkpointing=True))
+
+
+def _eager(q, k, v, visible, scale, softcap):
+    groups = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(groups, 1), v.repeat_interleave(groups, 1)
+    scores = q @ k.transpose(-1, -2) * scale
+    if softcap is not None:
+        scores = torch.tanh(scores / softcap) * softcap
+    return torch.softmax(scores.masked_fill(~visible, float("-inf")), -1) @ v
+
+
+@pytest.mark.parametrize("window", [None, 5, 13])
+@pytest.mark.parametrize("softcap", [None, 3.0])
+@pytest.mark.parametrize("padded", [False, True])
+def test_chunk_pairs_match_softmax_attention(window, softcap, padded):
+    """One process holding all 8 chunks in the all-to-all order (0, 7, 1, 6, ...): output and gradients of the
+    chunk-pair attention equal plain softmax attention over the whole sequence (fused and plain paths, GQA);
+    rows that see no key give 0."""
+    from optimum_parallel.context_parallel.blocks import Attend
+    from optimum_parallel.context_parallel.ring import ring_attention
+
+    torch.manual_seed(0)
+    b, heads, kv_heads, chunk, d = 2, 4, 2, 6, 8
+    length = 8 * chunk
+    order = (0, 7, 1, 6, 2, 5, 3, 4)
+    index = torch.cat([torch.arange(i * chunk, (i + 1) * chunk) for i in order])
+    q = torch.randn(b, heads, length, d, dtype=torch.float64, requires_grad=True)
+    k = torch.randn(b, kv_heads, length, d, dtype=torch.float64, requires_grad=True)
+    v = torch.randn(b, kv_heads, length, d, dtype=torch.float64, requires_grad=True)
+    keys = torch.ones(b, length, dtype=torch.bool)
+    if padded:
+        keys[0, :9] = False  # left padding across a chunk boundary
+        keys[1, -7:] = False
+    pos = torch.arange(length)
+    visible = (pos[None, :] <= pos[:, None])[None, None] & keys[:, None, None, :]
+    if window is not None:
+        visible = visible & (pos[:, None] - pos[None, :] < window)
+    scale = d**-0.5
+    sees = visible.any(-1, keepdim=True)
+    expected = torch.where(sees, _eager(q, k, v, visible | ~sees, scale, softcap), 0.0)  # no NaN rows
+    attend = Attend(chunk, scale, window, softcap, keys if padded else None)
+    local = [t.detach()[:, :, index].requires_grad_() for t in (q, k, v)]
+    out = ring_attention(*local, attend, lambda _: order, None)
+    assert torch.allclose(out, expected[:, :, index], atol=1e-12)
+    grad = torch.randn_like(expected).masked_fill(~sees, 0.0)
+    expected_grads = torch.autograd.grad(expected, (q, k, v), grad)
+    out.backward(grad[:, :, index])
+    for mine, theirs in zip(local, expected_grads, strict=True):
+        assert torch.allclose(mine.grad, theirs[:, :, index], atol=1e-10)

@@ -66,6 +66,11 @@ class Attend:
         return visible
 
 
+def accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
+    """Softmax statistics and gradients accumulate in fp32 at least (fp64 stays fp64)."""
+    return torch.promote_types(dtype, torch.float32)
+
+
 def _repeat_kv(x: torch.Tensor, groups: int) -> torch.Tensor:
     if groups == 1:
         return x
@@ -96,7 +101,7 @@ def pair_forward(q, k, v, kind: str, visible, attend: Attend, use_fused: bool):
         out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
             q, k, v, 0.0, kind == "causal", attn_mask=_additive(visible, q.dtype), scale=attend.scale
         )
-        lse = lse.float()
+        lse = lse.to(accumulation_dtype(q.dtype))
     else:
         out, lse = _plain_forward(q, k, v, kind, visible, attend)
     if visible is not None:  # the fused kernel reports lse = 0 on a row with no visible key
@@ -118,7 +123,8 @@ def pair_backward(dout, q, k, v, out, lse, kind: str, visible, attend: Attend, u
 
 def _scores(q, k, kind, visible, attend: Attend, rows: slice):
     """Scaled (soft-capped) scores of query rows `rows`, masked with -inf; and tanh for the cap's derivative."""
-    scores = torch.matmul(q[:, :, rows].float(), k.float().transpose(-1, -2)) * attend.scale
+    acc = accumulation_dtype(q.dtype)
+    scores = torch.matmul(q[:, :, rows].to(acc), k.to(acc).transpose(-1, -2)) * attend.scale
     capped = None
     if attend.softcap is not None:
         capped = torch.tanh(scores / attend.softcap)
@@ -143,27 +149,26 @@ def _plain_forward(q, k, v, kind, visible, attend: Attend):
         scores, _ = _scores(q, k, kind, visible, attend, rows)
         lse = torch.logsumexp(scores, dim=-1)
         probs = torch.exp(scores - lse.masked_fill(lse == NEG_INF, 0.0)[..., None])
-        outs.append(torch.matmul(probs, v.float()).to(q.dtype))
+        outs.append(torch.matmul(probs, v.to(probs.dtype)).to(q.dtype))
         lses.append(lse)
     return torch.cat(outs, dim=2), torch.cat(lses, dim=2)
 
 
 def _plain_backward(dout, q, k, v, out, lse, kind, visible, attend: Attend):
-    dq = torch.zeros_like(q, dtype=torch.float32)
-    dk = torch.zeros_like(k, dtype=torch.float32)
-    dv = torch.zeros_like(v, dtype=torch.float32)
-    delta = (dout.float() * out.float()).sum(-1)  # rowsum(dO * O): the softmax backward's correction
+    acc = accumulation_dtype(q.dtype)
+    dq, dk, dv = (torch.zeros_like(t, dtype=acc) for t in (q, k, v))
+    delta = (dout.to(acc) * out.to(acc)).sum(-1)  # rowsum(dO * O): the softmax backward's correction
     for rows in _tiles(q.shape[2]):
         scores, capped = _scores(q, k, kind, visible, attend, rows)
         probs = torch.exp(scores - lse[:, :, rows, None])
-        d_out = dout[:, :, rows].float()
+        d_out = dout[:, :, rows].to(acc)
         dv += torch.matmul(probs.transpose(-1, -2), d_out)
-        d_scores = probs * (torch.matmul(d_out, v.float().transpose(-1, -2)) - delta[:, :, rows, None])
+        d_scores = probs * (torch.matmul(d_out, v.to(acc).transpose(-1, -2)) - delta[:, :, rows, None])
         if capped is not None:  # d(cap * tanh(s / cap)) / ds = 1 - tanh^2
             d_scores = d_scores * (1 - capped * capped)
         d_scores = d_scores * attend.scale
-        dq[:, :, rows] = torch.matmul(d_scores, k.float())
-        dk += torch.matmul(d_scores.transpose(-1, -2), q[:, :, rows].float())
+        dq[:, :, rows] = torch.matmul(d_scores, k.to(acc))
+        dk += torch.matmul(d_scores.transpose(-1, -2), q[:, :, rows].to(acc))
     return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
 
 
@@ -209,9 +214,7 @@ def attend_chunks_backward(dout, q, k, v, out, lse, q_chunks, k_chunks, attend: 
     dk and dv for k's rows (heads folded back to k's)."""
     use_fused = _fused(attend)
     c = attend.chunk
-    dq = torch.zeros_like(q, dtype=torch.float32)
-    dk = torch.zeros_like(k, dtype=torch.float32)
-    dv = torch.zeros_like(v, dtype=torch.float32)
+    dq, dk, dv = (torch.zeros_like(t, dtype=accumulation_dtype(q.dtype)) for t in (q, k, v))
     for i, qc in enumerate(q_chunks):
         for j, kc in enumerate(k_chunks):
             kind = attend.visibility(qc, kc)

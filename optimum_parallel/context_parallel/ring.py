@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
-from .blocks import NEG_INF, Attend, attend_chunks, attend_chunks_backward, merge
+from .blocks import NEG_INF, Attend, accumulation_dtype, attend_chunks, attend_chunks_backward, merge
 
 _KEYS_TAG, _GRADS_TAG = 11, 12
 
@@ -63,7 +63,10 @@ class RingAttention(torch.autograd.Function):
         b, h, _, d = q.shape
         out = torch.cat([o if o is not None else q.new_zeros(b, h, attend.chunk, d) for o, _ in outs], dim=2)
         lse = torch.cat(
-            [s if s is not None else q.new_full((b, h, attend.chunk), NEG_INF, dtype=torch.float32) for _, s in outs],
+            [
+                s if s is not None else q.new_full((b, h, attend.chunk), NEG_INF, dtype=accumulation_dtype(q.dtype))
+                for _, s in outs
+            ],
             dim=2,
         )
         ctx.save_for_backward(q, k, v, out, lse)
@@ -78,7 +81,7 @@ class RingAttention(torch.autograd.Function):
         groups = q.shape[1] // k.shape[1]
         mine = chunks(rank)
         dout = dout.contiguous()
-        dq = torch.zeros_like(q, dtype=torch.float32)
+        dq = torch.zeros_like(q, dtype=accumulation_dtype(q.dtype))
         keys = torch.stack([k, v])
         travelling = None  # the gradient of the keys held now, from the ranks they visited before
         for step in range(size):
