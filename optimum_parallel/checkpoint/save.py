@@ -74,6 +74,12 @@ def _merge_optimizer_meta(described: list[dict]) -> dict:
     }
 
 
+def _model_class_name(model: nn.Module) -> str:
+    """The model's own class, not the one data parallelism swapped in (`FSDPLlamaForCausalLM`, `DDP...`): the
+    index is the same at every sharding level and every dp x cp."""
+    return next(c for c in type(model).__mro__ if not c.__module__.startswith("torch.distributed")).__name__
+
+
 def _save_configs(model: nn.Module, directory: Path) -> None:
     config = getattr(model, "config", None)
     if config is None:
@@ -167,7 +173,7 @@ def save_model_checkpoint(
                             shard.crc32 = info["crc32"][shard.key]
         index = CheckpointIndex(
             mesh=dict(rank.sizes),
-            model_class=type(model).__name__,
+            model_class=_model_class_name(model),
             tensors=entries,
             tied=tied,
             files=files,
