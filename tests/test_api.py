@@ -145,7 +145,7 @@ def check_bad_config(case: str) -> tuple[str, str, bool]:
         ("missing_plan", "ValueError", ["mp_config", "'parallelize_plan'"]),
         ("unmatched_key", "ValueError", ["model.layers.*.attn.qkv", "matches no module"]),
         ("misfit_style", "ValueError", ["RowWiseParallel", "model.norm", "LlamaRMSNorm", "Linear, Embedding"]),
-        ("no_dp_dim", "ValueError", ["dp_config", "dp > 1", "dp=1"]),
+        ("no_dp_dim", "ValueError", ["dp_config", "dp x cp > 1", "dp=1", "cp=1"]),
         ("bad_split_point", "ValueError", ["split_spec", "model.layers.1", "SplitPoint.END"]),
         ("split_count", "ValueError", ["2 distinct split points", "2 stages need exactly 1"]),
         ("bad_schedule", "ValueError", ["'2f2b'", "gpipe, 1f1b, interleaved_1f1b"]),

@@ -1,4 +1,4 @@
-"""init_mesh / set_mesh / get_mesh: sizes, aliases, errors and process-group timeouts (gloo, 2 ranks)."""
+"""init_mesh / set_mesh / get_mesh: sizes, aliases, the cp dim, errors and process-group timeouts (gloo, 2 ranks)."""
 
 from __future__ import annotations
 
@@ -31,6 +31,39 @@ def test_mesh_shapes_and_alias(pool):
         assert result == {"default_tp": 2, "alias_tp": 2, "current_is_last": True, "dp_ranks": [0, 1], "tp_rank": rank}
 
 
+def check_cp_mesh() -> dict:
+    """cp=2 on 2 ranks: tp defaults to 1; the dp x cp data-parallel group is the cp group (dp=1); with cp=1 the
+    data-parallel group and mesh are dp's, unchanged."""
+    import optimum_parallel as op
+
+    mesh = op.init_mesh(cp=2)
+    plain = op.init_mesh(dp=2)
+    return {
+        "sizes": mesh.sizes,
+        "cp_ranks": mesh.ranks("cp"),
+        "cp_rank": mesh.rank("cp"),
+        "dp_cp_ranks": dist.get_process_group_ranks(mesh.data_parallel_group),
+        "dp_cp_mesh": mesh.data_parallel_mesh.mesh.tolist(),
+        "dp_cp_size_rank": (mesh.data_parallel_size, mesh.data_parallel_rank),
+        "plain_group_is_dp": plain.data_parallel_group is plain.group("dp"),
+        "plain_mesh": plain.data_parallel_mesh.mesh.tolist(),
+    }
+
+
+def test_cp_dim(pool):
+    for rank, result in enumerate(pool.run(check_cp_mesh)):
+        assert result == {
+            "sizes": {"dp": 1, "pp": 1, "cp": 2, "tp": 1},
+            "cp_ranks": [0, 1],
+            "cp_rank": rank,
+            "dp_cp_ranks": [0, 1],
+            "dp_cp_mesh": [0, 1],
+            "dp_cp_size_rank": (2, rank),
+            "plain_group_is_dp": True,
+            "plain_mesh": [0, 1],
+        }
+
+
 def check_mesh_error(kwargs: dict) -> str:
     import optimum_parallel as op
 
@@ -47,7 +80,9 @@ def check_mesh_error(kwargs: dict) -> str:
         ({"dp": 2, "tp": 2}, ["dp=2", "tp=2", "= 4 ranks", "world size is 2"]),
         ({"dp": 0, "tp": 2}, ["dp=0", "positive"]),
         ({"tp": -2}, ["tp=-2", "positive"]),
-        ({"cp": 2}, ["'cp'", "dp, pp, tp, mp"]),
+        ({"sp": 2}, ["'sp'", "dp, pp, cp, tp, mp"]),
+        ({"cp": 2, "tp": 2}, ["dp=1 x pp=1 x cp=2 x tp=2 = 4 ranks", "world size is 2"]),
+        ({"cp": 0}, ["cp=0", "positive"]),
         ({"tp": 2, "mp": 1}, ["tp=2", "mp=1", "disagree"]),
     ],
 )

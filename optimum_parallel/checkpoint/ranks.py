@@ -20,11 +20,24 @@ T = TypeVar("T")
 
 @dataclass(frozen=True)
 class RankInfo:
+    """This rank's coordinates, and the mesh sizes the files record (dp, pp, tp: cp is not among them).
+
+    cp ranks hold the same parameters as their dp replica and FSDP2 / ZeRO-1 shard over dp x cp as one group, so
+    a checkpoint does not depend on cp: the files a cp=2 run writes are those of the same run at cp=1, and any cp
+    loads them.
+    """
+
     dp: int
     pp: int
     tp: int
     sizes: dict[str, int]
     distributed: bool
+    cp: int = 0
+
+    @property
+    def writes_replica(self) -> bool:
+        """Whether this rank writes its (pp, tp) shards: the first rank of the dp x cp ranks that hold them."""
+        return self.dp == 0 and self.cp == 0
 
     @property
     def is_main(self) -> bool:
@@ -54,8 +67,12 @@ class RankInfo:
         return [o[1] for o in outcomes]
 
 
+FILE_DIMS = ("dp", "pp", "tp")  # the mesh sizes a checkpoint records
+
+
 def current_rank() -> RankInfo:
     if not (dist.is_available() and dist.is_initialized()):
-        return RankInfo(0, 0, 0, {"dp": 1, "pp": 1, "tp": 1}, False)
+        return RankInfo(0, 0, 0, dict.fromkeys(FILE_DIMS, 1), False)
     mesh = get_mesh()
-    return RankInfo(mesh.rank("dp"), mesh.rank("pp"), mesh.rank("tp"), dict(mesh.sizes), True)
+    sizes = {dim: mesh.size(dim) for dim in FILE_DIMS}
+    return RankInfo(mesh.rank("dp"), mesh.rank("pp"), mesh.rank("tp"), sizes, True, cp=mesh.rank("cp"))

@@ -1,9 +1,10 @@
 """Collective save of a parallel model (and optimizer) as a sharded checkpoint, atomically.
 
 Every rank tells the others what it holds; one copy of each distinct shard is written by the
-lowest tp rank holding it on data-parallel replica 0, into a temporary sibling directory (FSDP2
-shards are all-gathered over dp one tensor at a time, so the files are the same at every sharding
-level); rank 0 then writes config, index and completion marker and swaps the directory into place.
+lowest tp rank holding it on data-parallel replica 0 (dp rank 0 and cp rank 0), into a temporary sibling
+directory (FSDP2 shards are all-gathered over dp x cp one tensor at a time, so the files are the same at every
+sharding level and every cp); rank 0 then writes config, index and completion marker and swaps the directory
+into place.
 Assumes the output directory is on a filesystem every rank sees.
 """
 
@@ -53,7 +54,8 @@ def _write_rank_file(
 
 
 def _join_gathers(file: str, entries: Mapping[str, TensorEntry], local: Mapping[str, LocalTensor]) -> None:
-    """On a dp rank > 0: take part in the all-gathers of the FSDP2 shards that dp rank 0 writes into `file`."""
+    """On a replica other than the first (dp or cp rank > 0): take part in the all-gathers of the FSDP2 shards that
+    the first replica writes into `file`."""
     for name, _, _ in _stored_here(file, entries):
         held = local.get(name)  # ZeRO-1 state: consolidated on dp rank 0 already, none here
         if held is not None and held.sharded_over_dp:
@@ -70,6 +72,12 @@ def _merge_optimizer_meta(described: list[dict]) -> dict:
         "scalars": {n: v for d in described for n, v in d["optimizer"]["scalars"].items()},
         "unsaved": sorted({k for d in described for k in d["optimizer"]["unsaved"]}),
     }
+
+
+def _model_class_name(model: nn.Module) -> str:
+    """The model's own class, not the one data parallelism swapped in (`FSDPLlamaForCausalLM`, `DDP...`): the
+    index is the same at every sharding level and every dp x cp."""
+    return next(c for c in type(model).__mro__ if not c.__module__.startswith("torch.distributed")).__name__
 
 
 def _save_configs(model: nn.Module, directory: Path) -> None:
@@ -118,10 +126,10 @@ def save_model_checkpoint(
         local["state"], meta = ({}, None) if optimizer is None else optimizer_tensors(optimizer, model, local["model"])
         specs = {kind: {n: t.spec() for n, t in local[kind].items()} for kind in ("model", "state")}
         here = (rank.dp, rank.pp, rank.tp)
-        return {"coords": here, "specs": specs, "tied": tied, "optimizer": meta}
+        return {"coords": here, "writes": rank.writes_replica, "specs": specs, "tied": tied, "optimizer": meta}
 
     described = rank.run(describe, "describing the checkpoint")
-    replica0 = [d for d in described if d["coords"][0] == 0]
+    replica0 = [d for d in described if d["writes"]]
     tp = rank.sizes["tp"]
     tied = {alias: name for d in described for alias, name in d["tied"].items()}
     entries = entries_from_specs({d["coords"][1:]: d["specs"]["model"] for d in replica0}, tp, model_file)
@@ -145,7 +153,7 @@ def save_model_checkpoint(
         for name, kind, table in ((model_file, "model", entries), (optimizer_file, "state", state_entries)):
             if kind == "model" or optimizer is not None:
                 file = name(rank.pp, rank.tp)
-                if rank.dp == 0:
+                if rank.writes_replica:
                     written[file] = _write_rank_file(tmp / file, table, local[kind], coords)
                 else:
                     _join_gathers(file, table, local[kind])
@@ -165,7 +173,7 @@ def save_model_checkpoint(
                             shard.crc32 = info["crc32"][shard.key]
         index = CheckpointIndex(
             mesh=dict(rank.sizes),
-            model_class=type(model).__name__,
+            model_class=_model_class_name(model),
             tensors=entries,
             tied=tied,
             files=files,

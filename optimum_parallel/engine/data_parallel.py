@@ -1,10 +1,13 @@
-"""Data parallelism on the mesh's dp dim, with Paddle's sharding levels, on torch's own machinery.
+"""Data parallelism over the ranks that hold the same parameters (the mesh's dp x cp ranks), with Paddle's sharding
+levels, on torch's own machinery.
 
 level 0: parameters replicated, gradients all-reduced (composable DDP, `replicate`);
 level 1: + optimizer state sharded (ZeRO-1, `ZeroRedundancyOptimizer`);
 level 2: + gradients sharded (FSDP2 `fully_shard`, parameters kept gathered between forward and backward);
 level 3: + parameters sharded (FSDP2, resharded after forward).
 Tensor-parallel shards are plain local tensors, so every level composes with tp on a dp x tp mesh.
+Context parallelism (cp) splits the sequence, not the weights, and scales each cp rank's loss by cp: averaging the
+gradients over dp x cp (`mesh.data_parallel_group` / `data_parallel_mesh`) gives the single-device gradient.
 """
 
 from __future__ import annotations
@@ -54,23 +57,24 @@ def apply_data_parallel(
     mesh: ParallelMesh,
     config: DataParallelConfig,
 ) -> tuple[nn.Module, torch.optim.Optimizer | None]:
-    """Make `model` (already tensor-parallel, or not) data-parallel over `mesh`'s dp dim; rebuild `optimizer`."""
-    if mesh.size("dp") == 1:
+    """Make `model` (already tensor-parallel, or not) data-parallel over `mesh`'s dp x cp ranks; rebuild `optimizer`.
+    Nothing to do when dp x cp is 1."""
+    if mesh.data_parallel_size == 1:
         return model, optimizer
     # Under pp the schedule calls the stage modules, not the model: the stages are the wrapped roots.
     pipeline = getattr(model, "pipeline", None)
     roots = list(pipeline.stages) if pipeline is not None else [model]
     if config.sharding_level <= 1:
         if pipeline is not None:  # one all-reduce of all gradients after the last micro-batch (DDP's reducer
-            pipeline.dp_group = mesh.group("dp")  # cannot follow a schedule's interleaved micro-batches)
+            pipeline.dp_group = mesh.data_parallel_group  # cannot follow a schedule's interleaved micro-batches)
         else:
-            replicate(model, process_group=mesh.group("dp"))
+            replicate(model, process_group=mesh.data_parallel_group)
         if optimizer is not None and config.sharding_level == 1:
             optimizer = _zero1(optimizer, mesh)
         return model, optimizer
 
     before = dict(model.named_parameters(remove_duplicate=False))
-    dp_mesh = mesh.device_mesh["dp"]
+    dp_mesh = mesh.data_parallel_mesh
     policy = MixedPrecisionPolicy(reduce_dtype=config.reduce_dtype)
     reshard = config.sharding_level == 3
     for root in roots:
@@ -87,10 +91,12 @@ def apply_data_parallel(
 
 
 def _zero1(optimizer: torch.optim.Optimizer, mesh: ParallelMesh) -> ZeroRedundancyOptimizer:
-    """The same optimizer with its state sharded over dp (param groups and hyper-parameters kept)."""
+    """The same optimizer with its state sharded over dp x cp (param groups and hyper-parameters kept)."""
     if optimizer.state:
         raise ValueError("sharding_level=1 needs a fresh optimizer: its state cannot be re-partitioned here")
     groups = [dict(group) for group in optimizer.param_groups]
     accepted = inspect.signature(type(optimizer)).parameters
     defaults = {k: v for k, v in optimizer.defaults.items() if k in accepted and k != "params"}
-    return ZeroRedundancyOptimizer(groups, optimizer_class=type(optimizer), process_group=mesh.group("dp"), **defaults)
+    return ZeroRedundancyOptimizer(
+        groups, optimizer_class=type(optimizer), process_group=mesh.data_parallel_group, **defaults
+    )

@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 from ..engine.compose import PipelineRequest, compose
+from ..engine.data_parallel import DataParallelConfig
 from ..mesh import ParallelMesh, get_mesh
 from ..pipeline import SCHEDULES
 from ..pipeline.split import find_layer_list, stage_layers
@@ -32,6 +33,9 @@ def parallelize(
 
     config: {"dp_config": {"sharding_level": 0-3}, "mp_config": {"parallelize_plan": {...}},
     "pp_config": {"split_spec": ..., "global_spec": ...}} or a `ParallelConfig`.
+    The cp size lives in the mesh (`init_mesh(cp=...)`), not in the config; data parallelism runs over dp x cp,
+    and on a mesh with cp > 1 it runs without a dp_config too (at sharding level 0), as the cp ranks must average
+    their gradients.
     """
     parsed = ParallelConfig.parse(config)
     if parsed.empty:
@@ -50,7 +54,7 @@ def parallelize(
         pipeline = PipelineRequest(pp.split_spec, pp.num_microbatches or mesh.size("pp"), pp.schedule)
     plan = parsed.mp_config.parallelize_plan if parsed.mp_config is not None else None
     parallel, optimizer, _ = compose(
-        inner, mesh, plan, pipeline=pipeline, optimizer=optimizer, data_parallel=parsed.dp_config
+        inner, mesh, plan, pipeline=pipeline, optimizer=optimizer, data_parallel=_data_parallel(parsed, mesh)
     )
     return (model if inner is not model else parallel), optimizer
 
@@ -66,14 +70,24 @@ def _check_pipeline_config(model: nn.Module, config: PipelineParallelConfig, mes
         raise ValueError(f"pp_config['global_spec'] = {config.global_spec!r} names no module of {type(model).__name__}")
 
 
+def _data_parallel(config: ParallelConfig, mesh: ParallelMesh) -> DataParallelConfig | None:
+    """The dp_config, or level 0 on a mesh with cp > 1: cp ranks' gradients are partial (each saw a share of the
+    sequence), so skipping data parallelism there would train every cp rank on its own."""
+    if config.dp_config is None and mesh.size("cp") > 1:
+        return DataParallelConfig()
+    return config.dp_config
+
+
 def _resolve_mesh(mesh: ParallelMesh | None, config: ParallelConfig) -> ParallelMesh:
     if mesh is None:
         mesh = get_mesh()
     if not isinstance(mesh, ParallelMesh):
         raise TypeError(f"mesh must be a ParallelMesh (from optimum_parallel.init_mesh), got {type(mesh).__name__}")
-    needs = {"mp_config": "tp", "dp_config": "dp", "pp_config": "pp"}
-    for key, dim in needs.items():
-        if getattr(config, key) is not None and mesh.size(dim) == 1:
+    # dp_config acts on the ranks holding the same parameters: dp x cp of them
+    needs = {"mp_config": ("tp", mesh.size("tp")), "dp_config": ("dp x cp", mesh.data_parallel_size)}
+    needs["pp_config"] = ("pp", mesh.size("pp"))
+    for key, (dims, size) in needs.items():
+        if getattr(config, key) is not None and size == 1:
             sizes = ", ".join(f"{d}={s}" for d, s in mesh.sizes.items())
-            raise ValueError(f"{key} needs a mesh with {dim} > 1; the mesh has {sizes}")
+            raise ValueError(f"{key} needs a mesh with {dims} > 1; the mesh has {sizes}")
     return mesh

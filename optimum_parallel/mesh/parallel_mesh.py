@@ -1,4 +1,4 @@
-"""ParallelMesh: the named dp/pp/tp process grid over a torch DeviceMesh, initialised from torchrun's env."""
+"""ParallelMesh: the named dp/pp/cp/tp process grid over a torch DeviceMesh, initialised from torchrun's env."""
 
 from __future__ import annotations
 
@@ -10,19 +10,32 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-MESH_DIMS = ("dp", "pp", "tp")  # outermost to innermost: tp ranks are neighbours (fastest links)
+# outermost to innermost: tp ranks are neighbours (fastest links), then cp (ring attention passes K/V every layer)
+MESH_DIMS = ("dp", "pp", "cp", "tp")
 DIM_ALIASES = {"mp": "tp"}
 DEFAULT_TIMEOUT = timedelta(seconds=60)
 
 
 @dataclass
 class ParallelMesh:
-    """A dp x pp x tp grid of ranks; each named dim has its own process group (with a timeout)."""
+    """A dp x pp x cp x tp grid of ranks; each named dim has its own process group (with a timeout).
+
+    cp (context parallelism) splits the sequence, not the weights: the dp x cp ranks of one pp and tp coordinate
+    hold the same parameters, and data parallelism averages gradients over all of them (`data_parallel_group`).
+    """
 
     device_mesh: DeviceMesh
     sizes: dict[str, int]
     timeout: timedelta = DEFAULT_TIMEOUT
     _extra_groups: dict[tuple[int, ...], dist.ProcessGroup] = field(default_factory=dict, repr=False)
+    _dp_cp_mesh: DeviceMesh | None = field(default=None, repr=False)
+
+    def __post_init__(self) -> None:
+        # dp and cp are not adjacent (pp sits between): torch flattens the non-contiguous slice into one 1-D mesh
+        # with its own process group. Created here, on every rank at once, as torch requires.
+        if self.sizes["dp"] > 1 and self.sizes["cp"] > 1:
+            backend_override = _gloo_or_nccl_options(self.timeout)
+            self._dp_cp_mesh = self.device_mesh["dp", "cp"]._flatten("dp_cp", backend_override=backend_override)
 
     def size(self, dim: str) -> int:
         return self.sizes[_canonical_dim(dim)]
@@ -49,6 +62,35 @@ class ParallelMesh:
     @property
     def tp_group(self) -> dist.ProcessGroup:
         return self.group("tp")
+
+    @property
+    def data_parallel_mesh(self) -> DeviceMesh:
+        """The 1-D mesh of the ranks holding the same parameters (dp x cp at this pp and tp coordinate), which
+        FSDP2 shards over; with cp=1 it is the dp sub-mesh."""
+        if self.sizes["cp"] == 1:
+            return self.device_mesh["dp"]
+        if self.sizes["dp"] == 1:
+            return self.device_mesh["cp"]
+        return self._dp_cp_mesh
+
+    @property
+    def data_parallel_group(self) -> dist.ProcessGroup:
+        """The process group gradients are averaged over (DDP, ZeRO-1, the pipeline): dp x cp; with cp=1, dp's."""
+        if self.sizes["cp"] == 1:
+            return self.group("dp")
+        if self.sizes["dp"] == 1:
+            return self.group("cp")
+        return self._dp_cp_mesh.get_group()
+
+    @property
+    def data_parallel_size(self) -> int:
+        """Ranks holding the same parameters: dp x cp."""
+        return self.sizes["dp"] * self.sizes["cp"]
+
+    @property
+    def data_parallel_rank(self) -> int:
+        """This rank's place in `data_parallel_group` (dp-major, as torch flattens dp x cp)."""
+        return self.rank("dp") * self.sizes["cp"] + self.rank("cp")
 
     @property
     def device_type(self) -> str:
@@ -125,11 +167,14 @@ def init_mesh(
     dp: int = 1,
     tp: int | None = None,
     pp: int = 1,
+    cp: int = 1,
     *,
     timeout: timedelta | float = DEFAULT_TIMEOUT,
     **aliases: int,
 ) -> ParallelMesh:
-    """Build (and set as current) the dp x pp x tp mesh; `tp` (alias `mp`) defaults to world / (dp * pp).
+    """Build (and set as current) the dp x pp x cp x tp mesh; `tp` (alias `mp`) defaults to world / (dp * pp * cp).
+
+    cp is context parallelism: each cp rank holds a share of every sequence and the same parameters.
 
     Starts torch.distributed from the torchrun environment if needed (gloo on CPU, NCCL on CUDA);
     every process group of the mesh gets `timeout` (seconds or a timedelta), so a lost rank fails
@@ -148,16 +193,18 @@ def init_mesh(
     world = dist.get_world_size()
     check_positive_int("dp", dp, "a mesh size")
     check_positive_int("pp", pp, "a mesh size")
-    tp = world // (dp * pp) if tp is None else tp
+    check_positive_int("cp", cp, "a mesh size")
+    tp = world // (dp * pp * cp) if tp is None else tp
     check_positive_int("tp", tp, "a mesh size")
-    sizes = {"dp": dp, "pp": pp, "tp": tp}
-    total = dp * pp * tp
+    sizes = {"dp": dp, "pp": pp, "cp": cp, "tp": tp}
+    total = dp * pp * cp * tp
     if total != world:
-        raise ValueError(f"mesh dp={dp} x pp={pp} x tp={tp} = {total} ranks, but the world size is {world}")
+        raise ValueError(f"mesh dp={dp} x pp={pp} x cp={cp} x tp={tp} = {total} ranks, but the world size is {world}")
     device_type = "cuda" if torch.cuda.is_available() else "cpu"
     backend, options = _gloo_or_nccl_options(timeout)
     overrides = {name: (backend, options) for name in MESH_DIMS}
-    device_mesh = init_device_mesh(device_type, (dp, pp, tp), mesh_dim_names=MESH_DIMS, backend_override=overrides)
+    shape = tuple(sizes[name] for name in MESH_DIMS)
+    device_mesh = init_device_mesh(device_type, shape, mesh_dim_names=MESH_DIMS, backend_override=overrides)
     return set_mesh(ParallelMesh(device_mesh, sizes, timeout))
 
 
@@ -172,5 +219,7 @@ def set_mesh(mesh: ParallelMesh) -> ParallelMesh:
 
 def get_mesh() -> ParallelMesh:
     if _CURRENT_MESH is None:
-        raise RuntimeError("no parallel mesh is set: call optimum_parallel.init_mesh(dp=..., tp=..., pp=...) first")
+        raise RuntimeError(
+            "no parallel mesh is set: call optimum_parallel.init_mesh(dp=..., tp=..., pp=..., cp=...) first"
+        )
     return _CURRENT_MESH

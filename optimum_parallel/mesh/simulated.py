@@ -7,14 +7,14 @@ from dataclasses import dataclass, field
 
 @dataclass
 class SimulatedMesh:
-    """Sizes of a dp x pp x tp mesh, and the tp rank a plan is being resolved for; no process groups."""
+    """Sizes of a dp x pp x cp x tp mesh, and the tp rank a plan is being resolved for; no process groups."""
 
     tp_size: int
     tp_rank: int = 0
     sizes: dict[str, int] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        self.sizes = {"dp": 1, "pp": 1, "tp": self.tp_size, **self.sizes}
+        self.sizes = {"dp": 1, "pp": 1, "cp": 1, "tp": self.tp_size, **self.sizes}
 
     def size(self, dim: str) -> int:
         return self.sizes["tp" if dim == "mp" else dim]

@@ -90,7 +90,7 @@ class Pipeline:
         self.holds_first = any(s.is_first for s in stages)
         self.holds_last = any(s.is_last for s in stages)
         self.tied = tied
-        self.dp_group: dist.ProcessGroup | None = None  # set by data parallelism at sharding levels 0-1
+        self.dp_group: dist.ProcessGroup | None = None  # dp x cp, set by data parallelism at sharding levels 0-1
         first, last = self.owner(0), self.owner(num_stages - 1)
         self.last_rank = mesh.ranks("pp")[last]
         # tied embedding / LM head on two ranks: their gradients are summed (one rank holding both needs nothing)
@@ -196,7 +196,8 @@ class Pipeline:
         return None
 
     def _average_gradients_over_dp(self) -> None:
-        """Replicated data parallelism under pp: one flat all-reduce of every gradient after the whole batch."""
+        """Replicated data parallelism under pp: one flat all-reduce of every gradient after the whole batch, averaged
+        over `dp_group` (the dp x cp ranks holding the same stages: cp ranks' losses are scaled by cp already)."""
         if self.dp_group is None:
             return
         grads = [p.grad for stage in self.stages for p in stage.parameters() if p.grad is not None]

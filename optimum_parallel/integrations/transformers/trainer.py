@@ -42,15 +42,15 @@ PIPELINE_COLUMNS = ["input_ids", "attention_mask", "labels", "label", "label_ids
 
 
 def _mesh_for(args: ParallelTrainingArguments) -> ParallelMesh:
-    """The current mesh if it has the asked sizes, else a new dp x pp x tp one (dp = world / (tp * pp))."""
-    tp, pp = args.tensor_parallel_size, args.pipeline_parallel_size
+    """The current mesh if it has the asked sizes, else a new dp x pp x cp x tp one (dp = world / (tp * pp * cp))."""
+    tp, pp, cp = args.tensor_parallel_size, args.pipeline_parallel_size, args.context_parallel_size
     world = dist.get_world_size() if dist.is_initialized() else int(os.environ.get("WORLD_SIZE", "1"))
-    if world % (tp * pp):
+    if world % (tp * pp * cp):
         raise ValueError(
-            f"tensor_parallel_size={tp} x pipeline_parallel_size={pp} does not divide the world size {world}; "
-            "allowed: sizes whose product divides the number of processes"
+            f"tensor_parallel_size={tp} x pipeline_parallel_size={pp} x context_parallel_size={cp} does not divide "
+            f"the world size {world}; allowed: sizes whose product divides the number of processes"
         )
-    sizes = {"dp": world // (tp * pp), "pp": pp, "tp": tp}
+    sizes = {"dp": world // (tp * pp * cp), "pp": pp, "cp": cp, "tp": tp}
     with contextlib.suppress(RuntimeError):
         if get_mesh().sizes == sizes:
             return get_mesh()
@@ -96,7 +96,7 @@ def _inner(optimizer: torch.optim.Optimizer | None) -> torch.optim.Optimizer | N
 
 
 class ParallelTrainer(Trainer):
-    """A `Trainer` over a dp x pp x tp mesh set by `ParallelTrainingArguments`; launch it with `torchrun`.
+    """A `Trainer` over a dp x pp x cp x tp mesh set by `ParallelTrainingArguments`; launch it with `torchrun`.
 
     `model` is a transformers model or a checkpoint path (loaded under `lazy_load_for_parallelism` with
     `model_class.from_pretrained(path, **model_kwargs)`, so no rank ever holds the whole model). A PEFT model, or
@@ -165,8 +165,9 @@ class ParallelTrainer(Trainer):
         return {**super()._build_accelerator_args(**kwargs), "device_placement": False}
 
     def _prepare_data_loader(self, data_loader, device_placement=None, slice_fn_for_dispatch=None):
-        """accelerate shards batches over the world; here over dp only, so the tp and pp ranks of one replica
-        get identical batches (same seedable sampler, same order as one process with the global batch)."""
+        """accelerate shards batches over the world; here over dp only, so the tp, pp and cp ranks of one replica
+        get identical batches (same seedable sampler, same order as one process with the global batch; the cp ranks
+        each take their share of the sequence in the model's forward)."""
         acc = self.accelerator
         if getattr(data_loader, "_is_accelerate_prepared", False):
             return data_loader
@@ -190,8 +191,10 @@ class ParallelTrainer(Trainer):
         return prepared
 
     def get_tp_size(self) -> int:
-        """Ranks that share one batch (tp x pp): the Trainer divides world-wide token counts and batch sizes by it."""
-        return self.mesh.size("tp") * self.mesh.size("pp")
+        """Ranks that share one batch (tp x pp x cp): the Trainer divides world-wide token counts and batch sizes,
+        and its loss scale (world / this = dp), by it. cp is counted here, not in `get_cp_size` (which reads
+        accelerate's own parallelism config, unset here), because the loss scale divides by this one only."""
+        return self.mesh.size("tp") * self.mesh.size("pp") * self.mesh.size("cp")
 
     @private_override
     def _sync_replicated_trainable_parameters(self, model: nn.Module) -> None:
@@ -216,7 +219,7 @@ class ParallelTrainer(Trainer):
 
     @private_override
     def _track_num_input_tokens(self, inputs) -> None:
-        """The Trainer sums tokens over the world; tp and pp ranks of a replica saw the same ones."""
+        """The Trainer sums tokens over the world; tp, pp and cp ranks of a replica saw the same ones."""
         before = self.state.num_input_tokens_seen
         super()._track_num_input_tokens(inputs)
         self.state.num_input_tokens_seen = before + (self.state.num_input_tokens_seen - before) // self.get_tp_size()
@@ -233,8 +236,8 @@ class ParallelTrainer(Trainer):
 
     def _global_grad_norm(self, model: nn.Module) -> torch.Tensor:
         """The 2-norm of the whole model's gradient: squares of each rank's own pieces (tp shards once, pp stages,
-        FSDP shards per dp rank; replicated gradients on dp rank 0 only), summed over the world."""
-        first_replica = self.mesh.rank("dp") == 0
+        FSDP shards per dp x cp rank; replicated gradients on dp rank 0 and cp rank 0 only), summed over the world."""
+        first_replica = self.mesh.rank("dp") == 0 and self.mesh.rank("cp") == 0
         squares = []
         for name, param in model.named_parameters():
             if name not in self._norm_owners:
@@ -300,7 +303,7 @@ class ParallelTrainer(Trainer):
         return super().evaluation_loop(*args, **kwargs)
 
     def _gather_over_dp(self, data, use_gather_object: bool = False):
-        """`gather_for_metrics` over dp: tp/pp ranks hold copies; the even_batches padding of the last batch goes."""
+        """`gather_for_metrics` over dp: tp/pp/cp ranks hold copies; the even_batches padding of the last batch goes."""
         dp = self.mesh.size("dp")
         if dp > 1:
 

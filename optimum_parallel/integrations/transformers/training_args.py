@@ -13,10 +13,17 @@ from ...pipeline import SCHEDULES
 
 @dataclass
 class ParallelTrainingArguments(TrainingArguments):
-    """TrainingArguments for `ParallelTrainer`; the data-parallel size is what is left: world / (tp * pp)."""
+    """TrainingArguments for `ParallelTrainer`; the data-parallel size is what is left: world / (tp * pp * cp)."""
 
     tensor_parallel_size: int = field(default=1, metadata={"help": "Ranks each layer is split over (tp)."})
     pipeline_parallel_size: int = field(default=1, metadata={"help": "Pipeline stages the layers are cut into (pp)."})
+    context_parallel_size: int = field(
+        default=1,
+        metadata={
+            "help": "Ranks each sequence is split over (cp, ring attention); they hold the same weights and get the "
+            "same batches, so per_device_*_batch_size is per dp replica as without cp."
+        },
+    )
     sequence_parallel: bool = field(default=False, metadata={"help": "Split activations along the sequence in tp."})
     sharding_level: int = field(
         default=0,
@@ -34,6 +41,7 @@ class ParallelTrainingArguments(TrainingArguments):
         super().__post_init__()
         check_positive_int("tensor_parallel_size", self.tensor_parallel_size)
         check_positive_int("pipeline_parallel_size", self.pipeline_parallel_size)
+        check_positive_int("context_parallel_size", self.context_parallel_size)
         check_positive_int("pipeline_parallel_num_microbatches", self.pipeline_parallel_num_microbatches)
         if isinstance(self.sharding_level, bool) or self.sharding_level not in SHARDING_LEVELS:
             raise ValueError(f"sharding_level={self.sharding_level!r} is not allowed; allowed: 0, 1, 2, 3")
