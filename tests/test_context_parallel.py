@@ -205,3 +205,48 @@ def test_chunk_pairs_match_softmax_attention(window, softcap, padded):
     out.backward(grad[:, :, index])
     for mine, theirs in zip(local, expected_grads, strict=True):
         assert torch.allclose(mine.grad, theirs[:, :, index], atol=1e-10)
+
+
+def check_pipeline_context(steps: int = 2) -> dict:
+    """pp=2 x cp=2, two micro-batches; the reference averages the micro-batches' losses as the pipeline does."""
+    import optimum_parallel as op
+    from optimum_parallel.engine.data_parallel import apply_data_parallel
+
+    mesh = op.init_mesh(pp=2, cp=2)
+    config = cp_config("llama", num_hidden_layers=4)
+    reference = _reference(config, "eager").eval()
+    model = copy.deepcopy(reference)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    ref_optimizer = torch.optim.AdamW(reference.parameters(), lr=1e-2)
+    parallelizer = op.ParallelizersManager.parallelizer_for_model(model)
+    model = parallelizer.parallelize(model, pipeline_parallel_num_microbatches=2)
+    optimizer = parallelizer.optimizer_for_mp(optimizer, model.orig_param_to_parallel_param)
+    model, optimizer = apply_data_parallel(model, optimizer, mesh, op.DataParallelConfig())
+    batch = cp_batch(config, rows=4)
+    halves = [{k: v[rows] for k, v in batch.items()} for rows in (slice(0, 2), slice(2, 4))]
+    evaluated = model.run_eval(**batch)
+    with torch.no_grad():
+        ref_logits = reference(**batch).logits
+    real = batch["attention_mask"].bool()
+    real[0, :4] = False
+    logits = rel_err(evaluated.logits[real], ref_logits[real]) if evaluated.logits is not None else 0.0
+    ref_params = dict(reference.named_parameters())
+    losses, grads = [], {}
+    for step in range(steps):
+        ref_loss = sum(reference(**half).loss for half in halves) / 2
+        ref_loss.backward()
+        losses.append(rel_err(model.run_train(**batch), ref_loss))
+        if step == 0:
+            for name, param in model.named_parameters():
+                grads[name] = rel_err(param.grad, ref_params[name].grad)
+        for opt in (optimizer, ref_optimizer):
+            opt.step()
+            opt.zero_grad()
+    return {"loss": max(losses), "grad": max(grads.values()), "grads": len(grads), "logits": logits}
+
+
+def test_composes_with_pipeline_parallelism(pool):
+    results = pool.run(check_pipeline_context)
+    for rank, result in enumerate(results):
+        assert max(result["loss"], result["grad"], result["logits"]) <= TOL, f"rank {rank}: {result}"
+    assert all(r["grads"] for r in results)

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 from torch.distributed._composable import replicate
-from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.optim import ZeroRedundancyOptimizer
 
 from ..mesh import ParallelMesh
@@ -87,7 +87,22 @@ def apply_data_parallel(
             after[name].shard_layout = param.shard_layout
     if optimizer is not None:
         optimizer = rebuild_optimizer(optimizer, {id(p): after[name] for name, p in before.items()})
+        if not reshard:
+            _reshard_before_step(optimizer, roots)
     return model, optimizer
+
+
+def _reshard_before_step(optimizer: torch.optim.Optimizer, roots: list[nn.Module]) -> None:
+    """Level 2 keeps the weights gathered after a forward until a backward frees them: a no-grad forward between
+    backward and step (metrics, evaluation) would leave them gathered, and the forward after the step would use
+    the weights from before it. Dropping them before every step is free otherwise (the backward dropped them)."""
+    sharded = [m for root in roots for m in root.modules() if isinstance(m, FSDPModule)]
+
+    def reshard(*_) -> None:
+        for module in sharded:
+            module.reshard()
+
+    optimizer.register_step_pre_hook(reshard)
 
 
 def _zero1(optimizer: torch.optim.Optimizer, mesh: ParallelMesh) -> ZeroRedundancyOptimizer:
