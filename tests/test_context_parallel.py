@@ -250,3 +250,43 @@ def test_composes_with_pipeline_parallelism(pool):
     for rank, result in enumerate(results):
         assert max(result["loss"], result["grad"], result["logits"]) <= TOL, f"rank {rank}: {result}"
     assert all(r["grads"] for r in results)
+
+
+def context_errors() -> dict[str, str]:
+    import optimum_parallel as op
+
+    op.init_mesh(cp=4)
+    config = cp_config("llama")
+    errors = {}
+
+    def attempt(name, fn):
+        try:
+            fn()
+        except (ValueError, NotImplementedError) as err:
+            errors[name] = f"{type(err).__name__}: {err}"
+        else:
+            errors[name] = "no error"
+
+    def parallel(model_type="llama", strategy="ring", **overrides):
+        model = _reference(cp_config(model_type, **overrides), "eager")
+        return op.ParallelizersManager.parallelizer_for_model(model).parallelize(
+            model, context_parallel_strategy=strategy
+        )
+
+    batch = cp_batch(config, length=16)
+    attempt("family", lambda: parallel("gpt2"))
+    attempt("strategy", lambda: parallel(strategy="zigzag"))
+    attempt("heads", lambda: parallel(strategy="all_to_all")(**batch))
+    attempt("generate", lambda: parallel().generate(batch["input_ids"], max_new_tokens=2))
+    mask4d = torch.ones(2, 1, 16, 16, dtype=torch.bool)
+    attempt("mask", lambda: parallel()(input_ids=batch["input_ids"], attention_mask=mask4d))
+    return errors
+
+
+def test_errors_name_what_is_supported(pool):
+    errors = pool.run(context_errors)[0]
+    assert "supported: causal LMs of model_type llama" in errors["family"], errors
+    assert "allowed: ring, all_to_all" in errors["strategy"], errors
+    assert "divide by cp=4" in errors["heads"] and "'ring'" in errors["heads"], errors
+    assert "generate() is not supported on a context-parallel model" in errors["generate"], errors
+    assert "must be 2-D" in errors["mask"], errors
