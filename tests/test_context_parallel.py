@@ -130,8 +130,11 @@ def _assert_exact(results: list[dict], length: int = 30) -> None:
         assert worst <= TOL, f"rank {rank}: {result}"
 
 
-@pytest.mark.parametrize("model_type", ["llama", "qwen3", "mistral", "gemma2"])
-@pytest.mark.parametrize("cp", [2, 4])
+@pytest.mark.parametrize(
+    "model_type,cp",
+    [(m, 2) for m in ("llama", "qwen2", "qwen3", "mistral", "gemma2")]
+    + [(m, 4) for m in ("llama", "qwen3", "mistral", "gemma2")],
+)
 def test_matches_one_device(pool, model_type, cp):
     """dp=2 x cp=2 and cp=4; 30 tokens (padded to 32 inside); sliding windows and gemma2's soft cap."""
     _assert_exact(pool.run(check_context, model_type, cp=cp))
@@ -262,7 +265,7 @@ def context_errors() -> dict[str, str]:
     def attempt(name, fn):
         try:
             fn()
-        except (ValueError, NotImplementedError) as err:
+        except (ValueError, NotImplementedError, RuntimeError) as err:
             errors[name] = f"{type(err).__name__}: {err}"
         else:
             errors[name] = "no error"
@@ -276,10 +279,12 @@ def context_errors() -> dict[str, str]:
     batch = cp_batch(config, length=16)
     attempt("family", lambda: parallel("gpt2"))
     attempt("strategy", lambda: parallel(strategy="zigzag"))
-    attempt("heads", lambda: parallel(strategy="all_to_all")(**batch))
-    attempt("generate", lambda: parallel().generate(batch["input_ids"], max_new_tokens=2))
-    mask4d = torch.ones(2, 1, 16, 16, dtype=torch.bool)
-    attempt("mask", lambda: parallel()(input_ids=batch["input_ids"], attention_mask=mask4d))
+    attempt("no_reduction", lambda: parallel()(**batch))  # training without dp x cp gradient reduction
+    with torch.no_grad():
+        attempt("heads", lambda: parallel(strategy="all_to_all")(**batch))
+        attempt("generate", lambda: parallel().generate(batch["input_ids"], max_new_tokens=2))
+        mask4d = torch.ones(2, 1, 16, 16, dtype=torch.bool)
+        attempt("mask", lambda: parallel()(input_ids=batch["input_ids"], attention_mask=mask4d))
     return errors
 
 
@@ -290,3 +295,4 @@ def test_errors_name_what_is_supported(pool):
     assert "divide by cp=4" in errors["heads"] and "'ring'" in errors["heads"], errors
     assert "generate() is not supported on a context-parallel model" in errors["generate"], errors
     assert "must be 2-D" in errors["mask"], errors
+    assert "reduced over dp x cp" in errors["no_reduction"] and "dp_config" in errors["no_reduction"], errors

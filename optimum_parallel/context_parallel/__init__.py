@@ -7,13 +7,21 @@ ring / ulysses (the two strategies), attention (the function transformers calls)
 
 from .attention import STRATEGIES, sequence_mask
 from .layout import ChunkLayout
-from .model import SUPPORTED_MODEL_TYPES, apply_context_parallel, split_batch
+from .model import (
+    SUPPORTED_MODEL_TYPES,
+    apply_context_parallel,
+    check_gradients_reduced,
+    mark_gradients_reduced,
+    split_batch,
+)
 
 __all__ = [
     "STRATEGIES",
     "SUPPORTED_MODEL_TYPES",
     "ChunkLayout",
     "apply_context_parallel",
+    "check_gradients_reduced",
+    "mark_gradients_reduced",
     "sequence_mask",
     "split_batch",
 ]

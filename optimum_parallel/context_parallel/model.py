@@ -52,6 +52,23 @@ def apply_context_parallel(model: nn.Module, group, strategy: str = "ring") -> N
     model.generate = _blocked_generate
 
 
+def mark_gradients_reduced(model: nn.Module) -> None:
+    """Data parallelism over dp x cp now sums the cp ranks' partial gradients (called by the engine)."""
+    for module in model.modules():
+        if "_context_parallel" in module.__dict__:
+            module.__dict__["_context_parallel_reduced"] = True
+
+
+def check_gradients_reduced(model: nn.Module) -> None:
+    """A cp rank's gradients cover its own tokens only: training without the dp x cp reduction would be wrong."""
+    if torch.is_grad_enabled() and not model.__dict__.get("_context_parallel_reduced"):
+        raise RuntimeError(
+            "a context-parallel model (cp > 1) trains only with its gradients reduced over dp x cp: after "
+            "Parallelizer.parallelize, call op.parallelize(model, optimizer, mesh, {'dp_config': {'sharding_level': "
+            "0}}) (any level 0-3), or train with ParallelTrainer; for evaluation run under torch.no_grad()"
+        )
+
+
 def split_batch(settings: ContextParallelAttention, kwargs: dict) -> tuple[dict, int]:
     """This rank's part of a whole batch (input_ids or inputs_embeds, attention_mask, position_ids, labels) and the
     whole sequence's length before padding."""
@@ -92,6 +109,7 @@ def _split_inputs(model: nn.Module, args: tuple, kwargs: dict):
     bound = inspect.signature(type(model).forward).bind_partial(model, *args, **kwargs).arguments
     bound.pop("self", None)
     extra = bound.pop("kwargs", {})
+    check_gradients_reduced(model)
     settings = model.__dict__["_context_parallel"]
     split, length = split_batch(settings, {**bound, **extra})
     model.__dict__["_context_parallel_length"] = length

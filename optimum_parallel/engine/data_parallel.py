@@ -21,6 +21,7 @@ from torch.distributed._composable import replicate
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.optim import ZeroRedundancyOptimizer
 
+from ..context_parallel import mark_gradients_reduced
 from ..mesh import ParallelMesh
 from .optimizer import rebuild_optimizer
 
@@ -61,6 +62,7 @@ def apply_data_parallel(
     Nothing to do when dp x cp is 1."""
     if mesh.data_parallel_size == 1:
         return model, optimizer
+    mark_gradients_reduced(model)
     # Under pp the schedule calls the stage modules, not the model: the stages are the wrapped roots.
     pipeline = getattr(model, "pipeline", None)
     roots = list(pipeline.stages) if pipeline is not None else [model]

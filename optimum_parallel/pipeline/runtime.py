@@ -17,7 +17,7 @@ from torch.distributed.pipelining import (
     ScheduleZBVZeroBubble,
 )
 
-from ..context_parallel import ChunkLayout, split_batch
+from ..context_parallel import ChunkLayout, check_gradients_reduced, split_batch
 from ..mesh import ParallelMesh
 from ..styles import PlanContext
 from ..styles.sequence_parallel import SequenceParallelBegin
@@ -118,6 +118,7 @@ class Pipeline:
         settings = self.model.__dict__.get("_context_parallel")
         if settings is None:
             return input_ids, labels, attention_mask, None
+        check_gradients_reduced(self.model)
         split, length = split_batch(
             settings, {"input_ids": input_ids, "labels": labels, "attention_mask": attention_mask}
         )
