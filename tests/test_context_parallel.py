@@ -296,3 +296,18 @@ def test_errors_name_what_is_supported(pool):
     assert "generate() is not supported on a context-parallel model" in errors["generate"], errors
     assert "must be 2-D" in errors["mask"], errors
     assert "reduced over dp x cp" in errors["no_reduction"] and "dp_config" in errors["no_reduction"], errors
+
+
+def test_long_context_example_runs_under_torchrun():
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    example = Path(__file__).resolve().parents[1] / "examples" / "long_context.py"
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=4", str(example)]
+    command += ["--cp", "2", "--tp", "2", "--seq", "512", "--steps", "2"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    result = subprocess.run(command, capture_output=True, text=True, timeout=240, env=env)
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-4000:]
+    assert "step 1: loss" in result.stdout

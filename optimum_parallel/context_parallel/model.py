@@ -27,7 +27,10 @@ IGNORE_INDEX = -100
 
 
 def apply_context_parallel(model: nn.Module, group, strategy: str = "ring") -> None:
-    """Route `model`'s attention through ring (or all-to-all) attention over `group` and split its inputs."""
+    """Route `model`'s attention through ring (or all-to-all) attention over `group` and split its inputs (once:
+    a model parallelized by the Parallelizer, then given data parallelism by `parallelize`, comes here twice)."""
+    if "_context_parallel" in model.__dict__:
+        return
     if strategy not in STRATEGIES:
         raise ValueError(f"context_parallel_strategy={strategy!r} is not allowed; allowed: {', '.join(STRATEGIES)}")
     config = model.config
