@@ -96,6 +96,8 @@ BAD_ARGUMENTS = [
     (("estimate-memory", "{model}", "--suggest", "--memory", "8"), "--suggest needs --devices"),
     (("estimate-memory", "{model}", "--suggest", "--devices", "4", "--memory", "8", "--tp", "2"), "chooses --tp"),
     (("estimate-memory", "{model}", "--devices", "4"), "--devices only apply with --suggest"),
+    (("estimate-memory", "{model}", "--suggest", "--devices", "4", "--memory", "8", "--cp", "2"), "chooses --cp"),
+    (("estimate-memory", "{model}", "--cp", "0"), "--cp"),
     (("estimate-memory", "{model}", "--memory", "-1"), "Invalid value for '--memory'"),
     (("estimate-memory", "{bad_json}"), "cannot read a transformers config from"),
     (("plan", "{empty}/../bad.json", "--tp", "2"), "is not a valid JSON file"),
@@ -160,7 +162,7 @@ def test_estimate_memory_prints_both_sequence_parallel_columns(model_dir):
     args = ["--tp", "2", "--dp", "2", "--sharding-level", "1", "--seq-len", "64", "--micro-batch", "2"]
     code, out, err = cli("estimate-memory", model_dir, *args)
     assert code == 0, err
-    assert "layout: dp=2 tp=2 pp=1, sharding level 1" in out and "SP off" in out and "SP on" in out
+    assert "layout: dp=2 tp=2 pp=1 cp=1, sharding level 1" in out and "SP off" in out and "SP on" in out
     planner, workload = MemoryPlanner(LlamaConfig(**LLAMA)), Workload(seq_len=64, micro_batch=2)
     off, on = (planner.estimate(Layout(2, 2, 1, 1, sp), workload) for sp in (False, True))
     total = next(line for line in out.splitlines() if line.startswith("total"))
@@ -168,6 +170,8 @@ def test_estimate_memory_prints_both_sequence_parallel_columns(model_dir):
     assert unit != "GiB" and f"{unit} on the rank with the most" in out  # a tiny model: not 0.00 GiB
     assert total.split()[1:] == [in_unit(off.total, scale), in_unit(on.total, scale)]
     assert "activations, Korthikanti et al. 2022" in out and "activations, Llama count" in out
+    code, out, _ = cli("estimate-memory", model_dir, "--cp", "2", "--seq-len", "64")
+    assert code == 0 and "layout: dp=1 tp=1 pp=1 cp=2, sharding level 0" in out and "ring attention" in out
     code, out, _ = cli("estimate-memory", model_dir, "--pp", "2", "--dtype", "fp32", "--activations", "paper")
     assert code == 0 and "activations (Korthikanti et al. 2022)" in out and "1F1B" in out
     code, out, _ = cli("estimate-memory", model_dir, "--pp", "2", "--num-microbatches", "4", "--schedule", "gpipe")
@@ -178,8 +182,12 @@ def test_estimate_memory_suggests_layouts_best_first(model_dir):
     code, out, err = cli("estimate-memory", model_dir, "--suggest", "--devices", "4", "--memory", "1", "--top", "3")
     assert code == 0, err
     assert "layouts fit 4 devices of 1.0 GiB" in out and "(--top N shows more)" in out
-    rows = [row for row in map(str.split, out.splitlines()) if len(row) == 13 and row[0].isdigit()]
-    assert [row[0] for row in rows] == ["1", "2", "3"] and rows[0][1:4] == ["4", "1", "1"]  # dp=4 tp=1 pp=1 first
+    rows = [row for row in map(str.split, out.splitlines()) if len(row) == 14 and row[0].isdigit()]
+    assert [row[0] for row in rows] == ["1", "2", "3"] and rows[0][1:5] == ["4", "1", "1", "1"]  # dp=4 first
+    long = ("--seq-len", "32768", "--micro-batch", "1")
+    code, out, err = cli("estimate-memory", model_dir, "--suggest", "--devices", "2", "--memory", "0.15", *long)
+    rows = [row for row in map(str.split, out.splitlines()) if len(row) == 14 and row[0].isdigit()]
+    assert code == 0 and rows[0][1:5] == ["1", "1", "1", "2"], out  # the whole sequence does not fit: cp=2 first
 
 
 def test_entry_point_suggests_layouts_for_a_70b_llama_in_seconds(tmp_path):

@@ -21,7 +21,7 @@ from _models import LLAMA_70B, TINY
 from _pool import WorkerPool
 from transformers import LlamaConfig
 
-from optimum_parallel.planning.activations import Dims, paper_layer_bytes
+from optimum_parallel.planning.activations import Dims, paper_layer_bytes, ring_attention_layer_bytes
 from optimum_parallel.planning.memory_planner import MemoryPlanner, estimate_memory, suggest_layouts
 from optimum_parallel.planning.workload import GIB, Layout, Workload
 
@@ -173,6 +173,42 @@ def test_sharding_levels_divide_what_they_shard():
     assert level[0].parameters == 2 * local and level[0].optimizer_state >= 12 * local
 
 
+def test_context_parallel_splits_activations_not_states():
+    """cp=2 holds half of every activation (sdpa: all linear in the sequence) plus ring attention's K/V blocks in
+    flight; parameters, gradients, optimizer state and buffers stay those of the same dp x cp replicas at cp=1."""
+    planner = MemoryPlanner(llama_config())
+    workload = Workload(seq_len=SEQ, micro_batch=BATCH, dtype="bf16")
+    for level in (0, 3):
+        one = planner.estimate(Layout(dp=2, tp=2, sharding_level=level), workload)
+        two = planner.estimate(Layout(dp=1, tp=2, sharding_level=level, cp=2), workload)
+        # 2 blocks x (K, V) x b x s/cp x 1 kv head per tp rank (2 over tp=2) x head_dim 32 x 2 bytes, per layer
+        ring = 2 * 2 * BATCH * (SEQ // 2) * 1 * 32 * 2
+        assert ring_attention_layer_bytes(planner.dims(workload), 2, 2, 2) == ring
+        assert two.activations == pytest.approx(one.activations / 2 + planner.num_layers * ring)
+        states = ("parameters", "gradients", "optimizer_state", "buffers")
+        assert [getattr(two, k) for k in states] == [getattr(one, k) for k in states], level
+        assert any("cp=2" in note for note in two.notes)
+    replicated = planner.estimate(Layout(tp=2), workload)
+    assert planner.estimate(Layout(tp=2, cp=2), workload).parameters == replicated.parameters  # cp shards nothing
+
+
+def test_suggestions_choose_cp_for_a_long_sequence():
+    """At 32k tokens the activations of the whole sequence do not fit one device, half of them do: on 2 devices
+    the best layout is cp=2 (before tp=2); at 512 tokens cp=1 is best."""
+    planner = MemoryPlanner(llama_config())
+    long = Workload(seq_len=32768, micro_batch=1, dtype="bf16")
+    whole, halved = (planner.estimate(Layout(dp=2 // cp, cp=cp), long) for cp in (1, 2))
+    assert halved.activations < 0.6 * whole.activations and whole.activations > 5 * whole.states
+    memory = (whole.total + halved.total) / 2 / 0.9
+    fits = planner.suggest(2, memory, long)
+    assert fits[0].layout == Layout(dp=1, cp=2), fits[0].layout
+    assert not any(e.layout.cp == 1 and e.layout.tp == 1 for e in fits)
+    assert any(e.layout.tp == 2 for e in fits)  # tp=2 with SP fits too, ranked after cp
+    short = planner.suggest(2, 16 * GIB, replace(long, seq_len=512))
+    assert short[0].layout == Layout(dp=2) and any(e.layout.cp == 2 for e in short)
+    assert all(e.layout.cp == 1 for e in planner.suggest(8, 16 * GIB, replace(long, seq_len=6)))  # 6 < 2 x 2 x 2
+
+
 def test_paper_formula_and_sequence_parallel():
     d = Dims(s=2048, b=1, h=4096, a=32, v=32000, i=11008, g=1.0, head_dim=128)
     sbh = 2048 * 4096
@@ -207,7 +243,7 @@ def test_suggestions_for_a_70b_llama_in_seconds():
     assert fits, "a 70B model must fit 64 x 80 GiB"
     assert all(e.layout.devices == 64 and e.total <= 0.9 * 80 * GIB for e in fits)
     assert all(64 % e.layout.tp == 0 and 64 % e.layout.tp == 0 for e in fits)
-    keys = [(e.layout.tp, e.layout.pp, e.layout.sharding_level, e.total) for e in fits]
+    keys = [(e.layout.tp, e.layout.pp, e.layout.cp, e.layout.sharding_level, e.total) for e in fits]
     assert keys == sorted(keys)
     assert not any(e.layout.sequence_parallel and e.layout.pp > 1 for e in fits)  # not supported together
     # at tp=8 pp=8 the last stage holds 10 layers, the final norm and the LM head (split 8 ways but the norms)

@@ -144,7 +144,14 @@ def test_load_plan_keys_are_exact_module_names(llama_file):
     assert plan[r"model\.layers\.1\.self_attn\.k_proj"][0].units == 2
     assert isinstance(plan["lm_head"][0], op.ColWiseParallel)
     doc = read_plan_file(llama_file)
-    assert doc["mesh"] == {"dp": 1, "pp": 1, "tp": 2} and doc["parallelizer"] == "LlamaParallelizer"
+    assert doc["mesh"] == {"dp": 1, "pp": 1, "cp": 1, "tp": 2} and doc["parallelizer"] == "LlamaParallelizer"
+
+
+def test_mesh_sizes_record_cp_and_files_without_cp_still_load(tmp_path):
+    doc = save_plan(family_config("llama"), tmp_path / "cp.json", tp=2, dp=2, cp=2)
+    assert doc["mesh"] == {"dp": 2, "pp": 1, "cp": 2, "tp": 2}
+    before_cp = {**doc, "mesh": {"dp": 2, "pp": 1, "tp": 2}}  # a file written before the cp dim existed
+    assert load_plan(before_cp, model=_meta(), tp=2).keys() == load_plan(doc, model=_meta(), tp=2).keys()
 
 
 def test_mismatches_name_the_first_entry(llama_file, tmp_path):

@@ -129,7 +129,7 @@ def train_parallel(
     from optimum_parallel.integrations.transformers.trainer import ParallelTrainer
     from optimum_parallel.integrations.transformers.training_args import ParallelTrainingArguments
 
-    per_device = 4 * tp * pp // int(os.environ["WORLD_SIZE"])
+    per_device = 4 * tp * pp * extra.get("context_parallel_size", 1) // int(os.environ["WORLD_SIZE"])
     args = ParallelTrainingArguments(
         **{**common_args(output_dir, per_device), "tensor_parallel_size": tp, "pipeline_parallel_size": pp, **extra}
     )
@@ -200,6 +200,8 @@ VARIANTS = {
     "fsdp": {"sharding_level": 3, "save_strategy": "no"},
     "sequence_parallel": {"sequence_parallel": True, "save_strategy": "no"},
     "lazy_optimizer": {"lazy_optimizer": True, "save_strategy": "no"},
+    # cp=2 x tp=2: one dp replica, both cp ranks get its batch; the gradient norm counts their copy once
+    "context_parallel": {"context_parallel_size": 2, "save_strategy": "no"},
 }
 
 
@@ -218,6 +220,7 @@ def test_variants_match_single_device(pool, hf_dir, reference, tmp_path, variant
         ({"sharding_level": 4}, ["sharding_level=4", "0, 1, 2, 3"]),
         ({"pipeline_schedule": "2f2b"}, ["pipeline_schedule='2f2b'", "1f1b", "interleaved_1f1b", "zbv"]),
         ({"tensor_parallel_size": 0}, ["tensor_parallel_size=0", "positive integer"]),
+        ({"context_parallel_size": 0}, ["context_parallel_size=0", "positive integer"]),
         ({"pipeline_parallel_num_microbatches": 2}, ["pipeline_parallel_num_microbatches=2", "allowed", ": 1"]),
         ({"pipeline_parallel_size": 2, "pipeline_parallel_num_microbatches": 3}, ["per_device_train_batch_size=4"]),
         ({"pipeline_parallel_size": 2, "pipeline_parallel_num_microbatches": 2, "gradient_accumulation_steps": 2},

@@ -55,7 +55,8 @@ def consolidate(checkpoint: str, output: str, max_shard_size: str, progress: boo
 def reshard(checkpoint: str, output: str, tp: int, pp: int, progress: bool) -> None:
     """Convert the sharded CHECKPOINT to another tp / pp layout in OUTPUT, optimizer state included.
 
-    Streams one tensor at a time; never consolidates the whole model.
+    Streams one tensor at a time; never consolidates the whole model. There is no --dp or --cp: data and
+    context parallel ranks hold the same shards, so a checkpoint loads at any dp and cp as it is.
     """
     from ..checkpoint import reshard_checkpoint
 

@@ -101,6 +101,13 @@ def _explicit(ctx: click.Context, name: str) -> bool:
 @click.option("--pp", type=click.IntRange(min=1), default=1, show_default=True, help="Pipeline stages.")
 @click.option("--dp", type=click.IntRange(min=1), default=1, show_default=True, help="Data-parallel size.")
 @click.option(
+    "--cp",
+    type=click.IntRange(min=1),
+    default=1,
+    show_default=True,
+    help="Context-parallel size: ranks each sequence is split over (ring attention); they hold the same weights.",
+)
+@click.option(
     "--sharding-level",
     type=click.IntRange(0, 3),
     default=0,
@@ -157,6 +164,7 @@ def estimate_memory(
     tp: int,
     pp: int,
     dp: int,
+    cp: int,
     sharding_level: int,
     seq_len: int,
     micro_batch: int,
@@ -172,15 +180,16 @@ def estimate_memory(
     reserve: float,
     top: int,
 ) -> None:
-    """Per-rank bytes of parameters, gradients, AdamW state and activations for a dp x tp x pp layout, with and
-    without sequence parallelism; with --suggest --devices N --memory GiB, the layouts that fit, best first.
+    """Per-rank bytes of parameters, gradients, AdamW state and activations for a dp x tp x pp x cp layout, with
+    and without sequence parallelism; with --suggest --devices N --memory GiB, the layouts that fit, best first.
 
     MODEL is a model directory or a config.json; only the config is read (a meta model gives the exact
     per-rank parameter counts of the family's plan), so a 70B model takes seconds on a laptop. Activations:
     Korthikanti et al. 2022 per layer, sbh(34 + 5as/h) at tp=1, sbh(10 + 24/t + 5as/(ht)) at tp=t, sbh(34/t +
     5as/(ht)) with SP (16-bit, scaled to --dtype), and for Llama-style decoders the count of this engine's
     Llama (checked against measurement). Under pp, 1F1B keeps pp micro-batches in flight on the first stage
-    (GPipe: all of them on every stage).
+    (GPipe: all of them on every stage). Under cp, activations are those of seq/cp tokens plus ring attention's
+    K/V blocks in flight; sharding levels split the states over dp x cp.
     """
     from ..planning.memory_planner import MemoryPlanner
     from ..planning.memory_text import format_estimate, format_suggestions
@@ -190,7 +199,7 @@ def estimate_memory(
         missing = [f"--{name}" for name, value in (("devices", devices), ("memory", memory)) if value is None]
         if missing:
             raise click.UsageError(f"--suggest needs {' and '.join(missing)}")
-        fixed = [f"--{n.replace('_', '-')}" for n in ("tp", "pp", "dp", "sharding_level") if _explicit(ctx, n)]
+        fixed = [f"--{n.replace('_', '-')}" for n in ("tp", "pp", "dp", "cp", "sharding_level") if _explicit(ctx, n)]
         if fixed:
             raise click.UsageError(f"--suggest chooses {', '.join(fixed)} itself; leave {'/'.join(fixed)} out")
     else:
@@ -217,8 +226,8 @@ def estimate_memory(
                 "--seq-len / --micro-batch"
             )
         return
-    off = planner.estimate(Layout(dp, tp, pp, sharding_level, False), workload)
+    off = planner.estimate(Layout(dp, tp, pp, sharding_level, False, cp), workload)
     on = None
     if tp > 1 and planner.supports_sequence_parallel:
-        on = planner.estimate(Layout(dp, tp, pp, sharding_level, True), workload)
+        on = planner.estimate(Layout(dp, tp, pp, sharding_level, True, cp), workload)
     click.echo(format_estimate(planner, off, on), nl=False)

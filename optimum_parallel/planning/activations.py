@@ -10,6 +10,7 @@ s*b*h.
   without sequence parallelism and sbh(34/t + 5as/(ht)) with it, scaled from 16 bits to the element size.
 - Llama (RMSNorm, SwiGLU, no dropout): the tensors transformers' Llama decoder layer saves for backward as this
   engine runs it, checked against measurement in tests/test_memory_planner.py and scripts/bench_memory.py.
+- Context parallelism: the formulas above at s = the rank's s/cp tokens, plus `ring_attention_layer_bytes`.
 """
 
 from __future__ import annotations
@@ -114,6 +115,16 @@ def llama_outside_bytes(d: Dims, tp: int, sp: bool, element: int) -> tuple[float
     rope = 2 * d.s * d.head_dim * element
     last = d.sbh * ((4 + element) / (tp if sp else 1) + element) + 4 * d.s * d.b * d.v / tp
     return rope, last
+
+
+def ring_attention_layer_bytes(d: Dims, cp: int, tp: int, element: int) -> float:
+    """Ring attention's extra bytes per layer at context-parallel size `cp` (0 at cp=1): the K and V blocks in
+    flight. Each step computes on one K/V pair while receiving the next: 2 extra blocks x (K, V) x b x s/cp tokens x
+    this rank's kv heads (split over tp, at least one when tp replicates them) x head_dim."""
+    if cp == 1:
+        return 0.0
+    kv_heads = max(1.0, d.g * d.a / tp)
+    return 2 * 2 * d.b * (d.s / cp) * kv_heads * d.head_dim * element
 
 
 def activation_bytes(

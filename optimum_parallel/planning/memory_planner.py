@@ -1,4 +1,4 @@
-"""Memory planner: per-rank bytes of parameters, gradients, optimizer state and activations for a dp x pp x tp
+"""Memory planner: per-rank bytes of parameters, gradients, optimizer state and activations for a dp x pp x cp x tp
 layout with a data-parallel sharding level, from a transformers config alone (a meta model, no weights).
 
 Parameters: counted exactly from the family's plan resolved at the simulated tp (the same layouts the ranks get:
@@ -9,9 +9,10 @@ The rank with the most bytes is reported. Assumptions (the `notes` of every esti
 - AdamW. fp32: fp32 parameters, gradients, m and v (16 bytes per parameter). 16-bit with master weights
   (default): 16-bit parameters and gradients, fp32 master copy, m and v (2 + 2 + 12 bytes, ZeRO's K = 12);
   without master weights: m and v in the parameter dtype (torch's AdamW on 16-bit parameters, 8 bytes).
-- Sharding levels over dp (peak of a step): 0 all replicated; 1 optimizer state / dp (ZeRO-1 splits by whole
-  parameters, so only about evenly); 2 + gradients / dp (FSDP2 keeps parameters gathered from forward to
-  backward); 3 + parameters / dp (plus the gathered working set of the current and the prefetched block).
+- Sharding levels over the data-parallel ranks, dp x cp (peak of a step): 0 all replicated; 1 optimizer state /
+  (dp x cp) (ZeRO-1 splits by whole parameters, so only about evenly); 2 + gradients / (dp x cp) (FSDP2 keeps
+  parameters gathered from forward to backward); 3 + parameters / (dp x cp) (plus the gathered working set of the
+  current and the prefetched block). cp alone divides none of them: every cp rank holds the same parameters.
 - Buffers: DDP's gradient buckets or, under pp, the flattened gradients of the dp all-reduce (one more copy of
   the gradients, levels 0-1); FSDP2's gathered blocks and reduce-scatter input (levels 2-3).
 - Activations per micro-batch, per decoder layer: Korthikanti et al. 2022 (GPT with dropout, 16-bit, scores
@@ -20,7 +21,8 @@ The rank with the most bytes is reported. Assumptions (the `notes` of every esti
   Llama-style decoders, the same counting done for this engine's Llama (`llama_layer_bytes`), which matches
   measurement (tests/test_memory_planner.py); both formulas are in activations.py. Pipeline: under 1F1B stage
   s keeps pp - s micro-batches in flight (the first stage holds pp of them); under GPipe every stage keeps all
-  of them.
+  of them. Context parallelism (cp): every activation is counted for the s/cp tokens a rank holds, plus ring
+  attention's K/V blocks in flight per layer (`ring_attention_layer_bytes`).
 Not counted: the runtime (CUDA context, NCCL), allocator fragmentation, temporary buffers of single ops:
 `suggest_layouts` keeps a reserve of device memory for them.
 """
@@ -34,7 +36,14 @@ from functools import cached_property
 from torch import nn
 
 from ..pipeline.split import stage_layers
-from .activations import LLAMA_STYLE, Dims, activation_bytes, llama_layer_bytes, paper_layer_bytes
+from .activations import (
+    LLAMA_STYLE,
+    Dims,
+    activation_bytes,
+    llama_layer_bytes,
+    paper_layer_bytes,
+    ring_attention_layer_bytes,
+)
 from .memory_text import format_estimate, format_suggestions, in_unit, pick_unit
 from .simulate import build_meta_model, load_config, resolve_for_tp
 from .tables import numel
@@ -194,8 +203,9 @@ class MemoryPlanner:
 
     # ---- estimates
 
-    def dims(self, workload: Workload) -> Dims:
-        return replace(self.dims_template, s=workload.seq_len, b=workload.micro_batch)
+    def dims(self, workload: Workload, cp: int = 1) -> Dims:
+        """The sizes of one micro-batch on one rank: s is the rank's share of the sequence under cp (rounded up)."""
+        return replace(self.dims_template, s=-(-workload.seq_len // cp), b=workload.micro_batch)
 
     def activation_method(self, workload: Workload) -> str:
         if workload.activations == "llama" and not self.llama_style:
@@ -208,11 +218,14 @@ class MemoryPlanner:
         return workload.activations
 
     def _activations(self, layout: Layout, workload: Workload, method: str) -> float:
-        """The stage with the most activation bytes (1F1B: stage s keeps min(pp - s, m) micro-batches; GPipe: m)."""
+        """The stage with the most activation bytes (1F1B: stage s keeps min(pp - s, m) micro-batches; GPipe: m);
+        under cp, those of the rank's s/cp tokens and ring attention's K/V blocks."""
         pp = layout.pp
+        local = self.dims(workload, layout.cp)
         layer, first, last = activation_bytes(
-            method, self.dims(workload), layout.tp, layout.sequence_parallel, workload.element, workload.attention
+            method, local, layout.tp, layout.sequence_parallel, workload.element, workload.attention
         )
+        layer += ring_attention_layer_bytes(self.dims(workload), layout.cp, layout.tp, workload.element)
         micro = workload.num_microbatches or pp
         stages = stage_layers(self.num_layers, pp, "layers", "layers")
         worst = 0.0
@@ -233,7 +246,7 @@ class MemoryPlanner:
         counts = self.counts(layout.tp, layout.pp)
         local = max(counts.per_stage)
         tensors = max(counts.param_tensors)
-        e, dp, level = workload.element, layout.dp, layout.sharding_level
+        e, dp, level = workload.element, layout.data_parallel, layout.sharding_level  # levels shard over dp x cp
         if dp == 1:
             level = 0
         params = local * e / (dp if level >= 3 else 1)
@@ -271,12 +284,19 @@ class MemoryPlanner:
                 notes.append("optimum-parallel does not run sequence parallelism together with pp > 1 yet")
         if level == 1:
             notes.append("ZeRO-1 splits the optimizer state by whole parameters: ranks are only about even")
+        if layout.cp > 1:
+            notes.append(
+                f"cp={layout.cp}: activations of seq/cp tokens per rank plus ring attention's 2 K/V blocks in flight "
+                "per layer; every cp rank holds the same parameters (sharding levels split them over dp x cp)"
+            )
         return MemoryEstimate(layout, workload, params, grads, state, buffers, activations, paper, llama, method, notes)
 
     # ---- suggestions
 
-    def candidate_layouts(self, devices: int) -> Iterator[Layout]:
-        """Every (dp, tp, pp, sharding level, SP) this engine can run on `devices` ranks for this model."""
+    def candidate_layouts(self, devices: int, workload: Workload | None = None) -> Iterator[Layout]:
+        """Every (dp, tp, pp, cp, sharding level, SP) this engine can run on `devices` ranks for this model; cp
+        (1, 2, 4, 8) only where `workload`'s sequence splits into 2 x cp chunks of at least cp tokens (none
+        without a workload)."""
         if isinstance(devices, bool) or not isinstance(devices, int) or devices < 1:
             raise ValueError(f"devices={devices!r} is not allowed; it must be a positive integer")
         for tp in _divisors(devices):
@@ -287,26 +307,31 @@ class MemoryPlanner:
             for pp in _divisors(devices // tp):
                 if pp > 1 and (not self.supports_pipeline or pp > self.num_layers):
                     continue
-                dp = devices // (tp * pp)
-                for level in (0, 1, 2, 3) if dp > 1 else (0,):
-                    sp_options = (False, True) if tp > 1 and pp == 1 and self.supports_sequence_parallel else (False,)
-                    for sp in sp_options:
-                        yield Layout(dp, tp, pp, level, sp)
+                for cp in _cp_sizes(devices // (tp * pp), workload):
+                    dp = devices // (tp * pp * cp)
+                    for level in (0, 1, 2, 3) if dp * cp > 1 else (0,):
+                        sp_options = (
+                            (False, True) if tp > 1 and pp == 1 and self.supports_sequence_parallel else (False,)
+                        )
+                        for sp in sp_options:
+                            yield Layout(dp, tp, pp, level, sp, cp)
 
     def suggest(
         self, devices: int, memory_bytes: float, workload: Workload, reserve: float = 0.1
     ) -> list[MemoryEstimate]:
         """The layouts whose estimate fits `memory_bytes` x (1 - reserve), best first: fewest tp ranks (tp
-        communication sits on every layer's critical path), then fewest pipeline stages (bubble), then the
-        lowest sharding level (level 3 re-gathers parameters every forward and backward), then most headroom."""
+        communication sits on every layer's critical path), then fewest pipeline stages (bubble), then fewest cp
+        ranks (ring attention hides its K/V passes behind attention, mostly), then the lowest sharding level (level
+        3 re-gathers parameters every forward and backward), then most headroom. So cp > 1 comes first exactly when
+        the sequence is long enough that activations only fit split, and before tp or pp would be needed."""
         if not 0 <= reserve < 1:
             raise ValueError(f"reserve={reserve!r} is not allowed; it is a fraction in [0, 1)")
         if memory_bytes <= 0:
             raise ValueError(f"memory={memory_bytes!r} bytes is not allowed; it must be positive")
         budget = memory_bytes * (1 - reserve)
-        estimates = (self.estimate(layout, workload) for layout in self.candidate_layouts(devices))
+        estimates = (self.estimate(layout, workload) for layout in self.candidate_layouts(devices, workload))
         fits = [est for est in estimates if est.total <= budget]
-        return sorted(fits, key=lambda est: (est.layout.tp, est.layout.pp, est.layout.sharding_level, est.total))
+        return sorted(fits, key=_preference)
 
 
 def estimate_memory(
@@ -316,11 +341,12 @@ def estimate_memory(
     dp: int = 1,
     sharding_level: int = 0,
     sequence_parallel: bool = False,
+    cp: int = 1,
     **workload,
 ) -> MemoryEstimate:
     """Per-rank memory of one layout (see `MemoryPlanner.estimate`); `workload`: `Workload`'s fields."""
     return MemoryPlanner(model_dir_or_config).estimate(
-        Layout(dp, tp, pp, sharding_level, sequence_parallel), Workload(**workload)
+        Layout(dp, tp, pp, sharding_level, sequence_parallel, cp), Workload(**workload)
     )
 
 
@@ -333,3 +359,20 @@ def suggest_layouts(
 
 def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
+
+
+CP_SIZES = (1, 2, 4, 8)
+
+
+def _cp_sizes(ranks: int, workload: Workload | None) -> list[int]:
+    """The cp sizes worth trying on `ranks` ranks: they divide it, and the sequence cuts into 2 x cp load-balanced
+    chunks of at least cp tokens each (cp <= seq / (2 cp)); only cp=1 without a workload."""
+    if workload is None:
+        return [1]
+    seq = workload.seq_len
+    return [1] + [cp for cp in CP_SIZES[1:] if ranks % cp == 0 and seq % (2 * cp) == 0 and cp <= seq // (2 * cp)]
+
+
+def _preference(estimate: MemoryEstimate) -> tuple:
+    layout = estimate.layout
+    return (layout.tp, layout.pp, layout.cp, layout.sharding_level, estimate.total)

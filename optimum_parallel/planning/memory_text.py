@@ -49,7 +49,7 @@ def format_estimate(planner: MemoryPlanner, off: MemoryEstimate, on: MemoryEstim
     unit, scale = pick_unit(max(e.total for e in columns))
     lines = [
         describe_model(planner, off.workload),
-        f"layout: dp={layout.dp} tp={layout.tp} pp={layout.pp}, sharding level {layout.sharding_level}; "
+        f"layout: dp={layout.dp} tp={layout.tp} pp={layout.pp} cp={layout.cp}, sharding level {layout.sharding_level}; "
         f"{unit} on the rank with the most",
         "",
     ]
@@ -83,7 +83,7 @@ def format_suggestions(
     lines.append(
         f"{len(estimates)} layouts fit {devices} devices of {memory_bytes / GIB:.1f} GiB "
         f"(budget {budget / GIB:.1f} GiB per device after a {reserve:.0%} reserve); best first: fewest tp, then "
-        "fewest pp, then lowest sharding level, then most headroom"
+        "fewest pp, then fewest cp, then lowest sharding level, then most headroom"
     )
     if not estimates:
         return "\n".join(lines) + "\n"
@@ -91,11 +91,11 @@ def format_suggestions(
     rows = []
     for rank, e in enumerate(estimates[:top], 1):
         sizes = (e.parameters, e.gradients, e.optimizer_state, e.buffers, e.activations, e.total)
-        layout = (e.layout.dp, e.layout.tp, e.layout.pp, e.layout.sharding_level)
+        layout = (e.layout.dp, e.layout.tp, e.layout.pp, e.layout.cp, e.layout.sharding_level)
         sp = "on" if e.layout.sequence_parallel else "off"
         free = f"{1 - e.total / memory_bytes:.0%}"
         rows.append([str(rank), *map(str, layout), sp, *(in_unit(n, scale) for n in sizes), free])
-    header = ["#", "dp", "tp", "pp", "level", "SP", "params", "grads", "optim", "buffers", "activ."]
+    header = ["#", "dp", "tp", "pp", "cp", "level", "SP", "params", "grads", "optim", "buffers", "activ."]
     header += [f"total {unit}", "free"]
     lines += ["", *table(header, rows, align_numbers=True)]
     if len(estimates) > top:

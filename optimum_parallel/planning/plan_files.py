@@ -7,7 +7,7 @@ names the first entry that does not (a missing module, a shape, the tp size, a l
 
 File layout (JSON, `"format": "optimum-parallel-plan"`, version 1)::
 
-    model_type, model_class, parallelizer, mesh {dp, pp, tp}, options {parallelize_embeddings, sequence_parallel}
+    model_type, model_class, parallelizer, mesh {dp, pp, cp, tp}, options {parallelize_embeddings, sequence_parallel}
     modules: {module name: [{"style": class name, "args": {...}}, ...]}       (in model order)
     params:  {parameter name: {"shape": global shape, "split": null | {"dim", "replicas", "ranges": per tp rank}}}
     tied:    {alias parameter name: the name it shares storage with}
@@ -76,7 +76,7 @@ def plan_document(
 ) -> dict:
     """The JSON document of a resolved plan (see the module docstring for its layout)."""
     model = resolved.model
-    sizes = {"dp": 1, "pp": 1, **(mesh_sizes or {}), "tp": resolved.tp}
+    sizes = {"dp": 1, "pp": 1, "cp": 1, **(mesh_sizes or {}), "tp": resolved.tp}
     modules = {name: [style_to_dict(s) for s in module_styles] for name, module_styles in resolved.targets.items()}
     params, tied, first_name = {}, {}, {}
     for name, param in model.named_parameters(remove_duplicate=False):
@@ -151,6 +151,7 @@ def save_plan(
     tp: int | None = None,
     dp: int = 1,
     pp: int = 1,
+    cp: int = 1,
     parallelize_embeddings: bool = True,
     sequence_parallel_enabled: bool = False,
 ) -> dict:
@@ -170,7 +171,7 @@ def save_plan(
         mesh = get_mesh()
         tp, sizes = mesh.tp_size, dict(mesh.sizes)
     else:
-        sizes = {"dp": dp, "pp": pp, "tp": tp}
+        sizes = {"dp": dp, "pp": pp, "cp": cp, "tp": tp}
     resolved = resolve_for_tp(_meta_twin(model_or_config), tp, plan, parallelize_embeddings, sequence_parallel_enabled)
     doc = plan_document(resolved, sizes, parallelize_embeddings, sequence_parallel_enabled)
     distributed = isinstance(model_or_config, nn.Module) and _is_parallelized(model_or_config)

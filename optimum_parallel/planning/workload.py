@@ -1,4 +1,4 @@
-"""What the memory planner is asked about: a layout of dp x tp x pp devices, the workload of one training step,
+"""What the memory planner is asked about: a layout of dp x tp x pp x cp devices, the workload of one training step,
 and the per-rank estimate it answers with."""
 
 from __future__ import annotations
@@ -29,27 +29,33 @@ def parse_dtype(dtype: str | torch.dtype) -> str:
 
 @dataclass(frozen=True)
 class Layout:
-    """One way to lay a model over dp x tp x pp devices."""
+    """One way to lay a model over dp x tp x pp x cp devices (cp: context parallelism, the sequence split)."""
 
     dp: int = 1
     tp: int = 1
     pp: int = 1
     sharding_level: int = 0
     sequence_parallel: bool = False
+    cp: int = 1
 
     def __post_init__(self) -> None:
-        for name in ("dp", "tp", "pp"):
+        for name in ("dp", "tp", "pp", "cp"):
             check_positive_int(name, getattr(self, name), "a size")
         if self.sharding_level not in (0, 1, 2, 3) or isinstance(self.sharding_level, bool):
             raise ValueError(f"sharding_level={self.sharding_level!r} is not allowed; allowed: 0, 1, 2, 3")
 
     @property
     def devices(self) -> int:
-        return self.dp * self.tp * self.pp
+        return self.dp * self.tp * self.pp * self.cp
+
+    @property
+    def data_parallel(self) -> int:
+        """Ranks holding the same parameters, over which sharding levels 1-3 split them: dp x cp."""
+        return self.dp * self.cp
 
     def __str__(self) -> str:
         sp = ", SP" if self.sequence_parallel else ""
-        return f"dp={self.dp} tp={self.tp} pp={self.pp} level {self.sharding_level}{sp}"
+        return f"dp={self.dp} tp={self.tp} pp={self.pp} cp={self.cp} level {self.sharding_level}{sp}"
 
 
 @dataclass(frozen=True)
