@@ -88,19 +88,31 @@ def _steps(model, args: argparse.Namespace, length: int) -> dict:
 def one_process(args: argparse.Namespace, threads: int) -> dict[int, dict]:
     torch.set_num_threads(threads)
     config = llama_config(args, max(args.lengths))
-    return {length: _steps(build_llama(args, "sdpa", config), args, length) for length in args.lengths}
+    return {
+        length: _progress(
+            f"one process, {threads} thread(s)", length, _steps(build_llama(args, "sdpa", config), args, length)
+        )
+        for length in args.lengths
+    }
+
+
+def _progress(what: str, length: int, result: dict) -> dict:
+    print(f"  {what}, {length} tokens: {result['ms']:.0f} ms, {result['saved'] / MIB:.1f} MiB saved", flush=True)
+    return result
 
 
 def cp_rank(rank: int, world: int, args: argparse.Namespace) -> dict[int, dict]:
     import optimum_parallel as op
 
     quiet_transformers()
-    op.init_mesh(cp=world, tp=1)
+    mesh = op.init_mesh(cp=world, tp=1)
     results = {}
     for length in args.lengths:
         model = build_llama(args, "sdpa", llama_config(args, max(args.lengths)))
         model = op.ParallelizersManager.parallelizer_for_model(model).parallelize(model)
-        results[length] = _steps(model, args, length)
+        model, _ = op.parallelize(model, None, mesh, {"dp_config": {"sharding_level": 0}})  # gradients over cp
+        result = _steps(model, args, length)
+        results[length] = _progress("cp=2", length, result) if rank == 0 else result
     return results
 
 
