@@ -1,9 +1,8 @@
-"""Data parallelism and checkpoints on meshes with a cp dim (gloo, 4 ranks), without ring attention.
+"""Data parallelism and checkpoints on meshes with a cp dim (gloo, 4 ranks): every dp replica its own rows.
 
-Context parallelism gives each cp rank a load-balanced share of the sequence and scales its loss by cp, so that
-averaging gradients over dp x cp gives the single-device gradient. Here each cp rank's loss is the one-device
-loss over its share of the label positions only (chunks r and 2cp-1-r of 2cp, every share the same size: its
-mean is cp x its sum over all the replica's tokens), which is that loss, with no attention numerics involved.
+Each cp rank computes the loss of its load-balanced share of the sequence (ring attention over all of it) and
+its backward is scaled by cp, so averaging gradients over dp x cp must give the single-device gradient of the
+global batch, at every sharding level, with and without pp; checkpoints must not depend on cp.
 """
 
 from __future__ import annotations
@@ -18,7 +17,7 @@ from _models import build_model, rel_err, tiny_config
 from torch.distributed.tensor import DTensor
 
 WORLD_SIZE = 4  # worker processes of this module's `pool` (conftest.py)
-SEQ = 17  # 16 label positions after the shift: 2 x cp chunks of equal size at cp = 2
+SEQ = 17  # not a multiple of 2 x cp: padded inside
 TOL = 1e-5
 
 
@@ -27,21 +26,10 @@ def global_batch(config, rows: int) -> dict[str, torch.Tensor]:
     return {"input_ids": input_ids, "labels": input_ids.clone()}
 
 
-def cp_share(labels: torch.Tensor, cp: int, cp_rank: int) -> torch.Tensor:
-    """`labels` with -100 outside this cp rank's load-balanced chunks of the shifted label positions 1..SEQ-1."""
-    chunks = torch.arange(1, labels.shape[1]).chunk(2 * cp)
-    mine = torch.cat([chunks[cp_rank], chunks[2 * cp - 1 - cp_rank]])
-    share = torch.full_like(labels, -100)
-    share[:, mine] = labels[:, mine]
-    return share
-
-
 def local_batch(batch: dict, mesh, rows_per_replica: int) -> dict[str, torch.Tensor]:
-    """This dp replica's rows; this cp rank's share of their labels."""
+    """This dp replica's rows (the cp ranks of a replica share them)."""
     start = rows_per_replica * mesh.rank("dp")
-    local = {k: v[start : start + rows_per_replica] for k, v in batch.items()}
-    local["labels"] = cp_share(local["labels"], mesh.size("cp"), mesh.rank("cp"))
-    return local
+    return {k: v[start : start + rows_per_replica] for k, v in batch.items()}
 
 
 def grad_errors(reference, model) -> dict[str, float]:
@@ -87,7 +75,7 @@ def check_gradients(dp: int, cp: int, tp: int, pp: int, level: int, steps: int =
         else:
             loss = model(**local).loss
             loss.backward()
-        mean = loss.detach().clone()  # the cp ranks' means of equal shares: their mean is the replica's loss
+        mean = loss.detach().clone()  # every cp rank reports its replica's loss
         dist.all_reduce(mean, group=mesh.data_parallel_group)
         loss_errors.append(rel_err(mean / mesh.data_parallel_size, ref_loss))
         for name, error in grad_errors(reference, model).items():

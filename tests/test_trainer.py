@@ -221,6 +221,7 @@ def test_variants_match_single_device(pool, hf_dir, reference, tmp_path, variant
         ({"pipeline_schedule": "2f2b"}, ["pipeline_schedule='2f2b'", "1f1b", "interleaved_1f1b", "zbv"]),
         ({"tensor_parallel_size": 0}, ["tensor_parallel_size=0", "positive integer"]),
         ({"context_parallel_size": 0}, ["context_parallel_size=0", "positive integer"]),
+        ({"context_parallel_strategy": "zigzag"}, ["context_parallel_strategy='zigzag'", "ring", "all_to_all"]),
         ({"pipeline_parallel_num_microbatches": 2}, ["pipeline_parallel_num_microbatches=2", "allowed", ": 1"]),
         ({"pipeline_parallel_size": 2, "pipeline_parallel_num_microbatches": 3}, ["per_device_train_batch_size=4"]),
         ({"pipeline_parallel_size": 2, "pipeline_parallel_num_microbatches": 2, "gradient_accumulation_steps": 2},

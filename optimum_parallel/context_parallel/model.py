@@ -80,6 +80,8 @@ def split_batch(settings: ContextParallelAttention, kwargs: dict) -> tuple[dict,
         tokens = kwargs.get("inputs_embeds")
     if tokens is None:
         raise ValueError("a context-parallel model needs input_ids or inputs_embeds")
+    if kwargs.get("output_attentions"):
+        raise NotImplementedError("output_attentions is not supported under context parallelism (no weights are kept)")
     batch, length = tokens.shape[:2]
     layout = ChunkLayout.for_sequence(length, settings.cp, settings.layout_rank)
     mask = kwargs.get("attention_mask")
@@ -90,6 +92,11 @@ def split_batch(settings: ContextParallelAttention, kwargs: dict) -> tuple[dict,
     positions = kwargs.get("position_ids")
     if positions is None:
         positions = torch.arange(length, device=tokens.device).expand(batch, length)
+    elif length > 1 and not bool((positions.diff(dim=-1) == 1).all()):
+        raise NotImplementedError(
+            "position_ids that do not count up by one (packed sequences) are not supported under context "
+            "parallelism: the attention mask is causal over the whole row; pass one sequence per row with padding"
+        )
     padded = layout.length
     extra_positions = positions[:, -1:] + torch.arange(1, padded - length + 1, device=tokens.device)
     out = dict(kwargs)

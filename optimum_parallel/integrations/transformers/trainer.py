@@ -130,6 +130,7 @@ class ParallelTrainer(Trainer):
             sequence_parallel_enabled=args.sequence_parallel,
             pipeline_parallel_num_microbatches=args.pipeline_parallel_num_microbatches,
             pipeline_parallel_schedule=args.pipeline_schedule,
+            context_parallel_strategy=args.context_parallel_strategy,
         )
         if peft_config is not None:  # adapters on the parallel model (its frozen base may have been loaded lazily)
             from peft import get_peft_model

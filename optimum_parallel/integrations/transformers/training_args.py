@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 
 from transformers import TrainingArguments
 
+from ...context_parallel import STRATEGIES as CP_STRATEGIES
 from ...engine.data_parallel import SHARDING_LEVELS
 from ...mesh import check_positive_int
 from ...pipeline import SCHEDULES
@@ -23,6 +24,10 @@ class ParallelTrainingArguments(TrainingArguments):
             "help": "Ranks each sequence is split over (cp, ring attention); they hold the same weights and get the "
             "same batches, so per_device_*_batch_size is per dp replica as without cp."
         },
+    )
+    context_parallel_strategy: str = field(
+        default="ring",
+        metadata={"help": f"Attention over the cp ranks: {', '.join(CP_STRATEGIES)} (all_to_all: heads divide by cp)."},
     )
     sequence_parallel: bool = field(default=False, metadata={"help": "Split activations along the sequence in tp."})
     sharding_level: int = field(
@@ -45,6 +50,11 @@ class ParallelTrainingArguments(TrainingArguments):
         check_positive_int("pipeline_parallel_num_microbatches", self.pipeline_parallel_num_microbatches)
         if isinstance(self.sharding_level, bool) or self.sharding_level not in SHARDING_LEVELS:
             raise ValueError(f"sharding_level={self.sharding_level!r} is not allowed; allowed: 0, 1, 2, 3")
+        if self.context_parallel_strategy not in CP_STRATEGIES:
+            raise ValueError(
+                f"context_parallel_strategy={self.context_parallel_strategy!r} is not allowed; allowed: "
+                f"{', '.join(CP_STRATEGIES)}"
+            )
         if self.pipeline_schedule not in SCHEDULES:
             raise ValueError(
                 f"pipeline_schedule={self.pipeline_schedule!r} is not allowed; allowed: {', '.join(SCHEDULES)}"
