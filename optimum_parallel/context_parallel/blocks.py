@@ -187,48 +187,42 @@ def chunk_of(x: torch.Tensor, index: int, chunk: int) -> torch.Tensor:
     return x.narrow(2, index * chunk, chunk)
 
 
-def attend_chunks(q, k, v, q_chunks, k_chunks, attend: Attend, groups: int):
-    """Partial attention of the query chunks (ids `q_chunks`, laid side by side in q) over the key chunks (ids
-    `k_chunks` in k, v): per query chunk its (out, lse) or (None, None) when no pair is visible."""
-    use_fused = _fused(attend)
-    c = attend.chunk
-    results = []
+def visible_pairs(q_chunks, k_chunks, attend: Attend, device):
+    """(i, j, kind, mask) for every pair of query chunk i and key chunk j that some query sees (mask only for
+    the 'masked' kind); indices are positions in `q_chunks` / `k_chunks`."""
     for i, qc in enumerate(q_chunks):
-        out = lse = None
         for j, kc in enumerate(k_chunks):
             kind = attend.visibility(qc, kc)
-            if kind == "none":
-                continue
-            visible = attend.mask(qc, kc, q.device) if kind == "masked" else None
-            block = pair_forward(
-                chunk_of(q, i, c), _repeat_kv(chunk_of(k, j, c), groups), _repeat_kv(chunk_of(v, j, c), groups),
-                kind, visible, attend, use_fused,
-            )  # fmt: skip
-            out, lse = merge(out, lse, *block)
-        results.append((out, lse))
+            if kind != "none":
+                yield i, j, kind, attend.mask(qc, kc, device) if kind == "masked" else None
+
+
+def attend_chunks(q, k, v, q_chunks, k_chunks, attend: Attend, groups: int):
+    """Partial attention of the query chunks (ids `q_chunks`, laid side by side in q) over the key chunks (ids
+    `k_chunks` in k, v): per query chunk its (out, lse), or (None, None) when it sees none of them."""
+    use_fused, c = _fused(attend), attend.chunk
+    results: list = [(None, None)] * len(q_chunks)
+    for i, j, kind, visible in visible_pairs(q_chunks, k_chunks, attend, q.device):
+        keys, values = (_repeat_kv(chunk_of(t, j, c), groups) for t in (k, v))
+        block = pair_forward(chunk_of(q, i, c), keys, values, kind, visible, attend, use_fused)
+        results[i] = merge(*results[i], *block)
     return results
 
 
 def attend_chunks_backward(dout, q, k, v, out, lse, q_chunks, k_chunks, attend: Attend, groups: int):
-    """Gradients of the pairs (q_chunks x k_chunks): dq for q's rows (added into a float buffer by the caller),
-    dk and dv for k's rows (heads folded back to k's)."""
-    use_fused = _fused(attend)
-    c = attend.chunk
+    """Gradients of the pairs (q_chunks x k_chunks): dq for q's rows, dk and dv for k's rows (heads folded back
+    to k's), given the merged output and log-sum-exp of q's rows."""
+    use_fused, c = _fused(attend), attend.chunk
     dq, dk, dv = (torch.zeros_like(t, dtype=accumulation_dtype(q.dtype)) for t in (q, k, v))
-    for i, qc in enumerate(q_chunks):
-        for j, kc in enumerate(k_chunks):
-            kind = attend.visibility(qc, kc)
-            if kind == "none":
-                continue
-            visible = attend.mask(qc, kc, q.device) if kind == "masked" else None
-            grads = pair_backward(
-                chunk_of(dout, i, c), chunk_of(q, i, c),
-                _repeat_kv(chunk_of(k, j, c), groups), _repeat_kv(chunk_of(v, j, c), groups),
-                chunk_of(out, i, c), lse.narrow(2, i * c, c), kind, visible, attend, use_fused,
-            )  # fmt: skip
-            chunk_of(dq, i, c).add_(grads[0])
-            chunk_of(dk, j, c).add_(_fold_kv_grad(grads[1], groups))
-            chunk_of(dv, j, c).add_(_fold_kv_grad(grads[2], groups))
+    for i, j, kind, visible in visible_pairs(q_chunks, k_chunks, attend, q.device):
+        keys, values = (_repeat_kv(chunk_of(t, j, c), groups) for t in (k, v))
+        rows = (chunk_of(dout, i, c), chunk_of(q, i, c))
+        grads = pair_backward(
+            *rows, keys, values, chunk_of(out, i, c), lse.narrow(2, i * c, c), kind, visible, attend, use_fused
+        )
+        chunk_of(dq, i, c).add_(grads[0])
+        chunk_of(dk, j, c).add_(_fold_kv_grad(grads[1], groups))
+        chunk_of(dv, j, c).add_(_fold_kv_grad(grads[2], groups))
     return dq, dk, dv
 
 
