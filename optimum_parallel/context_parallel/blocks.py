@@ -173,9 +173,11 @@ def _plain_backward(dout, q, k, v, out, lse, kind, visible, attend: Attend):
 
 
 def merge(out, lse, block_out, block_lse):
-    """Merge two partial attentions of the same query rows by their log-sum-exps (either may be empty)."""
+    """Merge two partial attentions of the same query rows by their log-sum-exps (either may be None)."""
     if out is None:
         return block_out, block_lse
+    if block_out is None:
+        return out, lse
     new_lse = torch.logaddexp(lse, block_lse)
     safe = new_lse.masked_fill(new_lse == NEG_INF, 0.0)
     old_weight = torch.exp(lse - safe)[..., None].to(out.dtype)

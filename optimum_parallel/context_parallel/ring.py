@@ -57,7 +57,7 @@ class RingAttention(torch.autograd.Function):
             exchange = _RingExchange(keys, group, _KEYS_TAG) if step + 1 < size else None
             src = (rank - step) % size
             parts = attend_chunks(q, keys[0], keys[1], mine, chunks(src), attend, groups)
-            outs = [_merge(o, p) for o, p in zip(outs, parts, strict=True)]
+            outs = [merge(*o, *p) for o, p in zip(outs, parts, strict=True)]
             if exchange is not None:
                 keys = exchange.wait()
         b, h, _, d = q.shape
@@ -102,12 +102,6 @@ class RingAttention(torch.autograd.Function):
                 keys = exchange.wait()
         grads = travelling if size == 1 else travelling.wait()
         return dq.to(q.dtype), grads[0].to(k.dtype), grads[1].to(v.dtype), None, None, None
-
-
-def _merge(acc, part):
-    if part[0] is None:
-        return acc
-    return merge(acc[0], acc[1], part[0], part[1])
 
 
 def ring_attention(q, k, v, attend: Attend, chunks, group: ProcessGroup | None) -> torch.Tensor:
