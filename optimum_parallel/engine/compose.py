@@ -56,7 +56,7 @@ def compose_model(
         after_plan(model, mesh)
     # 2. Context parallelism: attention over the cp ring, each rank's forward cut to its chunks of the sequence
     #    (after the plan, so the loss it wraps is the vocab-parallel one; weights are not touched).
-    if mesh.sizes.get("cp", 1) > 1:
+    if mesh.size("cp") > 1:
         apply_context_parallel(model, mesh.group("cp"), context_parallel)
     # 3. Pipeline split: the rank keeps its stages; the parameters of other stages map to None.
     if pipeline is not None:
