@@ -14,6 +14,15 @@ TOL = 1e-5
 STEPS = 3
 
 
+def train_step(model, optimizer, batch) -> float:
+    """Forward, backward and one optimizer step on `batch`; the loss."""
+    loss = model(**batch).loss
+    loss.backward()
+    optimizer.step()
+    optimizer.zero_grad()
+    return loss.item()
+
+
 def _reference_and_parallel(model_type: str, tp: int, overrides: dict, sequence_parallel: bool):
     import optimum_parallel as op
 

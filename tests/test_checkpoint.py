@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
+from _checks import train_step
 from _killed_run import mark_reached, run_until_reached_then_kill
 from _models import build_model, make_batch, rel_err, tiny_config, whole_logits
 from safetensors.torch import load_file
@@ -59,14 +60,6 @@ def _setup(hf_dir: str, tp: int, seed: int | None = None, new_mesh: bool = True)
     return parallelizer, model, parallelizer.optimizer_for_mp(optimizer, model.orig_param_to_parallel_param)
 
 
-def _step(model, optimizer, batch) -> float:
-    loss = model(**batch).loss
-    loss.backward()
-    optimizer.step()
-    optimizer.zero_grad()
-    return loss.item()
-
-
 def _full_state(model) -> dict[str, torch.Tensor]:
     """Every parameter in full, gathered from the tp ranks by their layouts (independently of the checkpoint code)."""
     import optimum_parallel as op
@@ -107,7 +100,7 @@ def _probe(model, optimizer, batch) -> dict:
 def train_and_save(hf_dir: str, ckpt: str, tp: int, steps: int) -> dict:
     parallelizer, model, optimizer = _setup(hf_dir, tp)
     batch = make_batch(model.config)
-    losses = [_step(model, optimizer, batch) for _ in range(steps)]
+    losses = [train_step(model, optimizer, batch) for _ in range(steps)]
     parallelizer.save_model_checkpoint(model, ckpt, optimizer=optimizer, as_regular=True)
     state = _full_state(model)
     return {"losses": losses, "state": state, **_probe(model, optimizer, batch)}
@@ -172,9 +165,9 @@ def resume_curve(hf_dir: str, ckpt: str, steps: int, stop: int) -> dict:
     """Losses of `steps` uninterrupted steps, and of `stop` steps + save + a fresh lazy model resumed from it."""
     parallelizer, model, optimizer = _setup(hf_dir, 2)
     batch = make_batch(model.config)
-    straight = [_step(model, optimizer, batch) for _ in range(steps)]
+    straight = [train_step(model, optimizer, batch) for _ in range(steps)]
     parallelizer, model, optimizer = _setup(hf_dir, 2, new_mesh=False)
-    resumed = [_step(model, optimizer, batch) for _ in range(stop)]
+    resumed = [train_step(model, optimizer, batch) for _ in range(stop)]
     parallelizer.save_model_checkpoint(model, ckpt, optimizer=optimizer)
     del model, optimizer
     import optimum_parallel as op
@@ -196,7 +189,7 @@ def resume_curve(hf_dir: str, ckpt: str, steps: int, stop: int) -> dict:
         lazy.read_slice = original
     optimizer = parallelizer.optimizer_for_mp(optimizer, model.orig_param_to_parallel_param)
     parallelizer.load_model_checkpoint(model, ckpt, optimizer=optimizer)
-    resumed += [_step(model, optimizer, batch) for _ in range(steps - stop)]
+    resumed += [train_step(model, optimizer, batch) for _ in range(steps - stop)]
     return {"straight": straight, "resumed": resumed, "hf_reads": reads}
 
 
@@ -220,15 +213,15 @@ def data_parallel_round_trip(hf_dir: str, ckpt: str, consolidated: str, level: i
     def resume(at: int) -> tuple[dict, float]:
         parallelizer, model, optimizer = build(new_mesh=False, at=at)
         parallelizer.load_model_checkpoint(model, ckpt, optimizer=optimizer)
-        return _full_state(model), _step(model, optimizer, batch)
+        return _full_state(model), train_step(model, optimizer, batch)
 
     parallelizer, model, optimizer = build(new_mesh=True)
     batch = make_batch(model.config)
     for _ in range(2):
-        _step(model, optimizer, batch)
+        train_step(model, optimizer, batch)
     parallelizer.save_model_checkpoint(model, ckpt, optimizer=optimizer)
     trained = _full_state(model)
-    continued = _step(model, optimizer, batch)
+    continued = train_step(model, optimizer, batch)
     if dist.get_rank() == 0:
         op.consolidate_checkpoint(ckpt, consolidated, progress=False)
     dist.barrier()
@@ -295,7 +288,7 @@ def pipeline_resume(hf_dir: str, ckpt: str) -> dict:
     optimizer = torch.optim.AdamW(model.parameters(), lr=LR)
     parallelizer.load_model_checkpoint(model, ckpt, optimizer=optimizer)
     batch = _equal_token_batch(model.config)
-    return {"loss": _step(model, optimizer, batch), "next_loss": model(**batch).loss.item()}
+    return {"loss": train_step(model, optimizer, batch), "next_loss": model(**batch).loss.item()}
 
 
 def test_pipeline_checkpoint_reshards_to_one_stage(pool, hf_dir, tmp_path):
@@ -392,12 +385,12 @@ def _kill_target(hf_dir: str, ckpt: str, reference: str, marker: str) -> None:
     op.init_mesh(tp=2)
     parallelizer, model, optimizer = _setup(hf_dir, 2, new_mesh=False)
     batch = make_batch(model.config)
-    _step(model, optimizer, batch)
+    train_step(model, optimizer, batch)
     parallelizer.save_model_checkpoint(model, ckpt, optimizer=optimizer)
     if dist.get_rank() == 0:
         op.consolidate_checkpoint(ckpt, reference, progress=False)
     dist.barrier()
-    _step(model, optimizer, batch)
+    train_step(model, optimizer, batch)
     write = safetensors_io.SafetensorsWriter.write
 
     def write_then_hang(self, name, tensor):

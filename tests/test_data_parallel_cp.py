@@ -13,6 +13,7 @@ import json
 import pytest
 import torch
 import torch.distributed as dist
+from _checks import train_step
 from _models import build_model, rel_err, tiny_config
 from torch.distributed.tensor import DTensor
 
@@ -150,15 +151,6 @@ def _model_and_optimizer(layout: dict, level: int):
     return parallelizer, model, optimizer
 
 
-def _step(model, optimizer, batch) -> float:
-    """One AdamW step on the whole batch on every rank (all replicas alike: any layout takes the same step)."""
-    loss = model(**batch).loss
-    loss.backward()
-    optimizer.step()
-    optimizer.zero_grad()
-    return loss.item()
-
-
 def save_untrained(layout: dict, level: int, directory: str) -> None:
     parallelizer, model, _ = _model_and_optimizer(layout, level)
     parallelizer.save_model_checkpoint(model, directory)
@@ -168,15 +160,15 @@ def save_trained(layout: dict, level: int, directory: str) -> dict:
     """A step, save with the optimizer state, another step: the loss of that step."""
     parallelizer, model, optimizer = _model_and_optimizer(layout, level)
     batch = global_batch(model.config, rows=2)
-    _step(model, optimizer, batch)
+    train_step(model, optimizer, batch)
     parallelizer.save_model_checkpoint(model, directory, optimizer=optimizer)
-    return {"next": _step(model, optimizer, batch)}
+    return {"next": train_step(model, optimizer, batch)}
 
 
 def load_trained(layout: dict, level: int, directory: str) -> dict:
     parallelizer, model, optimizer = _model_and_optimizer(layout, level)
     parallelizer.load_model_checkpoint(model, directory, optimizer=optimizer)
-    return {"next": _step(model, optimizer, global_batch(model.config, rows=2))}
+    return {"next": train_step(model, optimizer, global_batch(model.config, rows=2))}
 
 
 CP = {"dp": 1, "cp": 2, "tp": 2}

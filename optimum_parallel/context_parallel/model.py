@@ -10,6 +10,7 @@ taken (evaluation, metrics); a training forward keeps this rank's chunks (the lo
 
 from __future__ import annotations
 
+import functools
 import inspect
 
 import torch
@@ -113,10 +114,15 @@ def split_batch(settings: ContextParallelAttention, kwargs: dict) -> tuple[dict,
     return out, length
 
 
+@functools.cache
+def _forward_signature(model_class: type) -> inspect.Signature:
+    return inspect.signature(model_class.forward)
+
+
 def _split_inputs(model: nn.Module, args: tuple, kwargs: dict):
     if kwargs.get("past_key_values") is not None:
         raise NotImplementedError("key/value caches are not supported under context parallelism")
-    bound = inspect.signature(type(model).forward).bind_partial(model, *args, **kwargs).arguments
+    bound = _forward_signature(type(model)).bind_partial(model, *args, **kwargs).arguments
     bound.pop("self", None)
     extra = bound.pop("kwargs", {})
     check_gradients_reduced(model)
