@@ -14,13 +14,16 @@ from torch.distributed.tensor import DTensor
 
 
 def pipeline_batch(config, rows: int = 4) -> dict[str, torch.Tensor]:
-    """Padding and -100 labels, the same number of labelled tokens in every micro-batch row."""
+    """Left padding of 1-7 tokens and -100 labels at different places in every row: micro-batches (and dp replicas)
+    hold different numbers of labelled tokens, so only the token mean over the whole batch matches one device."""
     batch = make_batch(config, batch=rows)
     batch["attention_mask"][:] = 1
-    batch["attention_mask"][:, :2] = 0
     batch["labels"] = batch["input_ids"].clone()
-    batch["labels"][:, :2] = -100
-    batch["labels"][:, 8] = -100
+    for row in range(rows):
+        pad = (3 * row) % 7 + 1
+        batch["attention_mask"][row, :pad] = 0
+        batch["labels"][row, : pad + 1] = -100  # padding, and the first token (its query row sees only padding)
+        batch["labels"][row, 10 + row % 3 :] = -100 if row % 2 else batch["labels"][row, 10 + row % 3 :]
     return batch
 
 

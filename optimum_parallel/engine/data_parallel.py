@@ -66,6 +66,8 @@ def apply_data_parallel(
     # Under pp the schedule calls the stage modules, not the model: the stages are the wrapped roots.
     pipeline = getattr(model, "pipeline", None)
     roots = list(pipeline.stages) if pipeline is not None else [model]
+    if pipeline is not None and mesh.size("dp") > 1:  # its loss divides by the token count of every replica's rows
+        pipeline.replicas_group = mesh.group("dp")
     if config.sharding_level <= 1:
         if pipeline is not None:  # one all-reduce of all gradients after the last micro-batch (DDP's reducer
             pipeline.dp_group = mesh.data_parallel_group  # cannot follow a schedule's interleaved micro-batches)

@@ -34,6 +34,8 @@ SCHEDULES = {
     "zbv": (ScheduleZBVZeroBubble, 2, "v"),
 }
 
+IGNORE_INDEX = -100
+
 # schedules that run the input and the weight gradients as separate passes (zero bubble)
 SPLIT_BACKWARD = {"interleaved_zb", "zbv"}
 
@@ -84,13 +86,21 @@ class Pipeline:
             PipelineStage(stage, stage.stage_index, num_stages, self.device, group=self.pp_group) for stage in stages
         ]
         single = per_rank == 1
+        # each micro-batch's loss is its token-loss sum over the whole batch's token count (`_loss`): the schedule
+        # must add the micro-batch gradients, not average them (its default averages, which weights micro-batches
+        # equally whatever their number of labelled tokens)
         self.schedule = schedule_cls(
-            self.pipeline_stages[0] if single else self.pipeline_stages, num_microbatches, loss_fn=self._loss
+            self.pipeline_stages[0] if single else self.pipeline_stages,
+            num_microbatches,
+            loss_fn=self._loss,
+            scale_grads=False,
         )
         self.holds_first = any(s.is_first for s in stages)
         self.holds_last = any(s.is_last for s in stages)
         self.tied = tied
         self.dp_group: dist.ProcessGroup | None = None  # dp x cp, set by data parallelism at sharding levels 0-1
+        self.replicas_group: dist.ProcessGroup | None = None  # dp (batch replicas), set by data parallelism, any level
+        self._num_items: torch.Tensor | None = None  # the divisor of the step running now (see `_loss`)
         first, last = self.owner(0), self.owner(num_stages - 1)
         self.last_rank = mesh.ranks("pp")[last]
         # tied embedding / LM head on two ranks: their gradients are summed (one rank holding both needs nothing)
@@ -100,7 +110,27 @@ class Pipeline:
         return _stage_owner(index, self.mesh.size("pp"), self.placement)
 
     def _loss(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        return self.model.loss_function(logits=logits, labels=labels, vocab_size=self.model.config.vocab_size)
+        """One micro-batch's share of the batch loss: its token losses summed, over the batch's token count (the
+        schedule calls this with (output, target) only, so the count of the running step is read from `self`)."""
+        return self.model.loss_function(
+            logits=logits, labels=labels, vocab_size=self.model.config.vocab_size, num_items_in_batch=self._num_items
+        )
+
+    @property
+    def data_parallel_size(self) -> int:
+        """The batch replicas whose gradients data parallelism averages (1 without data parallelism)."""
+        return 1 if self.replicas_group is None else dist.get_world_size(self.replicas_group)
+
+    def _divisor(self, labels: torch.Tensor, num_items_in_batch: int | torch.Tensor | None, replicas: int) -> torch.Tensor:
+        """What each token-loss sum is divided by: the labelled (shifted) tokens of the global batch, over the
+        `replicas` whose gradients are averaged, so that the average is the gradient of the global token mean."""
+        if num_items_in_batch is None:
+            count = (labels[..., 1:] != IGNORE_INDEX).sum().to(self.device)
+            if replicas > 1:
+                dist.all_reduce(count, group=self.replicas_group)
+        else:
+            count = torch.as_tensor(num_items_in_batch, device=self.device)
+        return count if replicas == 1 else count.float() / replicas  # no host read: the step stays asynchronous
 
     def _inputs(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None):
         if input_ids.shape[0] % self.num_microbatches:
@@ -124,27 +154,47 @@ class Pipeline:
         )
         return split["input_ids"], split.get("labels"), split["attention_mask"][:, 0, 0, :].long(), length
 
-    def _share_loss(self, losses: list[torch.Tensor]) -> torch.Tensor:
-        """The mean micro-batch loss, computed on the last stage, on every rank of the pipeline."""
+    def _batch_loss(self, losses: list[torch.Tensor], replicas: int) -> torch.Tensor:
+        """The global batch loss on every rank: the micro-batch shares added on the last stage, sent to the other
+        stages, and added over the `replicas` (each share was divided by count / replicas)."""
         if self.holds_last:
-            loss = torch.stack([x.detach().float() for x in losses]).mean()
+            loss = torch.stack([x.detach().double() for x in losses]).sum() / replicas
         else:
-            loss = torch.zeros((), device=self.device)
+            loss = torch.zeros((), dtype=torch.double, device=self.device)
         dist.broadcast(loss, src=self.last_rank, group=self.pp_group)
-        return loss
+        if replicas > 1:
+            dist.all_reduce(loss, group=self.replicas_group)
+        return loss.float()
 
     def run_train(
-        self, input_ids: torch.Tensor, labels: torch.Tensor, attention_mask: torch.Tensor | None = None, **unused
+        self,
+        input_ids: torch.Tensor,
+        labels: torch.Tensor,
+        attention_mask: torch.Tensor | None = None,
+        num_items_in_batch: int | torch.Tensor | None = None,
+        **unused,
     ) -> torch.Tensor:
-        """Forward and backward over all micro-batches (gradients accumulated); returns the mean loss."""
+        """Forward and backward over all micro-batches (gradients accumulated); returns the loss of the global batch.
+
+        The loss is the mean over every labelled token of the global batch (every micro-batch, every data-parallel
+        replica's rows), on every rank; the gradients, once data parallelism has averaged them, are its gradients:
+        the single-device step on the whole batch. `num_items_in_batch` is that token count (the Trainer's); without
+        it the labelled tokens are counted here (after the causal shift, summed over the replicas)."""
         _reject(unused)
+        replicas = self.data_parallel_size
+        self._num_items = self._divisor(labels, num_items_in_batch, replicas)
         input_ids, labels, attention_mask, _ = self._split_context(input_ids, labels, attention_mask)
         losses: list[torch.Tensor] = []
         target = labels if self.holds_last else None
-        self.schedule.step(*self._inputs(input_ids, attention_mask), target=target, losses=losses, return_outputs=False)
+        try:
+            self.schedule.step(
+                *self._inputs(input_ids, attention_mask), target=target, losses=losses, return_outputs=False
+            )
+        finally:
+            self._num_items = None
         self._sync_tied_gradients()
         self._average_gradients_over_dp()
-        return self._share_loss(losses)
+        return self._batch_loss(losses, replicas)
 
     @torch.no_grad()
     def run_eval(
@@ -155,8 +205,11 @@ class Pipeline:
         **unused,
     ) -> PipelineOutput:
         """Forward only, micro-batch by micro-batch through the stages in order (any placement, any schedule);
-        the loss (if labels are given) on every rank, the logits on the last stage."""
+        the loss (if labels are given: the mean over this batch's labelled tokens) on every rank, the logits on the
+        last stage."""
         _reject(unused)
+        if labels is not None:
+            self._num_items = self._divisor(labels, None, 1)
         input_ids, labels, attention_mask, length = self._split_context(input_ids, labels, attention_mask)
         self._inputs(input_ids, attention_mask)
         mask = torch.ones_like(input_ids) if attention_mask is None else attention_mask
@@ -168,7 +221,8 @@ class Pipeline:
                 logits.append(out)
                 if labels is not None:
                     losses.append(self._loss(out, labels.chunk(self.num_microbatches)[index]))
-        loss = self._share_loss(losses) if labels is not None else None
+        self._num_items = None
+        loss = self._batch_loss(losses, 1) if labels is not None else None
         logits = torch.cat(logits) if logits else None
         if logits is not None and length is not None:  # the whole sequence from the cp ranks' chunks
             settings = self.model.__dict__["_context_parallel"]
