@@ -121,7 +121,9 @@ class Pipeline:
         """The batch replicas whose gradients data parallelism averages (1 without data parallelism)."""
         return 1 if self.replicas_group is None else dist.get_world_size(self.replicas_group)
 
-    def _divisor(self, labels: torch.Tensor, num_items_in_batch: int | torch.Tensor | None, replicas: int) -> torch.Tensor:
+    def _divisor(
+        self, labels: torch.Tensor, num_items_in_batch: int | torch.Tensor | None, replicas: int
+    ) -> torch.Tensor:
         """What each token-loss sum is divided by: the labelled (shifted) tokens of the global batch, over the
         `replicas` whose gradients are averaged, so that the average is the gradient of the global token mean."""
         if num_items_in_batch is None:
