@@ -12,6 +12,7 @@ from .integrations.transformers.lazy_loading import lazy_load_for_parallelism
 from .mesh import ParallelMesh, get_mesh, init_mesh, set_mesh
 from .pipeline import SplitPoint
 from .plan import apply_plan, check_plan, logits_mode, parallel_layouts
+from .state import ParallelState, parallel_state
 from .styles import (
     ColWiseParallel,
     ParallelStyle,
@@ -52,6 +53,8 @@ def __getattr__(name: str):
 
 
 __all__ = [
+    "ParallelState",
+    "parallel_state",
     "ColWiseParallel",
     "ParallelMesh",
     "MemoryPlanner",

@@ -223,7 +223,7 @@ def run_case(args: argparse.Namespace, case: Case, p2p_ms: float) -> CaseResult 
         model = parallelizer.parallelize(
             model, pipeline_parallel_num_microbatches=case.m, pipeline_parallel_schedule=case.schedule
         )
-    pipeline = model.pipeline
+    pipeline = op.parallel_state(model).pipeline
     timer = BusyTimer.attach(pipeline)
     input_ids = make_input_ids(args, case.m)
     samples: list[tuple[float, float, float]] = []  # (step, busy wall, busy cpu) seconds

@@ -10,6 +10,7 @@ PACKAGE = Path(__file__).resolve().parent.parent / "optimum_parallel"
 # lower imports nothing higher; rooms on one level may import each other
 LEVELS = {
     "mesh": 0,
+    "state": 0,
     "comm": 1,
     "tensor_parallel": 2,
     "io": 3,
@@ -36,7 +37,16 @@ def _imports(path: Path) -> list[tuple[int, str]]:
     """(line, absolute module) of every optimum_parallel import in `path` (relative ones resolved)."""
     package = ".".join(path.relative_to(PACKAGE.parent).with_suffix("").parts[:-1])
     found = []
-    for node in ast.walk(ast.parse(path.read_text())):
+    tree = ast.parse(path.read_text())
+    type_only = {  # imports under `if TYPE_CHECKING:` name types in annotations; nothing runs them
+        id(child)
+        for node in ast.walk(tree)
+        if isinstance(node, ast.If) and isinstance(node.test, ast.Name) and node.test.id == "TYPE_CHECKING"
+        for child in ast.walk(node)
+    }
+    for node in ast.walk(tree):
+        if id(node) in type_only:
+            continue
         if isinstance(node, ast.ImportFrom):
             if node.level:
                 base = package.split(".")[: len(package.split(".")) - node.level + 1]

@@ -106,7 +106,7 @@ def stage_params(pp: int, tp: int) -> int:
     model = AutoModelForCausalLM.from_config(llama_config(num_hidden_layers=3))
     parallelizer = op.ParallelizersManager.parallelizer_for_model(model)
     model = parallelizer.parallelize(model, pipeline_parallel_num_microbatches=pp)
-    return sum(p.numel() for stage in model.pipeline.stages for p in stage.parameters())
+    return sum(p.numel() for stage in op.parallel_state(model).pipeline.stages for p in stage.parameters())
 
 
 @pytest.fixture(scope="module")

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import torch
 from torch.distributed import ProcessGroup
 
+from ..state import find_state
 from .blocks import Attend, default_scale
 from .layout import ChunkLayout
 from .ring import ring_attention
@@ -64,7 +65,8 @@ def context_parallel_attention(
     softcap: float | None = None,
     **kwargs,
 ):
-    settings: ContextParallelAttention | None = module.__dict__.get("_context_parallel")
+    state = find_state(module)
+    settings = state.context_parallel if state is not None else None
     if settings is None:
         raise RuntimeError(f"{type(module).__name__} was not set up for context parallelism")
     if dropout and module.training:

@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from ..state import find_state, parallel_state, refuse
 from .attention import ATTENTION_KEY, STRATEGIES, ContextParallelAttention, register_attention, sequence_mask
 from .layout import ChunkLayout, pad_sequence
 from .loss import ContextParallelLoss
@@ -30,7 +31,7 @@ IGNORE_INDEX = -100
 def apply_context_parallel(model: nn.Module, group, strategy: str = "ring") -> None:
     """Route `model`'s attention through ring (or all-to-all) attention over `group` and split its inputs (once:
     a model parallelized by the Parallelizer, then given data parallelism by `parallelize`, comes here twice)."""
-    if "_context_parallel" in model.__dict__:
+    if parallel_state(model).context_parallel is not None:
         return
     if strategy not in STRATEGIES:
         raise ValueError(f"context_parallel_strategy={strategy!r} is not allowed; allowed: {', '.join(STRATEGIES)}")
@@ -46,26 +47,27 @@ def apply_context_parallel(model: nn.Module, group, strategy: str = "ring") -> N
     if not attention:
         raise NotImplementedError(f"no attention module found in {type(model).__name__} for context parallelism")
     for module in attention:
-        module.__dict__["_context_parallel"] = settings
+        parallel_state(module).context_parallel = settings
     register_attention()
     config._attn_implementation = ATTENTION_KEY
     model.loss_function = ContextParallelLoss(model.loss_function, group)
-    model.__dict__["_context_parallel"] = settings
+    parallel_state(model).context_parallel = settings
     model.register_forward_pre_hook(_split_inputs, with_kwargs=True)
     model.register_forward_hook(_gather_logits)
-    model.generate = _blocked_generate
+    refuse(model, "generate", NotImplementedError, NO_GENERATE)
 
 
 def mark_gradients_reduced(model: nn.Module) -> None:
     """Data parallelism over dp x cp now sums the cp ranks' partial gradients (called by the engine)."""
     for module in model.modules():
-        if "_context_parallel" in module.__dict__:
-            module.__dict__["_context_parallel_reduced"] = True
+        state = find_state(module)
+        if state is not None and state.context_parallel is not None:
+            state.gradients_reduced = True
 
 
 def check_gradients_reduced(model: nn.Module) -> None:
     """A cp rank's gradients cover its own tokens only: training without the dp x cp reduction would be wrong."""
-    if torch.is_grad_enabled() and not model.__dict__.get("_context_parallel_reduced"):
+    if torch.is_grad_enabled() and not parallel_state(model).gradients_reduced:
         raise RuntimeError(
             "a context-parallel model (cp > 1) trains only with its gradients reduced over dp x cp: after "
             "Parallelizer.parallelize, call op.parallelize(model, optimizer, mesh, {'dp_config': {'sharding_level': "
@@ -126,9 +128,8 @@ def _split_inputs(model: nn.Module, args: tuple, kwargs: dict):
     bound.pop("self", None)
     extra = bound.pop("kwargs", {})
     check_gradients_reduced(model)
-    settings = model.__dict__["_context_parallel"]
-    split, length = split_batch(settings, {**bound, **extra})
-    model.__dict__["_context_parallel_length"] = length
+    state = parallel_state(model)
+    split, state.sequence_length = split_batch(state.context_parallel, {**bound, **extra})
     return (), split
 
 
@@ -136,16 +137,15 @@ def _gather_logits(model: nn.Module, args: tuple, output):
     logits = getattr(output, "logits", None)
     if logits is None or torch.is_grad_enabled():
         return output
-    settings = model.__dict__["_context_parallel"]
-    length = model.__dict__["_context_parallel_length"]
+    state = parallel_state(model)
+    settings, length = state.context_parallel, state.sequence_length
     layout = ChunkLayout.for_sequence(length, settings.cp, settings.layout_rank)
     output.logits = layout.gather(logits, settings.group)[:, :length]
     return output
 
 
-def _blocked_generate(*args, **kwargs):
-    raise NotImplementedError(
-        "generate() is not supported on a context-parallel model (cp > 1): decoding needs a key/value cache, which "
-        "ring attention does not keep. Generate with the model parallelized without cp (e.g. op.init_mesh(tp=N)); "
-        "checkpoints do not depend on cp"
-    )
+NO_GENERATE = (
+    "generate() is not supported on a context-parallel model (cp > 1): decoding needs a key/value cache, which "
+    "ring attention does not keep. Generate with the model parallelized without cp (e.g. op.init_mesh(tp=N)); "
+    "checkpoints do not depend on cp"
+)

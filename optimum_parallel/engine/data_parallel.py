@@ -23,6 +23,8 @@ from torch.distributed.optim import ZeroRedundancyOptimizer
 
 from ..context_parallel import mark_gradients_reduced
 from ..mesh import ParallelMesh
+from ..plan.wrappers import plan_root
+from ..state import parallel_state
 from .optimizer import rebuild_optimizer
 
 SHARDING_LEVELS = (0, 1, 2, 3)
@@ -64,14 +66,12 @@ def apply_data_parallel(
         return model, optimizer
     mark_gradients_reduced(model)
     # Under pp the schedule calls the stage modules, not the model: the stages are the wrapped roots.
-    pipeline = getattr(model, "pipeline", None)
+    pipeline = parallel_state(plan_root(model)).pipeline
     roots = list(pipeline.stages) if pipeline is not None else [model]
-    if pipeline is not None and mesh.size("dp") > 1:  # its loss divides by the token count of every replica's rows
-        pipeline.replicas_group = mesh.group("dp")
+    if pipeline is not None:
+        pipeline.use_data_parallelism(mesh, all_reduce_gradients=config.sharding_level <= 1)
     if config.sharding_level <= 1:
-        if pipeline is not None:  # one all-reduce of all gradients after the last micro-batch (DDP's reducer
-            pipeline.dp_group = mesh.data_parallel_group  # cannot follow a schedule's interleaved micro-batches)
-        else:
+        if pipeline is None:
             replicate(model, process_group=mesh.data_parallel_group)
         if optimizer is not None and config.sharding_level == 1:
             optimizer = _zero1(optimizer, mesh)

@@ -12,6 +12,7 @@ from ..checkpoint import load_model_checkpoint, save_model_checkpoint
 from ..engine.compose import PipelineRequest, compose_model, optimizer_for_parallel_model
 from ..mesh import ParallelMesh, get_mesh
 from ..plan.wrappers import plan_root
+from ..state import parallel_state
 
 
 class Parallelizer:
@@ -99,7 +100,7 @@ class Parallelizer:
             split = cls.pipeline_split_spec(inner)
             pipeline = PipelineRequest(split, pipeline_parallel_num_microbatches, pipeline_parallel_schedule)
         # a sharded checkpoint about to be loaded replaces the HF weights: allocate instead of reading them
-        model.orig_param_to_parallel_param = compose_model(
+        mapping = compose_model(
             inner,
             mesh,
             plan,
@@ -109,6 +110,8 @@ class Parallelizer:
             device=device,
             read_checkpoint=checkpoint_dir is None,
         )
+        parallel_state(inner).param_map = mapping
+        model.orig_param_to_parallel_param = mapping  # optimum-neuron's public name, for `optimizer_for_mp`
         if checkpoint_dir is not None:
             cls.load_model_checkpoint(model, checkpoint_dir)
         return model

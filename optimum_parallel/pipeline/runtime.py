@@ -19,6 +19,7 @@ from torch.distributed.pipelining import (
 
 from ..context_parallel import ChunkLayout, check_gradients_reduced, split_batch
 from ..mesh import ParallelMesh
+from ..state import parallel_state, refuse
 from ..styles import PlanContext
 from ..styles.sequence_parallel import SequenceParallelBegin
 from ..tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
@@ -98,13 +99,22 @@ class Pipeline:
         self.holds_first = any(s.is_first for s in stages)
         self.holds_last = any(s.is_last for s in stages)
         self.tied = tied
-        self.dp_group: dist.ProcessGroup | None = None  # dp x cp, set by data parallelism at sharding levels 0-1
-        self.replicas_group: dist.ProcessGroup | None = None  # dp (batch replicas), set by data parallelism, any level
+        self.dp_group: dist.ProcessGroup | None = None  # dp x cp: the all-reduce of gradients (sharding levels 0-1)
+        self.replicas_group: dist.ProcessGroup | None = None  # dp: the batch replicas whose tokens the loss counts
         self._num_items: torch.Tensor | None = None  # the divisor of the step running now (see `_loss`)
         first, last = self.owner(0), self.owner(num_stages - 1)
         self.last_rank = mesh.ranks("pp")[last]
         # tied embedding / LM head on two ranks: their gradients are summed (one rank holding both needs nothing)
         self.tied_group = mesh.group_of("pp", (first, last)) if tied is not None and first != last else None
+
+    def use_data_parallelism(self, mesh: ParallelMesh, all_reduce_gradients: bool) -> None:
+        """Data parallelism over dp x cp (called by the engine): the loss counts every dp replica's tokens, and at
+        sharding levels 0-1 the pipeline itself all-reduces the gradients after the last micro-batch (DDP's reducer
+        cannot follow a schedule's interleaved micro-batches; FSDP2 reduces its own at levels 2-3)."""
+        if mesh.size("dp") > 1:
+            self.replicas_group = mesh.group("dp")
+        if all_reduce_gradients:
+            self.dp_group = mesh.data_parallel_group
 
     def owner(self, index: int) -> int:
         return _stage_owner(index, self.mesh.size("pp"), self.placement)
@@ -147,7 +157,7 @@ class Pipeline:
     def _split_context(self, input_ids, labels, attention_mask):
         """Under context parallelism: this rank's chunks of input_ids and of the shifted labels; the padding mask
         of the whole (padded) sequence travels with the activations. Returns the whole length too (or None)."""
-        settings = self.model.__dict__.get("_context_parallel")
+        settings = parallel_state(self.model).context_parallel
         if settings is None:
             return input_ids, labels, attention_mask, None
         check_gradients_reduced(self.model)
@@ -227,7 +237,7 @@ class Pipeline:
         loss = self._batch_loss(losses, 1) if labels is not None else None
         logits = torch.cat(logits) if logits else None
         if logits is not None and length is not None:  # the whole sequence from the cp ranks' chunks
-            settings = self.model.__dict__["_context_parallel"]
+            settings = parallel_state(self.model).context_parallel
             layout = ChunkLayout.for_sequence(length, settings.cp, settings.layout_rank)
             logits = layout.gather(logits, settings.group)[:, :length]
         return PipelineOutput(loss=loss, logits=logits)
@@ -281,21 +291,17 @@ def _sequence_parallel(model: nn.Module) -> bool:
     return any(isinstance(m, RowParallelLinear) and m.sequence_parallel for m in model.modules())
 
 
-def _blocked_forward(*args, **kwargs):
-    raise RuntimeError(
-        "this model is pipeline-parallel: call model.run_train(**batch) (forward + backward, returns the loss) "
-        "or model.run_eval(**batch) instead of model(**batch)"
-    )
-
-
-def _blocked_generate(*args, **kwargs):
-    raise NotImplementedError(
-        "generate() is not supported on a pipeline-parallel model (pp > 1): decoding one token at a time through "
-        "the stages is not implemented. Generate with a model parallelized without pipeline parallelism (tensor "
-        "parallelism only, e.g. op.init_mesh(tp=N, pp=1)): save this one with save_model_checkpoint and load it "
-        "back there (optimum-parallel reshard CKPT OUT --tp N --pp 1 converts the checkpoint); for logits, "
-        "call model.run_eval(**batch)"
-    )
+NO_FORWARD = (
+    "this model is pipeline-parallel: call model.run_train(**batch) (forward + backward, returns the loss) "
+    "or model.run_eval(**batch) instead of model(**batch)"
+)
+NO_GENERATE = (
+    "generate() is not supported on a pipeline-parallel model (pp > 1): decoding one token at a time through "
+    "the stages is not implemented. Generate with a model parallelized without pipeline parallelism (tensor "
+    "parallelism only, e.g. op.init_mesh(tp=N, pp=1)): save this one with save_model_checkpoint and load it "
+    "back there (optimum-parallel reshard CKPT OUT --tp N --pp 1 converts the checkpoint); for logits, "
+    "call model.run_eval(**batch)"
+)
 
 
 def apply_pipeline(
@@ -344,9 +350,9 @@ def apply_pipeline(
     keep = {i for index in indices for i in ranges[index]}
     prune_to_stages(model, base, keep, 0 in indices, num_stages - 1 in indices)
     pipeline = Pipeline(model, stages, mesh, schedule, num_microbatches, tied)
-    model.pipeline = pipeline
+    parallel_state(model).pipeline = pipeline
     model.run_train = pipeline.run_train
     model.run_eval = pipeline.run_eval
-    model.forward = _blocked_forward
-    model.generate = _blocked_generate
+    refuse(model, "forward", RuntimeError, NO_FORWARD)
+    refuse(model, "generate", NotImplementedError, NO_GENERATE)
     return pipeline

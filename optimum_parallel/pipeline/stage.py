@@ -16,6 +16,7 @@ from torch import nn
 
 from ..comm.sequence_switch import sequence_switch
 from ..context_parallel import ChunkLayout, sequence_mask
+from ..state import parallel_state
 from ..styles.sequence_parallel import gather_sequence
 
 
@@ -63,7 +64,7 @@ class DecoderStage(nn.Module):
     def _masks(self, attention_mask: torch.Tensor) -> dict:
         """The padding mask as the layers take it; under context parallelism the stage holds this rank's chunks
         of the sequence and `attention_mask` covers the whole (padded) sequence: positions follow the split."""
-        settings = self._model.__dict__.get("_context_parallel")
+        settings = parallel_state(self._model).context_parallel
         if settings is None:
             return {"attention_mask": attention_mask}
         layout = ChunkLayout(settings.cp, settings.layout_rank, attention_mask.shape[1])

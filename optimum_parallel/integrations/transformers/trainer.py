@@ -31,6 +31,7 @@ from ...frontends.manager import ParallelizersManager
 from ...mesh import ParallelMesh, get_mesh, init_mesh
 from ...plan import logits_mode
 from ...plan.wrappers import plan_root
+from ...state import parallel_state
 from ...tensor_parallel.layers import ColumnParallelLinear
 from .internals import InternalsChanged, check_overrides, private_override, transformers_internal
 from .lazy_loading import lazy_load_for_parallelism
@@ -64,7 +65,7 @@ def _norm_owners(model: nn.Module, mesh: ParallelMesh) -> dict[str, bool]:
     and a tied embedding that two pipeline stages hold by the first stage only.
     """
     tp_rank = mesh.rank("tp")
-    pipeline = getattr(model, "pipeline", None)
+    pipeline = parallel_state(plan_root(model)).pipeline
     shared = pipeline is not None and pipeline.tied_group is not None and not pipeline.holds_first
     tied_copy = pipeline.tied if shared else None
     owners = {}
@@ -139,9 +140,9 @@ class ParallelTrainer(Trainer):
         self._adapters_only = plan_root(model) is not model  # a PEFT model: checkpoints hold what trains
         optimizer, scheduler = optimizers
         if optimizer is not None:  # step 4 of compose, early: transformers' Trainer takes it as the one it steps
-            optimizer = optimizer_for_parallel_model(optimizer, model.orig_param_to_parallel_param)
+            optimizer = optimizer_for_parallel_model(optimizer, parallel_state(plan_root(model)).param_map)
         self._norm_owners = _norm_owners(model, self.mesh)
-        self._pipeline = getattr(model, "pipeline", None)
+        self._pipeline = parallel_state(plan_root(model)).pipeline
         self._resume_dir: tuple[str, Path] | None = None
         super().__init__(model=model, args=args, optimizers=(optimizer, scheduler), **kwargs)
         # The model owns its placement and gradient reduction: accelerate must neither DDP-wrap nor move it.
