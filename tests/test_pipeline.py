@@ -198,3 +198,47 @@ def check_pipeline_errors(case: str) -> str:
 def test_pipeline_errors(pool, case, words):
     for message in pool.run(check_pipeline_errors, case):
         assert all(w in message for w in words), message
+
+
+def check_accumulation(sharding_level: int) -> dict:
+    """pp=2 x dp=2, tied embeddings: two run_train calls per optimizer step (gradient accumulation in a custom
+    loop), each given the labelled-token count of both calls' global rows, against one process on the whole batch."""
+    import optimum_parallel as op
+    from optimum_parallel.engine.data_parallel import DataParallelConfig, apply_data_parallel
+
+    mesh = op.init_mesh(dp=2, pp=2)
+    config = tiny_config("llama", num_hidden_layers=4, tie_word_embeddings=True)
+    reference = build_model(config)
+    model = copy.deepcopy(reference)
+    parallelizer = op.ParallelizersManager.parallelizer_for_model(model)
+    model = parallelizer.parallelize(model, pipeline_parallel_num_microbatches=2)
+    optimizer = parallelizer.optimizer_for_mp(
+        torch.optim.SGD(model.parameters(), lr=0.5), model.orig_param_to_parallel_param
+    )
+    model, optimizer = apply_data_parallel(model, optimizer, mesh, DataParallelConfig(sharding_level))
+    batch = pipeline_batch(config, rows=8)
+    count = (batch["labels"][:, 1:] != -100).sum()
+    dp = mesh.rank("dp")
+    calls = [
+        {k: v[rows] for k, v in batch.items()} for rows in (slice(4 * dp, 4 * dp + 2), slice(4 * dp + 2, 4 * dp + 4))
+    ]
+    ref_params = dict(reference.named_parameters(remove_duplicate=False))
+    worst, losses = 0.0, []
+    for _ in range(2):
+        ref_loss = reference(**batch).loss
+        ref_loss.backward()
+        loss = sum(model.run_train(**call, num_items_in_batch=count) for call in calls)
+        losses.append(rel_err(loss, ref_loss))
+        for name, param in model.named_parameters():
+            grad = param.grad.full_tensor() if isinstance(param.grad, DTensor) else param.grad
+            worst = max(worst, rel_err(grad, ref_params[name].grad))
+        for opt in (optimizer, torch.optim.SGD(reference.parameters(), lr=0.5)):
+            opt.step()
+            opt.zero_grad()
+    return {"loss": max(losses), "worst_grad": worst}
+
+
+@pytest.mark.parametrize("sharding_level", [0, 3])
+def test_gradient_accumulation_over_calls_with_tied_embeddings(pool, sharding_level):
+    for rank, result in enumerate(pool.run(check_accumulation, sharding_level)):
+        assert result["loss"] <= TOL and result["worst_grad"] <= TOL, f"rank {rank}: {result}"

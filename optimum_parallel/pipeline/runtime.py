@@ -70,7 +70,7 @@ class Pipeline:
         mesh: ParallelMesh,
         schedule: str,
         num_microbatches: int,
-        tied: nn.Parameter | None,
+        tied: bool,
     ) -> None:
         self.model, self.stages, self.mesh = model, stages, mesh
         if schedule in SPLIT_BACKWARD:  # they defer weight gradients themselves: the tp entry must not as well
@@ -98,14 +98,16 @@ class Pipeline:
         )
         self.holds_first = any(s.is_first for s in stages)
         self.holds_last = any(s.is_last for s in stages)
-        self.tied = tied
+        # the module holding this rank's side of a tied embedding / LM head, read anew each time: FSDP2 replaces it
+        ends = [s.embed_tokens if s.is_first else s.lm_head for s in stages if s.is_first or s.is_last]
+        self._tied_holder = ends[0] if tied and ends else None
         self.dp_group: dist.ProcessGroup | None = None  # dp x cp: the all-reduce of gradients (sharding levels 0-1)
         self.replicas_group: dist.ProcessGroup | None = None  # dp: the batch replicas whose tokens the loss counts
         self._num_items: torch.Tensor | None = None  # the divisor of the step running now (see `_loss`)
         first, last = self.owner(0), self.owner(num_stages - 1)
         self.last_rank = mesh.ranks("pp")[last]
         # tied embedding / LM head on two ranks: their gradients are summed (one rank holding both needs nothing)
-        self.tied_group = mesh.group_of("pp", (first, last)) if tied is not None and first != last else None
+        self.tied_group = mesh.group_of("pp", (first, last)) if tied and first != last else None
 
     def use_data_parallelism(self, mesh: ParallelMesh, all_reduce_gradients: bool) -> None:
         """Data parallelism over dp x cp (called by the engine): the loss counts every dp replica's tokens, and at
@@ -115,6 +117,11 @@ class Pipeline:
             self.replicas_group = mesh.group("dp")
         if all_reduce_gradients:
             self.dp_group = mesh.data_parallel_group
+
+    @property
+    def tied(self) -> nn.Parameter | None:
+        """This rank's parameter of a tied embedding / LM head (None when the weights are not tied)."""
+        return None if self._tied_holder is None else self._tied_holder.weight
 
     def owner(self, index: int) -> int:
         return _stage_owner(index, self.mesh.size("pp"), self.placement)
@@ -198,13 +205,14 @@ class Pipeline:
         input_ids, labels, attention_mask, _ = self._split_context(input_ids, labels, attention_mask)
         losses: list[torch.Tensor] = []
         target = labels if self.holds_last else None
+        tied_before = self._tied_gradient()
         try:
             self.schedule.step(
                 *self._inputs(input_ids, attention_mask), target=target, losses=losses, return_outputs=False
             )
         finally:
             self._num_items = None
-        self._sync_tied_gradients()
+        self._sync_tied_gradients(tied_before)
         self._average_gradients_over_dp()
         return self._batch_loss(losses, replicas)
 
@@ -274,11 +282,31 @@ class Pipeline:
         for grad, synced in zip(grads, torch._utils._unflatten_dense_tensors(flat, grads), strict=True):
             grad.copy_(synced)
 
-    def _sync_tied_gradients(self) -> None:
-        """The embedding (first stage) and the tied LM head (last stage) are one weight: sum their gradients."""
-        if self.tied_group is None or self.tied.grad is None:
+    def _tied_gradient(self) -> torch.Tensor | None:
+        """This rank's part of the tied weight's gradient before a step (already summed over both stages), when
+        two stages hold the weight (under FSDP2 the local shard: both sides are sharded alike over dp)."""
+        if self.tied_group is None or self.tied is None or self.tied.grad is None:
+            return None
+        return _local(self.tied.grad).clone()
+
+    def _sync_tied_gradients(self, before: torch.Tensor | None) -> None:
+        """The embedding (first stage) and the tied LM head (last stage) are one weight: sum what this step added to
+        their gradients (a gradient accumulated over earlier steps is already the sum: adding it again would count
+        it twice)."""
+        if self.tied_group is None or self.tied is None or self.tied.grad is None:
             return
-        dist.all_reduce(self.tied.grad, group=self.tied_group)
+        grad = _local(self.tied.grad)
+        if before is None:
+            dist.all_reduce(grad, group=self.tied_group)
+            return
+        added = grad - before
+        dist.all_reduce(added, group=self.tied_group)
+        torch.add(before, added, out=grad)
+
+
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    """The rank's local tensor of a DTensor (FSDP2's sharded gradients), else the tensor itself."""
+    return tensor.to_local() if hasattr(tensor, "to_local") else tensor
 
 
 def _reject(unused: Mapping) -> None:
@@ -333,8 +361,8 @@ def apply_pipeline(
         split = ", ".join(f"stage {i}: layers {r.start}-{r.stop - 1}" for i, r in enumerate(ranges))
         print(f"[optimum-parallel] pipeline {pp} ranks x {per_rank} stages ({schedule}): {split}")
 
-    tied = model.lm_head.weight if model.lm_head.weight is base.embed_tokens.weight else None
-    if tied is not None and placement == "v":  # measured: the split weight-gradient pass miscounts the shared weight
+    tied = model.lm_head.weight is base.embed_tokens.weight
+    if tied and placement == "v":  # measured: the split weight-gradient pass miscounts the shared weight
         raise NotImplementedError(
             f"schedule {schedule!r} puts the first and last stage on one rank, which tied embeddings do not support "
             "yet; untie them (tie_word_embeddings=False) or use another schedule"
