@@ -10,7 +10,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from _checks import error_and_whether_untouched
 from _models import build_model, make_batch, rel_err, tiny_config
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -104,58 +103,6 @@ def test_front_door_checkpoint_carries_head_counts_and_reshards_by_them(pool, tm
         ([0, 1], [[0, 16]], 2),
         ([2, 3], [[16, 32]], 2),
     ]
-
-
-def check_bad_config(case: str) -> tuple[str, str, bool]:
-    import optimum_parallel as op
-
-    mesh = op.init_mesh(tp=2)
-    model = build_model(tiny_config("llama"))
-    plan = llama_plan()
-    configs = {
-        "unknown_section": {"xp_config": {}},
-        "unknown_dp_key": {"dp_config": {"sharding": 1}},
-        "sharding_level": {"dp_config": {"sharding_level": 4}, "mp_config": {"parallelize_plan": plan}},
-        "dp_not_a_dict": {"dp_config": 1},
-        "plan_not_a_dict": {"mp_config": {"parallelize_plan": ["q_proj"]}},
-        "missing_plan": {"mp_config": {}},
-        "unmatched_key": {"mp_config": {"parallelize_plan": {**plan, "model.layers.*.attn.qkv": op.ColWiseParallel()}}},
-        "misfit_style": {"mp_config": {"parallelize_plan": {**plan, "model.norm": op.RowWiseParallel()}}},
-        "no_dp_dim": {"dp_config": {"sharding_level": 2}, "mp_config": {"parallelize_plan": plan}},
-        "bad_split_point": {"pp_config": {"split_spec": {"model.layers.1": "end"}}},
-        "split_count": {
-            "pp_config": {"split_spec": {"model.layers.0": op.SplitPoint.END, "model.layers.2": op.SplitPoint.END}}
-        },
-        "bad_schedule": {"pp_config": {"split_spec": "model.layers", "schedule": "2f2b"}},
-    }
-    if case in ("split_count", "bad_schedule"):
-        mesh = op.init_mesh(pp=2, tp=1)
-        model = build_model(tiny_config("llama", num_hidden_layers=4))
-    return error_and_whether_untouched(model, lambda: op.parallelize(model, None, mesh, configs[case]))
-
-
-@pytest.mark.parametrize(
-    "case,error,words",
-    [
-        ("unknown_section", "ValueError", ["'xp_config'", "dp_config, mp_config, pp_config"]),
-        ("unknown_dp_key", "ValueError", ["dp_config", "'sharding'", "sharding_level"]),
-        ("sharding_level", "ValueError", ["sharding_level", "4", "0, 1, 2, 3"]),
-        ("dp_not_a_dict", "TypeError", ["dp_config", "dict"]),
-        ("plan_not_a_dict", "TypeError", ["parallelize_plan", "dict"]),
-        ("missing_plan", "ValueError", ["mp_config", "'parallelize_plan'"]),
-        ("unmatched_key", "ValueError", ["model.layers.*.attn.qkv", "matches no module"]),
-        ("misfit_style", "ValueError", ["RowWiseParallel", "model.norm", "LlamaRMSNorm", "Linear, Embedding"]),
-        ("no_dp_dim", "ValueError", ["dp_config", "dp x cp > 1", "dp=1", "cp=1"]),
-        ("bad_split_point", "ValueError", ["split_spec", "model.layers.1", "SplitPoint.END"]),
-        ("split_count", "ValueError", ["2 distinct split points", "2 stages need exactly 1"]),
-        ("bad_schedule", "ValueError", ["'2f2b'", "gpipe, 1f1b, interleaved_1f1b"]),
-    ],
-)
-def test_bad_configs_raise_on_every_rank_before_anything_moves(pool, case, error, words):
-    for kind, message, unchanged in pool.run(check_bad_config, case):
-        assert kind == error, message
-        assert all(w in message for w in words), message
-        assert unchanged, "the model was modified before the error"
 
 
 def check_pipeline_front_door() -> dict:

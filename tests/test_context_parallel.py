@@ -278,11 +278,9 @@ def context_errors() -> dict[str, str]:
         )
 
     batch = cp_batch(config, length=16)
-    attempt("family", lambda: parallel("gpt2"))
-    attempt("strategy", lambda: parallel(strategy="zigzag"))
+    # bad requests (family, strategy, all_to_all heads) raise before anything changes: tests/test_bad_requests.py
     attempt("no_reduction", lambda: parallel()(**batch))  # training without dp x cp gradient reduction
     with torch.no_grad():
-        attempt("heads", lambda: parallel(strategy="all_to_all")(**batch))
         attempt("generate", lambda: parallel().generate(batch["input_ids"], max_new_tokens=2))
         mask4d = torch.ones(2, 1, 16, 16, dtype=torch.bool)
         attempt("mask", lambda: parallel()(input_ids=batch["input_ids"], attention_mask=mask4d))
@@ -293,9 +291,6 @@ def context_errors() -> dict[str, str]:
 
 def test_errors_name_what_is_supported(pool):
     errors = pool.run(context_errors)[0]
-    assert "supported: causal LMs of model_type llama" in errors["family"], errors
-    assert "allowed: ring, all_to_all" in errors["strategy"], errors
-    assert "divide by cp=4" in errors["heads"] and "'ring'" in errors["heads"], errors
     assert "generate() is not supported on a context-parallel model" in errors["generate"], errors
     assert "must be 2-D" in errors["mask"], errors
     assert "packed sequences" in errors["packed"], errors

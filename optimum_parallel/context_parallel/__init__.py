@@ -5,11 +5,12 @@ for a mesh with cp > 1. Rooms: layout (which tokens a rank holds), blocks (atten
 ring / ulysses (the two strategies), attention (the function transformers calls), loss, model (the input split).
 """
 
-from .attention import STRATEGIES, sequence_mask
+from .attention import STRATEGIES, check_strategy, sequence_mask
 from .layout import ChunkLayout
 from .model import (
     SUPPORTED_MODEL_TYPES,
     apply_context_parallel,
+    check_context_parallel,
     check_gradients_reduced,
     mark_gradients_reduced,
     split_batch,
@@ -20,7 +21,9 @@ __all__ = [
     "SUPPORTED_MODEL_TYPES",
     "ChunkLayout",
     "apply_context_parallel",
+    "check_context_parallel",
     "check_gradients_reduced",
+    "check_strategy",
     "mark_gradients_reduced",
     "sequence_mask",
     "split_batch",

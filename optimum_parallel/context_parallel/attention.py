@@ -22,6 +22,14 @@ from .ulysses import all_to_all_attention
 
 ATTENTION_KEY = "optimum_parallel_context"
 STRATEGIES = ("ring", "all_to_all")
+
+
+def check_strategy(strategy: object, key: str = "context_parallel_strategy") -> None:
+    """`strategy` is one of `STRATEGIES`; the error names `key` (the caller's name for it) and the allowed ones."""
+    if not isinstance(strategy, str) or strategy not in STRATEGIES:
+        raise ValueError(f"{key}={strategy!r} is not allowed; allowed: {', '.join(STRATEGIES)}")
+
+
 _MARK = "_optimum_parallel_sequence_mask"
 
 

@@ -18,9 +18,10 @@ import torch.distributed as dist
 from torch import nn
 
 from ..state import find_state, parallel_state, refuse
-from .attention import ATTENTION_KEY, STRATEGIES, ContextParallelAttention, register_attention, sequence_mask
+from .attention import ATTENTION_KEY, ContextParallelAttention, check_strategy, register_attention, sequence_mask
 from .layout import ChunkLayout, pad_sequence
 from .loss import ContextParallelLoss
+from .ulysses import check_heads_divide
 
 # families whose every cross-token computation is attention through transformers' AttentionInterface,
 # tested against one device (tests/test_context_parallel.py)
@@ -28,24 +29,40 @@ SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma2")
 IGNORE_INDEX = -100
 
 
+def check_context_parallel(
+    model: nn.Module, cp: int, strategy: str, tp: int = 1, key: str = "context_parallel_strategy"
+) -> None:
+    """Whether `model` can be made context-parallel over `cp` ranks with `strategy` (its q/k/v split over `tp`
+    ranks first); raises before anything changes, naming `key` (the caller's name for the strategy)."""
+    check_strategy(strategy, key)
+    config = getattr(model, "config", None)
+    model_type = getattr(config, "model_type", None)
+    if model_type not in SUPPORTED_MODEL_TYPES or not hasattr(model, "lm_head"):
+        raise NotImplementedError(
+            f"context parallelism (cp={cp}) is not supported for {type(model).__name__} (model_type {model_type!r}); "
+            f"supported: causal LMs of model_type {', '.join(SUPPORTED_MODEL_TYPES)}"
+        )
+    if not any(hasattr(m, "num_key_value_groups") for m in model.modules()):
+        raise NotImplementedError(f"no attention module found in {type(model).__name__} for context parallelism")
+    if strategy == "all_to_all":
+        heads = config.num_attention_heads
+        kv_heads = getattr(config, "num_key_value_heads", None) or heads
+        # per tp rank: whole heads; fewer kv heads than tp ranks are replicated, one per rank
+        check_heads_divide(heads // tp, max(kv_heads // tp, 1), cp, key)
+
+
 def apply_context_parallel(model: nn.Module, group, strategy: str = "ring") -> None:
     """Route `model`'s attention through ring (or all-to-all) attention over `group` and split its inputs (once:
     a model parallelized by the Parallelizer, then given data parallelism by `parallelize`, comes here twice)."""
     if parallel_state(model).context_parallel is not None:
         return
-    if strategy not in STRATEGIES:
-        raise ValueError(f"context_parallel_strategy={strategy!r} is not allowed; allowed: {', '.join(STRATEGIES)}")
     config = model.config
-    if config.model_type not in SUPPORTED_MODEL_TYPES or not hasattr(model, "lm_head"):
-        raise NotImplementedError(
-            f"context parallelism is not supported for {type(model).__name__} (model_type {config.model_type!r}); "
-            f"supported: causal LMs of model_type {', '.join(SUPPORTED_MODEL_TYPES)}"
-        )
-    cp, rank = dist.get_world_size(group), dist.get_rank(group)
-    settings = ContextParallelAttention(group, rank, cp, strategy)
     attention = [m for m in model.modules() if hasattr(m, "num_key_value_groups")]
-    if not attention:
-        raise NotImplementedError(f"no attention module found in {type(model).__name__} for context parallelism")
+    cp, rank = dist.get_world_size(group), dist.get_rank(group)
+    # the engine's validation checked the heads per tp rank; here tp is not known: the attention checks the heads
+    # as they arrive
+    check_context_parallel(model, cp, strategy)
+    settings = ContextParallelAttention(group, rank, cp, strategy)
     for module in attention:
         parallel_state(module).context_parallel = settings
     register_attention()

@@ -57,11 +57,13 @@ class _HeadsToSequence(torch.autograd.Function):
         return _sequence_to_heads(grad, ctx.group), None
 
 
-def check_heads_divide(query_heads: int, kv_heads: int, cp: int) -> None:
+def check_heads_divide(query_heads: int, kv_heads: int, cp: int, key: str = "context_parallel_strategy") -> None:
+    """All-to-all trades the sequence split for a head split: the heads per tensor-parallel rank must divide by cp."""
     if query_heads % cp or kv_heads % cp:
         raise ValueError(
-            f"context_parallel_strategy='all_to_all' needs the attention heads per tensor-parallel rank to divide by "
-            f"cp={cp}; here {query_heads} query and {kv_heads} key/value heads. Use the 'ring' strategy"
+            f"{key}='all_to_all' needs the attention heads per tensor-parallel rank to divide by cp={cp}; here "
+            f"{query_heads} query and {kv_heads} key/value heads. Use the 'ring' strategy (allowed: ring, or "
+            "all_to_all with heads per tp rank divisible by cp)"
         )
 
 

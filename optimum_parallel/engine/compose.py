@@ -1,5 +1,5 @@
-"""The composition order, written once: TP/SP plan -> context parallel -> pipeline split -> materialise ->
-optimizer -> data parallel.
+"""The composition order, written once: validate -> TP/SP plan -> context parallel -> pipeline split ->
+materialise -> optimizer -> data parallel.
 
 Both front doors (`Parallelizer.parallelize`, `parallelize(model, optimizer, mesh, config)`) and the Trainer
 end here. `compose` runs every step; the Trainer runs the model half (`compose_model`) before transformers'
@@ -23,6 +23,7 @@ from .data_parallel import DataParallelConfig, apply_data_parallel
 from .lazy_optimizer import build_lazy_optimizer, is_lazy_optimizer
 from .materialize import materialize_lazy_model
 from .optimizer import rebuild_optimizer
+from .validate import PARALLELIZER_KEYS, RequestKeys, validate_request
 
 ParamMap = dict[int, nn.Parameter | None]  # {id(original parameter): parallel parameter, or None on another stage}
 
@@ -46,8 +47,26 @@ def compose_model(
     context_parallel: str = "ring",
     device: torch.device | str | None = None,
     read_checkpoint: bool = True,
+    keys: RequestKeys = PARALLELIZER_KEYS,
 ) -> ParamMap:
-    """Make `model` tensor/sequence- and pipeline-parallel in place; return the parameter map for the optimizer."""
+    """Make `model` tensor/sequence- and pipeline-parallel in place; return the parameter map for the optimizer.
+    A bad request raises before anything changes (`keys`: what the caller's errors call its settings)."""
+    # 0. Validate: every check that can run before anything changes (engine/validate.py).
+    validate_request(model, mesh, plan, pipeline=pipeline, context_parallel=context_parallel, keys=keys)
+    return _compose_model(model, mesh, plan, after_plan, pipeline, context_parallel, device, read_checkpoint)
+
+
+def _compose_model(
+    model: nn.Module,
+    mesh: ParallelMesh,
+    plan: Mapping[str, object] | None,
+    after_plan: Callable[[nn.Module, ParallelMesh], None] | None,
+    pipeline: PipelineRequest | None,
+    context_parallel: str,
+    device: torch.device | str | None,
+    read_checkpoint: bool,
+) -> ParamMap:
+    """Steps 1-4 of a validated request."""
     mapping: ParamMap = {id(p): p for p in model.parameters()}
     # 1. TP/SP on the whole model first: every rank resolves and checks the same plan, tied weights stay tied.
     if plan:
@@ -100,18 +119,20 @@ def compose(
     data_parallel: DataParallelConfig | None = None,
     device: torch.device | str | None = None,
     read_checkpoint: bool = True,
+    keys: RequestKeys = PARALLELIZER_KEYS,
 ) -> tuple[nn.Module, torch.optim.Optimizer | None, ParamMap]:
-    """Every step in order; returns (model, optimizer, parameter map)."""
-    mapping = compose_model(
+    """Every step in order, the request validated first as a whole; returns (model, optimizer, parameter map)."""
+    validate_request(
         model,
         mesh,
         plan,
-        after_plan=after_plan,
         pipeline=pipeline,
         context_parallel=context_parallel,
-        device=device,
-        read_checkpoint=read_checkpoint,
+        data_parallel=data_parallel,
+        optimizer=optimizer,
+        keys=keys,
     )
+    mapping = _compose_model(model, mesh, plan, after_plan, pipeline, context_parallel, device, read_checkpoint)
     model, optimizer = compose_training(model, optimizer, mesh, mapping, data_parallel)
     return model, optimizer, mapping
 

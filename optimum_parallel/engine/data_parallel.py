@@ -30,6 +30,25 @@ from .optimizer import rebuild_optimizer
 SHARDING_LEVELS = (0, 1, 2, 3)
 
 
+def check_sharding_level(level: object, key: str = "sharding_level") -> None:
+    """`level` is one of `SHARDING_LEVELS`; the error names `key` (the caller's name for it) and the allowed ones."""
+    if isinstance(level, bool) or level not in SHARDING_LEVELS:
+        raise ValueError(f"{key}={level!r} is not allowed; allowed: {', '.join(map(str, SHARDING_LEVELS))}")
+
+
+def check_data_parallel(
+    config: DataParallelConfig, optimizer: torch.optim.Optimizer | None, key: str = "sharding_level"
+) -> None:
+    """What `apply_data_parallel` needs of its request, checked before anything changes: the level, and for ZeRO-1
+    an optimizer with no state yet (its state cannot be re-partitioned)."""
+    check_sharding_level(config.sharding_level, key)
+    if config.sharding_level == 1 and optimizer is not None and getattr(optimizer, "state", None):
+        raise ValueError(
+            f"{key}=1 (ZeRO-1) needs a fresh optimizer: this one already holds state, which cannot be re-partitioned "
+            "here; allowed: an optimizer that has not stepped yet, or sharding_level 0, 2, 3"
+        )
+
+
 @dataclass
 class DataParallelConfig:
     """`dp_config`: sharding_level 0-3; reduce_dtype e.g. torch.float32 to reduce bf16 gradients in fp32 (FSDP)."""
@@ -38,10 +57,7 @@ class DataParallelConfig:
     reduce_dtype: torch.dtype | None = None
 
     def __post_init__(self) -> None:
-        if isinstance(self.sharding_level, bool) or self.sharding_level not in SHARDING_LEVELS:
-            raise ValueError(
-                f"dp_config['sharding_level'] = {self.sharding_level!r} is not allowed; allowed: 0, 1, 2, 3"
-            )
+        check_sharding_level(self.sharding_level, "dp_config['sharding_level']")
         if self.reduce_dtype is not None and not isinstance(self.reduce_dtype, torch.dtype):
             raise ValueError(f"dp_config['reduce_dtype'] = {self.reduce_dtype!r} is not a torch.dtype")
 
@@ -111,8 +127,7 @@ def _reshard_before_step(optimizer: torch.optim.Optimizer, roots: list[nn.Module
 
 def _zero1(optimizer: torch.optim.Optimizer, mesh: ParallelMesh) -> ZeroRedundancyOptimizer:
     """The same optimizer with its state sharded over dp x cp (param groups and hyper-parameters kept)."""
-    if optimizer.state:
-        raise ValueError("sharding_level=1 needs a fresh optimizer: its state cannot be re-partitioned here")
+    check_data_parallel(DataParallelConfig(sharding_level=1), optimizer)
     groups = [dict(group) for group in optimizer.param_groups]
     accepted = inspect.signature(type(optimizer)).parameters
     defaults = {k: v for k, v in optimizer.defaults.items() if k in accepted and k != "params"}

@@ -9,7 +9,7 @@ from collections.abc import Mapping
 from dataclasses import MISSING, dataclass, fields
 
 from ..engine.data_parallel import DataParallelConfig
-from ..pipeline import SCHEDULES, SplitPoint
+from ..pipeline import SplitPoint, check_schedule
 
 
 @dataclass
@@ -48,8 +48,7 @@ class PipelineParallelConfig:
             raise TypeError(f"pp_config['split_spec'] must be a str or a dict, got {type(self.split_spec).__name__}")
         if self.global_spec is not None and not isinstance(self.global_spec, str):
             raise TypeError(f"pp_config['global_spec'] must be a str, got {type(self.global_spec).__name__}")
-        if self.schedule not in SCHEDULES:
-            raise ValueError(f"pp_config['schedule'] = {self.schedule!r}; allowed: {', '.join(SCHEDULES)}")
+        check_schedule(self.schedule, "pp_config['schedule']")
         if self.num_microbatches is not None and (
             isinstance(self.num_microbatches, bool) or not isinstance(self.num_microbatches, int)
         ):

@@ -15,10 +15,8 @@ from torch import nn
 
 from ..engine.compose import PipelineRequest, compose
 from ..engine.data_parallel import DataParallelConfig
+from ..engine.validate import CONFIG_KEYS
 from ..mesh import ParallelMesh, get_mesh
-from ..pipeline import SCHEDULES
-from ..pipeline.split import find_layer_list, stage_layers
-from ..plan import check_plan
 from ..plan.wrappers import plan_root
 from .config import ParallelConfig, PipelineParallelConfig
 
@@ -43,31 +41,32 @@ def parallelize(
         return model, optimizer
     mesh = _resolve_mesh(mesh, parsed)
     inner = plan_root(model)  # the transformers model inside a PeftModel: plans name its modules
-    if parsed.pp_config is not None:
-        _check_pipeline_config(inner, parsed.pp_config, mesh)
-    if parsed.mp_config is not None:
-        check_plan(inner, parsed.mp_config.parallelize_plan, mesh)
-
     pipeline = None
     if parsed.pp_config is not None:
         pp = parsed.pp_config
+        _check_global_spec(inner, pp)
         pipeline = PipelineRequest(pp.split_spec, pp.num_microbatches or mesh.size("pp"), pp.schedule)
     plan = parsed.mp_config.parallelize_plan if parsed.mp_config is not None else None
+    # compose validates the whole request (plan, pipeline, cp, dp and optimizer) before it changes anything
     parallel, optimizer, _ = compose(
-        inner, mesh, plan, pipeline=pipeline, optimizer=optimizer, data_parallel=_data_parallel(parsed, mesh)
+        inner,
+        mesh,
+        plan,
+        pipeline=pipeline,
+        optimizer=optimizer,
+        data_parallel=_data_parallel(parsed, mesh),
+        keys=CONFIG_KEYS,
     )
     return (model if inner is not model else parallel), optimizer
 
 
-def _check_pipeline_config(model: nn.Module, config: PipelineParallelConfig, mesh: ParallelMesh) -> None:
-    split = config.split_spec
-    prefix = split if isinstance(split, str) else next(iter(split), "").rpartition(".")[0]
-    stages = mesh.size("pp") * SCHEDULES[config.schedule][1]
-    stage_layers(len(find_layer_list(model, prefix)), stages, split, prefix)
-    if config.num_microbatches is not None and config.num_microbatches < mesh.size("pp"):
-        raise ValueError(f"pp_config['num_microbatches'] = {config.num_microbatches} must be >= pp={mesh.size('pp')}")
+def _check_global_spec(model: nn.Module, config: PipelineParallelConfig) -> None:
+    """This door's own key: every stage recomputes the module `global_spec` names (the decoder's rotary embedding)."""
     if config.global_spec is not None and config.global_spec not in dict(model.named_modules()):
-        raise ValueError(f"pp_config['global_spec'] = {config.global_spec!r} names no module of {type(model).__name__}")
+        raise ValueError(
+            f"pp_config['global_spec'] = {config.global_spec!r} names no module of {type(model).__name__}; "
+            "allowed: a module name such as 'model.rotary_emb'"
+        )
 
 
 def _data_parallel(config: ParallelConfig, mesh: ParallelMesh) -> DataParallelConfig | None:

@@ -10,6 +10,8 @@ from torch import nn
 
 from ..checkpoint import load_model_checkpoint, save_model_checkpoint
 from ..engine.compose import PipelineRequest, compose_model, optimizer_for_parallel_model
+from ..engine.data_parallel import DataParallelConfig
+from ..engine.validate import PARALLELIZER_KEYS, RequestKeys, validate_request
 from ..mesh import ParallelMesh, get_mesh
 from ..plan.wrappers import plan_root
 from ..state import parallel_state
@@ -53,11 +55,85 @@ class Parallelizer:
     @classmethod
     def _check_pipeline(cls, input_names: list[str] | None) -> None:
         if not cls.supports_pipeline_parallel:
-            raise NotImplementedError(f"{cls.__name__} does not support pipeline parallelism (pp > 1)")
+            raise NotImplementedError(
+                f"{cls.__name__} does not support pipeline parallelism (pp > 1); allowed for this family: pp=1"
+            )
         allowed = ("input_ids", "attention_mask", "labels")
         unknown = [name for name in input_names or () if name not in allowed]
         if unknown:
             raise ValueError(f"pipeline_parallel_input_names {unknown} not supported; allowed: {', '.join(allowed)}")
+
+    @classmethod
+    def _request(
+        cls,
+        model: nn.Module,
+        mesh: ParallelMesh,
+        parallelize_embeddings: bool,
+        sequence_parallel_enabled: bool,
+        pipeline_parallel_input_names: list[str] | None,
+        pipeline_parallel_num_microbatches: int,
+        pipeline_parallel_schedule: str,
+    ) -> tuple[dict, PipelineRequest | None]:
+        """The family's own checks (what it supports, `check()`), then its plan and pipeline request."""
+        if sequence_parallel_enabled and not cls.supports_sequence_parallel:
+            raise NotImplementedError(
+                f"sequence_parallel_enabled=True: {cls.__name__} does not support sequence parallelism; allowed for "
+                "this family: False"
+            )
+        pipelined = mesh.size("pp") > 1
+        if pipelined:
+            cls._check_pipeline(pipeline_parallel_input_names)
+        elif pipeline_parallel_num_microbatches != 1:
+            raise ValueError(
+                f"pipeline_parallel_num_microbatches={pipeline_parallel_num_microbatches} needs a mesh with pp > 1; "
+                "allowed with pp=1: 1"
+            )
+        cls.check(model, mesh)
+        plan = cls.plan(model, mesh, parallelize_embeddings, sequence_parallel_enabled)
+        pipeline = None
+        if pipelined:
+            split = cls.pipeline_split_spec(model)
+            pipeline = PipelineRequest(split, pipeline_parallel_num_microbatches, pipeline_parallel_schedule)
+        return plan, pipeline
+
+    @classmethod
+    def validate(
+        cls,
+        model: nn.Module,
+        parallelize_embeddings: bool = True,
+        sequence_parallel_enabled: bool = False,
+        pipeline_parallel_input_names: list[str] | None = None,
+        pipeline_parallel_num_microbatches: int = 1,
+        pipeline_parallel_schedule: str = "1f1b",
+        context_parallel_strategy: str = "ring",
+        *,
+        data_parallel: DataParallelConfig | None = None,
+        optimizer: torch.optim.Optimizer | None = None,
+        keys: RequestKeys = PARALLELIZER_KEYS,
+    ) -> None:
+        """Raise, changing nothing, if `parallelize` with these arguments (and data parallelism at `data_parallel`
+        over `optimizer`) would refuse; `keys` names the settings as the caller calls them (the Trainer's args)."""
+        mesh = get_mesh()
+        inner = plan_root(model)
+        plan, pipeline = cls._request(
+            inner,
+            mesh,
+            parallelize_embeddings,
+            sequence_parallel_enabled,
+            pipeline_parallel_input_names,
+            pipeline_parallel_num_microbatches,
+            pipeline_parallel_schedule,
+        )
+        validate_request(
+            inner,
+            mesh,
+            plan,
+            pipeline=pipeline,
+            context_parallel=context_parallel_strategy,
+            data_parallel=data_parallel,
+            optimizer=optimizer,
+            keys=keys,
+        )
 
     @classmethod
     def parallelize(
@@ -81,24 +157,20 @@ class Parallelizer:
         {id(original parameter): parallel parameter, or None if it lives on another stage} is left on
         `model.orig_param_to_parallel_param` for `optimizer_for_mp`. On a mesh with cp > 1 the sequence is split
         over cp and attention runs as `context_parallel_strategy`: "ring" or "all_to_all" (heads must divide by cp).
+        A bad request raises on every rank before anything changes (`validate`).
         """
         mesh = get_mesh()
-        if sequence_parallel_enabled and not cls.supports_sequence_parallel:
-            raise NotImplementedError(f"{cls.__name__} does not support sequence parallelism")
-        pipelined = mesh.size("pp") > 1
-        if pipelined:
-            cls._check_pipeline(pipeline_parallel_input_names)
-        elif pipeline_parallel_num_microbatches != 1:
-            raise ValueError(
-                f"pipeline_parallel_num_microbatches={pipeline_parallel_num_microbatches} needs a mesh with pp > 1"
-            )
         inner = plan_root(model)  # the transformers model inside a PeftModel: plans name its modules
-        cls.check(inner, mesh)
-        plan = cls.plan(inner, mesh, parallelize_embeddings, sequence_parallel_enabled)
-        pipeline = None
-        if pipelined:
-            split = cls.pipeline_split_spec(inner)
-            pipeline = PipelineRequest(split, pipeline_parallel_num_microbatches, pipeline_parallel_schedule)
+        plan, pipeline = cls._request(
+            inner,
+            mesh,
+            parallelize_embeddings,
+            sequence_parallel_enabled,
+            pipeline_parallel_input_names,
+            pipeline_parallel_num_microbatches,
+            pipeline_parallel_schedule,
+        )
+        # compose_model validates the plan, pipeline and cp request first (step 0), then changes the model;
         # a sharded checkpoint about to be loaded replaces the HF weights: allocate instead of reading them
         mapping = compose_model(
             inner,

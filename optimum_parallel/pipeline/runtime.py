@@ -332,6 +332,57 @@ NO_GENERATE = (
 )
 
 
+def check_schedule(schedule: object, key: str = "pipeline_parallel_schedule") -> None:
+    """`schedule` names one of `SCHEDULES`; the error names `key` (the caller's name for it) and the allowed ones."""
+    if not isinstance(schedule, str) or schedule not in SCHEDULES:
+        raise ValueError(f"{key}={schedule!r} is not allowed; allowed: {', '.join(SCHEDULES)}")
+
+
+def _decoder_parts(
+    model: nn.Module, split_spec: str | Mapping[str, SplitPoint]
+) -> tuple[str, nn.ModuleList, nn.Module]:
+    """(the layer list's prefix, the layer list, the base model holding embed_tokens / layers / norm)."""
+    prefix = split_spec if isinstance(split_spec, str) else next(iter(split_spec), "").rpartition(".")[0]
+    layers = find_layer_list(model, prefix)
+    base = model.get_submodule(prefix.rpartition(".")[0])
+    if not all(hasattr(base, name) for name in ("embed_tokens", "norm")) or not hasattr(model, "lm_head"):
+        raise NotImplementedError(
+            f"pipeline parallelism needs a decoder with embed_tokens, layers, norm and lm_head; "
+            f"{type(model).__name__} is not supported yet (supported: causal LMs laid out as model.embed_tokens, "
+            "model.layers, model.norm, lm_head)"
+        )
+    return prefix, layers, base
+
+
+def check_pipeline(
+    model: nn.Module,
+    pp: int,
+    split_spec: str | Mapping[str, SplitPoint],
+    num_microbatches: int,
+    schedule: str,
+    *,
+    schedule_key: str = "pipeline_parallel_schedule",
+    microbatches_key: str = "pipeline_parallel_num_microbatches",
+) -> list[range]:
+    """Everything `apply_pipeline` needs of its request, checked before anything changes; returns the stages'
+    layer ranges. The errors name the caller's keys (`schedule_key`, `microbatches_key`) and the allowed values."""
+    check_schedule(schedule, schedule_key)
+    if isinstance(num_microbatches, bool) or not isinstance(num_microbatches, int) or num_microbatches < pp:
+        raise ValueError(f"{microbatches_key}={num_microbatches!r} is not allowed; it must be an int >= pp={pp}")
+    prefix, layers, base = _decoder_parts(model, split_spec)
+    _, per_rank, placement = SCHEDULES[schedule]
+    ranges = stage_layers(len(layers), pp * per_rank, split_spec, prefix)
+    head = getattr(model.lm_head, "weight", None)
+    if placement == "v" and head is not None and head is getattr(base.embed_tokens, "weight", None):
+        # measured: the split weight-gradient pass miscounts the shared weight
+        raise NotImplementedError(
+            f"{schedule_key}={schedule!r} puts the first and last stage on one rank, which tied embeddings do not "
+            "support yet; untie them (tie_word_embeddings=False) or use another schedule; allowed with tied "
+            f"embeddings: {', '.join(name for name, (_, _, where) in SCHEDULES.items() if where != 'v')}"
+        )
+    return ranges
+
+
 def apply_pipeline(
     model: nn.Module,
     mesh: ParallelMesh,
@@ -339,34 +390,19 @@ def apply_pipeline(
     num_microbatches: int,
     schedule: str = "1f1b",
 ) -> Pipeline:
-    """Split `model` into stages for this rank's pp position, prune the rest, and attach run_train/run_eval."""
-    if schedule not in SCHEDULES:
-        raise ValueError(f"pipeline schedule {schedule!r} is not known; allowed: {', '.join(SCHEDULES)}")
+    """Split `model` into stages for this rank's pp position, prune the rest, and attach run_train/run_eval.
+    A bad request raises (`check_pipeline`) before anything changes."""
     pp = mesh.size("pp")
-    if num_microbatches < pp:
-        raise ValueError(f"pipeline_parallel_num_microbatches={num_microbatches} must be >= pp={pp}")
-    prefix = split_spec if isinstance(split_spec, str) else next(iter(split_spec)).rpartition(".")[0]
-    layers = find_layer_list(model, prefix)
-    base = model.get_submodule(prefix.rpartition(".")[0])
-    if not all(hasattr(base, name) for name in ("embed_tokens", "norm")) or not hasattr(model, "lm_head"):
-        raise NotImplementedError(
-            f"pipeline parallelism needs a decoder with embed_tokens, layers, norm and lm_head; "
-            f"{type(model).__name__} is not supported yet"
-        )
+    ranges = check_pipeline(model, pp, split_spec, num_microbatches, schedule)
+    _, _, base = _decoder_parts(model, split_spec)
     _, per_rank, placement = SCHEDULES[schedule]
     num_stages = pp * per_rank
-    ranges = stage_layers(len(layers), num_stages, split_spec, prefix)
     indices = _stage_indices(mesh.rank("pp"), pp, per_rank, placement)
     if dist.get_rank() == 0:
         split = ", ".join(f"stage {i}: layers {r.start}-{r.stop - 1}" for i, r in enumerate(ranges))
         print(f"[optimum-parallel] pipeline {pp} ranks x {per_rank} stages ({schedule}): {split}")
 
     tied = model.lm_head.weight is base.embed_tokens.weight
-    if tied and placement == "v":  # measured: the split weight-gradient pass miscounts the shared weight
-        raise NotImplementedError(
-            f"schedule {schedule!r} puts the first and last stage on one rank, which tied embeddings do not support "
-            "yet; untie them (tie_word_embeddings=False) or use another schedule"
-        )
     stages = [DecoderStage(model, base, ranges[index], index, num_stages) for index in indices]
     if _sequence_parallel(model):
         for stage in stages:

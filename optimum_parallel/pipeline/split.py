@@ -35,7 +35,10 @@ def stage_layers(
     """The layer indices of every stage: an even split (the last stages take the smaller shares, since they
     also run the head and the loss), or exactly at the points of a {"prefix.N": SplitPoint} spec."""
     if num_layers < num_stages:
-        raise ValueError(f"{num_layers} layers cannot be split into {num_stages} pipeline stages")
+        raise ValueError(
+            f"{num_layers} layers cannot be split into {num_stages} pipeline stages (pp x the schedule's stages per "
+            f"rank); allowed: at most {num_layers} stages"
+        )
     if isinstance(split_spec, str):
         base, extra = divmod(num_layers, num_stages)
         bounds = [0]

@@ -64,13 +64,20 @@ def resolve_plan(model: nn.Module, plan: Mapping[str, object]) -> dict[str, list
 
 
 def check_plan(model: nn.Module, plan: Mapping[str, object], mesh: ParallelMesh) -> dict[str, list[ParallelStyle]]:
-    """Resolve every key and check every style against its module; raise before anything is modified."""
+    """Resolve every key and check every style against its module, and every wrapper (LoRA) around one against
+    what the styles make of its layer; raise before anything is modified."""
     ctx = PlanContext(mesh)
     targets = resolve_plan(model, plan)
+    get_head = getattr(model, "get_output_embeddings", None)
+    head = get_head() if callable(get_head) else None
     for name, styles in targets.items():
-        module = style_target(model.get_submodule(name))
+        wrapper = model.get_submodule(name)
+        module = style_target(wrapper)
         for style in styles:
             style.check(module, name, ctx)
+        handler = handler_for(wrapper) if module is not wrapper else None
+        if handler is not None and handler.check is not None:
+            handler.check(wrapper, styles, name, wrapper is head)
     return targets
 
 

@@ -60,13 +60,7 @@ def localize_attention_heads(model: nn.Module) -> None:
 def install_vocab_parallel_loss(model: nn.Module) -> None:
     """A column-parallel LM head without gathered output needs the vocab-parallel loss."""
     get_head = getattr(model, "get_output_embeddings", None)
-    head = get_head() if get_head is not None else None
-    if head is not None and unwrap(head) is not head and isinstance(unwrap(head), ColumnParallelLinear):
-        raise NotImplementedError(
-            f"an adapter on the vocab-parallel LM head ({type(head).__name__}) is not supported yet; "
-            "leave the LM head out of the adapter's target modules (or keep it whole with "
-            "ColWiseParallel(gather_output=True))"
-        )
+    head = get_head() if get_head is not None else None  # an adapter on it was refused by the plan's check
     if not isinstance(head, ColumnParallelLinear) or head.gather_output:
         return
     loss_type = getattr(model, "loss_type", None)

@@ -17,12 +17,15 @@ from torch import nn
 class WrapperHandler:
     """`matches(module)`: is this a wrapper the handler knows; `parallelize(wrapper, ctx)`: split its own
     parameters once its `base_layer` has been swapped; `after_apply(model, ctx)`: anything to do once the
-    whole plan has been applied (e.g. make later-created wrappers work)."""
+    whole plan has been applied (e.g. make later-created wrappers work); `check(wrapper, styles, name, lm_head)`:
+    raise, before the plan changes anything, if the wrapper cannot follow what `styles` will make of its layer
+    (`lm_head`: the wrapper is the model's output embedding)."""
 
     name: str
     matches: Callable[[nn.Module], bool]
     parallelize: Callable[[nn.Module, object], None]
     after_apply: Callable[[nn.Module, object], None] | None = None
+    check: Callable[[nn.Module, list, str, bool], None] | None = None
 
 
 HANDLERS: dict[str, WrapperHandler] = {}

@@ -10,7 +10,7 @@ from __future__ import annotations
 import importlib.util
 
 from ...plan.wrappers import WrapperHandler, register_wrapper_handler
-from .lora import is_peft_layer, link_lora_siblings, shard_lora_layer
+from .lora import check_planned_wrapper, is_peft_layer, link_lora_siblings, shard_lora_layer
 
 
 def _parallelize(wrapper, ctx) -> None:
@@ -27,4 +27,4 @@ def _after_apply(model, ctx) -> None:
 
 
 def register() -> None:
-    register_wrapper_handler(WrapperHandler("peft", is_peft_layer, _parallelize, _after_apply))
+    register_wrapper_handler(WrapperHandler("peft", is_peft_layer, _parallelize, _after_apply, check_planned_wrapper))

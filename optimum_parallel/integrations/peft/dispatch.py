@@ -15,7 +15,7 @@ import torch.distributed as dist
 from ...tensor_parallel.gather import gather_full
 from ...tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
 from ..transformers.internals import transformers_internal
-from .lora import is_parallel_lora, shard_lora_layer
+from .lora import check_lora_target, is_parallel_lora, shard_lora_layer
 
 _INSTALLED = False
 
@@ -34,13 +34,35 @@ def install_peft_dispatch() -> None:
         base = target.get_base_layer() if isinstance(target, BaseTunerLayer) else target
         if not isinstance(base, (ColumnParallelLinear, RowParallelLinear)):
             return original(lora_config, adapter_name, target, **kwargs)
+        check_lora_target(base, kwargs.get("current_key") or type(base).__name__)
         module = Linear(target, adapter_name, config=lora_config, **kwargs)
         shard_lora_layer(module, dist.get_rank(base.group), dist.get_world_size(base.group))
         return module
 
     LoraModel._create_new_module = staticmethod(create_new_module)
+    _install_target_check(LoraModel)
     _install_save()
     _INSTALLED = True
+
+
+def _install_target_check(lora_model: type) -> None:
+    """Before PEFT replaces any module: refuse every target of the adapter config that is a parallel layer LoRA does
+    not support (the vocab-parallel LM head, packed layers, gathered outputs), so a refused `get_peft_model` leaves
+    the model as it was (the dispatch above would refuse too, but only after the earlier targets were wrapped)."""
+    from peft.tuners.tuners_utils import check_target_module_exists
+
+    original = lora_model.inject_adapter
+
+    def inject_adapter(self, model, adapter_name, *args, **kwargs):
+        config = self.peft_config.get(adapter_name) if isinstance(self.peft_config, dict) else None
+        if config is not None and config.target_modules is not None:
+            parallel = (ColumnParallelLinear, RowParallelLinear)
+            for name, module in model.named_modules():
+                if isinstance(module, parallel) and check_target_module_exists(config, name):
+                    check_lora_target(module, name)
+        return original(self, model, adapter_name, *args, **kwargs)
+
+    lora_model.inject_adapter = inject_adapter
 
 
 def _install_save() -> None:

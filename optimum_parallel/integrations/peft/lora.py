@@ -61,29 +61,94 @@ def is_parallel_lora(module: nn.Module) -> bool:
     return type(module) in _PARALLEL_CLASSES.values()
 
 
-def _check_supported(wrapper: nn.Module) -> None:
-    base = wrapper.base_layer
+def _unsupported_base(base: type, name: str, *, gather_output: bool, input_is_parallel: bool, lm_head: bool) -> str:
+    """Why LoRA cannot adapt `name` once it is a `base` layer, or "" if it can: the one refusal both orders use
+    (`get_peft_model` then parallelize: checked with the plan; parallelize then `get_peft_model`: in the dispatch)."""
+    if lm_head and issubclass(base, ColumnParallelLinear):
+        return (
+            f"LoRA on the vocab-parallel LM head {name!r} ({base.__name__}, logits split over tp) is not supported "
+            f"yet; leave it out of target_modules. Supported: {SUPPORTED} on ColumnParallelLinear without gathered "
+            "output (q/k/v, gate/up) and RowParallelLinear (o_proj, down_proj)"
+        )
+    if issubclass(base, PackedColumnParallelLinear) or not issubclass(base, (ColumnParallelLinear, RowParallelLinear)):
+        return (
+            f"LoRA on {name!r} ({base.__name__}) is not supported; supported bases: ColumnParallelLinear and "
+            "RowParallelLinear (not packed q|k|v or gate|up layers, embeddings or experts): leave this module out "
+            "of target_modules"
+        )
+    if issubclass(base, ColumnParallelLinear) and gather_output:
+        return (
+            f"LoRA on {name!r}, a column-parallel layer that gathers its output (gather_output=True), is not "
+            "supported; supported: ColumnParallelLinear without gathered output and RowParallelLinear"
+        )
+    if issubclass(base, RowParallelLinear) and not input_is_parallel:
+        return (
+            f"LoRA on {name!r}, a row-parallel layer that splits its own input (input_is_parallel=False), is not "
+            "supported; supported: ColumnParallelLinear without gathered output and RowParallelLinear"
+        )
+    return ""
+
+
+def check_lora_target(base: nn.Module, name: str) -> None:
+    """Refuse LoRA on a parallel layer it does not support (`get_peft_model` on a parallel model)."""
+    reason = _unsupported_base(
+        type(base),
+        name,
+        gather_output=getattr(base, "gather_output", False),
+        input_is_parallel=getattr(base, "input_is_parallel", True),
+        lm_head=hasattr(base, "logits_mode"),  # the vocab-parallel head (plan/inference.py sets it)
+    )
+    if reason:
+        raise NotImplementedError(reason)
+
+
+def _wrapper_supported(wrapper: nn.Module) -> None:
     if not isinstance(wrapper, _lora_linear_class()):
         raise NotImplementedError(
             f"{type(wrapper).__module__}.{type(wrapper).__qualname__} on a tensor-parallel layer is not supported; "
             f"supported: {SUPPORTED}"
         )
-    if isinstance(base, PackedColumnParallelLinear) or not isinstance(base, (ColumnParallelLinear, RowParallelLinear)):
-        raise NotImplementedError(
-            f"LoRA on a {type(base).__name__} is not supported; supported bases: ColumnParallelLinear and "
-            "RowParallelLinear (not packed q|k|v or gate|up layers): leave this module out of target_modules"
-        )
-    if isinstance(base, ColumnParallelLinear) and base.gather_output:
-        raise NotImplementedError("LoRA on a column-parallel layer that gathers its output is not supported")
-    if isinstance(base, RowParallelLinear) and not base.input_is_parallel:
-        raise NotImplementedError("LoRA on a row-parallel layer that splits its own input is not supported")
     if wrapper.lora_variant:
         raise NotImplementedError(
             f"LoRA variants {sorted(type(v).__name__ for v in wrapper.lora_variant.values())} (DoRA, ...) are not "
             f"supported under tensor parallelism; supported: {SUPPORTED} without use_dora"
         )
     if any(b.bias is not None for b in wrapper.lora_B.values()):
-        raise NotImplementedError("LoRA with lora_bias=True is not supported under tensor parallelism")
+        raise NotImplementedError(
+            "LoRA with lora_bias=True is not supported under tensor parallelism; supported: lora_bias=False"
+        )
+
+
+def check_planned_wrapper(wrapper: nn.Module, styles: list, name: str, lm_head: bool) -> None:
+    """`get_peft_model`, then parallelize: refuse a PEFT layer whose base the plan would swap for a layer LoRA here
+    does not support, before the plan changes anything (the same refusal as `_check_supported` after the swap)."""
+    from ...styles import ColWiseParallel, RowWiseParallel
+
+    swapping = [s for s in styles if s.swaps_module]
+    if not swapping:
+        return
+    _wrapper_supported(wrapper)
+    style, layer = swapping[-1], wrapper.base_layer
+    if isinstance(style, ColWiseParallel):
+        base = ColumnParallelLinear
+    elif isinstance(style, RowWiseParallel) and isinstance(layer, nn.Linear):
+        base = RowParallelLinear
+    else:
+        base = type(style)  # packed, embedding, expert and other swaps
+    reason = _unsupported_base(
+        base,
+        name,
+        gather_output=getattr(style, "gather_output", False),
+        input_is_parallel=getattr(style, "input_is_parallel", True),
+        lm_head=lm_head and not getattr(style, "gather_output", False),
+    )
+    if reason:
+        raise NotImplementedError(reason)
+
+
+def _check_supported(wrapper: nn.Module) -> None:
+    _wrapper_supported(wrapper)
+    check_lora_target(wrapper.base_layer, type(wrapper.base_layer).__name__)
 
 
 def _shard(module: nn.Linear, spec: ShardSpec, rank: int, tp: int) -> None:

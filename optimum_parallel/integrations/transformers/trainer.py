@@ -27,6 +27,7 @@ from ...checkpoint import read_index, reshard_checkpoint
 from ...checkpoint.ranks import current_rank
 from ...engine.compose import compose_training, optimizer_for_parallel_model
 from ...engine.data_parallel import DataParallelConfig
+from ...engine.validate import TRAINER_KEYS
 from ...frontends.manager import ParallelizersManager
 from ...mesh import ParallelMesh, get_mesh, init_mesh
 from ...plan import logits_mode
@@ -125,6 +126,18 @@ class ParallelTrainer(Trainer):
             with lazy_load_for_parallelism(args.tensor_parallel_size, args.pipeline_parallel_size):
                 model = model_class.from_pretrained(model, **(model_kwargs or {}))
         self.parallelizer = ParallelizersManager.parallelizer_for_model(model)
+        config = DataParallelConfig(sharding_level=args.sharding_level)
+        # the whole request, data parallelism and the optimizer passed in included, before anything changes
+        self.parallelizer.validate(
+            model,
+            sequence_parallel_enabled=args.sequence_parallel,
+            pipeline_parallel_num_microbatches=args.pipeline_parallel_num_microbatches,
+            pipeline_parallel_schedule=args.pipeline_schedule,
+            context_parallel_strategy=args.context_parallel_strategy,
+            data_parallel=config,
+            optimizer=optimizers[0],
+            keys=TRAINER_KEYS,
+        )
         model = self.parallelizer.parallelize(
             model,
             device=args.device,
@@ -150,7 +163,6 @@ class ParallelTrainer(Trainer):
         self.accelerator.prepare_data_loader = self._prepare_data_loader
         if self.optimizer is None:
             self.create_optimizer()
-        config = DataParallelConfig(sharding_level=args.sharding_level)
         # step 4 ran above for an optimizer passed in, and the Trainer's own is built over the parallel parameters:
         # no parameter map here (its keys are ids of replaced parameters, which new ones, e.g. adapters, may reuse)
         self.model, self.optimizer = compose_training(self.model, self.optimizer, self.mesh, {}, config)

@@ -7,9 +7,10 @@ from dataclasses import dataclass, field
 from transformers import TrainingArguments
 
 from ...context_parallel import STRATEGIES as CP_STRATEGIES
-from ...engine.data_parallel import SHARDING_LEVELS
+from ...context_parallel import check_strategy
+from ...engine.data_parallel import check_sharding_level
 from ...mesh import check_positive_int
-from ...pipeline import SCHEDULES
+from ...pipeline import SCHEDULES, check_schedule
 
 
 @dataclass
@@ -48,17 +49,9 @@ class ParallelTrainingArguments(TrainingArguments):
         check_positive_int("pipeline_parallel_size", self.pipeline_parallel_size)
         check_positive_int("context_parallel_size", self.context_parallel_size)
         check_positive_int("pipeline_parallel_num_microbatches", self.pipeline_parallel_num_microbatches)
-        if isinstance(self.sharding_level, bool) or self.sharding_level not in SHARDING_LEVELS:
-            raise ValueError(f"sharding_level={self.sharding_level!r} is not allowed; allowed: 0, 1, 2, 3")
-        if self.context_parallel_strategy not in CP_STRATEGIES:
-            raise ValueError(
-                f"context_parallel_strategy={self.context_parallel_strategy!r} is not allowed; allowed: "
-                f"{', '.join(CP_STRATEGIES)}"
-            )
-        if self.pipeline_schedule not in SCHEDULES:
-            raise ValueError(
-                f"pipeline_schedule={self.pipeline_schedule!r} is not allowed; allowed: {', '.join(SCHEDULES)}"
-            )
+        check_sharding_level(self.sharding_level, "sharding_level")
+        check_strategy(self.context_parallel_strategy, "context_parallel_strategy")
+        check_schedule(self.pipeline_schedule, "pipeline_schedule")
         if self.pipeline_parallel_size == 1:
             if self.pipeline_parallel_num_microbatches != 1:
                 raise ValueError(
