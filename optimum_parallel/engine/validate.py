@@ -20,6 +20,7 @@ from ..context_parallel import check_context_parallel
 from ..mesh import ParallelMesh
 from ..pipeline import check_pipeline
 from ..plan import check_plan
+from ..state import find_state
 from .data_parallel import DataParallelConfig, check_data_parallel
 
 if TYPE_CHECKING:
@@ -75,7 +76,8 @@ def validate_request(
             microbatches_key=keys.num_microbatches,
         )
     cp = mesh.size("cp")
-    if cp > 1 and "_context_parallel" not in model.__dict__:
+    state = find_state(model)  # a read that records nothing: validation changes nothing
+    if cp > 1 and (state is None or state.context_parallel is None):
         tp = mesh.size("tp") if plan else 1  # q/k/v are split over tp by the plan: all_to_all sees local heads
         check_context_parallel(model, cp, context_parallel, tp, keys.context_parallel)
     if data_parallel is not None:
