@@ -20,13 +20,14 @@ class UnevenRows(torch.utils.data.Dataset):
     """Right-padded rows of 1 to SEQ tokens with a few more -100 labels: from 0 to 15 labelled tokens after the
     causal shift (row 3 has none)."""
 
-    def __init__(self, seed: int = 0) -> None:
+    def __init__(self, seed: int = 0, uneven: bool = True) -> None:
         gen = torch.Generator().manual_seed(seed)
         self.input_ids = torch.randint(0, tiny_config("llama").vocab_size, (ROWS, SEQ), generator=gen)
-        lengths = (torch.arange(ROWS) * 7) % SEQ + 1
+        lengths = (torch.arange(ROWS) * 7) % SEQ + 1 if uneven else torch.full((ROWS,), SEQ)
         self.attention_mask = (torch.arange(SEQ) < lengths[:, None]).long()
         self.labels = self.input_ids.masked_fill(self.attention_mask == 0, -100)
-        self.labels[::3, 2] = -100
+        if uneven:
+            self.labels[::3, 2] = -100
 
     def __len__(self) -> int:
         return ROWS
@@ -50,11 +51,11 @@ def common_args(output_dir: str) -> dict:
     )  # fmt: skip
 
 
-def single_process(hf_dir: str, args: dict, final_weights: bool = False) -> dict:
+def single_process(hf_dir: str, args: dict, final_weights: bool = False, uneven: bool = True) -> dict:
     """transformers.Trainer on one process on the global batch (in the test process)."""
     args = TrainingArguments(**args)
     model = AutoModelForCausalLM.from_pretrained(hf_dir, **LOAD)
-    trainer = Trainer(model, args, train_dataset=UnevenRows(), eval_dataset=UnevenRows(seed=1))
+    trainer = Trainer(model, args, train_dataset=UnevenRows(uneven=uneven), eval_dataset=UnevenRows(1, uneven))
     trainer.train()
     out = {"curve": curve(trainer.state.log_history), "eval": trainer.evaluate()["eval_loss"]}
     if final_weights:
@@ -89,14 +90,14 @@ def test_labelled_tokens_are_uneven():
 # ----------------------------------------------------------------------------------------------- in the pool
 
 
-def train_parallel(hf_dir: str, args: dict, consolidate_to: str | None = None) -> dict:
+def train_parallel(hf_dir: str, args: dict, consolidate_to: str | None = None, uneven: bool = True) -> dict:
     """One ParallelTrainer run on this rank; its logged curve, a final evaluation and what transformers set up."""
     from optimum_parallel.integrations.transformers.trainer import ParallelTrainer
     from optimum_parallel.integrations.transformers.training_args import ParallelTrainingArguments
 
     args = ParallelTrainingArguments(**args)
-    trainer = ParallelTrainer(hf_dir, args, model_kwargs=LOAD, train_dataset=UnevenRows(),
-                              eval_dataset=UnevenRows(seed=1))  # fmt: skip
+    trainer = ParallelTrainer(hf_dir, args, model_kwargs=LOAD, train_dataset=UnevenRows(uneven=uneven),
+                              eval_dataset=UnevenRows(1, uneven))  # fmt: skip
     trainer.train()
     out = {"curve": curve(trainer.state.log_history), "eval": trainer.evaluate()["eval_loss"]}
     if consolidate_to:
@@ -142,6 +143,19 @@ def test_token_weighted_data_parallel(pool, hf_dir, reference, tmp_path, layout)
     trained = AutoModelForCausalLM.from_pretrained(consolidated, **LOAD).state_dict()
     worst = max(rel_err(trained[name], value) for name, value in reference["weights"].items())
     assert worst <= TOL, worst
+
+
+def test_per_device_token_count_is_not_divided_by_tp(pool, hf_dir, tmp_path):
+    """`average_tokens_across_devices=False` (each replica its own token mean, as transformers defines it) at
+    dp=2 x tp=2 on rows of equal length, where that mean is the global one: the single-process curve and eval loss,
+    not tp times it (transformers divides its per-device count by the ranks sharing a batch)."""
+    args = {**common_args(str(tmp_path / "out")), **LAYOUTS["dp2_tp2"], "per_device_eval_batch_size": 4}
+    results = pool.run(train_parallel, hf_dir, {**args, "average_tokens_across_devices": False}, uneven=False)
+    expected = single_process(hf_dir, {**common_args(str(tmp_path / "reference")),
+                                       "per_device_train_batch_size": GLOBAL_BATCH}, uneven=False)  # fmt: skip
+    for result in results:
+        assert worst_relative(result["curve"], expected["curve"]) <= TOL, (result["curve"], expected["curve"])
+        assert abs(result["eval"] - expected["eval"]) <= TOL * expected["eval"], (result["eval"], expected["eval"])
 
 
 @pytest.mark.xfail(reason="needs token-weighted run_train from branch main", strict=False)

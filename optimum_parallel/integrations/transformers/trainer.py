@@ -199,6 +199,16 @@ class ParallelTrainer(Trainer):
         return self.mesh.size("tp") * self.mesh.size("pp") * self.mesh.size("cp")
 
     @private_override
+    def _get_num_items_in_batch(self, batch_samples: list, device: torch.device):
+        """Without `average_tokens_across_devices` the Trainer's count is this replica's own, yet it still divides it
+        by `get_tp_size` (meant for a count gathered over the world): undo that, or the loss would be the replica's
+        token mean times tp x pp x cp."""
+        count = super()._get_num_items_in_batch(batch_samples, device)
+        if count is not None and not self.args.average_tokens_across_devices:
+            count = count * self.get_tp_size()
+        return count
+
+    @private_override
     def _sync_replicated_trainable_parameters(self, model: nn.Module) -> None:
         """The Trainer's fix-up for DTensor models would average tp shards over the world: ours need none."""
 
