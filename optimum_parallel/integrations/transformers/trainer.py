@@ -9,6 +9,7 @@ everything else (logging, callbacks, evaluation loop, checkpoint rotation, resum
 from __future__ import annotations
 
 import contextlib
+import inspect
 import os
 import shutil
 from pathlib import Path
@@ -211,6 +212,16 @@ class ParallelTrainer(Trainer):
         return self.mesh.size("tp") * self.mesh.size("pp") * self.mesh.size("cp")
 
     @private_override
+    def _get_num_items_in_batch(self, batch_samples: list, device: torch.device):
+        """Without `average_tokens_across_devices` the Trainer's count is this replica's own, yet it still divides it
+        by `get_tp_size` (meant for a count gathered over the world): undo that, or the loss would be the replica's
+        token mean times tp x pp x cp."""
+        count = super()._get_num_items_in_batch(batch_samples, device)
+        if count is not None and not self.args.average_tokens_across_devices:
+            count = count * self.get_tp_size()
+        return count
+
+    @private_override
     def _sync_replicated_trainable_parameters(self, model: nn.Module) -> None:
         """The Trainer's fix-up for DTensor models would average tp shards over the world: ours need none."""
 
@@ -241,12 +252,21 @@ class ParallelTrainer(Trainer):
     # ------------------------------------------------------------------ training step and the global gradient norm
 
     def training_step(self, model: nn.Module, inputs: dict[str, Any], num_items_in_batch=None) -> torch.Tensor:
-        """Under pp the pipeline runs forward and backward over its micro-batches and returns the mean loss."""
+        """Under pp the pipeline runs forward and backward over its micro-batches and returns the global batch's loss
+        (the same on every rank: the Trainer's mean over the world logs it as is). It gets the Trainer's count of
+        labelled tokens, which with `average_tokens_across_devices` is the global batch's (gathered over the world,
+        divided by `get_tp_size`); otherwise transformers' count is per device (and divided too): run_train then
+        counts the global batch's tokens itself over the dp replicas."""
         if self._pipeline is None:
             return super().training_step(model, inputs, num_items_in_batch)
         model.train()
+        if not self.args.average_tokens_across_devices:
+            num_items_in_batch = None
+        count = {}
+        if num_items_in_batch is not None and "num_items_in_batch" in inspect.signature(model.run_train).parameters:
+            count = {"num_items_in_batch": num_items_in_batch}  # the check goes once run_train takes it (branch main)
         with self.accelerator.autocast():  # accelerate's mixed precision wraps model.forward, which pp bypasses
-            return model.run_train(**self._prepare_inputs(inputs)).detach()
+            return model.run_train(**self._prepare_inputs(inputs), **count).detach()
 
     def _global_grad_norm(self, model: nn.Module) -> torch.Tensor:
         """The 2-norm of the whole model's gradient: squares of each rank's own pieces (tp shards once, pp stages,

@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 
+import torch
+import torch.distributed as dist
 from transformers import TrainingArguments
+from transformers.utils import is_torch_xla_available
 
 from ...context_parallel import STRATEGIES as CP_STRATEGIES
 from ...context_parallel import check_strategy
@@ -44,7 +48,22 @@ class ParallelTrainingArguments(TrainingArguments):
     pipeline_schedule: str = field(default="1f1b", metadata={"help": f"One of: {', '.join(SCHEDULES)}."})
 
     def __post_init__(self) -> None:
-        super().__post_init__()
+        world = _launched_world_size()
+        if world > 1 and not self.use_cpu and _no_accelerator():
+            # accelerate makes a multi-process CPU run distributed only with cpu=True; without it every rank is
+            # process 0 of 1, and the Trainer's loss scale (processes // ranks sharing a batch) is 1 // tp = 0
+            self.use_cpu = True
+            if self.ddp_backend is None:
+                self.ddp_backend = "gloo"
+        super().__post_init__()  # creates the distributed state (accelerate's PartialState)
+        if world > 1 and self.world_size != world:
+            kind = getattr(self.distributed_state, "distributed_type", None)
+            raise ValueError(
+                f"{world} processes were launched, but transformers/accelerate set up {self.world_size} on device "
+                f"{self.device} (distributed type {kind}); the Trainer would scale "
+                "losses and batches wrongly. Add use_cpu=True (--use_cpu) to train on CPU with gloo, or run on an "
+                "accelerator accelerate distributes over"
+            )
         check_positive_int("tensor_parallel_size", self.tensor_parallel_size)
         check_positive_int("pipeline_parallel_size", self.pipeline_parallel_size)
         check_positive_int("context_parallel_size", self.context_parallel_size)
@@ -76,3 +95,13 @@ class ParallelTrainingArguments(TrainingArguments):
                     f"{name}={getattr(self, name)} is not allowed: it must be a multiple of "
                     f"pipeline_parallel_num_microbatches={self.pipeline_parallel_num_microbatches}"
                 )
+
+
+def _launched_world_size() -> int:
+    """Processes in the job: the process group's size, else torchrun's WORLD_SIZE."""
+    return dist.get_world_size() if dist.is_initialized() else int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def _no_accelerator() -> bool:
+    """No device accelerate could distribute over (CUDA, XPU, NPU, HPU, MPS, ..., or XLA): a CPU-only machine."""
+    return torch.accelerator.current_accelerator() is None and not is_torch_xla_available()
