@@ -158,7 +158,6 @@ def test_per_device_token_count_is_not_divided_by_tp(pool, hf_dir, tmp_path):
         assert abs(result["eval"] - expected["eval"]) <= TOL * expected["eval"], (result["eval"], expected["eval"])
 
 
-@pytest.mark.xfail(reason="needs token-weighted run_train from branch main", strict=False)
 @pytest.mark.parametrize("across_devices", [True, False])
 def test_pipeline_with_uneven_micro_batches(pool, hf_dir, reference, tmp_path, across_devices):
     """dp=2 x pp=2, 4 micro-batches of one row each: run_train gets the Trainer's global token count (or, when

@@ -9,7 +9,6 @@ everything else (logging, callbacks, evaluation loop, checkpoint rotation, resum
 from __future__ import annotations
 
 import contextlib
-import inspect
 import os
 import shutil
 from pathlib import Path
@@ -262,11 +261,9 @@ class ParallelTrainer(Trainer):
         model.train()
         if not self.args.average_tokens_across_devices:
             num_items_in_batch = None
-        count = {}
-        if num_items_in_batch is not None and "num_items_in_batch" in inspect.signature(model.run_train).parameters:
-            count = {"num_items_in_batch": num_items_in_batch}  # the check goes once run_train takes it (branch main)
+        inputs = self._prepare_inputs(inputs)
         with self.accelerator.autocast():  # accelerate's mixed precision wraps model.forward, which pp bypasses
-            return model.run_train(**self._prepare_inputs(inputs), **count).detach()
+            return model.run_train(**inputs, num_items_in_batch=num_items_in_batch).detach()
 
     def _global_grad_norm(self, model: nn.Module) -> torch.Tensor:
         """The 2-norm of the whole model's gradient: squares of each rank's own pieces (tp shards once, pp stages,
