@@ -8,16 +8,10 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.optim import ZeroRedundancyOptimizer
-from torch.distributed.tensor import DTensor
 
 from ..io.safetensors_io import dtype_name
+from ..mesh.loaded import is_dtensor, is_zero_optimizer
 from ..tensor_parallel.spec import ShardLayout, split_layout
-
-
-def is_dtensor(tensor: torch.Tensor) -> bool:
-    """A DTensor: here, a parameter (or its optimizer state) sharded over dp by FSDP2 (sharding levels 2-3)."""
-    return isinstance(tensor, DTensor)
 
 
 @dataclass
@@ -112,7 +106,7 @@ def _jsonable(value: object) -> bool:
 
 
 def is_zero1(optimizer: torch.optim.Optimizer) -> bool:
-    return isinstance(optimizer, ZeroRedundancyOptimizer)
+    return is_zero_optimizer(optimizer)
 
 
 def optimizer_class(optimizer: torch.optim.Optimizer) -> type:

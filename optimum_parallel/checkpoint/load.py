@@ -11,7 +11,6 @@ from pathlib import Path
 
 import torch
 from torch import nn
-from torch.distributed.tensor import distribute_tensor
 
 from ..io.errors import CheckpointError
 from ..tensor_parallel.spec import replace_tensor
@@ -59,6 +58,8 @@ def _check_layout(where: str, name: str, entry: TensorEntry, shard, tensor: torc
 def _dp_shard(value: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
     """`value` (this tp rank's whole tensor) as the FSDP2 DTensor `like` holds it: this dp rank's part, cut
     locally (every dp rank read the whole tensor)."""
+    from torch.distributed.tensor import distribute_tensor  # loaded already: `like` is a DTensor
+
     return distribute_tensor(value, like.device_mesh, like.placements, src_data_rank=None)
 
 

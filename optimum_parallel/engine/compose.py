@@ -16,7 +16,6 @@ from torch import nn
 
 from ..context_parallel import apply_context_parallel
 from ..mesh import ParallelMesh
-from ..pipeline import apply_pipeline
 from ..pipeline.split import SplitPoint
 from ..plan import apply_plan
 from .data_parallel import DataParallelConfig, apply_data_parallel
@@ -79,6 +78,8 @@ def _compose_model(
         apply_context_parallel(model, mesh.group("cp"), context_parallel)
     # 3. Pipeline split: the rank keeps its stages; the parameters of other stages map to None.
     if pipeline is not None:
+        from ..pipeline.runtime import apply_pipeline  # torch's pipelining (and torch._dynamo) load only here
+
         apply_pipeline(model, mesh, pipeline.split_spec, pipeline.num_microbatches, pipeline.schedule)
         present = {id(p) for p in model.parameters()}
         mapping = {k: (v if id(v) in present else None) for k, v in mapping.items()}

@@ -1,14 +1,20 @@
-"""Pipeline parallelism: hand-built stages of HF decoders on torch.distributed.pipelining schedules."""
+"""Pipeline parallelism: hand-built stages of HF decoders on torch.distributed.pipelining schedules.
 
-from .runtime import SCHEDULES, Pipeline, PipelineOutput, apply_pipeline, check_pipeline, check_schedule
+The runtime (`Pipeline`, `apply_pipeline`) loads on first use: torch's pipelining imports `torch._dynamo`.
+"""
+
+from .schedules import SCHEDULES, check_pipeline, check_schedule
 from .split import SplitPoint
 
-__all__ = [
-    "SCHEDULES",
-    "Pipeline",
-    "PipelineOutput",
-    "SplitPoint",
-    "apply_pipeline",
-    "check_pipeline",
-    "check_schedule",
-]
+_RUNTIME = ("Pipeline", "PipelineOutput", "apply_pipeline")
+
+
+def __getattr__(name: str):
+    if name in _RUNTIME:
+        from . import runtime
+
+        return getattr(runtime, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+__all__ = ["SCHEDULES", "SplitPoint", "check_pipeline", "check_schedule", *_RUNTIME]

@@ -8,50 +8,28 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.pipelining import (
-    PipelineStage,
-    Schedule1F1B,
-    ScheduleGPipe,
-    ScheduleInterleaved1F1B,
-    ScheduleInterleavedZeroBubble,
-    ScheduleZBVZeroBubble,
-)
+from torch.distributed.pipelining import PipelineStage
 
 from ..context_parallel import ChunkLayout, check_gradients_reduced, split_batch
 from ..mesh import ParallelMesh
+from ..mesh.loaded import local_tensor
 from ..state import parallel_state, refuse
 from ..styles import PlanContext
 from ..styles.sequence_parallel import SequenceParallelBegin
 from ..tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
-from .split import SplitPoint, find_layer_list, stage_layers
+from .schedules import (
+    SCHEDULES,
+    SPLIT_BACKWARD,
+    check_pipeline,
+    decoder_parts,
+    schedule_class,
+    stage_indices,
+    stage_owner,
+)
+from .split import SplitPoint
 from .stage import DecoderStage, prune_to_stages
 
-# name -> (schedule class, stages per rank, placement: "loop" = r, r+pp, ...; "v" = r, 2pp-1-r)
-SCHEDULES = {
-    "gpipe": (ScheduleGPipe, 1, "loop"),
-    "1f1b": (Schedule1F1B, 1, "loop"),
-    "interleaved_1f1b": (ScheduleInterleaved1F1B, 2, "loop"),
-    "interleaved_zb": (ScheduleInterleavedZeroBubble, 2, "loop"),
-    "zbv": (ScheduleZBVZeroBubble, 2, "v"),
-}
-
 IGNORE_INDEX = -100
-
-# schedules that run the input and the weight gradients as separate passes (zero bubble)
-SPLIT_BACKWARD = {"interleaved_zb", "zbv"}
-
-
-def _stage_indices(rank: int, pp: int, per_rank: int, placement: str) -> list[int]:
-    if placement == "v":
-        return [rank, 2 * pp - 1 - rank]
-    return [rank + k * pp for k in range(per_rank)]
-
-
-def _stage_owner(index: int, pp: int, placement: str) -> int:
-    """The pp position holding stage `index`."""
-    if placement == "v":
-        return index if index < pp else 2 * pp - 1 - index
-    return index % pp
 
 
 @dataclass
@@ -78,7 +56,8 @@ class Pipeline:
                 layer.overlap_weight_grads = False
         self.num_microbatches = num_microbatches
         self.pp_group = mesh.group("pp")
-        schedule_cls, per_rank, self.placement = SCHEDULES[schedule]
+        per_rank, self.placement = SCHEDULES[schedule]
+        schedule_cls = schedule_class(schedule)
         num_stages = self.num_stages = mesh.size("pp") * per_rank
         self.stages_by_index = {stage.stage_index: stage for stage in stages}
         cuda = torch.cuda.is_available()
@@ -124,7 +103,7 @@ class Pipeline:
         return None if self._tied_holder is None else self._tied_holder.weight
 
     def owner(self, index: int) -> int:
-        return _stage_owner(index, self.mesh.size("pp"), self.placement)
+        return stage_owner(index, self.mesh.size("pp"), self.placement)
 
     def _loss(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         """One micro-batch's share of the batch loss: its token losses summed, over the batch's token count (the
@@ -287,7 +266,7 @@ class Pipeline:
         two stages hold the weight (under FSDP2 the local shard: both sides are sharded alike over dp)."""
         if self.tied_group is None or self.tied is None or self.tied.grad is None:
             return None
-        return _local(self.tied.grad).clone()
+        return local_tensor(self.tied.grad).clone()
 
     def _sync_tied_gradients(self, before: torch.Tensor | None) -> None:
         """The embedding (first stage) and the tied LM head (last stage) are one weight: sum what this step added to
@@ -295,18 +274,13 @@ class Pipeline:
         it twice)."""
         if self.tied_group is None or self.tied is None or self.tied.grad is None:
             return
-        grad = _local(self.tied.grad)
+        grad = local_tensor(self.tied.grad)
         if before is None:
             dist.all_reduce(grad, group=self.tied_group)
             return
         added = grad - before
         dist.all_reduce(added, group=self.tied_group)
         torch.add(before, added, out=grad)
-
-
-def _local(tensor: torch.Tensor) -> torch.Tensor:
-    """The rank's local tensor of a DTensor (FSDP2's sharded gradients), else the tensor itself."""
-    return tensor.to_local() if hasattr(tensor, "to_local") else tensor
 
 
 def _reject(unused: Mapping) -> None:
@@ -332,57 +306,6 @@ NO_GENERATE = (
 )
 
 
-def check_schedule(schedule: object, key: str = "pipeline_parallel_schedule") -> None:
-    """`schedule` names one of `SCHEDULES`; the error names `key` (the caller's name for it) and the allowed ones."""
-    if not isinstance(schedule, str) or schedule not in SCHEDULES:
-        raise ValueError(f"{key}={schedule!r} is not allowed; allowed: {', '.join(SCHEDULES)}")
-
-
-def _decoder_parts(
-    model: nn.Module, split_spec: str | Mapping[str, SplitPoint]
-) -> tuple[str, nn.ModuleList, nn.Module]:
-    """(the layer list's prefix, the layer list, the base model holding embed_tokens / layers / norm)."""
-    prefix = split_spec if isinstance(split_spec, str) else next(iter(split_spec), "").rpartition(".")[0]
-    layers = find_layer_list(model, prefix)
-    base = model.get_submodule(prefix.rpartition(".")[0])
-    if not all(hasattr(base, name) for name in ("embed_tokens", "norm")) or not hasattr(model, "lm_head"):
-        raise NotImplementedError(
-            f"pipeline parallelism needs a decoder with embed_tokens, layers, norm and lm_head; "
-            f"{type(model).__name__} is not supported yet (supported: causal LMs laid out as model.embed_tokens, "
-            "model.layers, model.norm, lm_head)"
-        )
-    return prefix, layers, base
-
-
-def check_pipeline(
-    model: nn.Module,
-    pp: int,
-    split_spec: str | Mapping[str, SplitPoint],
-    num_microbatches: int,
-    schedule: str,
-    *,
-    schedule_key: str = "pipeline_parallel_schedule",
-    microbatches_key: str = "pipeline_parallel_num_microbatches",
-) -> list[range]:
-    """Everything `apply_pipeline` needs of its request, checked before anything changes; returns the stages'
-    layer ranges. The errors name the caller's keys (`schedule_key`, `microbatches_key`) and the allowed values."""
-    check_schedule(schedule, schedule_key)
-    if isinstance(num_microbatches, bool) or not isinstance(num_microbatches, int) or num_microbatches < pp:
-        raise ValueError(f"{microbatches_key}={num_microbatches!r} is not allowed; it must be an int >= pp={pp}")
-    prefix, layers, base = _decoder_parts(model, split_spec)
-    _, per_rank, placement = SCHEDULES[schedule]
-    ranges = stage_layers(len(layers), pp * per_rank, split_spec, prefix)
-    head = getattr(model.lm_head, "weight", None)
-    if placement == "v" and head is not None and head is getattr(base.embed_tokens, "weight", None):
-        # measured: the split weight-gradient pass miscounts the shared weight
-        raise NotImplementedError(
-            f"{schedule_key}={schedule!r} puts the first and last stage on one rank, which tied embeddings do not "
-            "support yet; untie them (tie_word_embeddings=False) or use another schedule; allowed with tied "
-            f"embeddings: {', '.join(name for name, (_, _, where) in SCHEDULES.items() if where != 'v')}"
-        )
-    return ranges
-
-
 def apply_pipeline(
     model: nn.Module,
     mesh: ParallelMesh,
@@ -394,10 +317,10 @@ def apply_pipeline(
     A bad request raises (`check_pipeline`) before anything changes."""
     pp = mesh.size("pp")
     ranges = check_pipeline(model, pp, split_spec, num_microbatches, schedule)
-    _, _, base = _decoder_parts(model, split_spec)
-    _, per_rank, placement = SCHEDULES[schedule]
+    _, _, base = decoder_parts(model, split_spec)
+    per_rank, placement = SCHEDULES[schedule]
     num_stages = pp * per_rank
-    indices = _stage_indices(mesh.rank("pp"), pp, per_rank, placement)
+    indices = stage_indices(mesh.rank("pp"), pp, per_rank, placement)
     if dist.get_rank() == 0:
         split = ", ".join(f"stage {i}: layers {r.start}-{r.stop - 1}" for i, r in enumerate(ranges))
         print(f"[optimum-parallel] pipeline {pp} ranks x {per_rank} stages ({schedule}): {split}")

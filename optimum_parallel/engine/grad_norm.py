@@ -1,0 +1,132 @@
+"""The gradient norm of a parallel model, as one device computes it on the whole model: `grad_norm`, `clip_grad_norm_`.
+
+`torch.nn.utils.clip_grad_norm_` sees one rank's tensors: tp shards, one pipeline stage, an FSDP shard, and copies
+held by several ranks. Here every distinct piece of the whole gradient is counted exactly once: a tp-split shard by
+the first of the ranks holding it (kv heads replicated over tp ranks, whole or inside a packed q|k|v weight), a
+tp-replicated parameter (norms, also under sequence parallelism, whose gradients are already summed) by tp rank 0,
+a tied embedding / LM head held by two pipeline stages by the first stage, an FSDP2 shard (a DTensor) by the ranks
+whose coordinate is 0 on every dim it is replicated over, and a gradient replicated over dp x cp by dp rank 0 and
+cp rank 0. One all-reduce of one scalar over the world adds the pieces.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from ..mesh import ParallelMesh, get_mesh
+from ..mesh.loaded import is_dtensor, local_tensor
+from ..plan.wrappers import plan_root
+from ..state import find_state
+
+
+def grad_norm(model: nn.Module, norm_type: float = 2.0, mesh: ParallelMesh | None = None) -> torch.Tensor:
+    """The `norm_type`-norm of the whole model's gradient (parameters without a gradient are left out), equal on
+    every rank to torch's `get_total_norm` over the single-device model's gradients."""
+    norm_type = _check_norm_type(norm_type)
+    mesh = mesh if mesh is not None else _current_mesh()
+    pieces = list(_counted_pieces(model, mesh))
+    device = pieces[0].device if pieces else _device(model)
+    if math.isinf(norm_type):
+        total = torch.stack([p.abs().max() for p in pieces]).max() if pieces else torch.zeros((), device=device)
+    else:
+        total = (
+            torch.stack([p.pow(norm_type).sum() for p in pieces]).sum() if pieces else torch.zeros((), device=device)
+        )
+    if mesh is not None and dist.get_world_size() > 1:
+        dist.all_reduce(total, op=dist.ReduceOp.MAX if math.isinf(norm_type) else dist.ReduceOp.SUM)
+    return total if math.isinf(norm_type) else total.pow(1.0 / norm_type)
+
+
+def clip_grad_norm_(
+    model: nn.Module, max_norm: float, norm_type: float = 2.0, mesh: ParallelMesh | None = None
+) -> torch.Tensor:
+    """Scale every gradient by min(1, max_norm / (norm + 1e-6)) (torch's rule) with the global norm; returns the
+    norm before clipping."""
+    norm = grad_norm(model, norm_type, mesh)
+    coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
+    for param in model.parameters():
+        if param.grad is not None:
+            local_tensor(param.grad).mul_(coef.to(param.grad.dtype))
+    return norm
+
+
+def _check_norm_type(norm_type: float) -> float:
+    if isinstance(norm_type, bool) or not isinstance(norm_type, int | float) or not norm_type > 0:
+        raise ValueError(f"norm_type={norm_type!r} is not allowed; allowed: a number > 0, or math.inf")
+    return float(norm_type)
+
+
+def _current_mesh() -> ParallelMesh | None:
+    """The mesh set by `init_mesh`, or None on a single process that never set one (torch's norm then)."""
+    try:
+        return get_mesh()
+    except RuntimeError:
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            raise
+        return None
+
+
+def _device(model: nn.Module) -> torch.device:
+    return next((p.device for p in model.parameters()), torch.device("cpu"))
+
+
+def _counted_pieces(model: nn.Module, mesh: ParallelMesh | None):
+    """This rank's share of the whole gradient, as float32 tensors: each distinct piece on exactly one rank."""
+    if mesh is None:
+        yield from (p.grad.float() for p in model.parameters() if p.grad is not None)
+        return
+    tp, tp_rank = mesh.size("tp"), mesh.rank("tp")
+    first_replica = mesh.rank("dp") == 0 and mesh.rank("cp") == 0
+    state = find_state(plan_root(model))
+    pipeline = state.pipeline if state is not None else None
+    tied_copy = (
+        pipeline.tied if pipeline is not None and pipeline.tied_group is not None and not pipeline.holds_first else None
+    )
+    for param in model.parameters():
+        if param.grad is None or (tied_copy is not None and param is tied_copy):
+            continue
+        if is_dtensor(param.grad):
+            if not _first_on_replicated_dims(param.grad):
+                continue
+            grad = param.grad.to_local()
+        elif first_replica:
+            grad = param.grad
+        else:
+            continue
+        piece = _tp_share(grad.float(), getattr(param, "shard_layout", None), tp, tp_rank, is_dtensor(param.grad))
+        if piece is not None:
+            yield piece
+
+
+def _first_on_replicated_dims(tensor) -> bool:
+    """Whether this rank is the first holder of a DTensor's local shard (coordinate 0 on every Replicate dim)."""
+    coordinate = tensor.device_mesh.get_coordinate()
+    return all(coordinate[dim] == 0 for dim, placement in enumerate(tensor.placements) if placement.is_replicate())
+
+
+def _tp_share(grad: torch.Tensor, layout, tp: int, tp_rank: int, dp_sharded: bool) -> torch.Tensor | None:
+    """The part of this rank's tp shard it counts: all of a shard it is the first holder of, none of a copy, and in
+    a packed weight (q|k|v) its own rows plus the replicated kv heads only where it is their first holder."""
+    if layout is None or layout.dim is None:
+        return grad if tp_rank == 0 else None
+    if layout.replicas > 1:
+        return grad if tp_rank % layout.replicas == 0 else None
+    spec = getattr(layout, "spec", None)
+    segments = spec.replicated_segments(tp_rank, tp) if spec is not None else []
+    copies = [s for s in segments if tp_rank % (tp // s.heads) != 0]
+    if not copies:
+        return grad
+    if dp_sharded:  # FSDP2 cut this rank's rows again: the local rows are no longer the layout's
+        raise NotImplementedError(
+            "grad_norm of a packed q|k|v weight whose kv heads are replicated over tp (tp > num_key_value_heads) "
+            "and that FSDP2 shards (sharding_level 2-3) is not supported yet; use sharding_level 0-1 or a tp "
+            "size that divides num_key_value_heads"
+        )
+    keep = torch.ones(grad.shape[layout.dim], dtype=torch.bool, device=grad.device)
+    for segment in copies:
+        keep[segment.start : segment.start + segment.length] = False
+    return grad.index_select(layout.dim, keep.nonzero().squeeze(-1))
