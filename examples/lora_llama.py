@@ -47,6 +47,7 @@ def main(argv: list[str] | None = None) -> list[float]:
         input_ids = torch.randint(0, model.config.vocab_size, (2, 64), generator=generator)
         loss = model(input_ids=input_ids, labels=input_ids).loss
         loss.backward()
+        op.clip_grad_norm_(model, max_norm=1.0)  # the global norm: torch's would see one rank's shards
         optimizer.step()
         optimizer.zero_grad()
         losses.append(loss.item())

@@ -2,6 +2,7 @@
 
 from .checkpoint import consolidate_checkpoint, reshard_checkpoint
 from .engine.data_parallel import DataParallelConfig
+from .engine.grad_norm import clip_grad_norm_, grad_norm
 from .engine.lazy_optimizer import make_optimizer_constructor_lazy
 from .frontends.config import ParallelConfig, PipelineParallelConfig, TensorParallelConfig
 from .frontends.manager import ParallelizersManager, UnsupportedModelError
@@ -53,6 +54,8 @@ def __getattr__(name: str):
 
 
 __all__ = [
+    "clip_grad_norm_",
+    "grad_norm",
     "ParallelState",
     "parallel_state",
     "ColWiseParallel",

@@ -34,7 +34,9 @@ def grad_norm(model: nn.Module, norm_type: float = 2.0, mesh: ParallelMesh | Non
         total = torch.stack([p.abs().max() for p in pieces]).max() if pieces else torch.zeros((), device=device)
     else:
         total = (
-            torch.stack([p.pow(norm_type).sum() for p in pieces]).sum() if pieces else torch.zeros((), device=device)
+            torch.stack([p.abs().pow(norm_type).sum() for p in pieces]).sum()
+            if pieces
+            else torch.zeros((), device=device)
         )
     if mesh is not None and dist.get_world_size() > 1:
         dist.all_reduce(total, op=dist.ReduceOp.MAX if math.isinf(norm_type) else dist.ReduceOp.SUM)

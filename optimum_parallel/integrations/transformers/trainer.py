@@ -20,13 +20,14 @@ from accelerate.data_loader import prepare_data_loader
 from accelerate.optimizer import AcceleratedOptimizer
 from accelerate.utils import recursively_apply
 from torch import nn
-from torch.distributed.tensor import DTensor
 from transformers import AutoModelForCausalLM, PreTrainedModel, Trainer
 
 from ...checkpoint import read_index, reshard_checkpoint
 from ...checkpoint.ranks import current_rank
 from ...engine.compose import compose_training, optimizer_for_parallel_model
 from ...engine.data_parallel import DataParallelConfig
+from ...engine.grad_norm import clip_grad_norm_
+from ...engine.grad_norm import grad_norm as global_grad_norm
 from ...engine.validate import TRAINER_KEYS
 from ...frontends.manager import ParallelizersManager
 from ...mesh import ParallelMesh, get_mesh, init_mesh
@@ -57,24 +58,6 @@ def _mesh_for(args: ParallelTrainingArguments) -> ParallelMesh:
         if get_mesh().sizes == sizes:
             return get_mesh()
     return init_mesh(**sizes, timeout=args.ddp_timeout)
-
-
-def _norm_owners(model: nn.Module, mesh: ParallelMesh) -> dict[str, bool]:
-    """{parameter name: whether this rank adds its gradient to the global norm}: every distinct piece once.
-
-    A tp-split shard is counted by the first of its `replicas` holders, a tp-replicated parameter by tp rank 0,
-    and a tied embedding that two pipeline stages hold by the first stage only.
-    """
-    tp_rank = mesh.rank("tp")
-    pipeline = parallel_state(plan_root(model)).pipeline
-    shared = pipeline is not None and pipeline.tied_group is not None and not pipeline.holds_first
-    tied_copy = pipeline.tied if shared else None
-    owners = {}
-    for name, param in model.named_parameters():
-        layout = getattr(param, "shard_layout", None)
-        split = layout is not None and layout.dim is not None
-        owners[name] = (tp_rank % layout.replicas == 0 if split else tp_rank == 0) and param is not tied_copy
-    return owners
 
 
 def _register_data_loader(accelerator, data_loader) -> None:
@@ -154,7 +137,6 @@ class ParallelTrainer(Trainer):
         optimizer, scheduler = optimizers
         if optimizer is not None:  # step 4 of compose, early: transformers' Trainer takes it as the one it steps
             optimizer = optimizer_for_parallel_model(optimizer, parallel_state(plan_root(model)).param_map)
-        self._norm_owners = _norm_owners(model, self.mesh)
         self._pipeline = parallel_state(plan_root(model)).pipeline
         self._resume_dir: tuple[str, Path] | None = None
         super().__init__(model=model, args=args, optimizers=(optimizer, scheduler), **kwargs)
@@ -265,39 +247,15 @@ class ParallelTrainer(Trainer):
         with self.accelerator.autocast():  # accelerate's mixed precision wraps model.forward, which pp bypasses
             return model.run_train(**inputs, num_items_in_batch=num_items_in_batch).detach()
 
-    def _global_grad_norm(self, model: nn.Module) -> torch.Tensor:
-        """The 2-norm of the whole model's gradient: squares of each rank's own pieces (tp shards once, pp stages,
-        FSDP shards per dp x cp rank; replicated gradients on dp rank 0 and cp rank 0 only), summed over the world."""
-        first_replica = self.mesh.rank("dp") == 0 and self.mesh.rank("cp") == 0
-        squares = []
-        for name, param in model.named_parameters():
-            if name not in self._norm_owners:
-                raise KeyError(f"parameter {name} appeared after parallelization; cannot place it in the global norm")
-            if param.grad is None or not self._norm_owners[name]:
-                continue
-            if isinstance(param.grad, DTensor):
-                squares.append(param.grad.to_local().float().square().sum())
-            elif first_replica:
-                squares.append(param.grad.float().square().sum())
-        total = torch.stack(squares).sum() if squares else torch.zeros((), device=self.args.device)
-        if dist.is_initialized() and dist.get_world_size() > 1:
-            dist.all_reduce(total)
-        return total.sqrt()
-
     @private_override
     def _clip_grad_norm(self, model: nn.Module) -> torch.Tensor:
-        """Clip with the global norm (torch's rule: scale by min(1, max_norm / (norm + 1e-6))); returns the norm."""
-        norm = self._global_grad_norm(model)
-        coef = torch.clamp(self.args.max_grad_norm / (norm + 1e-6), max=1.0)
-        for param in model.parameters():
-            if param.grad is not None:
-                (param.grad.to_local() if isinstance(param.grad, DTensor) else param.grad).mul_(coef)
-        return norm
+        """Clip with the global norm (every gradient piece counted once over tp, pp, dp and cp); returns it."""
+        return clip_grad_norm_(model, self.args.max_grad_norm, mesh=self.mesh)
 
     @private_override
     def _get_grad_norm(self, model: nn.Module, grad_norm=None):
         """The logged norm is the global one too (computed when clipping is off)."""
-        return grad_norm if grad_norm is not None else self._global_grad_norm(model)
+        return grad_norm if grad_norm is not None else global_grad_norm(model, mesh=self.mesh)
 
     # ------------------------------------------------------------------ evaluation
 
