@@ -12,7 +12,7 @@ from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.distributed.tensor import DTensor
 
 from ..io.safetensors_io import dtype_name
-from ..tensor_parallel.spec import ShardLayout, split_layout
+from ..tensor_parallel.spec import ShardLayout, ShardSpec, split_layout
 
 
 def is_dtensor(tensor: torch.Tensor) -> bool:
@@ -46,13 +46,11 @@ class LocalTensor:
             raise ValueError(
                 f"a tensor split by {layout} carries no ShardSpec: build split parameters with ShardSpec.local"
             )
+        if layout is None:  # replicated: the whole tensor
+            layout = ShardSpec(tuple(self.tensor.shape)).local(0, 1)
         return {
             "dtype": dtype_name(self.tensor.dtype),
-            "global_shape": list(layout.global_shape if layout is not None else self.tensor.shape),
-            "dim": layout.dim if layout is not None else None,
-            "ranges": [list(r) for r in layout.ranges] if layout is not None else [],
-            "replicas": layout.replicas if layout is not None else 1,
-            "parts": [list(p) for p in layout.spec.parts] if layout is not None else [],
+            **layout.to_json(),
             "kind": self.kind,
             "param": self.param,
             "like_param": self.like_param,
