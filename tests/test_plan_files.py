@@ -24,6 +24,7 @@ from optimum_parallel.planning.plan_files import (
     style_to_dict,
 )
 from optimum_parallel.planning.simulate import build_meta_model
+from optimum_parallel.tensor_parallel.spec import ShardLayout, ShardSpec
 
 # (family, task, tp, config overrides, sequence parallel): head splits, kv heads replicated over tp, packed qkv,
 # Conv1D, tied MLM bias, experts, sequence-parallel markers
@@ -57,13 +58,13 @@ def test_dry_run_writes_the_file_of_the_parallelized_model(pool, tmp_path, famil
     assert real == dry == results[0]["doc"]
     for result in results:  # the file's ranges are every rank's actual layout
         for name, layout in result["layouts"].items():
-            split = real["params"][name]["split"]
+            entry = real["params"][name]
             if layout.dim is None:  # a replicated layout (a row-parallel bias)
-                assert split is None, name
+                assert entry["dim"] is None and "ranks" not in entry, name
                 continue
-            assert split["dim"] == layout.dim and split["replicas"] == layout.replicas
-            assert split["ranges"][result["tp_rank"]] == [list(r) for r in layout.ranges]
-    assert any(entry["split"] is None for entry in real["params"].values())  # replicated ones are listed too
+            assert ShardLayout.from_json({**entry, **entry["ranks"][result["tp_rank"]]}) == layout
+            assert ShardSpec.from_json(entry) == layout.spec  # the head counts too
+    assert any(entry["dim"] is None for entry in real["params"].values())  # replicated ones are listed too
     if sp:
         assert any(s["style"] == "SequenceParallelEnable" for styles in real["modules"].values() for s in styles)
 
@@ -166,13 +167,37 @@ def test_mismatches_name_the_first_entry(llama_file, tmp_path):
     with pytest.raises(ValueError, match=r"entry model_type: the file is for 'llama', the model is 'qwen2'"):
         check_plan_fits(build_meta_model(family_config("qwen2")), llama_file)
     doc = json.loads(llama_file.read_text())
-    doc["params"]["model.layers.0.mlp.up_proj.weight"]["split"]["ranges"][1] = [[40, 96]]
+    doc["params"]["model.layers.0.mlp.up_proj.weight"]["ranks"][1]["ranges"] = [[40, 96]]
     with pytest.raises(ValueError, match=r"params\['model.layers.0.mlp.up_proj.weight'\]: split .* its styles give"):
         check_plan_fits(_meta(), doc)
     doc = json.loads(llama_file.read_text())
     doc["modules"]["model.layers.0.mlp.up_proj"] = [{"style": "RowWiseParallel", "args": {"units": 3}}]
     with pytest.raises(ValueError, match=r"plan file styles do not fit .*3 heads cannot be split"):
         check_plan_fits(_meta(), doc)
+
+
+def _as_version_1(doc: dict) -> dict:
+    """`doc` as version 1 wrote it: {"shape", "split": null | {"dim", "replicas", "ranges": per tp rank}}."""
+    params = {}
+    for name, entry in doc["params"].items():
+        split = None
+        if entry["dim"] is not None:
+            ranks = entry["ranks"]
+            split = {"dim": entry["dim"], "replicas": ranks[0]["replicas"], "ranges": [r["ranges"] for r in ranks]}
+        params[name] = {"shape": entry["global_shape"], "split": split}
+    return {**doc, "version": 1, "params": params}
+
+
+def test_version_1_files_still_load_and_are_checked(llama_file):
+    doc = json.loads(llama_file.read_text())
+    old = _as_version_1(doc)
+    assert load_plan(old, model=_meta()).keys() == load_plan(doc, model=_meta()).keys()
+    old["params"]["model.layers.0.mlp.up_proj.weight"]["split"]["ranges"][1] = [[40, 96]]
+    with pytest.raises(ValueError, match=r"params\['model.layers.0.mlp.up_proj.weight'\]: split .* its styles give"):
+        check_plan_fits(_meta(), old)
+    old["params"]["model.embed_tokens.weight"]["shape"] = [130, 64]
+    with pytest.raises(ValueError, match=r"params\['model.embed_tokens.weight'\]: shape \[130, 64\] in the file"):
+        check_plan_fits(_meta(), old)
 
 
 def test_not_a_plan_file(tmp_path):
@@ -184,7 +209,7 @@ def test_not_a_plan_file(tmp_path):
     with pytest.raises(ValueError, match='not a plan file \\(no "format": "optimum-parallel-plan"\\)'):
         load_plan(bad)
     bad.write_text('{"format": "optimum-parallel-plan", "version": 9}')
-    with pytest.raises(ValueError, match="plan file version 9; this version reads 1"):
+    with pytest.raises(ValueError, match="plan file version 9; this version reads 1, 2"):
         load_plan(bad)
 
 

@@ -2,12 +2,20 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from optimum_parallel.checkpoint.metadata import model_file
 from optimum_parallel.checkpoint.sharding import entries_from_specs, target_layout
-from optimum_parallel.comm.regions import shard_range
-from optimum_parallel.tensor_parallel.spec import ReplicatedSegment, ShardSpec, check_heads
+from optimum_parallel.tensor_parallel.spec import (
+    ReplicatedSegment,
+    ShardLayout,
+    ShardSpec,
+    check_heads,
+    shard_range,
+    shard_sizes,
+)
 
 
 def test_rows_split_unevenly_like_torch_tensor_split():
@@ -43,25 +51,56 @@ def test_bad_splits_name_the_heads_and_the_rule():
         check_heads(3, 4)
 
 
+QKV = ShardSpec.packed((64, 32), 0, [32, 16, 16], [4, 2, 2])
+SPECS = {  # every kind of split, with the tp sizes it is cut at
+    "plain rows, uneven": (ShardSpec.split((10, 4), 0), (1, 3, 4)),
+    "whole heads": (ShardSpec.split((4 * 8, 32), 0, heads=4), (1, 2, 4)),
+    "columns (row-parallel)": (ShardSpec.split((32, 64), 1), (2,)),
+    "packed q|k|v, 4 q and 2 kv heads": (QKV, (1, 2)),
+    "packed q|k|v, kv heads replicated at tp > kv heads": (QKV, (4,)),
+    "packed gate|up in rows": (ShardSpec.packed((48, 8), 0, [32, 16], [4, None]), (2,)),
+    "not split": (ShardSpec((5, 3)), (1, 2)),
+}
+
+
+@pytest.mark.parametrize("name", SPECS)
+def test_spec_and_layout_json_round_trip(name):
+    spec, tps = SPECS[name]
+    data = spec.to_json()
+    assert json.loads(json.dumps(data)) == data  # JSON-ready as it is
+    assert ShardSpec.from_json(data) == spec
+    for tp in tps:
+        for rank in range(tp):
+            layout = spec.local(rank, tp)
+            data = json.loads(json.dumps(layout.to_json()))
+            back = ShardLayout.from_json(data)
+            assert back == layout and back.spec == spec and back.to_json() == data
+            assert ShardSpec.from_json(data) == spec  # a layout's JSON holds its spec's
+
+
+def test_json_is_the_checkpoint_index_format():
+    """The spec's JSON is the index entry's global_shape / dim / parts; a layout adds a shard's ranges / replicas."""
+    qkv = ShardSpec.packed((64, 32), 0, [32, 16, 16], [4, 2, None])
+    assert qkv.to_json() == {"global_shape": [64, 32], "dim": 0, "parts": [[32, 4], [16, 2], [16, None]]}
+    assert ShardSpec((5,)).to_json() == {"global_shape": [5], "dim": None, "parts": []}
+    assert qkv.local(3, 4).to_json() == {
+        "global_shape": [64, 32],
+        "dim": 0,
+        "parts": [[32, 4], [16, 2], [16, None]],
+        "ranges": [[24, 32], [40, 48], [60, 64]],
+        "replicas": 1,
+    }
+    bare = ShardLayout((10, 4), 0, ((0, 5),))  # a layout without a spec (an older "custom" checkpoint entry)
+    assert "parts" not in bare.to_json() and ShardLayout.from_json(bare.to_json()).spec is None
+
+
 def test_round_trip_and_replicated():
-    spec = ShardSpec.packed((48, 8), 0, [32, 16], [4, None])
-    assert ShardSpec.from_dict(spec.to_dict()) == spec
     assert ShardSpec((5,)).local(1, 2).dim is None and not ShardSpec((5,)).is_split
+    assert shard_sizes(10, 4) == [3, 3, 2, 2] and shard_range(10, 2, 4) == (6, 8)
 
 
 def _rank_spec(spec: ShardSpec, rank: int, tp: int) -> dict:
-    layout = spec.local(rank, tp)
-    return {
-        "dtype": "F32",
-        "global_shape": list(spec.global_shape),
-        "dim": spec.dim,
-        "ranges": [list(r) for r in layout.ranges],
-        "replicas": layout.replicas,
-        "parts": [list(p) for p in spec.parts],
-        "kind": "param",
-        "param": None,
-        "like_param": False,
-    }
+    return {"dtype": "F32", **spec.local(rank, tp).to_json(), "kind": "param", "param": None, "like_param": False}
 
 
 def test_checkpoint_entries_carry_the_spec_and_reshard_from_it_alone():

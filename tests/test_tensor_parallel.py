@@ -19,8 +19,8 @@ def _tp_group(tp: int):
 
 
 def check_vocab_parallel_cross_entropy(vocab: int, tp: int) -> dict:
-    from optimum_parallel.comm.regions import shard_range
     from optimum_parallel.tensor_parallel import vocab_parallel_cross_entropy
+    from optimum_parallel.tensor_parallel.spec import shard_range
 
     group = _tp_group(tp)
     torch.manual_seed(0)
@@ -89,11 +89,11 @@ def test_parallel_layers_match_dense(pool, tp):
 
 
 def check_region_ops(tp: int) -> dict:
-    from optimum_parallel.comm.regions import shard_sizes
     from optimum_parallel.tensor_parallel import (
         gather_from_tensor_parallel_region,
         scatter_to_tensor_parallel_region,
     )
+    from optimum_parallel.tensor_parallel.spec import shard_sizes
 
     group = _tp_group(tp)
     rank = dist.get_rank(group)

@@ -11,7 +11,7 @@ from torch import nn
 
 from ..io.safetensors_io import dtype_name
 from ..mesh.loaded import is_dtensor, is_zero_optimizer
-from ..tensor_parallel.spec import ShardLayout, split_layout
+from ..tensor_parallel.spec import ShardLayout, ShardSpec, split_layout
 
 
 @dataclass
@@ -40,13 +40,11 @@ class LocalTensor:
             raise ValueError(
                 f"a tensor split by {layout} carries no ShardSpec: build split parameters with ShardSpec.local"
             )
+        if layout is None:  # replicated: the whole tensor
+            layout = ShardSpec(tuple(self.tensor.shape)).local(0, 1)
         return {
             "dtype": dtype_name(self.tensor.dtype),
-            "global_shape": list(layout.global_shape if layout is not None else self.tensor.shape),
-            "dim": layout.dim if layout is not None else None,
-            "ranges": [list(r) for r in layout.ranges] if layout is not None else [],
-            "replicas": layout.replicas if layout is not None else 1,
-            "parts": [list(p) for p in layout.spec.parts] if layout is not None else [],
+            **layout.to_json(),
             "kind": self.kind,
             "param": self.param,
             "like_param": self.like_param,

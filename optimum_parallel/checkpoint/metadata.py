@@ -17,7 +17,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from ..io.errors import CheckpointError
-from ..tensor_parallel.spec import ShardLayout
+from ..tensor_parallel.spec import ShardLayout, ShardSpec
 
 FORMAT = "optimum-parallel/sharded-checkpoint"
 VERSION = 1
@@ -67,12 +67,32 @@ class TensorEntry:
                 return shard
         raise CheckpointError(f"{where}: no shard of this tensor is held by tp rank {tp_rank}")
 
+    def _spec_json(self) -> dict:
+        """Its `ShardSpec.to_json` fields (an older "custom" split saved no parts: none then)."""
+        data = {"global_shape": self.global_shape, "dim": self.dim}
+        return data if self.split == "custom" else {**data, "parts": self.parts}
+
+    @property
+    def spec(self) -> ShardSpec | None:
+        """The `ShardSpec` the tensor was cut by; None for an older "custom" split (its head counts were not saved)."""
+        return None if self.split == "custom" else ShardSpec.from_json(self._spec_json())
+
     def layout(self, shard: Shard) -> ShardLayout | None:
-        """The `ShardLayout` a parameter holding `shard` carries (None when replicated)."""
+        """The `ShardLayout` a parameter holding `shard` carries (None when replicated), with its spec."""
         if self.dim is None:
             return None
-        ranges = tuple((int(s), int(e)) for s, e in shard.ranges)
-        return ShardLayout(tuple(self.global_shape), self.dim, ranges, replicas=shard.replicas)
+        return ShardLayout.from_json({**self._spec_json(), "ranges": shard.ranges, "replicas": shard.replicas})
+
+    @classmethod
+    def of(cls, spec: Mapping, **fields) -> TensorEntry:
+        """An entry whose `global_shape`, `dim`, `split` and `parts` come from a `ShardSpec.to_json` (or
+        `ShardLayout.to_json`) dict; `fields` gives the rest (an explicit `split`/`parts` wins: optimizer state
+        shares its parameter's)."""
+        shape = {"global_shape": list(spec["global_shape"]), "dim": spec["dim"]}
+        split = {"split": "replicated", "parts": []}
+        if spec["dim"] is not None:
+            split = {"split": "parts", "parts": spec["parts"]}
+        return cls(**{**shape, **split, **fields})
 
     def local_shape(self, shard: Shard) -> tuple[int, ...]:
         shape = list(self.global_shape)

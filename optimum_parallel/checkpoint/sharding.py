@@ -9,10 +9,11 @@ for fused weights), each split in whole heads (replicated when there are fewer h
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Mapping
+from dataclasses import replace
 
 from ..io.errors import CheckpointError
 from ..pipeline.split import stage_layers
-from ..tensor_parallel.spec import ShardLayout, ShardSpec
+from ..tensor_parallel.spec import ShardLayout
 from .metadata import Shard, TensorEntry
 
 FileName = Callable[[int, int], str]  # (pp rank, tp rank) -> file name
@@ -20,26 +21,18 @@ FileName = Callable[[int, int], str]  # (pp rank, tp rank) -> file name
 
 def _shards(layouts: list[ShardLayout | None], key: str, pp_rank: int, file_name: FileName) -> list[Shard]:
     """Distinct shards (identical layouts held by several ranks are stored once, by the lowest rank)."""
-    groups: dict[object, list[int]] = {}
+    groups: dict[object, tuple[ShardLayout | None, list[int]]] = {}
     for t, layout in enumerate(layouts):
-        groups.setdefault(None if layout is None else (layout.ranges, layout.replicas), []).append(t)
+        groups.setdefault(None if layout is None else (layout.ranges, layout.replicas), (layout, []))[1].append(t)
     shards = []
-    for held, ranks in groups.items():
-        ranges, replicas = ([], 1) if held is None else ([list(r) for r in held[0]], held[1])
-        shards.append(Shard(file_name(pp_rank, ranks[0]), key, ranks, ranges, replicas))
+    for layout, ranks in groups.values():
+        held = {"ranges": [], "replicas": 1} if layout is None else layout.to_json()
+        shards.append(Shard(file_name(pp_rank, ranks[0]), key, ranks, held["ranges"], held["replicas"]))
     return shards
 
 
-def _split_of(spec: Mapping) -> tuple[str, list]:
-    """('replicated', []) or ('parts', [[size, heads or None], ...]) as the tensor's ShardSpec says."""
-    return ("replicated", []) if spec["dim"] is None else ("parts", [list(p) for p in spec["parts"]])
-
-
 def _layout(spec: Mapping) -> ShardLayout | None:
-    if spec["dim"] is None:
-        return None
-    ranges = tuple((int(s), int(e)) for s, e in spec["ranges"])
-    return ShardLayout(tuple(spec["global_shape"]), spec["dim"], ranges, spec["replicas"])
+    return None if spec["dim"] is None else ShardLayout.from_json(spec)
 
 
 def entries_from_specs(
@@ -48,7 +41,8 @@ def entries_from_specs(
     file_name: FileName,
     owners: Mapping[str, TensorEntry] | None = None,
 ) -> dict[str, TensorEntry]:
-    """Index entries from what every (pp rank, tp rank) holds: {(pp, tp): {name: LocalTensor.spec()}}.
+    """Index entries from what every (pp rank, tp rank) holds: {(pp, tp): {name: LocalTensor.spec()}} (a
+    `ShardLayout.to_json` dict with the tensor's dtype, kind, param and like_param).
 
     `owners`, for optimizer state split like a parameter, gives the parameter's entry (whose split it
     shares). A tensor on several pp ranks is stored by the first.
@@ -70,18 +64,16 @@ def entries_from_specs(
                     raise ValueError(f"{name}: {key} is {first[key]} on tp rank 0 but {spec[key]} on tp rank {t}")
         layouts = [_layout(per_rank[t]) for t in range(tp)]
         owner = (owners or {}).get(first["param"]) if first["like_param"] else None
-        split, parts = (owner.split, owner.parts) if owner else _split_of(first)
-        entries[name] = TensorEntry(
+        shared = {"split": owner.split, "parts": owner.parts} if owner else {}
+        entries[name] = TensorEntry.of(
+            first,
             dtype=first["dtype"],
-            global_shape=list(first["global_shape"]),
-            dim=first["dim"],
             pp_rank=pp_rank,
             shards=_shards(layouts, name, pp_rank, file_name),
             kind=first["kind"],
-            split=split,
-            parts=parts,
             param=first["param"],
             like_param=first["like_param"],
+            **shared,
         )
     return entries
 
@@ -93,7 +85,7 @@ def target_layout(name: str, entry: TensorEntry, tp_rank: int, tp: int) -> Shard
     if entry.split != "parts":
         raise CheckpointError(f"{name}: saved with a {entry.split!r} layout that resharding cannot re-split")
     try:
-        return ShardSpec(tuple(entry.global_shape), entry.dim, tuple(map(tuple, entry.parts))).local(tp_rank, tp)
+        return entry.spec.local(tp_rank, tp)
     except ValueError as err:
         raise CheckpointError(f"{name}: cannot be split over tp={tp}: {err}") from None
 
@@ -101,18 +93,7 @@ def target_layout(name: str, entry: TensorEntry, tp_rank: int, tp: int) -> Shard
 def resharded_entry(name: str, entry: TensorEntry, tp: int, pp_rank: int, file_name: FileName) -> TensorEntry:
     """`entry` at tensor-parallel size `tp` held by pipeline rank `pp_rank` (crc32 set when written)."""
     layouts = [target_layout(name, entry, t, tp) for t in range(tp)]
-    return TensorEntry(
-        dtype=entry.dtype,
-        global_shape=list(entry.global_shape),
-        dim=entry.dim,
-        pp_rank=pp_rank,
-        shards=_shards(layouts, name, pp_rank, file_name),
-        kind=entry.kind,
-        split=entry.split,
-        parts=entry.parts,
-        param=entry.param,
-        like_param=entry.like_param,
-    )
+    return replace(entry, pp_rank=pp_rank, shards=_shards(layouts, name, pp_rank, file_name))
 
 
 def _layer_index(name: str) -> int | None:

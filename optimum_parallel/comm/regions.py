@@ -18,19 +18,6 @@ from .shared_memory import shared_memory_group
 SEQ_DIM = 1  # activations are [batch, seq, hidden]: sequence parallelism splits dim 1
 
 
-def shard_sizes(total: int, world: int) -> list[int]:
-    """Sizes of `total` split over `world` ranks, the first `total % world` ranks one larger (torch.tensor_split)."""
-    base, extra = divmod(total, world)
-    return [base + (1 if r < extra else 0) for r in range(world)]
-
-
-def shard_range(total: int, rank: int, world: int) -> tuple[int, int]:
-    """[start, end) of rank's shard of `total` (see `shard_sizes`)."""
-    sizes = shard_sizes(total, world)
-    start = sum(sizes[:rank])
-    return start, start + sizes[rank]
-
-
 def all_reduce(x: torch.Tensor, group: ProcessGroup, op=ReduceOp.SUM) -> torch.Tensor:
     """`x` reduced over `group` (in place once contiguous)."""
     if dist.get_world_size(group) > 1:
@@ -71,7 +58,8 @@ def _split(x: torch.Tensor, dim: int, group: ProcessGroup, sizes: list[int] | No
     if world == 1:
         return x
     rank = dist.get_rank(group)
-    sizes = sizes or shard_sizes(x.shape[dim], world)
+    if not sizes:  # an even split, the first ranks one larger (as `tensor_parallel.spec.shard_sizes`)
+        return torch.tensor_split(x, world, dim=dim)[rank].contiguous()
     return x.narrow(dim, sum(sizes[:rank]), sizes[rank]).contiguous()
 
 

@@ -5,12 +5,16 @@ tp size (`save_plan(config_or_model, path, tp=8)`), and reused on the cluster (`
 or `plan_file_parallelizer(path).parallelize(model)`). Loading checks that the file fits the model and
 names the first entry that does not (a missing module, a shape, the tp size, a layout).
 
-File layout (JSON, `"format": "optimum-parallel-plan"`, version 1)::
+File layout (JSON, `"format": "optimum-parallel-plan"`, version 2)::
 
     model_type, model_class, parallelizer, mesh {dp, pp, cp, tp}, options {parallelize_embeddings, sequence_parallel}
     modules: {module name: [{"style": class name, "args": {...}}, ...]}       (in model order)
-    params:  {parameter name: {"shape": global shape, "split": null | {"dim", "replicas", "ranges": per tp rank}}}
+    params:  {parameter name: {"global_shape", "dim", "parts"} (its `ShardSpec.to_json`, as in a checkpoint index)
+              and, when split, "ranks": [{"ranges", "replicas"} of each tp rank's `ShardLayout.to_json`]}
     tied:    {alias parameter name: the name it shares storage with}
+
+Version 1 files (params: {"shape", "split": null | {"dim", "replicas", "ranges": per tp rank}}, no head counts)
+still load and are checked the same way.
 
 A style whose arguments are not plain data (a `PrepareLayerInput` function) is kept by name with
 `"reloadable": false`; loading such a file raises unless `skip_unreloadable=True`.
@@ -31,7 +35,7 @@ from torch import nn
 from ..frontends.manager import ParallelizersManager
 from ..frontends.parallelizer import Parallelizer
 from ..styles import ParallelStyle
-from ..tensor_parallel.spec import ShardLayout
+from ..tensor_parallel.spec import ShardLayout, ShardSpec
 from .simulate import ResolvedPlan, build_meta_model, resolve_for_tp
 from .style_json import STYLES, register_style, style_from_dict, style_to_dict
 
@@ -48,24 +52,41 @@ __all__ = [  # the style <-> JSON half lives in style_json.py; its names still i
     "style_to_dict",
 ]
 
-FORMAT, VERSION = "optimum-parallel-plan", 1
+FORMAT, VERSION = "optimum-parallel-plan", 2
+READS = (1, 2)  # version 1: see the module docstring
+RANK_KEYS = ("ranges", "replicas")  # what a rank's `ShardLayout.to_json` adds to its spec's
 
 # --------------------------------------------------------------------------------------------------------------
 # Documents
 
 
-def _split_entry(per_rank: list[ShardLayout | None], shape: tuple[int, ...], name: str) -> dict | None:
+def _check_split_alike(per_rank: list[ShardLayout | None], shape: tuple[int, ...], name: str) -> ShardLayout | None:
+    """The first rank's layout when every rank's is split alike, None when none is split."""
     first = per_rank[0]
     if first is None or first.dim is None:
         return None
     for layout in per_rank:
         if layout is None or layout.dim != first.dim or layout.global_shape != tuple(shape):
             raise ValueError(f"parameter {name!r} is split on some tp ranks and not on others: {per_rank}")
-    return {
-        "dim": first.dim,
-        "replicas": first.replicas,
-        "ranges": [[list(r) for r in layout.ranges] for layout in per_rank],
-    }
+    return first
+
+
+def _param_entry(per_rank: list[ShardLayout | None], shape: tuple[int, ...], name: str) -> dict:
+    """A parameter's entry: its spec's JSON and, when split, each tp rank's ranges and replicas."""
+    first = _check_split_alike(per_rank, shape, name)
+    if first is None:
+        return ShardSpec(tuple(shape)).to_json()
+    spec = {k: v for k, v in first.to_json().items() if k not in RANK_KEYS}
+    ranks = [{k: layout.to_json()[k] for k in RANK_KEYS} for layout in per_rank]
+    return {**spec, "ranks": ranks}
+
+
+def _v1_split_entry(per_rank: list[ShardLayout | None], shape: tuple[int, ...], name: str) -> dict | None:
+    """A version 1 file's "split" of a parameter (to check such files against the model)."""
+    first = _check_split_alike(per_rank, shape, name)
+    if first is None:
+        return None
+    return {"dim": first.dim, "replicas": first.replicas, "ranges": [layout.to_json()["ranges"] for layout in per_rank]}
 
 
 def plan_document(
@@ -84,7 +105,7 @@ def plan_document(
             tied[name] = first_name[id(param)]
         first_name.setdefault(id(param), name)
         per_rank = [layouts.get(name) for layouts in resolved.layouts]
-        params[name] = {"shape": list(param.shape), "split": _split_entry(per_rank, tuple(param.shape), name)}
+        params[name] = _param_entry(per_rank, tuple(param.shape), name)
     config = getattr(model, "config", None)
     return {
         "format": FORMAT,
@@ -229,8 +250,9 @@ def read_plan_file(path_or_doc: str | Path | Mapping) -> dict:
             raise ValueError(f"{path_or_doc}: not a plan file (invalid JSON: {err})") from None
     if not isinstance(doc, dict) or doc.get("format") != FORMAT:
         raise ValueError(f'{path_or_doc}: not a plan file (no "format": "{FORMAT}")')
-    if doc.get("version") != VERSION:
-        raise ValueError(f"{path_or_doc}: plan file version {doc.get('version')!r}; this version reads {VERSION}")
+    if doc.get("version") not in READS:
+        readable = ", ".join(map(str, READS))
+        raise ValueError(f"{path_or_doc}: plan file version {doc.get('version')!r}; this version reads {readable}")
     for key in ("mesh", "modules", "params"):
         if not isinstance(doc.get(key), dict):
             raise ValueError(f"{path_or_doc}: plan file has no {key!r} object")
@@ -299,10 +321,10 @@ def check_plan_fits(
     for name, entry in doc["params"].items():
         if name not in shapes:
             raise ValueError(f"plan file entry params[{name!r}]: {type(twin).__name__} has no parameter {name!r}")
-        if tuple(entry["shape"]) != shapes[name]:
+        shape = entry["shape"] if doc["version"] == 1 else entry["global_shape"]
+        if tuple(shape) != shapes[name]:
             raise ValueError(
-                f"plan file entry params[{name!r}]: shape {entry['shape']} in the file, {list(shapes[name])} "
-                "in the model"
+                f"plan file entry params[{name!r}]: shape {shape} in the file, {list(shapes[name])} in the model"
             )
     missing = next((name for name in shapes if name not in doc["params"]), None)
     if missing is not None:
@@ -314,10 +336,14 @@ def check_plan_fits(
         raise ValueError(f"plan file styles do not fit {type(twin).__name__}: {err}") from None
     for name, param in twin.named_parameters(remove_duplicate=False):
         per_rank = [layouts.get(name) for layouts in resolved.layouts]
-        if _split_entry(per_rank, tuple(param.shape), name) != doc["params"][name]["split"]:
+        if doc["version"] == 1:
+            saved, given = doc["params"][name]["split"], _v1_split_entry(per_rank, tuple(param.shape), name)
+        else:
+            saved, given = doc["params"][name], _param_entry(per_rank, tuple(param.shape), name)
+        if given != saved:
             raise ValueError(
-                f"plan file entry params[{name!r}]: split {doc['params'][name]['split']} in the file, but its "
-                f"styles give {_split_entry(per_rank, tuple(param.shape), name)} on this model"
+                f"plan file entry params[{name!r}]: split {saved} in the file, but its styles give {given} "
+                "on this model"
             )
 
 

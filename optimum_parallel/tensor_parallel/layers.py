@@ -19,10 +19,9 @@ from ..comm.regions import (
     reduce_from_tensor_parallel_region,
     reduce_scatter_to_sequence_parallel_region,
     scatter_to_tensor_parallel_region,
-    shard_sizes,
 )
 from ..comm.sequence_switch import sequence_switch
-from .spec import ShardLayout, ShardSpec, local_parameter
+from .spec import ShardLayout, ShardSpec, local_parameter, shard_sizes
 
 
 def _exit_region(y: torch.Tensor, group: ProcessGroup, sequence_parallel: bool) -> torch.Tensor:

@@ -4,6 +4,10 @@ A `ShardSpec` is what a style decides for a parameter (global shape, split dim, 
 their sizes and head counts). `spec.local(rank, tp)` gives the `ShardLayout` a rank holds (its ranges and how many
 ranks hold the same shard). Parameters carry their layout as `param.shard_layout`, and the layout carries its
 spec, so checkpoints, consolidation and resharding never look at a plan and never guess a head count.
+
+`to_json` / `from_json` are the one serialized form of both (the checkpoint index's fields: `global_shape`, `dim`,
+`parts`; a layout adds `ranges` and `replicas`). `shard_sizes` / `shard_range` live here, not in comm: the region
+ops take uneven sizes from their callers and split evenly with `torch.tensor_split`, so only specs and layers use them.
 """
 
 from __future__ import annotations
@@ -14,9 +18,20 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from ..comm.regions import shard_range
-
 Part = tuple[int, int | None]  # (size along the split dim, heads it is cut in; None: rows, uneven split allowed)
+
+
+def shard_sizes(total: int, world: int) -> list[int]:
+    """Sizes of `total` split over `world` ranks, the first `total % world` ranks one larger (torch.tensor_split)."""
+    base, extra = divmod(total, world)
+    return [base + (1 if r < extra else 0) for r in range(world)]
+
+
+def shard_range(total: int, rank: int, world: int) -> tuple[int, int]:
+    """[start, end) of rank's shard of `total` (see `shard_sizes`)."""
+    sizes = shard_sizes(total, world)
+    start = sum(sizes[:rank])
+    return start, start + sizes[rank]
 
 
 def check_heads(heads: int | None, tp: int, what: str = "heads", allow_replication: bool = True) -> None:
@@ -137,12 +152,14 @@ class ShardSpec:
             local += end - start
         return segments
 
-    def to_dict(self) -> dict:
+    def to_json(self) -> dict:
+        """{"global_shape", "dim", "parts": [[size, heads or None], ...]} (replicated: dim None, no parts)."""
         return {"global_shape": list(self.global_shape), "dim": self.dim, "parts": [list(p) for p in self.parts]}
 
     @classmethod
-    def from_dict(cls, data: Mapping) -> ShardSpec:
-        return cls(tuple(data["global_shape"]), data["dim"], tuple(tuple(p) for p in data.get("parts", ())))
+    def from_json(cls, data: Mapping) -> ShardSpec:
+        """The spec of a `to_json` dict (other keys, such as a layout's or a checkpoint entry's, are ignored)."""
+        return cls(tuple(data["global_shape"]), data["dim"], tuple(tuple(p) for p in data.get("parts") or ()))
 
 
 @dataclass(frozen=True)
@@ -175,13 +192,19 @@ class ShardLayout:
         parts = [full.narrow(self.dim, start, end - start) for start, end in self.ranges]
         return parts[0] if len(parts) == 1 else torch.cat(parts, dim=self.dim)
 
-    def to_dict(self) -> dict:
-        return {
-            "global_shape": list(self.global_shape),
-            "dim": self.dim,
-            "ranges": [list(r) for r in self.ranges],
-            "replicas": self.replicas,
-        }
+    def to_json(self) -> dict:
+        """Its spec's `to_json` (without "parts" when it has no spec) and its "ranges" and "replicas"."""
+        data = {"global_shape": list(self.global_shape), "dim": self.dim}
+        if self.spec is not None:
+            data["parts"] = self.spec.to_json()["parts"]
+        return {**data, "ranges": [list(r) for r in self.ranges], "replicas": self.replicas}
+
+    @classmethod
+    def from_json(cls, data: Mapping) -> ShardLayout:
+        """The layout of a `to_json` dict; it carries its spec when the dict has "parts"."""
+        spec = ShardSpec.from_json(data) if "parts" in data else None
+        ranges = tuple((int(s), int(e)) for s, e in data.get("ranges") or ())
+        return cls(tuple(data["global_shape"]), data["dim"], ranges, int(data.get("replicas", 1)), spec=spec)
 
 
 def split_layout(tensor: torch.Tensor) -> ShardLayout | None:
