@@ -1,37 +1,51 @@
-"""optimum-parallel: tensor/sequence/pipeline/data parallelism for Hugging Face Transformers models."""
+"""optimum-parallel: tensor/sequence/pipeline/context/data parallelism for Hugging Face Transformers models.
 
-from .checkpoint import consolidate_checkpoint, reshard_checkpoint
-from .engine.data_parallel import DataParallelConfig
-from .engine.grad_norm import clip_grad_norm_, grad_norm
-from .engine.lazy_optimizer import make_optimizer_constructor_lazy
-from .frontends.config import ParallelConfig, PipelineParallelConfig, TensorParallelConfig
-from .frontends.manager import ParallelizersManager, UnsupportedModelError
-from .frontends.parallelize import parallelize
-from .frontends.parallelizer import Parallelizer
-from .integrations.peft import register as _register_peft
-from .integrations.transformers.lazy_loading import lazy_load_for_parallelism
-from .mesh import ParallelMesh, get_mesh, init_mesh, set_mesh
-from .pipeline import SplitPoint
-from .plan import apply_plan, check_plan, logits_mode, parallel_layouts
-from .state import ParallelState, parallel_state
-from .styles import (
-    ColWiseParallel,
-    ParallelStyle,
-    PrepareLayerInput,
-    PrepareLayerOutput,
-    RowWiseParallel,
-    SequenceParallelBegin,
-    SequenceParallelDisable,
-    SequenceParallelEnable,
-    SequenceParallelEnd,
-    optional,
-)
+Every public name loads its module on first use, so `import optimum_parallel` and the command line's `--help` cost
+next to nothing (integrations register through entry points, see `plan/wrappers.py`).
+"""
 
-_register_peft()  # PEFT layers around planned modules are split with them (peft itself is imported only if used)
+from __future__ import annotations
+
+import importlib
 
 __version__ = "0.1.0"
 
-_LAZY = {
+_EXPORTS = {  # public name -> the module defining it
+    "consolidate_checkpoint": ".checkpoint",
+    "reshard_checkpoint": ".checkpoint",
+    "DataParallelConfig": ".engine.data_parallel",
+    "clip_grad_norm_": ".engine.grad_norm",
+    "grad_norm": ".engine.grad_norm",
+    "make_optimizer_constructor_lazy": ".engine.lazy_optimizer",
+    "ParallelConfig": ".frontends.config",
+    "PipelineParallelConfig": ".frontends.config",
+    "TensorParallelConfig": ".frontends.config",
+    "ParallelizersManager": ".frontends.manager",
+    "UnsupportedModelError": ".frontends.manager",
+    "parallelize": ".frontends.parallelize",
+    "Parallelizer": ".frontends.parallelizer",
+    "lazy_load_for_parallelism": ".integrations.transformers.lazy_loading",
+    "ParallelMesh": ".mesh",
+    "get_mesh": ".mesh",
+    "init_mesh": ".mesh",
+    "set_mesh": ".mesh",
+    "SplitPoint": ".pipeline",
+    "apply_plan": ".plan",
+    "check_plan": ".plan",
+    "logits_mode": ".plan",
+    "parallel_layouts": ".plan",
+    "ParallelState": ".state",
+    "parallel_state": ".state",
+    "ColWiseParallel": ".styles",
+    "ParallelStyle": ".styles",
+    "PrepareLayerInput": ".styles",
+    "PrepareLayerOutput": ".styles",
+    "RowWiseParallel": ".styles",
+    "SequenceParallelBegin": ".styles",
+    "SequenceParallelDisable": ".styles",
+    "SequenceParallelEnable": ".styles",
+    "SequenceParallelEnd": ".styles",
+    "optional": ".styles",
     "ParallelTrainer": ".integrations.transformers.trainer",
     "ParallelTrainingArguments": ".integrations.transformers.training_args",
     "save_plan": ".planning.plan_files",
@@ -45,57 +59,16 @@ _LAZY = {
 
 
 def __getattr__(name: str):
-    """The Trainer, plan files and memory planner import heavy parts of transformers: load them on first use."""
-    if name in _LAZY:
-        import importlib
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(module, __name__), name)
+    globals()[name] = value  # the next lookup is a plain attribute
+    return value
 
-        return getattr(importlib.import_module(_LAZY[name], __name__), name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *_EXPORTS})
 
 
-__all__ = [
-    "clip_grad_norm_",
-    "grad_norm",
-    "ParallelState",
-    "parallel_state",
-    "ColWiseParallel",
-    "ParallelMesh",
-    "MemoryPlanner",
-    "ParallelStyle",
-    "ParallelTrainer",
-    "ParallelTrainingArguments",
-    "Parallelizer",
-    "ParallelizersManager",
-    "PrepareLayerInput",
-    "PrepareLayerOutput",
-    "RowWiseParallel",
-    "SequenceParallelBegin",
-    "SequenceParallelDisable",
-    "SequenceParallelEnable",
-    "SequenceParallelEnd",
-    "UnsupportedModelError",
-    "DataParallelConfig",
-    "ParallelConfig",
-    "PipelineParallelConfig",
-    "SplitPoint",
-    "TensorParallelConfig",
-    "apply_plan",
-    "check_plan",
-    "check_plan_fits",
-    "estimate_memory",
-    "load_plan",
-    "logits_mode",
-    "plan_file_parallelizer",
-    "save_plan",
-    "suggest_layouts",
-    "parallelize",
-    "consolidate_checkpoint",
-    "lazy_load_for_parallelism",
-    "make_optimizer_constructor_lazy",
-    "reshard_checkpoint",
-    "get_mesh",
-    "init_mesh",
-    "optional",
-    "parallel_layouts",
-    "set_mesh",
-]
+__all__ = sorted(_EXPORTS)

@@ -20,7 +20,7 @@ from ..tensor_parallel.layers import ColumnParallelLinear
 from ..tensor_parallel.spec import ShardLayout
 from .fixups import install_vocab_parallel_loss, localize_attention_heads, retie_shared_parameters
 from .inference import install_full_logits, install_generation_sync, install_sequence_switch
-from .wrappers import HANDLERS, handler_for, style_target
+from .wrappers import handler_for, style_target, wrapper_handlers
 
 
 def _as_styles(key: str, value) -> list[ParallelStyle]:
@@ -103,7 +103,7 @@ def apply_plan(model: nn.Module, plan: Mapping[str, object], mesh: ParallelMesh)
             elif wrapper.base_layer is not module:  # a wrapper (LoRA) around the swapped layer: its own
                 wrapper.base_layer = module  # parameters are split to follow the layer's split
                 handler_for(wrapper).parallelize(wrapper, ctx)
-    for handler in HANDLERS.values():
+    for handler in wrapper_handlers():
         if handler.after_apply is not None:
             handler.after_apply(model, ctx)
     retie_shared_parameters(model, original)

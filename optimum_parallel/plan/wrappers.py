@@ -2,13 +2,16 @@
 
 A style applies to the wrapped layer; the wrapper's handler, registered by its integration, then splits the
 wrapper's own parameters to match (`handler.parallelize(wrapper, ctx)`). The engine knows no wrapper library:
-integrations register handlers here.
+integrations register handlers here, found through the entry-point group `optimum_parallel.wrappers` on first use
+(as families are), so no import order matters and nothing is loaded before a plan runs.
 """
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
+from importlib.metadata import entry_points
 
 from torch import nn
 
@@ -28,15 +31,32 @@ class WrapperHandler:
     check: Callable[[nn.Module, list, str, bool], None] | None = None
 
 
-HANDLERS: dict[str, WrapperHandler] = {}
+ENTRY_POINT_GROUP = "optimum_parallel.wrappers"  # each entry: a function that registers its handlers
+_HANDLERS: dict[str, WrapperHandler] = {}
+_discovered = False
 
 
 def register_wrapper_handler(handler: WrapperHandler) -> None:
-    HANDLERS[handler.name] = handler
+    _HANDLERS[handler.name] = handler
+
+
+def wrapper_handlers() -> list[WrapperHandler]:
+    """Every registered handler; the entry points' registrations run on the first call."""
+    global _discovered
+    if not _discovered:
+        _discovered = True
+        for entry in entry_points(group=ENTRY_POINT_GROUP):
+            try:
+                entry.load()()
+            except Exception as err:  # a broken third-party plugin must not break the others
+                warnings.warn(
+                    f"could not register wrapper handlers {entry.name!r} ({entry.value}): {err}", stacklevel=2
+                )
+    return list(_HANDLERS.values())
 
 
 def handler_for(module: nn.Module) -> WrapperHandler | None:
-    return next((h for h in HANDLERS.values() if h.matches(module)), None)
+    return next((h for h in wrapper_handlers() if h.matches(module)), None)
 
 
 def style_target(module: nn.Module) -> nn.Module:

@@ -7,7 +7,9 @@ model parallelized before works too. Nothing here imports peft until a PEFT laye
 
 from __future__ import annotations
 
+import importlib.abc
 import importlib.util
+import sys
 
 from ...plan.wrappers import WrapperHandler, register_wrapper_handler
 from .lora import check_planned_wrapper, is_peft_layer, link_lora_siblings, shard_lora_layer
@@ -20,10 +22,45 @@ def _parallelize(wrapper, ctx) -> None:
 
 def _after_apply(model, ctx) -> None:
     link_lora_siblings(model)
-    if importlib.util.find_spec("peft") is not None:
-        from .dispatch import install_peft_dispatch
+    after_import("peft", _install_dispatch)  # importing peft costs ~0.4 s: a model without adapters never pays it
 
-        install_peft_dispatch()
+
+def _install_dispatch() -> None:
+    from .dispatch import install_peft_dispatch
+
+    install_peft_dispatch()
+
+
+class _AfterImport(importlib.abc.MetaPathFinder):
+    """Runs `callback` right after the first import of module `name` (and removes itself)."""
+
+    def __init__(self, name: str, callback) -> None:
+        self.name, self.callback = name, callback
+
+    def find_spec(self, fullname, path, target=None):
+        if fullname != self.name:
+            return None
+        sys.meta_path.remove(self)
+        spec = importlib.util.find_spec(fullname)
+        if spec is not None and spec.loader is not None:
+            execute, callback = spec.loader.exec_module, self.callback
+
+            def exec_module(module) -> None:
+                execute(module)
+                callback()
+
+            spec.loader.exec_module = exec_module
+        return spec
+
+
+def after_import(name: str, callback) -> None:
+    """`callback()` now if module `name` is imported, else right after its import (nothing if not installed)."""
+    if name in sys.modules:
+        callback()
+    elif importlib.util.find_spec(name) is not None and not any(
+        isinstance(f, _AfterImport) and f.name == name for f in sys.meta_path
+    ):
+        sys.meta_path.insert(0, _AfterImport(name, callback))
 
 
 def register() -> None:
