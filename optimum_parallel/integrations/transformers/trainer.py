@@ -88,6 +88,12 @@ def _register_data_loader(accelerator, data_loader) -> None:
     loaders.append(data_loader)
 
 
+def _first_replica_of(tensor: DTensor) -> bool:
+    """Whether this rank is at coordinate 0 of every mesh dim `tensor` is replicated over (HSDP's replicate dim)."""
+    coordinate = tensor.device_mesh.get_coordinate() or []
+    return all(c == 0 for c, placement in zip(coordinate, tensor.placements) if placement.is_replicate())
+
+
 def _has_vocab_parallel_head(model: nn.Module) -> bool:
     return any(isinstance(m, ColumnParallelLinear) and hasattr(m, "logits_mode") for m in model.modules())
 
@@ -150,7 +156,9 @@ class ParallelTrainer(Trainer):
         self.accelerator.prepare_data_loader = self._prepare_data_loader
         if self.optimizer is None:
             self.create_optimizer()
-        config = DataParallelConfig(sharding_level=args.sharding_level)
+        config = DataParallelConfig(
+            sharding_level=args.sharding_level, shard_size=args.shard_size, threshold=args.sharding_threshold_kb
+        )
         # step 4 ran above for an optimizer passed in, and the Trainer's own is built over the parallel parameters:
         # no parameter map here (its keys are ids of replaced parameters, which new ones, e.g. adapters, may reuse)
         self.model, self.optimizer = compose_training(self.model, self.optimizer, self.mesh, {}, config)
@@ -238,7 +246,8 @@ class ParallelTrainer(Trainer):
 
     def _global_grad_norm(self, model: nn.Module) -> torch.Tensor:
         """The 2-norm of the whole model's gradient: squares of each rank's own pieces (tp shards once, pp stages,
-        FSDP shards per dp x cp rank; replicated gradients on dp rank 0 and cp rank 0 only), summed over the world."""
+        FSDP shards per dp x cp rank, or per rank of the first sharding group under HSDP; replicated gradients on dp
+        rank 0 and cp rank 0 only), summed over the world."""
         first_replica = self.mesh.rank("dp") == 0 and self.mesh.rank("cp") == 0
         squares = []
         for name, param in model.named_parameters():
@@ -247,7 +256,8 @@ class ParallelTrainer(Trainer):
             if param.grad is None or not self._norm_owners[name]:
                 continue
             if isinstance(param.grad, DTensor):
-                squares.append(param.grad.to_local().float().square().sum())
+                if _first_replica_of(param.grad):  # HSDP: each sharding group holds the same shards
+                    squares.append(param.grad.to_local().float().square().sum())
             elif first_replica:
                 squares.append(param.grad.float().square().sum())
         total = torch.stack(squares).sum() if squares else torch.zeros((), device=self.args.device)

@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 from transformers import TrainingArguments
 
 from ...context_parallel import STRATEGIES as CP_STRATEGIES
-from ...engine.data_parallel import SHARDING_LEVELS
+from ...engine.data_parallel import SHARDING_LEVELS, DataParallelConfig
 from ...mesh import check_positive_int
 from ...pipeline import SCHEDULES
 
@@ -37,6 +37,17 @@ class ParallelTrainingArguments(TrainingArguments):
             "sharded (FSDP2), 3 + parameters sharded (FSDP2, resharded after forward)."
         },
     )
+    shard_size: int = field(
+        default=-1,
+        metadata={
+            "help": "Ranks per sharding group at sharding_level 1-3 (hybrid sharding, MindSpore's hsdp): -1 all "
+            "dp x cp ranks; else a divisor of dp x cp: shard inside each group, replicate across groups."
+        },
+    )
+    sharding_threshold_kb: float = field(
+        default=0,
+        metadata={"help": "At sharding_level 2-3, parameters smaller than this many KB stay whole on every rank."},
+    )
     pipeline_parallel_num_microbatches: int = field(
         default=1, metadata={"help": "Micro-batches each per-device batch is cut into under pp (>= pp)."}
     )
@@ -50,6 +61,7 @@ class ParallelTrainingArguments(TrainingArguments):
         check_positive_int("pipeline_parallel_num_microbatches", self.pipeline_parallel_num_microbatches)
         if isinstance(self.sharding_level, bool) or self.sharding_level not in SHARDING_LEVELS:
             raise ValueError(f"sharding_level={self.sharding_level!r} is not allowed; allowed: 0, 1, 2, 3")
+        _check_hybrid_sharding(self)
         if self.context_parallel_strategy not in CP_STRATEGIES:
             raise ValueError(
                 f"context_parallel_strategy={self.context_parallel_strategy!r} is not allowed; allowed: "
@@ -83,3 +95,14 @@ class ParallelTrainingArguments(TrainingArguments):
                     f"{name}={getattr(self, name)} is not allowed: it must be a multiple of "
                     f"pipeline_parallel_num_microbatches={self.pipeline_parallel_num_microbatches}"
                 )
+
+
+def _check_hybrid_sharding(args: ParallelTrainingArguments) -> None:
+    """shard_size and sharding_threshold_kb, checked by `DataParallelConfig` (its errors renamed to these keys);
+    whether shard_size divides dp x cp is checked once the mesh exists."""
+    try:
+        DataParallelConfig(args.sharding_level, shard_size=args.shard_size, threshold=args.sharding_threshold_kb)
+    except ValueError as err:
+        message = str(err).replace("dp_config['shard_size'] = ", "shard_size=")
+        message = message.replace("dp_config['threshold'] = ", "sharding_threshold_kb=")
+        raise ValueError(message) from None
