@@ -207,7 +207,11 @@ def estimate_memory(
         missing = [f"--{name}" for name, value in (("devices", devices), ("memory", memory)) if value is None]
         if missing:
             raise click.UsageError(f"--suggest needs {' and '.join(missing)}")
-        fixed = [f"--{n.replace('_', '-')}" for n in ("tp", "pp", "dp", "cp", "sharding_level", "shard_size") if _explicit(ctx, n)]
+        fixed = [
+            f"--{n.replace('_', '-')}"
+            for n in ("tp", "pp", "dp", "cp", "sharding_level", "shard_size")
+            if _explicit(ctx, n)
+        ]
         if fixed:
             raise click.UsageError(f"--suggest chooses {', '.join(fixed)} itself; leave {'/'.join(fixed)} out")
     else:

@@ -105,12 +105,13 @@ def apply_data_parallel(
     before = dict(model.named_parameters(remove_duplicate=False))
     dp_mesh = mesh.sharding_mesh(config.shard_size)  # 1-D: FSDP; 2-D (replicate, shard): HSDP
     small = _below_threshold(model, config.threshold)
+    ignored = set(small)
     policy = MixedPrecisionPolicy(reduce_dtype=config.reduce_dtype)
     reshard = config.sharding_level == 3
     for root in roots:
         for block in _blocks(root):
-            fully_shard(block, mesh=dp_mesh, reshard_after_forward=reshard, mp_policy=policy, ignored_params=small)
-        fully_shard(root, mesh=dp_mesh, reshard_after_forward=reshard, mp_policy=policy, ignored_params=small)
+            fully_shard(block, mesh=dp_mesh, reshard_after_forward=reshard, mp_policy=policy, ignored_params=ignored)
+        fully_shard(root, mesh=dp_mesh, reshard_after_forward=reshard, mp_policy=policy, ignored_params=ignored)
     if small:
         _all_reduce_after_backward(small, mesh.data_parallel_group)
     after = dict(model.named_parameters(remove_duplicate=False))
@@ -146,19 +147,20 @@ def _check_shard_size(shard_size: int, data_parallel_size: int) -> None:
         )
 
 
-def _below_threshold(model: nn.Module, threshold_kb: float) -> set[nn.Parameter]:
-    """The parameters smaller than `threshold_kb` KB (this rank's piece): FSDP2 leaves them whole (replicated)."""
+def _below_threshold(model: nn.Module, threshold_kb: float) -> list[nn.Parameter]:
+    """The parameters smaller than `threshold_kb` KB (this rank's piece), in model order (the same on every rank):
+    FSDP2 leaves them whole (replicated)."""
     if threshold_kb <= 0:
-        return set()
+        return []
     limit = threshold_kb * 1024
-    return {p for p in model.parameters() if p.numel() * p.element_size() < limit}
+    return [p for p in model.parameters() if p.numel() * p.element_size() < limit]
 
 
-def _all_reduce_after_backward(params: set[nn.Parameter], group: dist.ProcessGroup) -> None:
+def _all_reduce_after_backward(params: list[nn.Parameter], group: dist.ProcessGroup) -> None:
     """Average the gradients of `params` (FSDP2 ignores them) over `group` once per backward, in one bucket: the
     first gradient to arrive queues a callback that runs when the whole backward is done. Linear, so it stays right
     when gradients accumulate over micro-batches (it then runs once per micro-batch)."""
-    ordered = sorted(params, key=id)
+    ordered = list(params)  # one bucket layout on every rank
     queued = [False]
 
     def reduce() -> None:
@@ -169,7 +171,7 @@ def _all_reduce_after_backward(params: set[nn.Parameter], group: dist.ProcessGro
         flat = torch.cat([g.reshape(-1) for g in grads])
         dist.all_reduce(flat, group=group)
         flat /= dist.get_world_size(group)
-        for grad, part in zip(grads, flat.split([g.numel() for g in grads])):
+        for grad, part in zip(grads, flat.split([g.numel() for g in grads]), strict=True):
             grad.copy_(part.view_as(grad))
 
     def on_gradient(_param: torch.Tensor) -> None:
@@ -189,6 +191,4 @@ def _zero1(optimizer: torch.optim.Optimizer, group: dist.ProcessGroup) -> ZeroRe
     groups = [dict(group) for group in optimizer.param_groups]
     accepted = inspect.signature(type(optimizer)).parameters
     defaults = {k: v for k, v in optimizer.defaults.items() if k in accepted and k != "params"}
-    return ZeroRedundancyOptimizer(
-        groups, optimizer_class=type(optimizer), process_group=group, **defaults
-    )
+    return ZeroRedundancyOptimizer(groups, optimizer_class=type(optimizer), process_group=group, **defaults)

@@ -90,8 +90,8 @@ def _register_data_loader(accelerator, data_loader) -> None:
 
 def _first_replica_of(tensor: DTensor) -> bool:
     """Whether this rank is at coordinate 0 of every mesh dim `tensor` is replicated over (HSDP's replicate dim)."""
-    coordinate = tensor.device_mesh.get_coordinate() or []
-    return all(c == 0 for c, placement in zip(coordinate, tensor.placements) if placement.is_replicate())
+    coordinate = tensor.device_mesh.get_coordinate()
+    return all(c == 0 for c, placement in zip(coordinate, tensor.placements, strict=True) if placement.is_replicate())
 
 
 def _has_vocab_parallel_head(model: nn.Module) -> bool:
