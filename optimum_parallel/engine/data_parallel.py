@@ -88,7 +88,7 @@ def apply_data_parallel(
     Nothing to do when dp x cp is 1."""
     if mesh.data_parallel_size == 1:
         return model, optimizer
-    _check_shard_size(config.shard_size, mesh.data_parallel_size)
+    check_shard_size(config.shard_size, mesh.data_parallel_size)
     mark_gradients_reduced(model)
     # Under pp the schedule calls the stage modules, not the model: the stages are the wrapped roots.
     pipeline = parallel_state(plan_root(model)).pipeline
@@ -138,7 +138,8 @@ def _reshard_before_step(optimizer: torch.optim.Optimizer, roots: list[nn.Module
     optimizer.register_step_pre_hook(reshard)
 
 
-def _check_shard_size(shard_size: int, data_parallel_size: int) -> None:
+def check_shard_size(shard_size: int, data_parallel_size: int) -> None:
+    """ValueError naming dp_config['shard_size'] and the allowed values unless it is -1 or divides dp x cp."""
     if shard_size != -1 and data_parallel_size % shard_size:
         allowed = [-1] + [d for d in range(1, data_parallel_size + 1) if data_parallel_size % d == 0]
         raise ValueError(

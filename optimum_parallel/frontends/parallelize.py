@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from ..engine.compose import PipelineRequest, compose
-from ..engine.data_parallel import DataParallelConfig
+from ..engine.data_parallel import DataParallelConfig, check_shard_size
 from ..mesh import ParallelMesh, get_mesh
 from ..pipeline import SCHEDULES
 from ..pipeline.split import find_layer_list, stage_layers
@@ -90,4 +90,6 @@ def _resolve_mesh(mesh: ParallelMesh | None, config: ParallelConfig) -> Parallel
         if getattr(config, key) is not None and size == 1:
             sizes = ", ".join(f"{d}={s}" for d, s in mesh.sizes.items())
             raise ValueError(f"{key} needs a mesh with {dims} > 1; the mesh has {sizes}")
+    if config.dp_config is not None:  # before anything changes, as every other check
+        check_shard_size(config.dp_config.shard_size, mesh.data_parallel_size)
     return mesh

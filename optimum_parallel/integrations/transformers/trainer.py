@@ -52,6 +52,13 @@ def _mesh_for(args: ParallelTrainingArguments) -> ParallelMesh:
             f"the world size {world}; allowed: sizes whose product divides the number of processes"
         )
     sizes = {"dp": world // (tp * pp * cp), "pp": pp, "cp": cp, "tp": tp}
+    ranks = sizes["dp"] * cp  # the ranks holding the same parameters
+    if args.shard_size != -1 and ranks > 1 and ranks % args.shard_size:
+        allowed = [-1] + [d for d in range(1, ranks + 1) if ranks % d == 0]
+        raise ValueError(
+            f"shard_size={args.shard_size} does not divide the {ranks} dp x cp ranks; allowed: "
+            f"{', '.join(map(str, allowed))}"
+        )
     with contextlib.suppress(RuntimeError):
         if get_mesh().sizes == sizes:
             return get_mesh()
