@@ -173,6 +173,25 @@ def test_sharding_levels_divide_what_they_shard():
     assert level[0].parameters == 2 * local and level[0].optimizer_state >= 12 * local
 
 
+def test_hybrid_sharding_divides_by_the_group():
+    """shard_size=2 of dp=4: the levels split the states over 2 ranks, not 4; -1 is all of them."""
+    planner = MemoryPlanner(llama_config())
+    workload = Workload(seq_len=SEQ, micro_batch=BATCH, dtype="bf16")
+    for level in (1, 2, 3):
+        every = planner.estimate(Layout(dp=4, sharding_level=level), workload)
+        groups = planner.estimate(Layout(dp=4, sharding_level=level, shard_size=2), workload)
+        assert groups.optimizer_state == pytest.approx(2 * every.optimizer_state)
+        assert groups.gradients == pytest.approx(2 * every.gradients if level >= 2 else every.gradients)
+        assert groups.parameters == pytest.approx(2 * every.parameters if level == 3 else every.parameters)
+        assert any("groups of 2" in note for note in groups.notes), groups.notes
+    whole = planner.estimate(Layout(dp=4, sharding_level=3, shard_size=4), workload)
+    assert whole.parameters == planner.estimate(Layout(dp=4, sharding_level=3), workload).parameters
+    estimate = estimate_memory(llama_config(), dp=2, cp=2, sharding_level=3, shard_size=2, seq_len=SEQ)
+    assert "in groups of 2" in str(estimate.layout)
+    with pytest.raises(ValueError, match=r"shard_size=3 .* allowed: -1, 1, 2, 4"):
+        Layout(dp=4, sharding_level=3, shard_size=3)
+
+
 def test_context_parallel_splits_activations_not_states():
     """cp=2 holds half of every activation (sdpa: all linear in the sequence) plus ring attention's K/V blocks in
     flight; parameters, gradients, optimizer state and buffers stay those of the same dp x cp replicas at cp=1."""

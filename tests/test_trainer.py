@@ -211,6 +211,14 @@ def test_variants_match_single_device(pool, hf_dir, reference, tmp_path, variant
         assert worst_difference(result, reference["curve"], range(1, 7)) <= TOL, result
 
 
+def test_hybrid_sharding_matches_single_device(pool, hf_dir, reference, tmp_path):
+    """dp=4 (tp=1) as 2 sharding groups of 2 at level 3, the norms (below 1 KB) replicated: the curve of one device;
+    the clipped gradient norm counts each FSDP shard once (not once per group)."""
+    extra = {"sharding_level": 3, "shard_size": 2, "sharding_threshold_kb": 1, "save_strategy": "no"}
+    for result in pool.run(train_parallel, hf_dir, str(tmp_path / "out"), 1, **extra):
+        assert worst_difference(result, reference["curve"], range(1, 7)) <= TOL, result
+
+
 # ----------------------------------------------------------------------------------------------- argument checks
 
 
@@ -222,6 +230,9 @@ def test_variants_match_single_device(pool, hf_dir, reference, tmp_path, variant
         ({"tensor_parallel_size": 0}, ["tensor_parallel_size=0", "positive integer"]),
         ({"context_parallel_size": 0}, ["context_parallel_size=0", "positive integer"]),
         ({"context_parallel_strategy": "zigzag"}, ["context_parallel_strategy='zigzag'", "ring", "all_to_all"]),
+        ({"shard_size": 0}, ["shard_size=0", "allowed: -1"]),
+        ({"shard_size": 2}, ["shard_size=2", "sharding_level 0"]),
+        ({"sharding_level": 3, "sharding_threshold_kb": -1}, ["sharding_threshold_kb=-1", ">= 0"]),
         ({"pipeline_parallel_num_microbatches": 2}, ["pipeline_parallel_num_microbatches=2", "allowed", ": 1"]),
         ({"pipeline_parallel_size": 2, "pipeline_parallel_num_microbatches": 3}, ["per_device_train_batch_size=4"]),
         ({"pipeline_parallel_size": 2, "pipeline_parallel_num_microbatches": 2, "gradient_accumulation_steps": 2},

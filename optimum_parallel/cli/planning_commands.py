@@ -114,6 +114,13 @@ def _explicit(ctx: click.Context, name: str) -> bool:
     show_default=True,
     help="0 DDP, 1 + optimizer state sharded (ZeRO-1), 2 + gradients (FSDP2), 3 + parameters (FSDP2 reshard).",
 )
+@click.option(
+    "--shard-size",
+    type=int,
+    default=-1,
+    show_default=True,
+    help="Ranks per sharding group (hybrid sharding: shard inside a group, replicate across); -1: all dp x cp.",
+)
 @click.option("--seq-len", type=click.IntRange(min=1), default=2048, show_default=True, help="Tokens per sequence.")
 @click.option(
     "--micro-batch", type=click.IntRange(min=1), default=1, show_default=True, help="Sequences per micro-batch."
@@ -166,6 +173,7 @@ def estimate_memory(
     dp: int,
     cp: int,
     sharding_level: int,
+    shard_size: int,
     seq_len: int,
     micro_batch: int,
     num_microbatches: int | None,
@@ -189,7 +197,7 @@ def estimate_memory(
     5as/(ht)) with SP (16-bit, scaled to --dtype), and for Llama-style decoders the count of this engine's
     Llama (checked against measurement). Under pp, 1F1B keeps pp micro-batches in flight on the first stage
     (GPipe: all of them on every stage). Under cp, activations are those of seq/cp tokens plus ring attention's
-    K/V blocks in flight; sharding levels split the states over dp x cp.
+    K/V blocks in flight; sharding levels split the states over dp x cp, or over groups of --shard-size of them.
     """
     from ..planning.memory_planner import MemoryPlanner
     from ..planning.memory_text import format_estimate, format_suggestions
@@ -199,7 +207,11 @@ def estimate_memory(
         missing = [f"--{name}" for name, value in (("devices", devices), ("memory", memory)) if value is None]
         if missing:
             raise click.UsageError(f"--suggest needs {' and '.join(missing)}")
-        fixed = [f"--{n.replace('_', '-')}" for n in ("tp", "pp", "dp", "cp", "sharding_level") if _explicit(ctx, n)]
+        fixed = [
+            f"--{n.replace('_', '-')}"
+            for n in ("tp", "pp", "dp", "cp", "sharding_level", "shard_size")
+            if _explicit(ctx, n)
+        ]
         if fixed:
             raise click.UsageError(f"--suggest chooses {', '.join(fixed)} itself; leave {'/'.join(fixed)} out")
     else:
@@ -226,8 +238,8 @@ def estimate_memory(
                 "--seq-len / --micro-batch"
             )
         return
-    off = planner.estimate(Layout(dp, tp, pp, sharding_level, False, cp), workload)
+    off = planner.estimate(Layout(dp, tp, pp, sharding_level, False, cp, shard_size), workload)
     on = None
     if tp > 1 and planner.supports_sequence_parallel:
-        on = planner.estimate(Layout(dp, tp, pp, sharding_level, True, cp), workload)
+        on = planner.estimate(Layout(dp, tp, pp, sharding_level, True, cp, shard_size), workload)
     click.echo(format_estimate(planner, off, on), nl=False)

@@ -5,6 +5,10 @@ level 0: parameters replicated, gradients all-reduced (composable DDP, `replicat
 level 1: + optimizer state sharded (ZeRO-1, `ZeroRedundancyOptimizer`);
 level 2: + gradients sharded (FSDP2 `fully_shard`, parameters kept gathered between forward and backward);
 level 3: + parameters sharded (FSDP2, resharded after forward).
+Hybrid sharding (MindSpore's `hsdp`): `shard_size` ranks form a sharding group, the levels act inside each group
+and gradients are averaged over all groups (ZeRO-1 over the group; FSDP2 over a 2-D (replicate, shard) mesh, whose
+reduce-scatter runs in the group and one all-reduce across the groups). `threshold` (KB) keeps smaller parameters
+whole on every rank at levels 2-3 (FSDP2's `ignored_params`; their gradients get one bucketed all-reduce here).
 Tensor-parallel shards are plain local tensors, so every level composes with tp on a dp x tp mesh.
 Context parallelism (cp) splits the sequence, not the weights, and scales each cp rank's loss by cp: averaging the
 gradients over dp x cp (`mesh.data_parallel_group` / `data_parallel_mesh`) gives the single-device gradient.
@@ -16,6 +20,7 @@ import inspect
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.distributed._composable import replicate
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
@@ -37,11 +42,16 @@ def check_sharding_level(level: object, key: str = "sharding_level") -> None:
 
 
 def check_data_parallel(
-    config: DataParallelConfig, optimizer: torch.optim.Optimizer | None, key: str = "sharding_level"
+    config: DataParallelConfig,
+    optimizer: torch.optim.Optimizer | None,
+    key: str = "sharding_level",
+    data_parallel_size: int | None = None,
 ) -> None:
-    """What `apply_data_parallel` needs of its request, checked before anything changes: the level, and for ZeRO-1
-    an optimizer with no state yet (its state cannot be re-partitioned)."""
+    """What `apply_data_parallel` needs of its request, checked before anything changes: the level, a shard_size
+    dividing the dp x cp ranks, and for ZeRO-1 an optimizer with no state yet (its state cannot be re-partitioned)."""
     check_sharding_level(config.sharding_level, key)
+    if data_parallel_size is not None:
+        check_shard_size(config.shard_size, data_parallel_size)
     if config.sharding_level == 1 and optimizer is not None and getattr(optimizer, "state", None):
         raise ValueError(
             f"{key}=1 (ZeRO-1) needs a fresh optimizer: this one already holds state, which cannot be re-partitioned "
@@ -51,13 +61,32 @@ def check_data_parallel(
 
 @dataclass
 class DataParallelConfig:
-    """`dp_config`: sharding_level 0-3; reduce_dtype e.g. torch.float32 to reduce bf16 gradients in fp32 (FSDP)."""
+    """`dp_config`: sharding_level 0-3; reduce_dtype e.g. torch.float32 to reduce bf16 gradients in fp32 (FSDP);
+    shard_size: ranks per sharding group (-1: all dp x cp ranks), replicated across groups (HSDP, levels 1-3);
+    threshold: KB below which a parameter (this rank's tensor-parallel piece) stays whole on every rank (levels 2-3;
+    ZeRO-1 at level 1 never cuts a tensor: it places each parameter's whole state on one rank of the group)."""
 
     sharding_level: int = 0
     reduce_dtype: torch.dtype | None = None
+    shard_size: int = -1
+    threshold: float = 0
 
     def __post_init__(self) -> None:
         check_sharding_level(self.sharding_level, "dp_config['sharding_level']")
+        size = self.shard_size
+        if isinstance(size, bool) or not isinstance(size, int) or (size < 1 and size != -1):
+            raise ValueError(
+                f"dp_config['shard_size'] = {size!r} is not allowed; allowed: -1 (all dp x cp ranks) or a positive "
+                "integer dividing dp x cp"
+            )
+        if size != -1 and self.sharding_level == 0:
+            raise ValueError(
+                f"dp_config['shard_size'] = {size} needs sharding; allowed with sharding_level 0: -1 "
+                "(or set sharding_level to 1, 2 or 3)"
+            )
+        kb = self.threshold
+        if isinstance(kb, bool) or not isinstance(kb, (int, float)) or not kb >= 0 or kb == float("inf"):
+            raise ValueError(f"dp_config['threshold'] = {kb!r} is not allowed; allowed: a number of KB >= 0")
         if self.reduce_dtype is not None and not isinstance(self.reduce_dtype, torch.dtype):
             raise ValueError(f"dp_config['reduce_dtype'] = {self.reduce_dtype!r} is not a torch.dtype")
 
@@ -80,6 +109,7 @@ def apply_data_parallel(
     Nothing to do when dp x cp is 1."""
     if mesh.data_parallel_size == 1:
         return model, optimizer
+    check_shard_size(config.shard_size, mesh.data_parallel_size)
     mark_gradients_reduced(model)
     # Under pp the schedule calls the stage modules, not the model: the stages are the wrapped roots.
     pipeline = parallel_state(plan_root(model)).pipeline
@@ -90,17 +120,21 @@ def apply_data_parallel(
         if pipeline is None:
             replicate(model, process_group=mesh.data_parallel_group)
         if optimizer is not None and config.sharding_level == 1:
-            optimizer = _zero1(optimizer, mesh)
+            optimizer = _zero1(optimizer, mesh.sharding_group(config.shard_size))
         return model, optimizer
 
     before = dict(model.named_parameters(remove_duplicate=False))
-    dp_mesh = mesh.data_parallel_mesh
+    dp_mesh = mesh.sharding_mesh(config.shard_size)  # 1-D: FSDP; 2-D (replicate, shard): HSDP
+    small = _below_threshold(model, config.threshold)
+    ignored = set(small)
     policy = MixedPrecisionPolicy(reduce_dtype=config.reduce_dtype)
     reshard = config.sharding_level == 3
     for root in roots:
         for block in _blocks(root):
-            fully_shard(block, mesh=dp_mesh, reshard_after_forward=reshard, mp_policy=policy)
-        fully_shard(root, mesh=dp_mesh, reshard_after_forward=reshard, mp_policy=policy)
+            fully_shard(block, mesh=dp_mesh, reshard_after_forward=reshard, mp_policy=policy, ignored_params=ignored)
+        fully_shard(root, mesh=dp_mesh, reshard_after_forward=reshard, mp_policy=policy, ignored_params=ignored)
+    if small:
+        _all_reduce_after_backward(small, mesh.data_parallel_group)
     after = dict(model.named_parameters(remove_duplicate=False))
     for name, param in before.items():  # FSDP2 makes new parameters: keep their tensor-parallel layouts
         if hasattr(param, "shard_layout"):
@@ -125,12 +159,57 @@ def _reshard_before_step(optimizer: torch.optim.Optimizer, roots: list[nn.Module
     optimizer.register_step_pre_hook(reshard)
 
 
-def _zero1(optimizer: torch.optim.Optimizer, mesh: ParallelMesh) -> ZeroRedundancyOptimizer:
-    """The same optimizer with its state sharded over dp x cp (param groups and hyper-parameters kept)."""
+def check_shard_size(shard_size: int, data_parallel_size: int) -> None:
+    """ValueError naming dp_config['shard_size'] and the allowed values unless it is -1 or divides dp x cp."""
+    if shard_size != -1 and data_parallel_size % shard_size:
+        allowed = [-1] + [d for d in range(1, data_parallel_size + 1) if data_parallel_size % d == 0]
+        raise ValueError(
+            f"dp_config['shard_size'] = {shard_size} does not divide the dp x cp ranks ({data_parallel_size}); "
+            f"allowed: {', '.join(map(str, allowed))}"
+        )
+
+
+def _below_threshold(model: nn.Module, threshold_kb: float) -> list[nn.Parameter]:
+    """The parameters smaller than `threshold_kb` KB (this rank's piece), in model order (the same on every rank):
+    FSDP2 leaves them whole (replicated)."""
+    if threshold_kb <= 0:
+        return []
+    limit = threshold_kb * 1024
+    return [p for p in model.parameters() if p.numel() * p.element_size() < limit]
+
+
+def _all_reduce_after_backward(params: list[nn.Parameter], group: dist.ProcessGroup) -> None:
+    """Average the gradients of `params` (FSDP2 ignores them) over `group` once per backward, in one bucket: the
+    first gradient to arrive queues a callback that runs when the whole backward is done. Linear, so it stays right
+    when gradients accumulate over micro-batches (it then runs once per micro-batch)."""
+    ordered = list(params)  # one bucket layout on every rank
+    queued = [False]
+
+    def reduce() -> None:
+        queued[0] = False
+        grads = [p.grad for p in ordered if p.grad is not None]
+        if not grads:
+            return
+        flat = torch.cat([g.reshape(-1) for g in grads])
+        dist.all_reduce(flat, group=group)
+        flat /= dist.get_world_size(group)
+        for grad, part in zip(grads, flat.split([g.numel() for g in grads]), strict=True):
+            grad.copy_(part.view_as(grad))
+
+    def on_gradient(_param: torch.Tensor) -> None:
+        if not queued[0]:
+            queued[0] = True
+            torch.autograd.Variable._execution_engine.queue_callback(reduce)
+
+    for param in ordered:
+        if param.requires_grad:
+            param.register_post_accumulate_grad_hook(on_gradient)
+
+
+def _zero1(optimizer: torch.optim.Optimizer, group: dist.ProcessGroup) -> ZeroRedundancyOptimizer:
+    """The same optimizer with its state sharded over `group` (param groups and hyper-parameters kept)."""
     check_data_parallel(DataParallelConfig(sharding_level=1), optimizer)
     groups = [dict(group) for group in optimizer.param_groups]
     accepted = inspect.signature(type(optimizer)).parameters
     defaults = {k: v for k, v in optimizer.defaults.items() if k in accepted and k != "params"}
-    return ZeroRedundancyOptimizer(
-        groups, optimizer_class=type(optimizer), process_group=mesh.data_parallel_group, **defaults
-    )
+    return ZeroRedundancyOptimizer(groups, optimizer_class=type(optimizer), process_group=group, **defaults)

@@ -81,4 +81,4 @@ def validate_request(
         tp = mesh.size("tp") if plan else 1  # q/k/v are split over tp by the plan: all_to_all sees local heads
         check_context_parallel(model, cp, context_parallel, tp, keys.context_parallel)
     if data_parallel is not None:
-        check_data_parallel(data_parallel, optimizer, keys.sharding_level)
+        check_data_parallel(data_parallel, optimizer, keys.sharding_level, mesh.data_parallel_size)

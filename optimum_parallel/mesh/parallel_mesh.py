@@ -29,6 +29,7 @@ class ParallelMesh:
     timeout: timedelta = DEFAULT_TIMEOUT
     _extra_groups: dict[tuple[int, ...], dist.ProcessGroup] = field(default_factory=dict, repr=False)
     _dp_cp_mesh: DeviceMesh | None = field(default=None, repr=False)
+    _sharding_meshes: dict[int, DeviceMesh] = field(default_factory=dict, repr=False)
 
     def __post_init__(self) -> None:
         # dp and cp are not adjacent (pp sits between): torch flattens the non-contiguous slice into one 1-D mesh
@@ -81,6 +82,31 @@ class ParallelMesh:
         if self.sizes["dp"] == 1:
             return self.group("cp")
         return self._dp_cp_mesh.get_group()
+
+    def sharding_mesh(self, shard_size: int = -1) -> DeviceMesh:
+        """The mesh FSDP2 shards over: the 1-D `data_parallel_mesh` when `shard_size` is -1 or all dp x cp ranks;
+        else the 2-D ("dp_replicate", "dp_shard") mesh of those ranks (HSDP): groups of `shard_size` consecutive
+        ranks (in `data_parallel_rank` order) shard, and the ranks at the same place in every group replicate.
+        Collective on every rank the first time (its groups are created, with the mesh timeout); cached."""
+        size = self.data_parallel_size
+        if shard_size in (-1, size):
+            return self.data_parallel_mesh
+        if shard_size < 1 or size % shard_size:
+            raise ValueError(f"shard_size={shard_size} does not divide the dp x cp ranks ({size})")
+        if shard_size not in self._sharding_meshes:
+            backend = _gloo_or_nccl_options(self.timeout)
+            self._sharding_meshes[shard_size] = self.data_parallel_mesh._unflatten(
+                0,
+                (size // shard_size, shard_size),
+                ("dp_replicate", "dp_shard"),
+                backend_override={"dp_replicate": backend, "dp_shard": backend},
+            )
+        return self._sharding_meshes[shard_size]
+
+    def sharding_group(self, shard_size: int = -1) -> dist.ProcessGroup:
+        """This rank's sharding group (ZeRO-1's and FSDP2's): `shard_size` ranks of dp x cp; -1: all of them."""
+        mesh = self.sharding_mesh(shard_size)
+        return mesh.get_group("dp_shard") if mesh.ndim == 2 else mesh.get_group()
 
     @property
     def data_parallel_size(self) -> int:

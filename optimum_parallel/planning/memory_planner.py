@@ -246,12 +246,13 @@ class MemoryPlanner:
         counts = self.counts(layout.tp, layout.pp)
         local = max(counts.per_stage)
         tensors = max(counts.param_tensors)
-        e, dp, level = workload.element, layout.data_parallel, layout.sharding_level  # levels shard over dp x cp
+        # levels shard over the sharding group: all dp x cp ranks, or shard_size of them (hybrid sharding)
+        e, dp, level, group = workload.element, layout.data_parallel, layout.sharding_level, layout.sharding_group
         if dp == 1:
             level = 0
-        params = local * e / (dp if level >= 3 else 1)
-        grads = local * e / (dp if level >= 2 else 1)
-        state = (local * workload.optimizer_bytes_per_param + 4 * tensors) / (dp if level >= 1 else 1)
+        params = local * e / (group if level >= 3 else 1)
+        grads = local * e / (group if level >= 2 else 1)
+        state = (local * workload.optimizer_bytes_per_param + 4 * tensors) / (group if level >= 1 else 1)
         notes = []
         if dp == 1:
             buffers = 0.0
@@ -284,6 +285,10 @@ class MemoryPlanner:
                 notes.append("optimum-parallel does not run sequence parallelism together with pp > 1 yet")
         if level == 1:
             notes.append("ZeRO-1 splits the optimizer state by whole parameters: ranks are only about even")
+        if level >= 1 and group < dp:
+            notes.append(
+                f"hybrid sharding: states split over groups of {group} ranks, replicated over the {dp // group} groups"
+            )
         if layout.cp > 1:
             notes.append(
                 f"cp={layout.cp}: activations of seq/cp tokens per rank plus ring attention's 2 K/V blocks in flight "
@@ -342,11 +347,12 @@ def estimate_memory(
     sharding_level: int = 0,
     sequence_parallel: bool = False,
     cp: int = 1,
+    shard_size: int = -1,
     **workload,
 ) -> MemoryEstimate:
     """Per-rank memory of one layout (see `MemoryPlanner.estimate`); `workload`: `Workload`'s fields."""
     return MemoryPlanner(model_dir_or_config).estimate(
-        Layout(dp, tp, pp, sharding_level, sequence_parallel, cp), Workload(**workload)
+        Layout(dp, tp, pp, sharding_level, sequence_parallel, cp, shard_size), Workload(**workload)
     )
 
 

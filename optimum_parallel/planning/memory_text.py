@@ -41,6 +41,11 @@ def describe_model(planner: MemoryPlanner, workload: Workload) -> str:
     )
 
 
+def _groups(layout) -> str:
+    hybrid = layout.sharding_level >= 1 and layout.sharding_group < layout.data_parallel
+    return f" in groups of {layout.sharding_group} (shard_size)" if hybrid else ""
+
+
 def format_estimate(planner: MemoryPlanner, off: MemoryEstimate, on: MemoryEstimate | None) -> str:
     """A table of one layout without (and with) sequence parallelism, bytes per rank in a readable unit."""
     layout = off.layout
@@ -49,8 +54,8 @@ def format_estimate(planner: MemoryPlanner, off: MemoryEstimate, on: MemoryEstim
     unit, scale = pick_unit(max(e.total for e in columns))
     lines = [
         describe_model(planner, off.workload),
-        f"layout: dp={layout.dp} tp={layout.tp} pp={layout.pp} cp={layout.cp}, sharding level {layout.sharding_level}; "
-        f"{unit} on the rank with the most",
+        f"layout: dp={layout.dp} tp={layout.tp} pp={layout.pp} cp={layout.cp}, sharding level {layout.sharding_level}"
+        f"{_groups(layout)}; {unit} on the rank with the most",
         "",
     ]
     header = ["", "SP off"] + (["SP on"] if on is not None else [])

@@ -37,12 +37,19 @@ class Layout:
     sharding_level: int = 0
     sequence_parallel: bool = False
     cp: int = 1
+    shard_size: int = -1  # ranks per sharding group (hybrid sharding); -1: all dp x cp
 
     def __post_init__(self) -> None:
         for name in ("dp", "tp", "pp", "cp"):
             check_positive_int(name, getattr(self, name), "a size")
         if self.sharding_level not in (0, 1, 2, 3) or isinstance(self.sharding_level, bool):
             raise ValueError(f"sharding_level={self.sharding_level!r} is not allowed; allowed: 0, 1, 2, 3")
+        size, ranks = self.shard_size, self.data_parallel
+        if isinstance(size, bool) or not isinstance(size, int) or not (size == -1 or (size >= 1 and ranks % size == 0)):
+            allowed = [-1] + [d for d in range(1, ranks + 1) if ranks % d == 0]
+            raise ValueError(
+                f"shard_size={size!r} is not allowed for dp x cp = {ranks}; allowed: {', '.join(map(str, allowed))}"
+            )
 
     @property
     def devices(self) -> int:
@@ -53,9 +60,16 @@ class Layout:
         """Ranks holding the same parameters, over which sharding levels 1-3 split them: dp x cp."""
         return self.dp * self.cp
 
+    @property
+    def sharding_group(self) -> int:
+        """Ranks sharding levels 1-3 split the states over: `shard_size`, or all dp x cp when it is -1 (hybrid
+        sharding replicates across the groups)."""
+        return self.data_parallel if self.shard_size == -1 else self.shard_size
+
     def __str__(self) -> str:
         sp = ", SP" if self.sequence_parallel else ""
-        return f"dp={self.dp} tp={self.tp} pp={self.pp} cp={self.cp} level {self.sharding_level}{sp}"
+        group = f" in groups of {self.shard_size}" if self.sharding_group < self.data_parallel else ""
+        return f"dp={self.dp} tp={self.tp} pp={self.pp} cp={self.cp} level {self.sharding_level}{group}{sp}"
 
 
 @dataclass(frozen=True)

@@ -54,6 +54,13 @@ def _mesh_for(args: ParallelTrainingArguments) -> ParallelMesh:
             f"the world size {world}; allowed: sizes whose product divides the number of processes"
         )
     sizes = {"dp": world // (tp * pp * cp), "pp": pp, "cp": cp, "tp": tp}
+    ranks = sizes["dp"] * cp  # the ranks holding the same parameters
+    if args.shard_size != -1 and ranks > 1 and ranks % args.shard_size:
+        allowed = [-1] + [d for d in range(1, ranks + 1) if ranks % d == 0]
+        raise ValueError(
+            f"shard_size={args.shard_size} does not divide the {ranks} dp x cp ranks; allowed: "
+            f"{', '.join(map(str, allowed))}"
+        )
     with contextlib.suppress(RuntimeError):
         if get_mesh().sizes == sizes:
             return get_mesh()
@@ -109,7 +116,9 @@ class ParallelTrainer(Trainer):
             with lazy_load_for_parallelism(args.tensor_parallel_size, args.pipeline_parallel_size):
                 model = model_class.from_pretrained(model, **(model_kwargs or {}))
         self.parallelizer = ParallelizersManager.parallelizer_for_model(model)
-        config = DataParallelConfig(sharding_level=args.sharding_level)
+        config = DataParallelConfig(
+            sharding_level=args.sharding_level, shard_size=args.shard_size, threshold=args.sharding_threshold_kb
+        )
         # the whole request, data parallelism and the optimizer passed in included, before anything changes
         self.parallelizer.validate(
             model,

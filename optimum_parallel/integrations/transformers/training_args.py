@@ -12,7 +12,7 @@ from transformers.utils import is_torch_xla_available
 
 from ...context_parallel import STRATEGIES as CP_STRATEGIES
 from ...context_parallel import check_strategy
-from ...engine.data_parallel import check_sharding_level
+from ...engine.data_parallel import DataParallelConfig, check_sharding_level
 from ...mesh import check_positive_int
 from ...pipeline import SCHEDULES, check_schedule
 
@@ -42,6 +42,17 @@ class ParallelTrainingArguments(TrainingArguments):
             "sharded (FSDP2), 3 + parameters sharded (FSDP2, resharded after forward)."
         },
     )
+    shard_size: int = field(
+        default=-1,
+        metadata={
+            "help": "Ranks per sharding group at sharding_level 1-3 (hybrid sharding, MindSpore's hsdp): -1 all "
+            "dp x cp ranks; else a divisor of dp x cp: shard inside each group, replicate across groups."
+        },
+    )
+    sharding_threshold_kb: float = field(
+        default=0,
+        metadata={"help": "At sharding_level 2-3, parameters smaller than this many KB stay whole on every rank."},
+    )
     pipeline_parallel_num_microbatches: int = field(
         default=1, metadata={"help": "Micro-batches each per-device batch is cut into under pp (>= pp)."}
     )
@@ -69,6 +80,7 @@ class ParallelTrainingArguments(TrainingArguments):
         check_positive_int("context_parallel_size", self.context_parallel_size)
         check_positive_int("pipeline_parallel_num_microbatches", self.pipeline_parallel_num_microbatches)
         check_sharding_level(self.sharding_level, "sharding_level")
+        _check_hybrid_sharding(self)
         check_strategy(self.context_parallel_strategy, "context_parallel_strategy")
         check_schedule(self.pipeline_schedule, "pipeline_schedule")
         if self.pipeline_parallel_size == 1:
@@ -105,3 +117,14 @@ def _launched_world_size() -> int:
 def _no_accelerator() -> bool:
     """No device accelerate could distribute over (CUDA, XPU, NPU, HPU, MPS, ..., or XLA): a CPU-only machine."""
     return torch.accelerator.current_accelerator() is None and not is_torch_xla_available()
+
+
+def _check_hybrid_sharding(args: ParallelTrainingArguments) -> None:
+    """shard_size and sharding_threshold_kb, checked by `DataParallelConfig` (its errors renamed to these keys);
+    whether shard_size divides dp x cp is checked once the mesh exists."""
+    try:
+        DataParallelConfig(args.sharding_level, shard_size=args.shard_size, threshold=args.sharding_threshold_kb)
+    except ValueError as err:
+        message = str(err).replace("dp_config['shard_size'] = ", "shard_size=")
+        message = message.replace("dp_config['threshold'] = ", "sharding_threshold_kb=")
+        raise ValueError(message) from None

@@ -1,0 +1,67 @@
+"""Start-up cost: `import optimum_parallel`, its public surface and the command line's `--help`, next to importing
+torch and transformers, each in a fresh interpreter (page cache warm), as medians.
+
+    python scripts/bench_import.py [--runs 5]
+
+Goals (issue 22): importing the package and its public surface costs at most 0.3 s more than
+`import torch, transformers; from transformers import AutoModelForCausalLM`; every `--help` returns in under 1.5 s.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+CLI = str(Path(sys.executable).with_name("optimum-parallel"))
+SURFACE = (
+    "import optimum_parallel as op; "
+    "[getattr(op, n) for n in op.__all__ if n not in ('ParallelTrainer', 'ParallelTrainingArguments', "
+    "'MemoryPlanner', 'estimate_memory', 'suggest_layouts')]"
+)
+CASES = {
+    "import torch, transformers (+ AutoModelForCausalLM)": [
+        sys.executable, "-c", "import torch, transformers; from transformers import AutoModelForCausalLM"
+    ],
+    "import optimum_parallel": [sys.executable, "-c", "import optimum_parallel"],
+    "import optimum_parallel + its public surface": [sys.executable, "-c", SURFACE],
+    "import torch, transformers + the surface": [
+        sys.executable, "-c", f"import torch, transformers; from transformers import AutoModelForCausalLM; {SURFACE}"
+    ],
+    "optimum-parallel --help": [CLI, "--help"],
+    "optimum-parallel plan --help": [CLI, "plan", "--help"],
+    "optimum-parallel estimate-memory --help": [CLI, "estimate-memory", "--help"],
+    "optimum-parallel consolidate --help": [CLI, "consolidate", "--help"],
+    "optimum-parallel reshard --help": [CLI, "reshard", "--help"],
+}  # fmt: skip
+
+
+def seconds(command: list[str]) -> float:
+    start = time.perf_counter()
+    subprocess.run(command, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    return time.perf_counter() - start
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--runs", type=int, default=5)
+    args = parser.parse_args()
+    for command in CASES.values():  # warm the page cache
+        seconds(command)
+    medians = {name: statistics.median(seconds(c) for _ in range(args.runs)) for name, c in CASES.items()}
+    base = medians["import torch, transformers (+ AutoModelForCausalLM)"]
+    print(f"| what (median of {args.runs} fresh interpreters) | seconds | minus torch+transformers |")
+    print("|---|---|---|")
+    for name, value in medians.items():
+        print(f"| {name} | {value:.2f} | {value - base:+.2f} |")
+    extra = medians["import torch, transformers + the surface"] - base
+    worst_help = max(v for n, v in medians.items() if "--help" in n)
+    print(f"surface over torch+transformers: {extra:+.2f} s ({'PASS' if extra <= 0.3 else 'FAIL'} <= 0.3)")
+    print(f"slowest --help: {worst_help:.2f} s ({'PASS' if worst_help < 1.5 else 'FAIL'} < 1.5)")
+
+
+if __name__ == "__main__":
+    main()
