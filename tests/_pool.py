@@ -56,7 +56,7 @@ class WorkerPool:
         ctx = mp.get_context("forkserver")
         # one server imports torch and transformers once per test session; every worker is a cheap fork of it
         # (spawning imported them again in every worker of every module: ~5 s of CPU each on 2 cores)
-        ctx.set_forkserver_preload(["torch", "transformers", "optimum_parallel", "_models", "_checks"])
+        ctx.set_forkserver_preload(["torch", "transformers", "_preload", "_models", "_checks"])
         port = _free_port()
         self._tasks = [ctx.Queue() for _ in range(self.world_size)]
         self._results = ctx.Queue()

@@ -22,9 +22,6 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed._composable import replicate
-from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
-from torch.distributed.optim import ZeroRedundancyOptimizer
 
 from ..context_parallel import mark_gradients_reduced
 from ..mesh import ParallelMesh
@@ -118,6 +115,8 @@ def apply_data_parallel(
         pipeline.use_data_parallelism(mesh, all_reduce_gradients=config.sharding_level <= 1)
     if config.sharding_level <= 1:
         if pipeline is None:
+            from torch.distributed._composable import replicate  # loaded here: importing the package stays light
+
             replicate(model, process_group=mesh.data_parallel_group)
         if optimizer is not None and config.sharding_level == 1:
             optimizer = _zero1(optimizer, mesh.sharding_group(config.shard_size))
@@ -127,6 +126,8 @@ def apply_data_parallel(
     dp_mesh = mesh.sharding_mesh(config.shard_size)  # 1-D: FSDP; 2-D (replicate, shard): HSDP
     small = _below_threshold(model, config.threshold)
     ignored = set(small)
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
     policy = MixedPrecisionPolicy(reduce_dtype=config.reduce_dtype)
     reshard = config.sharding_level == 3
     for root in roots:
@@ -150,6 +151,8 @@ def _reshard_before_step(optimizer: torch.optim.Optimizer, roots: list[nn.Module
     """Level 2 keeps the weights gathered after a forward until a backward frees them: a no-grad forward between
     backward and step (metrics, evaluation) would leave them gathered, and the forward after the step would use
     the weights from before it. Dropping them before every step is free otherwise (the backward dropped them)."""
+    from torch.distributed.fsdp import FSDPModule
+
     sharded = [m for root in roots for m in root.modules() if isinstance(m, FSDPModule)]
 
     def reshard(*_) -> None:
@@ -206,10 +209,12 @@ def _all_reduce_after_backward(params: list[nn.Parameter], group: dist.ProcessGr
             param.register_post_accumulate_grad_hook(on_gradient)
 
 
-def _zero1(optimizer: torch.optim.Optimizer, group: dist.ProcessGroup) -> ZeroRedundancyOptimizer:
+def _zero1(optimizer: torch.optim.Optimizer, group: dist.ProcessGroup) -> torch.optim.Optimizer:
     """The same optimizer with its state sharded over `group` (param groups and hyper-parameters kept)."""
     check_data_parallel(DataParallelConfig(sharding_level=1), optimizer)
     groups = [dict(group) for group in optimizer.param_groups]
     accepted = inspect.signature(type(optimizer)).parameters
     defaults = {k: v for k, v in optimizer.defaults.items() if k in accepted and k != "params"}
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+
     return ZeroRedundancyOptimizer(groups, optimizer_class=type(optimizer), process_group=group, **defaults)
