@@ -91,15 +91,11 @@ def _counted_pieces(model: nn.Module, mesh: ParallelMesh | None):
     for param in model.parameters():
         if param.grad is None or (tied_copy is not None and param is tied_copy):
             continue
-        if is_dtensor(param.grad):
-            if not _first_on_replicated_dims(param.grad):
-                continue
-            grad = param.grad.to_local()
-        elif first_replica:
-            grad = param.grad
-        else:
+        if is_dtensor(param.grad) and not _first_on_replicated_dims(param.grad):
             continue
-        piece = _tp_share(grad.float(), getattr(param, "shard_layout", None), tp, tp_rank, is_dtensor(param.grad))
+        if not is_dtensor(param.grad) and not first_replica:
+            continue
+        piece = _tp_share(param.grad, getattr(param, "shard_layout", None), tp, tp_rank)
         if piece is not None:
             yield piece
 
@@ -110,25 +106,28 @@ def _first_on_replicated_dims(tensor) -> bool:
     return all(coordinate[dim] == 0 for dim, placement in enumerate(tensor.placements) if placement.is_replicate())
 
 
-def _tp_share(grad: torch.Tensor, layout, tp: int, tp_rank: int, dp_sharded: bool) -> torch.Tensor | None:
-    """The part of this rank's tp shard it counts: all of a shard it is the first holder of, none of a copy, and in
-    a packed weight (q|k|v) its own rows plus the replicated kv heads only where it is their first holder."""
+def _tp_share(grad: torch.Tensor, layout, tp: int, tp_rank: int) -> torch.Tensor | None:
+    """The part of this rank's gradient it counts, as a local float32 tensor: all of a tp shard it is the first holder
+    of, none of a copy, and in a packed weight (q|k|v) its own rows plus the replicated kv heads only where it is
+    their first holder (under FSDP2 the row mask is a replicated DTensor: multiplying cuts it as the gradient is
+    cut, without communication)."""
     if layout is None or layout.dim is None:
-        return grad if tp_rank == 0 else None
+        return local_tensor(grad).float() if tp_rank == 0 else None
     if layout.replicas > 1:
-        return grad if tp_rank % layout.replicas == 0 else None
+        return local_tensor(grad).float() if tp_rank % layout.replicas == 0 else None
     spec = getattr(layout, "spec", None)
     segments = spec.replicated_segments(tp_rank, tp) if spec is not None else []
     copies = [s for s in segments if tp_rank % (tp // s.heads) != 0]
     if not copies:
-        return grad
-    if dp_sharded:  # FSDP2 cut this rank's rows again: the local rows are no longer the layout's
-        raise NotImplementedError(
-            "grad_norm of a packed q|k|v weight whose kv heads are replicated over tp (tp > num_key_value_heads) "
-            "and that FSDP2 shards (sharding_level 2-3) is not supported yet; use sharding_level 0-1 or a tp "
-            "size that divides num_key_value_heads"
-        )
-    keep = torch.ones(grad.shape[layout.dim], dtype=torch.bool, device=grad.device)
+        return local_tensor(grad).float()
+    keep = torch.ones(grad.shape[layout.dim], dtype=torch.float32, device=grad.device)
     for segment in copies:
-        keep[segment.start : segment.start + segment.length] = False
-    return grad.index_select(layout.dim, keep.nonzero().squeeze(-1))
+        keep[segment.start : segment.start + segment.length] = 0
+    shape = [1] * grad.dim()
+    shape[layout.dim] = -1
+    mask = keep.view(shape)
+    if is_dtensor(grad):
+        from torch.distributed.tensor import DTensor, Replicate  # loaded already: `grad` is a DTensor
+
+        mask = DTensor.from_local(mask, grad.device_mesh, [Replicate()] * grad.device_mesh.ndim)
+    return local_tensor(grad.float() * mask)
