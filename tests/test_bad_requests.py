@@ -95,7 +95,7 @@ def parallelizer(mesh, model=None, **kwargs):
     return setup
 
 
-def trainer(args, model=None, optimizer=False, plain_args=False):
+def trainer(args, model=None, optimizer=False, plain_args=False, lora_targets=None):
     """ParallelTrainer(model, ParallelTrainingArguments(**args)) (the arguments themselves may raise)."""
 
     def setup():
@@ -110,7 +110,12 @@ def trainer(args, model=None, optimizer=False, plain_args=False):
 
         def call():
             cls = TrainingArguments if plain_args else ParallelTrainingArguments
-            return ParallelTrainer(m, cls(**common, **args), optimizers=(opt, None))
+            peft_config = None
+            if lora_targets is not None:
+                from peft import LoraConfig
+
+                peft_config = LoraConfig(r=4, target_modules=lora_targets)
+            return ParallelTrainer(m, cls(**common, **args), optimizers=(opt, None), peft_config=peft_config)
 
         return m, call
 
@@ -465,6 +470,11 @@ CASES = {
         trainer({"tensor_parallel_size": 2, "sequence_parallel": True}, model=_phi3),
         "NotImplementedError",
         ["sequence_parallel", "allowed for this family: False"],
+    ),
+    "trainer/lora_on_the_lm_head": (
+        trainer({"tensor_parallel_size": 2}, lora_targets=["q_proj", "lm_head"]),
+        "NotImplementedError",
+        ["'lm_head'", "vocab-parallel LM head", "target_modules"],
     ),
     # ---------------------------------------------------- PEFT, both orders
     "peft_after/lm_head": (

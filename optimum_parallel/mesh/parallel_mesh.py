@@ -173,6 +173,7 @@ def _init_process_group(timeout: timedelta) -> None:
     # the process abort at exit ("terminate called without an active exception", 1 run in 3 of a 4-rank job):
     # import it before the group is made (0.2 s, only in processes that start torch.distributed)
     import torch.distributed.optim  # noqa: F401
+
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ.setdefault("MASTER_PORT", "29500")
     os.environ.setdefault("RANK", "0")

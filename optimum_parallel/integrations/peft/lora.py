@@ -23,6 +23,7 @@ Merging (`merge_and_unload`) works shard by shard: B_local A and B A_local have 
 from __future__ import annotations
 
 import weakref
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import torch
@@ -122,13 +123,34 @@ def _wrapper_supported(wrapper: nn.Module) -> None:
 def check_planned_wrapper(wrapper: nn.Module, styles: list, name: str, lm_head: bool) -> None:
     """`get_peft_model`, then parallelize: refuse a PEFT layer whose base the plan would swap for a layer LoRA here
     does not support, before the plan changes anything (the same refusal as `_check_supported` after the swap)."""
+    if any(s.swaps_module for s in styles):
+        _wrapper_supported(wrapper)
+        _check_planned_layer(wrapper.base_layer, styles, name, lm_head)
+
+
+def check_adapter_targets(model: nn.Module, plan: Mapping[str, object], peft_config) -> None:
+    """`peft_config`'s targets against what `plan` will make of them, before anything changes (the Trainer adds the
+    adapters once the base is split, so `get_peft_model`'s own refusal would come after the split)."""
+    from peft.tuners.tuners_utils import check_target_module_exists
+
+    from ...plan.apply import resolve_plan
+
+    get_head = getattr(model, "get_output_embeddings", None)
+    head = get_head() if callable(get_head) else None
+    for name, styles in resolve_plan(model, plan).items():
+        if check_target_module_exists(peft_config, name):
+            layer = model.get_submodule(name)
+            _check_planned_layer(layer, styles, name, layer is head)
+
+
+def _check_planned_layer(layer: nn.Module, styles: list, name: str, lm_head: bool) -> None:
+    """Refuse a LoRA target whose layer the plan would swap for one LoRA here does not support."""
     from ...styles import ColWiseParallel, RowWiseParallel
 
     swapping = [s for s in styles if s.swaps_module]
     if not swapping:
         return
-    _wrapper_supported(wrapper)
-    style, layer = swapping[-1], wrapper.base_layer
+    style = swapping[-1]
     if isinstance(style, ColWiseParallel):
         base = ColumnParallelLinear
     elif isinstance(style, RowWiseParallel) and isinstance(layer, nn.Linear):

@@ -130,6 +130,12 @@ class ParallelTrainer(Trainer):
             optimizer=optimizers[0],
             keys=TRAINER_KEYS,
         )
+        if peft_config is not None:  # the adapters come after the split: their targets are checked against the plan
+            from ..peft.lora import check_adapter_targets
+
+            inner = plan_root(model)
+            plan = self.parallelizer.plan(inner, self.mesh, True, args.sequence_parallel)
+            check_adapter_targets(inner, plan, peft_config)
         model = self.parallelizer.parallelize(
             model,
             device=args.device,
