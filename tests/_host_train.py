@@ -166,8 +166,8 @@ def main() -> None:
     try:
         losses = trainer_run(args) if args.trainer else custom_loop(args)
     except Exception as err:
-        rank = os.environ["RANK"]
-        (out / f"failed-rank{rank}").write_text(json.dumps({"time": time.time(), "error": str(err)[:2000]}))
+        rank, attempt = os.environ["RANK"], os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+        (out / f"failed-rank{rank}-attempt{attempt}").write_text(json.dumps({"time": time.time(), "error": str(err)[:2000]}))
         raise
     attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
     (out / f"losses-rank{dist.get_rank()}-attempt{attempt}.json").write_text(json.dumps(losses))
