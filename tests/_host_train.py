@@ -8,8 +8,8 @@ start it resumes from `op.find_last_checkpoint(OUT)` if there is one. `--trainer
 `ParallelTrainer` (`resume_from_checkpoint="last"`). Each rank writes its losses to `OUT/losses-rank<r>.json`; the
 final weights go to `OUT/final` (sharded).
 
-`KILL_HOST_AT_STEP=s`: in the first attempt (torchrun restart 0) the ranks of the second host (GROUP_RANK 1) SIGKILL
-themselves after step s, writing the time to `OUT/killed-rank<r>`; a survivor whose collective fails writes the time
+`KILL_HOST_AT_STEP=s`, `KILL_HOST_IFNAME=dev`: in the first attempt (torchrun restart 0) the ranks of the host whose
+gloo interface is `dev` SIGKILL themselves after step s, writing the time to `OUT/killed-rank<r>`; a survivor whose collective fails writes the time
 and the error to `OUT/failed-rank<r>` before it exits.
 """
 
@@ -39,9 +39,9 @@ def batch_for(step: int, vocab: int) -> dict[str, torch.Tensor]:
 
 
 def maybe_lose_this_host(out: Path, step: int) -> None:
-    kill_at = os.environ.get("KILL_HOST_AT_STEP")
-    first_attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
-    if kill_at and first_attempt and int(kill_at) == step and os.environ.get("GROUP_RANK") == "1":
+    kill_at, host = os.environ.get("KILL_HOST_AT_STEP"), os.environ.get("KILL_HOST_IFNAME")
+    first_attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"  # a host whose ranks failed: >= 1
+    if kill_at and first_attempt and int(kill_at) == step and os.environ.get("GLOO_SOCKET_IFNAME") == host:
         (out / f"killed-rank{dist.get_rank()}").write_text(str(time.time()))
         os.kill(os.getpid(), signal.SIGKILL)
 

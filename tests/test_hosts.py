@@ -110,7 +110,7 @@ def test_lost_host_restarts_from_last_checkpoint(hosts, hf_dir, reference, tmp_p
     with the final weights of the run that was never interrupted."""
     extra = ("--trainer",) if trainer else ()
     out = tmp_path / "lost"
-    env = {"KILL_HOST_AT_STEP": "3"}
+    env = {"KILL_HOST_AT_STEP": "3", "KILL_HOST_IFNAME": hosts.interfaces[1]}
     two_hosts(hosts, hf_dir, out, "dp2-tp2", *extra, env=env, torchrun=("--max-restarts", "1"))
     killed = [float(p.read_text()) for p in out.glob("killed-rank*")]
     failed = [json.loads(p.read_text()) for p in out.glob("failed-rank*")]

@@ -150,15 +150,6 @@ def _init_process_group(timeout: timedelta) -> None:
     if torch.cuda.is_available():
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     backend = "nccl" if torch.cuda.is_available() else "gloo"
-    restart = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
-    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True" and restart != "0":
-        # torchrun's shared rendezvous store outlives a restart (`--max-restarts`) with the previous attempt's keys:
-        # gloo would connect to the dead peers' addresses. A prefix per attempt keeps each attempt's keys apart.
-        rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-        agent = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world, False, timeout)
-        store = dist.PrefixStore(f"/optimum_parallel/attempt_{restart}", agent)
-        dist.init_process_group(backend=backend, store=store, rank=rank, world_size=world, timeout=timeout)
-        return
     dist.init_process_group(backend=backend, timeout=timeout)
 
 
