@@ -57,8 +57,12 @@ def two_hosts(hosts, hf_dir: str, out: Path, layout: str, *extra: str, env=None,
     return out
 
 
-def _losses(out: Path) -> dict[str, list[float]]:
-    return {p.name: json.loads(p.read_text()) for p in sorted(out.glob("losses-rank*.json"))}
+def _losses(out: Path) -> dict[int, list[float]]:
+    """Each rank's losses (one file per rank: only an attempt that finished writes one)."""
+    files = sorted(out.glob("losses-rank*-attempt*.json"))
+    losses = {int(p.name.split("-")[1][4:]): json.loads(p.read_text()) for p in files}
+    assert len(losses) == len(files) == 4, [p.name for p in files]
+    return losses
 
 
 def _files(directory: Path) -> dict[str, bytes]:
@@ -92,14 +96,14 @@ def reference(hf_dir, tmp_path_factory):
 def test_two_hosts_equal_one_host(hosts, hf_dir, reference, tmp_path, layout):
     out = two_hosts(hosts, hf_dir, tmp_path / "two", layout)
     one = reference(layout)
-    assert _losses(out) == _losses(one) and len(_losses(one)["losses-rank0-attempt0.json"]) == STEPS
+    assert _losses(out) == _losses(one) and len(_losses(one)[0]) == STEPS
     _assert_same_checkpoints(out, one, [f"checkpoint-{s}" for s in range(SAVE_EVERY, STEPS + 1, SAVE_EVERY)] + ["final"])
 
 
 def test_two_hosts_equal_one_host_with_trainer(hosts, hf_dir, reference, tmp_path):
     out = two_hosts(hosts, hf_dir, tmp_path / "two", "dp2-tp2", "--trainer")
     one = reference("dp2-tp2+trainer")
-    assert _losses(out) == _losses(one) and len(_losses(one)["losses-rank0-attempt0.json"]) == STEPS
+    assert _losses(out) == _losses(one) and len(_losses(one)[0]) == STEPS
     _assert_same_checkpoints(out, one, [f"checkpoint-{s}" for s in range(SAVE_EVERY, STEPS + 1, SAVE_EVERY)] + ["final"])
 
 
@@ -116,10 +120,9 @@ def test_lost_host_restarts_from_last_checkpoint(hosts, hf_dir, reference, tmp_p
     failed = [json.loads(p.read_text()) for p in out.glob("failed-rank*")]
     assert len(killed) == 2 and len(failed) == 2, (killed, failed)
     assert all(f["time"] - max(killed) < 30 for f in failed), (killed, failed)
-    losses = _losses(out)
-    assert sorted(losses) == [f"losses-rank{r}-attempt1.json" for r in range(4)]  # the first attempt never finished
     one = reference("dp2-tp2+trainer" if trainer else "dp2-tp2")
-    assert losses["losses-rank0-attempt1.json"] == _losses(one)["losses-rank0-attempt0.json"][-(STEPS - 2) :]
+    resumed = {rank: losses[-(STEPS - 2) :] for rank, losses in _losses(one).items()}  # steps 3 and 4 again
+    assert _losses(out) == resumed
     _assert_same_checkpoints(out, one, ["final"])
 
 
