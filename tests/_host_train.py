@@ -8,9 +8,9 @@ start it resumes from `op.find_last_checkpoint(OUT)` if there is one. `--trainer
 `ParallelTrainer` (`resume_from_checkpoint="last"`). Each rank writes its losses to `OUT/losses-rank<r>.json`; the
 final weights go to `OUT/final` (sharded).
 
-`KILL_HOST_AT_STEP=s`, `KILL_HOST_IFNAME=dev`: in the first attempt (torchrun restart 0) the ranks of the host whose
-gloo interface is `dev` SIGKILL themselves after step s, writing the time to `OUT/killed-rank<r>`; a survivor whose collective fails writes the time
-and the error to `OUT/failed-rank<r>` before it exits.
+`KILL_HOST_AT_STEP=s`, `KILL_HOST_IFNAME=dev`: in the first attempt (torchrun restart 0) the ranks of the host
+whose gloo interface is `dev` SIGKILL themselves after step s, writing the time to `OUT/killed-rank<r>`; a survivor
+whose collective fails writes the time and the error to `OUT/failed-rank<r>-attempt<a>` before it exits.
 """
 
 from __future__ import annotations
@@ -47,9 +47,10 @@ def maybe_lose_this_host(out: Path, step: int) -> None:
 
 
 def custom_loop(args: argparse.Namespace) -> list[float]:
+    from transformers import AutoModelForCausalLM
+
     import optimum_parallel as op
     from optimum_parallel.engine.data_parallel import DataParallelConfig, apply_data_parallel
-    from transformers import AutoModelForCausalLM
 
     mesh = op.init_mesh(dp=args.dp, pp=args.pp, tp=args.tp, timeout=30)
     with op.lazy_load_for_parallelism(tensor_parallel_size=args.tp, pipeline_parallel_size=args.pp):
@@ -167,7 +168,9 @@ def main() -> None:
         losses = trainer_run(args) if args.trainer else custom_loop(args)
     except Exception as err:
         rank, attempt = os.environ["RANK"], os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
-        (out / f"failed-rank{rank}-attempt{attempt}").write_text(json.dumps({"time": time.time(), "error": str(err)[:2000]}))
+        (out / f"failed-rank{rank}-attempt{attempt}").write_text(
+            json.dumps({"time": time.time(), "error": str(err)[:2000]})
+        )
         raise
     attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
     (out / f"losses-rank{dist.get_rank()}-attempt{attempt}.json").write_text(json.dumps(losses))

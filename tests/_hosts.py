@@ -1,9 +1,10 @@
 """Two real network hosts on one machine: Linux network namespaces joined by a veth pair (10.77.0.1 <-> 10.77.0.2).
 
 Each host runs its own `torchrun --nnodes 2 --rdzv-backend c10d` agent on its own address; nothing leaves the
-machine (and `TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1`, see AGENT_ENV). Namespaces share the machine's hostname, so the agents name their address (`--local-addr`), the first one
-hosts the rendezvous store (`--rdzv-conf is_host=true`), and gloo is told its interface (`GLOO_SOCKET_IFNAME`).
-Needs root and iproute2 (`ip`); `make_hosts` raises `HostsUnavailable` with the reason otherwise.
+machine (and `TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1`, see AGENT_ENV). Namespaces share the machine's hostname, so
+the agents name their address (`--local-addr`), the first one hosts the rendezvous store
+(`--rdzv-conf is_host=true`), and gloo is told its interface (`GLOO_SOCKET_IFNAME`). Needs root and iproute2
+(`ip`); `make_hosts` raises `HostsUnavailable` with the reason otherwise.
 """
 
 from __future__ import annotations
@@ -98,9 +99,7 @@ class Hosts:
         for ns in self.namespaces:  # deleting a namespace deletes its end of the veth pair, and with it the pair
             subprocess.run(["ip", "netns", "del", ns], capture_output=True)
 
-    def torchrun(
-        self, script: list[str], env: dict, logs: Path, nproc: int = 2, extra: tuple[str, ...] = ()
-    ) -> Job:
+    def torchrun(self, script: list[str], env: dict, logs: Path, nproc: int = 2, extra: tuple[str, ...] = ()) -> Job:
         """Start the same `torchrun --nnodes 2` command on both hosts (the first hosts the rendezvous)."""
         port, job_id = next(_ports), f"job{time.monotonic_ns()}"
         agents, files = [], []

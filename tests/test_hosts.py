@@ -19,6 +19,7 @@ from _models import build_model, tiny_config
 SCRIPT = str(Path(__file__).parent / "_host_train.py")
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(Path(__file__).parent.parent)}
 STEPS, SAVE_EVERY = 4, 2
+CHECKPOINTS = [f"checkpoint-{s}" for s in range(SAVE_EVERY, STEPS + 1, SAVE_EVERY)] + ["final"]
 LAYOUTS = {"dp2-tp2": ["--dp", "2", "--tp", "2"], "pp2-tp2": ["--pp", "2", "--tp", "2"]}
 
 
@@ -97,14 +98,14 @@ def test_two_hosts_equal_one_host(hosts, hf_dir, reference, tmp_path, layout):
     out = two_hosts(hosts, hf_dir, tmp_path / "two", layout)
     one = reference(layout)
     assert _losses(out) == _losses(one) and len(_losses(one)[0]) == STEPS
-    _assert_same_checkpoints(out, one, [f"checkpoint-{s}" for s in range(SAVE_EVERY, STEPS + 1, SAVE_EVERY)] + ["final"])
+    _assert_same_checkpoints(out, one, CHECKPOINTS)
 
 
 def test_two_hosts_equal_one_host_with_trainer(hosts, hf_dir, reference, tmp_path):
     out = two_hosts(hosts, hf_dir, tmp_path / "two", "dp2-tp2", "--trainer")
     one = reference("dp2-tp2+trainer")
     assert _losses(out) == _losses(one) and len(_losses(one)[0]) == STEPS
-    _assert_same_checkpoints(out, one, [f"checkpoint-{s}" for s in range(SAVE_EVERY, STEPS + 1, SAVE_EVERY)] + ["final"])
+    _assert_same_checkpoints(out, one, CHECKPOINTS)
 
 
 @pytest.mark.parametrize("trainer", [False, True], ids=["custom-loop", "trainer"])

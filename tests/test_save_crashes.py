@@ -54,8 +54,9 @@ def _save_twice(rank: int, port: int, out: str, crash: str | None, crash_rank: i
     os.environ.update(RANK=str(rank), WORLD_SIZE="2", LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1")
     os.environ.update(MASTER_PORT=str(port), OMP_NUM_THREADS="1")
     torch.set_num_threads(1)
-    import optimum_parallel as op
     from _models import build_model, make_batch, tiny_config
+
+    import optimum_parallel as op
     from optimum_parallel.checkpoint.crash import CRASH_ENV
 
     op.init_mesh(tp=2, timeout=20)

@@ -22,8 +22,8 @@ from torch import nn
 from ..io.safetensors_io import SafetensorsWriter, dtype_from_name
 from .atomic import partial_dir, publish
 from .collect import LocalTensor, model_tensors, optimizer_tensors
-from .crash import crash_point
 from .consolidate import DEFAULT_MAX_SHARD_SIZE, write_hf_checkpoint
+from .crash import crash_point
 from .metadata import CheckpointIndex, TensorEntry, model_file, optimizer_file, write_index
 from .ranks import current_rank
 from .sharding import entries_from_specs
