@@ -23,6 +23,7 @@ demo: $(BIN)/.installed
 	$(BIN)/optimum-parallel demo
 
 test: $(BIN)/.installed
+	@command -v ip >/dev/null || [ "$$(id -u)" != 0 ] || apt-get install -y -qq iproute2  # tests/test_hosts.py: network namespaces
 	$(BIN)/python -m pytest
 
 lint: $(BIN)/.installed

@@ -81,8 +81,7 @@ def main(argv: list[str] | None = None, callbacks: list[TrainerCallback] | None 
         processing_class=tokenizer,
         callbacks=callbacks,
     )
-    resume = args.resume_from_checkpoint
-    trainer.train(resume_from_checkpoint=True if resume == "last" else resume)
+    trainer.train(resume_from_checkpoint=args.resume_from_checkpoint)  # "last": the newest complete one, if any
     trainer.save_model()  # consolidated: loads with from_pretrained(args.output_dir)
     return trainer
 

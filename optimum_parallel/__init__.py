@@ -13,6 +13,7 @@ __version__ = "0.1.0"
 _EXPORTS = {  # public name -> the module defining it
     "consolidate_checkpoint": ".checkpoint",
     "reshard_checkpoint": ".checkpoint",
+    "find_last_checkpoint": ".checkpoint",
     "DataParallelConfig": ".engine.data_parallel",
     "clip_grad_norm_": ".engine.grad_norm",
     "grad_norm": ".engine.grad_norm",

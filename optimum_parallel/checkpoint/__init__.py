@@ -7,6 +7,7 @@ pure CPU functions of its files, and loading checks every byte against the index
 from ..io.errors import CheckpointError
 from .consolidate import consolidate_checkpoint
 from .integrity import verify_checkpoint
+from .latest import find_last_checkpoint
 from .load import load_model_checkpoint
 from .metadata import CheckpointIndex, read_index
 from .reshard import reshard_checkpoint
@@ -16,6 +17,7 @@ __all__ = [
     "CheckpointError",
     "CheckpointIndex",
     "consolidate_checkpoint",
+    "find_last_checkpoint",
     "load_model_checkpoint",
     "read_index",
     "reshard_checkpoint",

@@ -11,6 +11,8 @@ import os
 import shutil
 from pathlib import Path
 
+from .crash import crash_point
+
 _RENAME_EXCHANGE = 2  # linux/fs.h
 
 
@@ -42,10 +44,12 @@ def _exchange(a: Path, b: Path) -> bool:
 def publish(tmp: Path, final: Path) -> None:
     """Move the finished `tmp` directory to `final`, replacing an existing `final` atomically."""
     final.parent.mkdir(parents=True, exist_ok=True)
+    crash_point("publish")
     if final.exists():
         if not final.is_dir():
             raise FileExistsError(f"{final} exists and is not a directory")
         if _exchange(tmp, final):  # tmp now holds the previous checkpoint
+            crash_point("published")
             fsync_dir(final.parent)
             shutil.rmtree(tmp)
             return
@@ -57,4 +61,5 @@ def publish(tmp: Path, final: Path) -> None:
         shutil.rmtree(old)
         return
     os.rename(tmp, final)
+    crash_point("published")
     fsync_dir(final.parent)

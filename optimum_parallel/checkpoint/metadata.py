@@ -18,6 +18,7 @@ from pathlib import Path
 
 from ..io.errors import CheckpointError
 from ..tensor_parallel.spec import ShardLayout, ShardSpec
+from .crash import crash_point
 
 FORMAT = "optimum-parallel/sharded-checkpoint"
 VERSION = 1
@@ -171,6 +172,7 @@ def write_index(directory: Path, index: CheckpointIndex) -> None:
     """Write the index, then the completion marker holding the index's sha256 (so it is written last)."""
     text = index.to_json()
     _write_synced(directory / INDEX_NAME, text)
+    crash_point("index")
     digest = hashlib.sha256(text.encode()).hexdigest()
     _write_synced(directory / MARKER_NAME, json.dumps({"index_sha256": digest}) + "\n")
 

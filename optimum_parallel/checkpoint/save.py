@@ -23,6 +23,7 @@ from ..io.safetensors_io import SafetensorsWriter, dtype_from_name
 from .atomic import partial_dir, publish
 from .collect import LocalTensor, model_tensors, optimizer_tensors
 from .consolidate import DEFAULT_MAX_SHARD_SIZE, write_hf_checkpoint
+from .crash import crash_point
 from .metadata import CheckpointIndex, TensorEntry, model_file, optimizer_file, write_index
 from .ranks import current_rank
 from .sharding import entries_from_specs
@@ -46,10 +47,12 @@ def _write_rank_file(
     try:
         for name, _, shard in mine:
             crcs[shard.key] = writer.write(shard.key, local[name].value())
+            crash_point("tensor")
     except BaseException:
         writer.abort()
         raise
     size, sha = writer.close()
+    crash_point("file")
     return {"size": size, "sha256": sha, "crc32": crcs}
 
 
@@ -145,6 +148,7 @@ def save_model_checkpoint(
     def prepare() -> None:
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
+        crash_point("prepare")
 
     rank.run(prepare, f"preparing {tmp}", only_main=True)
 
@@ -182,6 +186,7 @@ def save_model_checkpoint(
             extra={"trainable_only": True} if trainable_only else {},
         )
         _save_configs(model, tmp)
+        crash_point("config")
         if as_regular:
             write_hf_checkpoint(index, tmp, tmp, max_shard_size, progress)
         if as_sharded:

@@ -75,6 +75,9 @@ INTERNALS: dict[str, Internal] = {
     "trainer.TRAINING_ARGS_NAME": Internal(
         "transformers.trainer", "TRAINING_ARGS_NAME", "ParallelTrainer: the arguments file of save_model"
     ),
+    "trainer.TRAINER_STATE_NAME": Internal(
+        "transformers.trainer", "TRAINER_STATE_NAME", "ParallelTrainer: a checkpoint's last file (resume from last)"
+    ),
     "LoraModel._create_new_module": Internal(
         "peft.tuners.lora.model",
         "LoraModel._create_new_module",

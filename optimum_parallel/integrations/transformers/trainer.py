@@ -22,7 +22,7 @@ from accelerate.utils import recursively_apply
 from torch import nn
 from transformers import AutoModelForCausalLM, PreTrainedModel, Trainer
 
-from ...checkpoint import read_index, reshard_checkpoint
+from ...checkpoint import find_last_checkpoint, read_index, reshard_checkpoint
 from ...checkpoint.ranks import current_rank
 from ...engine.compose import compose_training, optimizer_for_parallel_model
 from ...engine.data_parallel import DataParallelConfig
@@ -41,6 +41,7 @@ from .training_args import ParallelTrainingArguments
 
 SCHEDULER_NAME = transformers_internal("trainer.SCHEDULER_NAME")
 TRAINING_ARGS_NAME = transformers_internal("trainer.TRAINING_ARGS_NAME")
+TRAINER_STATE_NAME = transformers_internal("trainer.TRAINER_STATE_NAME")
 PIPELINE_COLUMNS = ["input_ids", "attention_mask", "labels", "label", "label_ids"]
 
 
@@ -323,6 +324,24 @@ class ParallelTrainer(Trainer):
         return data
 
     # ------------------------------------------------------------------ checkpoints
+
+    def train(self, resume_from_checkpoint: str | bool | None = None, *args: Any, **kwargs: Any):
+        """`resume_from_checkpoint="last"`: the newest complete checkpoint in `output_dir` (interrupted saves are
+        skipped with a warning), or a fresh start where there is none, so one command serves the first run and every
+        restart (`torchrun --max-restarts`); `True`: the same, but a checkpoint must exist."""
+        if resume_from_checkpoint is True or resume_from_checkpoint == "last":
+            found = find_last_checkpoint(self.args.output_dir, required=[TRAINER_STATE_NAME])
+            if found is None and resume_from_checkpoint is True:
+                raise ValueError(f"No valid checkpoint found in output directory ({self.args.output_dir})")
+            resume_from_checkpoint = None if found is None else str(found)
+        return super().train(resume_from_checkpoint, *args, **kwargs)
+
+    @private_override
+    def _save_rng_state(self, output_dir: str) -> None:
+        """Every rank writes its RNG state before rank 0 writes `trainer_state.json`, the Trainer's last file, so
+        its presence means the checkpoint is whole (`find_last_checkpoint`)."""
+        super()._save_rng_state(output_dir)
+        dist.barrier()
 
     def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
         """Checkpoints (`_internal_call`) are sharded: each rank's shards (of the adapters only for a PEFT model),

@@ -1,0 +1,131 @@
+"""Several hosts on one machine (network namespaces joined by a veth pair, one torchrun agent per host, c10d
+rendezvous): two hosts x 2 ranks train the same losses and write the same checkpoint files, byte for byte, as one
+host of 4 ranks (dp=2 x tp=2, pp=2 x tp=2, ParallelTrainer); a lost host ends the job within the mesh timeout and
+`torchrun --max-restarts 1` brings it back from the last complete checkpoint to the same final weights, bit for bit.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from _hosts import TORCHRUN, HostsUnavailable, make_hosts
+from _models import build_model, tiny_config
+
+SCRIPT = str(Path(__file__).parent / "_host_train.py")
+ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(Path(__file__).parent.parent)}
+STEPS, SAVE_EVERY = 4, 2
+CHECKPOINTS = [f"checkpoint-{s}" for s in range(SAVE_EVERY, STEPS + 1, SAVE_EVERY)] + ["final"]
+LAYOUTS = {"dp2-tp2": ["--dp", "2", "--tp", "2"], "pp2-tp2": ["--pp", "2", "--tp", "2"]}
+
+
+@pytest.fixture(scope="module")
+def hosts():
+    try:
+        hosts = make_hosts(f"op{os.getpid() % 100000}h")
+    except HostsUnavailable as err:
+        pytest.skip(f"cannot make two network hosts on this machine: {err}")
+    yield hosts
+    hosts.destroy()
+
+
+@pytest.fixture(scope="module")
+def hf_dir(tmp_path_factory) -> str:
+    path = tmp_path_factory.mktemp("hf") / "llama"
+    build_model(tiny_config("llama"), seed=7).save_pretrained(path)
+    return str(path)
+
+
+def _args(hf_dir: str, out: Path, layout: str, *extra: str) -> list[str]:
+    return [SCRIPT, hf_dir, str(out), *LAYOUTS[layout], "--steps", str(STEPS), "--save-every", str(SAVE_EVERY), *extra]
+
+
+def one_host(hf_dir: str, out: Path, layout: str, *extra: str) -> Path:
+    command = [*TORCHRUN, "--standalone", "--nproc-per-node", "4", *_args(hf_dir, out, layout, *extra)]
+    result = subprocess.run(command, env=ENV, capture_output=True, text=True, timeout=240)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    return out
+
+
+def two_hosts(hosts, hf_dir: str, out: Path, layout: str, *extra: str, env=None, torchrun=()) -> Path:
+    job = hosts.torchrun(_args(hf_dir, out, layout, *extra), {**ENV, **(env or {})}, out / "logs", extra=torchrun)
+    codes = job.wait()
+    assert codes == [0, 0], job.output()
+    return out
+
+
+def _losses(out: Path) -> dict[int, list[float]]:
+    """Each rank's losses (one file per rank: only an attempt that finished writes one)."""
+    files = sorted(out.glob("losses-rank*-attempt*.json"))
+    losses = {int(p.name.split("-")[1][4:]): json.loads(p.read_text()) for p in files}
+    assert len(losses) == len(files) == 4, [p.name for p in files]
+    return losses
+
+
+def _files(directory: Path) -> dict[str, bytes]:
+    """Every file of a checkpoint but the Trainer's pickled arguments (they hold the output path)."""
+    return {p.name: p.read_bytes() for p in sorted(directory.iterdir()) if p.is_file() and p.suffix != ".bin"}
+
+
+def _assert_same_checkpoints(a: Path, b: Path, names: list[str]) -> None:
+    for name in names:
+        files_a, files_b = _files(a / name), _files(b / name)
+        assert files_a.keys() == files_b.keys(), name
+        different = [f for f in files_a if files_a[f] != files_b[f]]
+        assert not different, f"{name}: {different} differ"
+
+
+@pytest.fixture(scope="module")
+def reference(hf_dir, tmp_path_factory):
+    """One host of 4 ranks, per layout (run once, on first use)."""
+    runs: dict[str, Path] = {}
+
+    def get(layout: str) -> Path:
+        if layout not in runs:
+            extra = ("--trainer",) if layout.endswith("trainer") else ()
+            runs[layout] = one_host(hf_dir, tmp_path_factory.mktemp(layout), layout.split("+")[0], *extra)
+        return runs[layout]
+
+    return get
+
+
+@pytest.mark.parametrize("layout", sorted(LAYOUTS))
+def test_two_hosts_equal_one_host(hosts, hf_dir, reference, tmp_path, layout):
+    out = two_hosts(hosts, hf_dir, tmp_path / "two", layout)
+    one = reference(layout)
+    assert _losses(out) == _losses(one) and len(_losses(one)[0]) == STEPS
+    _assert_same_checkpoints(out, one, CHECKPOINTS)
+
+
+def test_two_hosts_equal_one_host_with_trainer(hosts, hf_dir, reference, tmp_path):
+    out = two_hosts(hosts, hf_dir, tmp_path / "two", "dp2-tp2", "--trainer")
+    one = reference("dp2-tp2+trainer")
+    assert _losses(out) == _losses(one) and len(_losses(one)[0]) == STEPS
+    _assert_same_checkpoints(out, one, CHECKPOINTS)
+
+
+@pytest.mark.parametrize("trainer", [False, True], ids=["custom-loop", "trainer"])
+def test_lost_host_restarts_from_last_checkpoint(hosts, hf_dir, reference, tmp_path, trainer):
+    """SIGKILL the second host's ranks after step 3 (checkpoint-2 is the last): the first host's ranks fail within
+    the mesh timeout (30 s), torchrun restarts both hosts once, the job resumes from checkpoint-2 by itself and ends
+    with the final weights of the run that was never interrupted."""
+    extra = ("--trainer",) if trainer else ()
+    out = tmp_path / "lost"
+    env = {"KILL_HOST_AT_STEP": "3", "KILL_HOST_IFNAME": hosts.interfaces[1]}
+    two_hosts(hosts, hf_dir, out, "dp2-tp2", *extra, env=env, torchrun=("--max-restarts", "1"))
+    killed = [float(p.read_text()) for p in out.glob("killed-rank*")]
+    failed = [json.loads(p.read_text()) for p in out.glob("failed-rank*")]
+    assert len(killed) == 2 and len(failed) == 2, (killed, failed)
+    assert all(f["time"] - max(killed) < 30 for f in failed), (killed, failed)
+    one = reference("dp2-tp2+trainer" if trainer else "dp2-tp2")
+    resumed = {rank: losses[-(STEPS - 2) :] for rank, losses in _losses(one).items()}  # steps 3 and 4 again
+    assert _losses(out) == resumed
+    _assert_same_checkpoints(out, one, ["final"])
+
+
+if __name__ == "__main__":
+    sys.exit(pytest.main([__file__, "-v"]))

@@ -1,0 +1,130 @@
+"""A rank SIGKILLed at 20 points inside a sharded save (tensor writes, file closes, config, index, rename) never
+loses the previous checkpoint: `find_last_checkpoint` returns a complete one (the previous, or the new one once it
+was renamed into place), every byte of it verifies and equals an uninterrupted save, and the interrupted save is
+ignored with a warning naming it. The crash points are `optimum_parallel.checkpoint.crash.crash_point` calls,
+armed through `OPTIMUM_PARALLEL_CRASH_AT` in the rank that is to die; the other rank is then killed too, as torchrun
+would. Two gloo ranks (tp=2) forked from a server that imported torch and transformers once.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+
+# (crash point "name:n" -> the n-th time a rank reaches it, the rank that dies, where the second save goes)
+NEW, OVERWRITE = "checkpoint-2", "checkpoint-1"
+POINTS = [  # rank 0 writes 21 model tensors then 63 optimizer tensors, rank 1 16 then 32
+    ("prepare:1", 0, NEW),
+    ("tensor:1", 0, NEW),
+    ("tensor:13", 0, NEW),
+    ("tensor:21", 0, NEW),
+    ("file:1", 0, NEW),
+    ("tensor:30", 0, NEW),
+    ("tensor:84", 0, NEW),
+    ("file:2", 0, NEW),
+    ("config:1", 0, NEW),
+    ("index:1", 0, NEW),
+    ("publish:1", 0, NEW),
+    ("published:1", 0, NEW),
+    ("tensor:1", 1, NEW),
+    ("tensor:9", 1, NEW),
+    ("file:1", 1, NEW),
+    ("tensor:48", 1, NEW),
+    ("tensor:3", 0, OVERWRITE),
+    ("index:1", 0, OVERWRITE),
+    ("published:1", 0, OVERWRITE),
+    ("file:2", 1, OVERWRITE),
+]
+
+
+def _port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _save_twice(rank: int, port: int, out: str, crash: str | None, crash_rank: int, target: str) -> None:
+    """Train a step, save checkpoint-1, train another, save into `target` (rank `crash_rank` dies at `crash`)."""
+    os.environ.update(RANK=str(rank), WORLD_SIZE="2", LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1")
+    os.environ.update(MASTER_PORT=str(port), OMP_NUM_THREADS="1")
+    torch.set_num_threads(1)
+    from _models import build_model, make_batch, tiny_config
+
+    import optimum_parallel as op
+    from optimum_parallel.checkpoint.crash import CRASH_ENV
+
+    op.init_mesh(tp=2, timeout=20)
+    model = build_model(tiny_config("llama"), seed=7)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    parallelizer = op.ParallelizersManager.parallelizer_for_model(model)
+    model = parallelizer.parallelize(model)
+    optimizer = parallelizer.optimizer_for_mp(optimizer, model.orig_param_to_parallel_param)
+    batch = make_batch(model.config)
+    for step in (1, 2):
+        model(**batch).loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        if step == 2 and crash is not None and rank == crash_rank:
+            os.environ[CRASH_ENV] = crash
+        parallelizer.save_model_checkpoint(model, Path(out) / (target if step == 2 else OVERWRITE), optimizer=optimizer)
+    torch.distributed.destroy_process_group()
+
+
+def _run(out: Path, crash: str | None = None, crash_rank: int = 0, target: str = NEW) -> list[int]:
+    """Both ranks; once the crashing rank died, the other is killed (as torchrun would). Their exit codes."""
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(["torch", "transformers", "optimum_parallel", "_models"])
+    port = _port()
+    procs = [ctx.Process(target=_save_twice, args=(r, port, str(out), crash, crash_rank, target)) for r in (0, 1)]
+    for p in procs:
+        p.start()
+    procs[crash_rank].join(120)
+    other = procs[1 - crash_rank]
+    if crash is not None and other.is_alive():
+        other.kill()
+    other.join(120)
+    for p in procs:
+        if p.is_alive():
+            p.kill()
+            p.join()
+    return [p.exitcode for p in procs]
+
+
+def _checkpoint_files(directory: Path) -> dict[str, bytes]:
+    return {p.name: p.read_bytes() for p in sorted(directory.iterdir())}
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory) -> dict[str, dict[str, bytes]]:
+    """The files of both saves, never interrupted: checkpoint-1 (first state), checkpoint-2 (second)."""
+    out = tmp_path_factory.mktemp("uninterrupted")
+    assert _run(out) == [0, 0]
+    return {"first": _checkpoint_files(out / NEW.replace("2", "1")), "second": _checkpoint_files(out / NEW)}
+
+
+@pytest.mark.parametrize(("point", "rank", "target"), POINTS, ids=[f"{p}@rank{r}->{t}" for p, r, t in POINTS])
+def test_crash_mid_save_keeps_last_checkpoint(uninterrupted, tmp_path, point, rank, target):
+    from optimum_parallel.checkpoint import find_last_checkpoint, verify_checkpoint
+
+    codes = _run(tmp_path, point, rank, target)
+    assert codes[rank] == -9, f"rank {rank} never reached {point}: exit codes {codes}"
+    renamed = point.startswith("published")  # the new directory was in place when the rank died
+    interrupted = [p.name for p in tmp_path.iterdir() if p.name.endswith(".partial")]
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        last = find_last_checkpoint(tmp_path)
+    messages = [str(w.message) for w in caught]
+    assert last is not None and last.name == (target if renamed else OVERWRITE), (last, messages)
+    verify_checkpoint(last)  # marker, index, every file's size and sha256
+    expected = uninterrupted["second" if renamed else "first"]
+    assert _checkpoint_files(last) == expected, "the checkpoint found differs from an uninterrupted save"
+    for name in interrupted:  # the partial save is ignored, with a message naming it
+        assert any(name in m and "interrupted" in m for m in messages), (name, messages)
+    if not renamed:
+        assert interrupted or target == OVERWRITE, "a save that died before its rename left no partial directory"
