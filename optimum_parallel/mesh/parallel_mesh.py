@@ -10,10 +10,13 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
+from . import hang_report
+
 # outermost to innermost: tp ranks are neighbours (fastest links), then cp (ring attention passes K/V every layer)
 MESH_DIMS = ("dp", "pp", "cp", "tp")
 DIM_ALIASES = {"mp": "tp"}
 DEFAULT_TIMEOUT = timedelta(seconds=60)
+_GRACE = timedelta(seconds=3)  # how long a failed rank waits for the other survivors' reports (see hang_report)
 
 
 @dataclass
@@ -236,6 +239,10 @@ def init_mesh(
     overrides = {name: (backend, options) for name in MESH_DIMS}
     shape = tuple(sizes[name] for name in MESH_DIMS)
     device_mesh = init_device_mesh(device_type, shape, mesh_dim_names=MESH_DIMS, backend_override=overrides)
+    # a collective that fails because a rank never came says which one, on which group, and who is missing
+    hang_report.install(
+        {device_mesh.get_group(name): name for name in MESH_DIMS}, min(max(timeout / 2, _GRACE), _GRACE * 3)
+    )
     return set_mesh(ParallelMesh(device_mesh, sizes, timeout))
 
 

@@ -1,0 +1,97 @@
+"""One line on every survivor when a collective fails because a rank never came: which collective, which group,
+which ranks are missing.
+
+gloo's own errors name neither ("Timed out waiting 30000ms for recv operation to complete", "Connection closed by
+peer [10.0.0.2]:41234"). When such an error ends a rank (an uncaught exception), this rank writes what it was
+waiting in to the rendezvous store (torchrun's agent holds it, so it outlives dead ranks), gives the other
+survivors a moment to do the same, and prints
+
+    [optimum-parallel] rank 0: all_reduce on the tp group (ranks 0, 1) failed (timed out); missing in that group:
+    1; ranks that never reported a failed collective (stuck elsewhere or dead): 1
+
+before the usual traceback. A rank that is stuck outside any collective, or dead, is the one that never reports.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+import traceback
+from datetime import timedelta
+
+import torch.distributed as dist
+
+_PREFIX = "optimum_parallel/failed_collective/"
+_MARKERS = ("timed out", "connection closed", "connection reset", "broken pipe", "timeout")
+_names: dict[int, str] = {}  # id(process group) -> its mesh dim
+_installed = False
+
+
+def install(group_names: dict[dist.ProcessGroup, str], grace: timedelta) -> None:
+    """Report failed collectives of these groups (and any other) through `sys.excepthook`; once per process."""
+    global _installed
+    _names.update({id(group): name for group, name in group_names.items()})
+    if _installed:
+        return
+    _installed = True
+    previous = sys.excepthook
+
+    def hook(kind, error, trace) -> None:
+        try:
+            line = _report(error, trace, grace.total_seconds())
+            if line:
+                print(line, file=sys.stderr, flush=True)
+        except Exception:  # the report is best effort: the original error is what matters
+            pass
+        previous(kind, error, trace)
+
+    sys.excepthook = hook
+
+
+def _failed_collective(error: BaseException, trace) -> tuple[str, dist.ProcessGroup | None] | None:
+    """(collective name, its group) when `error` was raised waiting in a torch.distributed collective."""
+    if not any(marker in str(error).lower() for marker in _MARKERS):
+        return None
+    found = None
+    for frame, _ in traceback.walk_tb(trace):
+        if frame.f_code.co_filename.endswith("distributed_c10d.py") and "group" in frame.f_locals:
+            found = (frame.f_code.co_name, frame.f_locals["group"])  # the innermost public collective
+    return found
+
+
+def _report(error: BaseException, trace, grace_s: float) -> str | None:
+    found = _failed_collective(error, trace)
+    if found is None or not dist.is_initialized():
+        return None
+    collective, group = found
+    group = group if group is not None else dist.group.WORLD
+    me, world = dist.get_rank(), dist.get_world_size()
+    ranks = dist.get_process_group_ranks(group)
+    name = _names.get(id(group), "world" if len(ranks) == world else "")
+    store = dist.distributed_c10d._get_default_store()
+    store.set(f"{_PREFIX}{me}", collective)
+    deadline = time.monotonic() + grace_s
+    reported: set[int] = set()
+    while True:
+        reported = {r for r in range(world) if store.check([f"{_PREFIX}{r}"])}
+        if len(reported) == world or time.monotonic() > deadline:
+            break
+        time.sleep(0.2)
+    missing_here = [r for r in ranks if r not in reported]
+    missing = [r for r in range(world) if r not in reported]
+    where = f"the {name} group" if name else "a group"
+    return (
+        f"[optimum-parallel] rank {me}: {collective} on {where} (ranks {', '.join(map(str, ranks))}) failed "
+        f"({_reason(error)}); missing in that group: {_listed(missing_here)}; ranks that "
+        f"never reported a failed collective (stuck elsewhere or dead): {_listed(missing)}"
+    )
+
+
+def _reason(error: BaseException) -> str:
+    """gloo's message without its source location: "Timed out waiting 5000ms for recv operation to complete"."""
+    first = (str(error).strip().splitlines() or [type(error).__name__])[0]
+    return first.rpartition("] ")[2][:120]
+
+
+def _listed(ranks: list[int]) -> str:
+    return ", ".join(map(str, ranks)) if ranks else "none"
