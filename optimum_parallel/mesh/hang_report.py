@@ -14,6 +14,7 @@ before the usual traceback. A rank that is stuck outside any collective, or dead
 
 from __future__ import annotations
 
+import signal
 import sys
 import time
 import traceback
@@ -37,12 +38,16 @@ def install(group_names: dict[dist.ProcessGroup, str], grace: timedelta) -> None
     previous = sys.excepthook
 
     def hook(kind, error, trace) -> None:
+        # torchrun SIGTERMs every rank once the first one exits: let this one finish its report first
+        terminate = signal.signal(signal.SIGTERM, signal.SIG_IGN)
         try:
             line = _report(error, trace, grace.total_seconds())
             if line:
                 print(line, file=sys.stderr, flush=True)
         except Exception:  # the report is best effort: the original error is what matters
             pass
+        finally:
+            signal.signal(signal.SIGTERM, terminate)
         previous(kind, error, trace)
 
     sys.excepthook = hook
