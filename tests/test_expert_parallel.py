@@ -3,8 +3,12 @@ dp ranks, tokens dispatched by all-to-all, against one process on the global bat
 
 from __future__ import annotations
 
+import copy
+
 import pytest
+import torch
 import torch.distributed as dist
+from _models import build_model, rel_err, tiny_config
 
 WORLD_SIZE = 4
 
@@ -66,3 +70,106 @@ def test_expert_parallel_size_check_alone(bad):
 
     with pytest.raises(ValueError, match=r"ep=.*allowed: 1, 2, 3, 6"):
         check_expert_parallel_size(bad, 3, 2)
+
+
+# Tiny MoE configs: 4 experts, top-2 (hidden 64, 2 layers, vocab 128 from _models.TINY)
+MOE: dict[str, dict] = {
+    "mixtral": dict(num_local_experts=4, num_experts_per_tok=2, intermediate_size=64),
+    "qwen3_moe": dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, head_dim=16, mlp_only_layers=[]),
+}
+
+
+def replica_batch(config, replicas: int, seq: int = 16) -> dict[str, torch.Tensor]:
+    """2 rows per dp x cp replica, padded and with -100 labels; every replica holds as many labelled tokens, so the
+    mean of the replicas' losses is the global batch's loss."""
+    rows = 2 * replicas
+    input_ids = torch.randint(0, config.vocab_size, (rows, seq), generator=torch.Generator().manual_seed(3))
+    attention_mask = torch.ones(rows, seq, dtype=torch.long)
+    attention_mask[0::2, :3] = 0  # the first row of every replica is left-padded
+    labels = input_ids.clone()
+    labels[attention_mask == 0] = -100
+    labels[:, seq // 2] = -100
+    return {"input_ids": input_ids, "attention_mask": attention_mask, "labels": labels}
+
+
+def _reference_slice(param, full: torch.Tensor) -> torch.Tensor:
+    from optimum_parallel.expert_parallel import expert_layout
+
+    for layout in (expert_layout(param), getattr(param, "shard_layout", None)):
+        if layout is not None:
+            full = layout.slice(full)
+    return full
+
+
+def check_training(model_type: str, sizes: dict, steps: int = 3) -> dict:
+    import optimum_parallel as op
+    from optimum_parallel.expert_parallel import find_experts
+
+    mesh = op.init_mesh(**sizes)
+    config = tiny_config(model_type, **MOE[model_type])
+    reference = build_model(config)
+    model = copy.deepcopy(reference)
+    ref_optimizer = torch.optim.AdamW(reference.parameters(), lr=1e-2, weight_decay=0.1)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+    dp_config = {"dp_config": {"sharding_level": 0}}
+    if mesh.tp_size > 1:
+        parallelizer = op.ParallelizersManager.parallelizer_for_model(model)
+        model = parallelizer.parallelize(model)
+        optimizer = parallelizer.optimizer_for_mp(optimizer, model.orig_param_to_parallel_param)
+    model, optimizer = op.parallelize(model, optimizer, mesh, dp_config)
+
+    replicas, replica = mesh.data_parallel_size, mesh.data_parallel_rank
+    batch = replica_batch(config, replicas)
+    local = {k: v[2 * replica : 2 * replica + 2] for k, v in batch.items()}
+    ref_loss = reference(**batch).loss
+    ref_loss.backward()
+    loss = model(**local).loss
+    loss.backward()
+    errors = {"loss": rel_err(_replica_mean(loss, mesh), ref_loss)}
+    ref_params = dict(reference.named_parameters())
+    for name, param in model.named_parameters():
+        errors[name] = rel_err(param.grad, _reference_slice(param, ref_params[name].grad))
+    losses = []
+    for _ in range(steps):
+        ref_optimizer.step()
+        optimizer.step()
+        ref_optimizer.zero_grad()
+        optimizer.zero_grad()
+        ref_loss = reference(**batch).loss
+        loss = model(**local).loss
+        ref_loss.backward()
+        loss.backward()
+        losses.append(rel_err(_replica_mean(loss, mesh), ref_loss))
+    errors["steps"] = max(losses)
+    local_experts = {name: module.gate_up_proj.shape[0] for name, module in find_experts(model)}
+    return {"errors": errors, "local_experts": local_experts, "global_experts": ref_params_count(reference)}
+
+
+def ref_params_count(reference) -> int:
+    from optimum_parallel.expert_parallel import find_experts
+
+    return find_experts(reference)[0][1].num_experts
+
+
+def _replica_mean(loss: torch.Tensor, mesh) -> torch.Tensor:
+    total = loss.detach().clone()
+    dist.all_reduce(total, group=mesh.data_parallel_group)
+    return total / mesh.data_parallel_size
+
+
+TRAINING_CASES = [
+    ("mixtral", dict(dp=4, ep=2)),
+    ("qwen3_moe", dict(dp=4, ep=2)),
+    ("mixtral", dict(dp=4, ep=4)),
+]
+
+
+@pytest.mark.parametrize("model_type,sizes", TRAINING_CASES, ids=[f"{m}-{s}" for m, s in TRAINING_CASES])
+def test_training_matches_one_process(pool, model_type, sizes):
+    for rank, result in enumerate(pool.run(check_training, model_type, sizes)):
+        worst = {k: v for k, v in result["errors"].items() if v > 1e-5}
+        assert not worst, f"rank {rank}: {worst}"
+        ep = sizes["ep"]
+        assert result["local_experts"] and all(
+            n == result["global_experts"] // ep for n in result["local_experts"].values()
+        ), result
