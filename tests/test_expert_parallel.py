@@ -76,6 +76,33 @@ def test_expert_parallel_size_check_alone(bad):
 MOE: dict[str, dict] = {
     "mixtral": dict(num_local_experts=4, num_experts_per_tok=2, intermediate_size=64),
     "qwen3_moe": dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, head_dim=16, mlp_only_layers=[]),
+    "qwen2_moe": dict(
+        num_experts=4,
+        num_experts_per_tok=2,
+        moe_intermediate_size=32,
+        shared_expert_intermediate_size=48,
+        decoder_sparse_step=1,
+        mlp_only_layers=[1],
+    ),
+    "olmoe": dict(num_experts=4, num_experts_per_tok=2, intermediate_size=64),
+    "granitemoe": dict(num_local_experts=4, num_experts_per_tok=2, intermediate_size=64),
+    "gpt_oss": dict(num_local_experts=4, num_experts_per_tok=2, intermediate_size=64, head_dim=16, sliding_window=8),
+    "deepseek_v3": dict(
+        n_routed_experts=4,
+        num_experts_per_tok=2,
+        moe_intermediate_size=32,
+        n_shared_experts=1,
+        n_group=1,
+        topk_group=1,
+        first_k_dense_replace=1,
+        q_lora_rank=None,
+        kv_lora_rank=32,
+        qk_rope_head_dim=8,
+        qk_nope_head_dim=8,
+        v_head_dim=16,
+        head_dim=8,
+        num_key_value_heads=4,
+    ),
 }
 
 
@@ -161,6 +188,13 @@ TRAINING_CASES = [
     ("mixtral", dict(dp=4, ep=2)),
     ("qwen3_moe", dict(dp=4, ep=2)),
     ("mixtral", dict(dp=4, ep=4)),
+    ("qwen2_moe", dict(dp=4, ep=2)),
+    ("olmoe", dict(dp=4, ep=2)),
+    ("granitemoe", dict(dp=4, ep=2)),
+    ("gpt_oss", dict(dp=4, ep=2)),
+    ("deepseek_v3", dict(dp=4, ep=2)),
+    ("mixtral", dict(dp=2, tp=2, ep=2)),
+    ("qwen3_moe", dict(dp=2, tp=2, ep=2)),
 ]
 
 
