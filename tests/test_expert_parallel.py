@@ -156,6 +156,10 @@ def check_training(model_type: str, sizes: dict, steps: int = 3) -> dict:
     ref_params = dict(reference.named_parameters())
     for name, param in model.named_parameters():
         errors[name] = rel_err(param.grad, _reference_slice(param, ref_params[name].grad))
+    from optimum_parallel.engine.grad_norm import grad_norm
+
+    ref_norm = torch.nn.utils.get_total_norm([p.grad for p in reference.parameters() if p.grad is not None])
+    errors["grad_norm"] = rel_err(grad_norm(model), ref_norm)
     losses = []
     for _ in range(steps):
         ref_optimizer.step()
@@ -207,3 +211,88 @@ def test_training_matches_one_process(pool, model_type, sizes):
         assert result["local_experts"] and all(
             n == result["global_experts"] // ep for n in result["local_experts"].values()
         ), result
+
+
+def check_collectives(model_type: str = "mixtral") -> dict:
+    """all_to_all_single calls of one forward and one backward at dp=4 x ep=2 (2 MoE blocks)."""
+    import optimum_parallel as op
+
+    mesh = op.init_mesh(dp=4, ep=2)
+    config = tiny_config(model_type, **MOE[model_type])
+    model, _ = op.parallelize(build_model(config), None, mesh, {"dp_config": {"sharding_level": 0}})
+    batch = replica_batch(config, 1)
+    calls, phase = [], ["forward"]
+    original = dist.all_to_all_single
+
+    def recording(output, input, output_split_sizes=None, input_split_sizes=None, **kwargs):
+        kind = "rows" if input.is_floating_point() else "counts"
+        calls.append((phase[0], kind, input.shape[0], tuple(input_split_sizes or ())))
+        return original(output, input, output_split_sizes, input_split_sizes, **kwargs)
+
+    dist.all_to_all_single = recording
+    try:
+        loss = model(**batch).loss
+        phase[0] = "backward"
+        loss.backward()
+    finally:
+        dist.all_to_all_single = original
+    return {"calls": calls, "tokens": batch["input_ids"].numel()}
+
+
+def test_two_all_to_alls_per_moe_block_each_way(pool):
+    for rank, result in enumerate(pool.run(check_collectives)):
+        kinds = [(phase, kind) for phase, kind, _, _ in result["calls"]]
+        # per MoE block forward: the counts (ep x local experts integers), the rows out, the rows back
+        assert (
+            kinds == [("forward", "counts"), ("forward", "rows"), ("forward", "rows")] * 2 + [("backward", "rows")] * 4
+        ), (rank, result)
+        counts = [n for phase, kind, n, _ in result["calls"] if kind == "counts"]
+        assert counts == [4, 4]  # 2 ranks x 2 local experts
+        sent = [sum(splits) for phase, kind, _, splits in result["calls"] if phase == "forward" and kind == "rows"]
+        assert sent[0::2] == [2 * result["tokens"]] * 2  # every (token, expert) row of top-2 goes out: none dropped
+
+
+def check_refusals() -> dict:
+    """Bad ep requests raise one error naming the key before anything changes; training without the data-parallel
+    reduction raises; checkpoints of an ep model are refused."""
+    from _checks import error_and_whether_untouched
+
+    import optimum_parallel as op
+
+    mesh = op.init_mesh(dp=4, ep=2)
+    out = {}
+    dense = build_model(tiny_config("llama"))
+    out["dense"] = error_and_whether_untouched(dense, lambda: op.parallelize(dense, None, mesh, {"dp_config": {}}))
+    odd = build_model(tiny_config("mixtral", **{**MOE["mixtral"], "num_local_experts": 3}))
+    out["odd"] = error_and_whether_untouched(odd, lambda: op.parallelize(odd, None, mesh, {"dp_config": {}}))
+    moe = build_model(tiny_config("mixtral", **MOE["mixtral"]))
+    level = {"dp_config": {"sharding_level": 2}}
+    out["level"] = error_and_whether_untouched(moe, lambda: op.parallelize(moe, None, mesh, level))
+    model = op.ParallelizersManager.parallelizer_for_model(moe).parallelize(moe)
+    batch = replica_batch(moe.config, 1)
+    try:
+        model(**batch).loss.backward()
+        out["no_reduction"] = "no error"
+    except RuntimeError as err:
+        out["no_reduction"] = str(err)
+    with torch.no_grad():
+        out["eval_ok"] = bool(torch.isfinite(model(**batch).loss))
+    try:
+        op.ParallelizersManager.parallelizer_for_model(moe).save_model_checkpoint(model, "/tmp/never-written")
+        out["save"] = "no error"
+    except NotImplementedError as err:
+        out["save"] = str(err)
+    return out
+
+
+def test_refusals(pool):
+    for result in pool.run(check_refusals):
+        assert result["dense"][0] == "ValueError" and result["dense"][2], result["dense"]
+        assert "ep=2" in result["dense"][1] and "allowed for this model: ep=1" in result["dense"][1]
+        assert result["odd"][0] == "ValueError" and result["odd"][2], result["odd"]
+        assert "ep=2 does not divide the 3 experts" in result["odd"][1] and "allowed" in result["odd"][1]
+        assert result["level"][0] == "ValueError" and result["level"][2], result["level"]
+        assert "dp_config['sharding_level']=2" in result["level"][1] and "allowed with ep > 1: 0" in result["level"][1]
+        assert "ep > 1" in result["no_reduction"] and "dp_config" in result["no_reduction"]
+        assert result["eval_ok"]
+        assert "expert-parallel" in result["save"]
