@@ -16,6 +16,7 @@ LEVELS = {
     "io": 3,
     "styles": 3,
     "context_parallel": 3,
+    "expert_parallel": 3,
     "plan": 4,
     "pipeline": 4,
     "checkpoint": 4,

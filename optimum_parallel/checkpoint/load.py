@@ -163,6 +163,9 @@ def load_model_checkpoint(
     """Load this rank's shards of the sharded checkpoint `load_dir` into the parallelized `model` (in place),
     and the optimizer state into `optimizer` when given (its param groups must match the saved ones).
     Call it on every rank; meta (lazy) parameters are materialised from the checkpoint."""
+    from .save import refuse_expert_parallel
+
+    refuse_expert_parallel(model, "load_model_checkpoint")
     rank = current_rank()
     directory = Path(load_dir)
 

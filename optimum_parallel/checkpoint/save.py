@@ -96,6 +96,15 @@ def _save_configs(model: nn.Module, directory: Path) -> None:
             warnings.warn(f"generation_config.json not saved: {err}", stacklevel=3)
 
 
+def refuse_expert_parallel(model: nn.Module, what: str) -> None:
+    """Checkpoints are written by dp rank 0, which holds only its experts under ep: refuse rather than miss the rest."""
+    if any(getattr(p, "expert_layout", None) is not None for p in model.parameters()):
+        raise NotImplementedError(
+            f"{what} of an expert-parallel model (ep > 1) is not supported yet (each dp rank holds other experts); "
+            "allowed: a model parallelized with ep=1"
+        )
+
+
 def save_model_checkpoint(
     model: nn.Module,
     output_dir: str | Path,
@@ -117,6 +126,7 @@ def save_model_checkpoint(
     """
     if not (as_sharded or as_regular):
         raise ValueError("nothing to save: as_sharded and as_regular are both False")
+    refuse_expert_parallel(model, "save_model_checkpoint")
     rank = current_rank()
     final = Path(output_dir).absolute()
     tmp = partial_dir(final)

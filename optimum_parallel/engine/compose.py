@@ -1,5 +1,5 @@
-"""The composition order, written once: validate -> TP/SP plan -> context parallel -> pipeline split ->
-materialise -> optimizer -> data parallel.
+"""The composition order, written once: validate -> TP/SP plan -> expert parallel -> context parallel ->
+pipeline split -> materialise -> optimizer -> data parallel.
 
 Both front doors (`Parallelizer.parallelize`, `parallelize(model, optimizer, mesh, config)`) and the Trainer
 end here. `compose` runs every step; the Trainer runs the model half (`compose_model`) before transformers'
@@ -15,9 +15,11 @@ import torch
 from torch import nn
 
 from ..context_parallel import apply_context_parallel
+from ..expert_parallel import apply_expert_parallel
 from ..mesh import ParallelMesh
 from ..pipeline.split import SplitPoint
 from ..plan import apply_plan
+from ..state import find_state
 from .data_parallel import DataParallelConfig, apply_data_parallel
 from .lazy_optimizer import build_lazy_optimizer, is_lazy_optimizer
 from .materialize import materialize_lazy_model
@@ -72,6 +74,12 @@ def _compose_model(
         mapping.update(apply_plan(model, plan, mesh))
     if after_plan is not None:  # family fix-ups of module attributes (local head counts, config views)
         after_plan(model, mesh)
+    # 1b. Expert parallelism: the experts split along the expert dim over the ep ranks sharing the dense weights,
+    #     tokens dispatched to them by all-to-all (after the plan, so under tp each rank splits its tp slices).
+    ep, state = mesh.size("ep"), find_state(model)
+    if ep > 1 and (state is None or state.expert_parallel is None):
+        moved = apply_expert_parallel(model, mesh.expert_group, ep, mesh.rank("ep"))
+        mapping = {k: (moved.get(id(v), v) if v is not None else None) for k, v in mapping.items()}
     # 2. Context parallelism: attention over the cp ring, each rank's forward cut to its chunks of the sequence
     #    (after the plan, so the loss it wraps is the vocab-parallel one; weights are not touched).
     if mesh.size("cp") > 1:

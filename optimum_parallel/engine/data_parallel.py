@@ -12,6 +12,8 @@ whole on every rank at levels 2-3 (FSDP2's `ignored_params`; their gradients get
 Tensor-parallel shards are plain local tensors, so every level composes with tp on a dp x tp mesh.
 Context parallelism (cp) splits the sequence, not the weights, and scales each cp rank's loss by cp: averaging the
 gradients over dp x cp (`mesh.data_parallel_group` / `data_parallel_mesh`) gives the single-device gradient.
+Expert parallelism (ep) splits the experts over blocks of ep dp x cp ranks: the expert parameters stay out of the
+dp x cp reduction and get their own (`_reduce_expert_gradients`, level 0 only for now).
 """
 
 from __future__ import annotations
@@ -24,9 +26,10 @@ import torch.distributed as dist
 from torch import nn
 
 from ..context_parallel import mark_gradients_reduced
+from ..expert_parallel import ExpertParallelRuntime, find_experts
 from ..mesh import ParallelMesh
 from ..plan.wrappers import plan_root
-from ..state import parallel_state
+from ..state import find_state, parallel_state
 from .optimizer import rebuild_optimizer
 
 SHARDING_LEVELS = (0, 1, 2, 3)
@@ -108,6 +111,19 @@ def apply_data_parallel(
         return model, optimizer
     check_shard_size(config.shard_size, mesh.data_parallel_size)
     mark_gradients_reduced(model)
+    experts = find_state(model).expert_parallel if find_state(model) is not None else None
+    if experts is not None:
+        if config.sharding_level != 0:
+            raise ValueError(
+                f"sharding_level={config.sharding_level} with ep={mesh.size('ep')} is not supported yet; allowed "
+                "with ep > 1: 0"
+            )
+        ignored = [module for _, module in find_experts(model)]
+        _reduce_expert_gradients(ignored, experts, mesh)
+        from torch.distributed._composable import replicate
+
+        replicate(model, process_group=mesh.data_parallel_group, ignored_modules=ignored)
+        return model, optimizer
     # Under pp the schedule calls the stage modules, not the model: the stages are the wrapped roots.
     pipeline = parallel_state(plan_root(model)).pipeline
     roots = list(pipeline.stages) if pipeline is not None else [model]
@@ -207,6 +223,36 @@ def _all_reduce_after_backward(params: list[nn.Parameter], group: dist.ProcessGr
     for param in ordered:
         if param.requires_grad:
             param.register_post_accumulate_grad_hook(on_gradient)
+
+
+def _reduce_expert_gradients(experts: list[nn.Module], runtime: ExpertParallelRuntime, mesh: ParallelMesh) -> None:
+    """DDP semantics for the expert parameters: each expert's gradient becomes the mean over dp x cp of the replicas'
+    gradients. A rank's raw expert gradient sums its expert group's tokens (the dispatch backward brings them), so it
+    is scaled by 1/ep as it arrives (before accumulation) and then averaged over the ranks holding the same experts
+    (dp x cp / ep of them), once per backward, in one bucket; averaging replicated values changes nothing, so it stays
+    right when gradients accumulate over micro-batches. The dispatch backward queues it, so it runs on every rank
+    even where no token reached this rank's experts (their gradients are then zeros)."""
+    params = [p for module in experts for p in module.parameters(recurse=False) if p.requires_grad]
+    scale = 1.0 / runtime.ep
+    for param in params:
+        param.register_hook(lambda grad: grad * scale)
+    group = mesh.expert_replica_group
+    replicas = dist.get_world_size(group)
+
+    def reduce() -> None:
+        for param in params:
+            if param.grad is None:
+                param.grad = torch.zeros_like(param)
+        if replicas == 1:
+            return
+        flat = torch.cat([p.grad.reshape(-1) for p in params])
+        dist.all_reduce(flat, group=group)
+        flat /= replicas
+        for param, part in zip(params, flat.split([p.numel() for p in params]), strict=True):
+            param.grad.copy_(part.view_as(param.grad))
+
+    runtime.after_backward.append(reduce)
+    runtime.gradients_reduced = True
 
 
 def _zero1(optimizer: torch.optim.Optimizer, group: dist.ProcessGroup) -> torch.optim.Optimizer:

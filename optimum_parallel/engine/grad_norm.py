@@ -5,8 +5,9 @@ held by several ranks. Here every distinct piece of the whole gradient is counte
 the first of the ranks holding it (kv heads replicated over tp ranks, whole or inside a packed q|k|v weight), a
 tp-replicated parameter (norms, also under sequence parallelism, whose gradients are already summed) by tp rank 0,
 a tied embedding / LM head held by two pipeline stages by the first stage, an FSDP2 shard (a DTensor) by the ranks
-whose coordinate is 0 on every dim it is replicated over, and a gradient replicated over dp x cp by dp rank 0 and
-cp rank 0. One all-reduce of one scalar over the world adds the pieces.
+whose coordinate is 0 on every dim it is replicated over, a gradient replicated over dp x cp by dp rank 0 and
+cp rank 0, and an expert-parallel expert's gradient (replicated over the ranks holding the same experts) by the
+first expert group. One all-reduce of one scalar over the world adds the pieces.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from ..expert_parallel import expert_layout
 from ..mesh import ParallelMesh, get_mesh
 from ..mesh.loaded import is_dtensor, local_tensor
 from ..plan.wrappers import plan_root
@@ -83,6 +85,7 @@ def _counted_pieces(model: nn.Module, mesh: ParallelMesh | None):
         return
     tp, tp_rank = mesh.size("tp"), mesh.rank("tp")
     first_replica = mesh.rank("dp") == 0 and mesh.rank("cp") == 0
+    first_expert_group = mesh.data_parallel_rank < mesh.size("ep")  # holds each expert once with the others in it
     state = find_state(plan_root(model))
     pipeline = state.pipeline if state is not None else None
     tied_copy = (
@@ -93,7 +96,8 @@ def _counted_pieces(model: nn.Module, mesh: ParallelMesh | None):
             continue
         if is_dtensor(param.grad) and not _first_on_replicated_dims(param.grad):
             continue
-        if not is_dtensor(param.grad) and not first_replica:
+        first_holder = first_expert_group if expert_layout(param) is not None else first_replica
+        if not is_dtensor(param.grad) and not first_holder:
             continue
         piece = _tp_share(param.grad, getattr(param, "shard_layout", None), tp, tp_rank)
         if piece is not None:

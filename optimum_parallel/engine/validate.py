@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 from ..context_parallel import check_context_parallel
+from ..expert_parallel import check_expert_parallel
 from ..mesh import ParallelMesh
 from ..pipeline import check_pipeline
 from ..plan import check_plan
@@ -82,3 +83,13 @@ def validate_request(
         check_context_parallel(model, cp, context_parallel, tp, keys.context_parallel)
     if data_parallel is not None:
         check_data_parallel(data_parallel, optimizer, keys.sharding_level, mesh.data_parallel_size)
+    ep = mesh.size("ep")
+    if ep > 1 and (state is None or state.expert_parallel is None):
+        check_expert_parallel(model, ep)
+        if pipeline is not None and mesh.size("pp") > 1:
+            raise ValueError(f"ep={ep} with pp={mesh.size('pp')} is not supported yet; allowed with ep > 1: pp=1")
+        if data_parallel is not None and data_parallel.sharding_level != 0:
+            raise ValueError(
+                f"{keys.sharding_level}={data_parallel.sharding_level} with ep={ep} is not supported yet (the expert "
+                "parameters differ between the ranks it would shard over); allowed with ep > 1: 0"
+            )

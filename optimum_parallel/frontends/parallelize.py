@@ -70,9 +70,10 @@ def _check_global_spec(model: nn.Module, config: PipelineParallelConfig) -> None
 
 
 def _data_parallel(config: ParallelConfig, mesh: ParallelMesh) -> DataParallelConfig | None:
-    """The dp_config, or level 0 on a mesh with cp > 1: cp ranks' gradients are partial (each saw a share of the
-    sequence), so skipping data parallelism there would train every cp rank on its own."""
-    if config.dp_config is None and mesh.size("cp") > 1:
+    """The dp_config, or level 0 on a mesh with cp > 1 or ep > 1: cp ranks' gradients are partial (each saw a share
+    of the sequence), and ep ranks' expert gradients hold other ranks' tokens, so skipping data parallelism there
+    would train every rank on its own."""
+    if config.dp_config is None and (mesh.size("cp") > 1 or mesh.size("ep") > 1):
         return DataParallelConfig()
     return config.dp_config
 

@@ -1,4 +1,9 @@
-"""ParallelMesh: the named dp/pp/cp/tp process grid over a torch DeviceMesh, initialised from torchrun's env."""
+"""ParallelMesh: the named dp/pp/cp/tp process grid over a torch DeviceMesh, initialised from torchrun's env.
+
+`ep` (expert parallelism) is not a dim of the grid: it groups the dp x cp ranks that share the dense weights into
+blocks of `ep` consecutive ranks (`expert_group`) that hold disjoint sets of experts; the ranks at the same place
+in every block hold the same experts (`expert_replica_group`).
+"""
 
 from __future__ import annotations
 
@@ -15,6 +20,8 @@ from . import hang_report
 # outermost to innermost: tp ranks are neighbours (fastest links), then cp (ring attention passes K/V every layer)
 MESH_DIMS = ("dp", "pp", "cp", "tp")
 DIM_ALIASES = {"mp": "tp"}
+EXPERT_DIM = "ep"
+_NO_EXPERT_PARALLELISM = "this mesh has no expert parallelism (ep=1); allowed: init_mesh(..., ep=N), N dividing dp x cp"
 DEFAULT_TIMEOUT = timedelta(seconds=60)
 _GRACE = timedelta(seconds=3)  # how long a failed rank waits for the other survivors' reports (see hang_report)
 
@@ -33,23 +40,69 @@ class ParallelMesh:
     _extra_groups: dict[tuple[int, ...], dist.ProcessGroup] = field(default_factory=dict, repr=False)
     _dp_cp_mesh: DeviceMesh | None = field(default=None, repr=False)
     _sharding_meshes: dict[int, DeviceMesh] = field(default_factory=dict, repr=False)
+    expert_parallel_size: int = 1
+    _expert_groups: tuple[dist.ProcessGroup, dist.ProcessGroup] | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
+        check_expert_parallel_size(self.expert_parallel_size, self.sizes["dp"], self.sizes["cp"])
         # dp and cp are not adjacent (pp sits between): torch flattens the non-contiguous slice into one 1-D mesh
         # with its own process group. Created here, on every rank at once, as torch requires.
         if self.sizes["dp"] > 1 and self.sizes["cp"] > 1:
             backend_override = _gloo_or_nccl_options(self.timeout)
             self._dp_cp_mesh = self.device_mesh["dp", "cp"]._flatten("dp_cp", backend_override=backend_override)
+        if self.expert_parallel_size > 1:
+            self._expert_groups = self._make_expert_groups()
 
     def size(self, dim: str) -> int:
+        if dim == EXPERT_DIM:
+            return self.expert_parallel_size
         return self.sizes[_canonical_dim(dim)]
 
     def rank(self, dim: str) -> int:
+        if dim == EXPERT_DIM:
+            return self.data_parallel_rank % self.expert_parallel_size
         dim = _canonical_dim(dim)
         return self.device_mesh.get_local_rank(dim) if self.sizes[dim] > 1 else 0
 
     def group(self, dim: str) -> dist.ProcessGroup:
+        if dim == EXPERT_DIM:
+            return self.expert_group
         return self.device_mesh.get_group(_canonical_dim(dim))
+
+    @property
+    def expert_group(self) -> dist.ProcessGroup:
+        """The `ep` ranks (consecutive in dp x cp, same pp and tp coordinate) whose experts together are all of them:
+        tokens are dispatched among them."""
+        if self._expert_groups is None:
+            raise ValueError(_NO_EXPERT_PARALLELISM)
+        return self._expert_groups[0]
+
+    @property
+    def expert_replica_group(self) -> dist.ProcessGroup:
+        """The dp x cp / ep ranks holding the same experts (one per expert group): expert gradients are summed here."""
+        if self._expert_groups is None:
+            raise ValueError(_NO_EXPERT_PARALLELISM)
+        return self._expert_groups[1]
+
+    def _make_expert_groups(self) -> tuple[dist.ProcessGroup, dist.ProcessGroup]:
+        """Every rank creates every expert and replica group (torch requires it); returns this rank's two."""
+        ep, me = self.expert_parallel_size, dist.get_rank()
+        grid = self.device_mesh.mesh  # [dp, pp, cp, tp] -> lines of dp x cp ranks in data_parallel_rank order
+        lines = grid.permute(1, 3, 0, 2).reshape(-1, self.data_parallel_size).tolist()
+        expert = replica = None
+        for line in lines:
+            blocks = [line[i : i + ep] for i in range(0, len(line), ep)]
+            for ranks in blocks + [line[i::ep] for i in range(ep)]:
+                key = ("ep",) + tuple(ranks)
+                if key not in self._extra_groups:
+                    self._extra_groups[key] = dist.new_group(list(ranks), timeout=self.timeout)
+            for ranks in blocks:
+                if me in ranks:
+                    expert = self._extra_groups[("ep",) + tuple(ranks)]
+            for i in range(ep):
+                if me in line[i::ep]:
+                    replica = self._extra_groups[("ep",) + tuple(line[i::ep])]
+        return expert, replica
 
     def ranks(self, dim: str) -> list[int]:
         """Global ranks of this rank's group along `dim`, in group-rank order."""
@@ -156,9 +209,20 @@ _CURRENT_MESH: ParallelMesh | None = None
 def _canonical_dim(dim: str) -> str:
     name = DIM_ALIASES.get(dim, dim)
     if name not in MESH_DIMS:
-        allowed = ", ".join(MESH_DIMS + tuple(DIM_ALIASES))
+        allowed = ", ".join(MESH_DIMS + tuple(DIM_ALIASES) + (EXPERT_DIM,))
         raise ValueError(f"unknown mesh dim {dim!r}; allowed: {allowed}")
     return name
+
+
+def check_expert_parallel_size(ep: object, dp: int, cp: int, key: str = "ep") -> int:
+    """`ep` if it is a positive int dividing dp x cp; else ValueError naming `key` and the allowed values."""
+    allowed = [d for d in range(1, dp * cp + 1) if (dp * cp) % d == 0]
+    if isinstance(ep, bool) or not isinstance(ep, int) or ep not in allowed:
+        raise ValueError(
+            f"{key}={ep!r} is not allowed; expert parallelism splits the experts over ranks that share the dense "
+            f"weights, so it must divide dp x cp = {dp} x {cp}; allowed: {', '.join(map(str, allowed))}"
+        )
+    return ep
 
 
 def check_positive_int(name: str, value: object, what: str = "it") -> int:
@@ -203,12 +267,15 @@ def init_mesh(
     pp: int = 1,
     cp: int = 1,
     *,
+    ep: int = 1,
     timeout: timedelta | float = DEFAULT_TIMEOUT,
     **aliases: int,
 ) -> ParallelMesh:
     """Build (and set as current) the dp x pp x cp x tp mesh; `tp` (alias `mp`) defaults to world / (dp * pp * cp).
 
     cp is context parallelism: each cp rank holds a share of every sequence and the same parameters.
+    ep is expert parallelism: blocks of `ep` consecutive dp x cp ranks split the experts between them (ep divides
+    dp x cp; dense weights stay replicated over dp x cp).
 
     Starts torch.distributed from the torchrun environment if needed (gloo on CPU, NCCL on CUDA);
     every process group of the mesh gets `timeout` (seconds or a timedelta), so a lost rank fails
@@ -216,7 +283,7 @@ def init_mesh(
     """
     for name, value in aliases.items():
         if DIM_ALIASES.get(name) != "tp":
-            allowed = ", ".join(MESH_DIMS + tuple(DIM_ALIASES))
+            allowed = ", ".join(MESH_DIMS + tuple(DIM_ALIASES) + (EXPERT_DIM,))
             raise ValueError(f"unknown mesh dim {name!r}; allowed: {allowed}")
         if tp is not None and tp != value:
             raise ValueError(f"tp={tp} and its alias {name}={value} disagree; pass one of them")
@@ -230,6 +297,7 @@ def init_mesh(
     check_positive_int("cp", cp, "a mesh size")
     tp = world // (dp * pp * cp) if tp is None else tp
     check_positive_int("tp", tp, "a mesh size")
+    check_expert_parallel_size(ep, dp, cp)
     sizes = {"dp": dp, "pp": pp, "cp": cp, "tp": tp}
     total = dp * pp * cp * tp
     if total != world:
@@ -243,7 +311,7 @@ def init_mesh(
     hang_report.install(
         {device_mesh.get_group(name): name for name in MESH_DIMS}, min(max(timeout / 2, _GRACE), _GRACE * 3)
     )
-    return set_mesh(ParallelMesh(device_mesh, sizes, timeout))
+    return set_mesh(ParallelMesh(device_mesh, sizes, timeout, expert_parallel_size=ep))
 
 
 def set_mesh(mesh: ParallelMesh) -> ParallelMesh:

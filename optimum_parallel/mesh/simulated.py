@@ -17,6 +17,8 @@ class SimulatedMesh:
         self.sizes = {"dp": 1, "pp": 1, "cp": 1, "tp": self.tp_size, **self.sizes}
 
     def size(self, dim: str) -> int:
+        if dim == "ep":  # expert parallelism: not a dim of the grid, 1 unless given
+            return self.sizes.get("ep", 1)
         return self.sizes["tp" if dim == "mp" else dim]
 
     def rank(self, dim: str) -> int:

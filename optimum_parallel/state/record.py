@@ -15,6 +15,7 @@ from torch import nn
 
 if TYPE_CHECKING:  # annotations only: the record sits below every room that writes it
     from ..context_parallel.attention import ContextParallelAttention
+    from ..expert_parallel.experts import ExpertParallelRuntime
     from ..pipeline.runtime import Pipeline
 
 _KEY = "_optimum_parallel_state"
@@ -26,6 +27,7 @@ class ParallelState:
     sequence_length: int | None = None  # cp: the whole sequence's length in the forward running now
     gradients_reduced: bool = False  # set by data parallelism: the dp x cp reduction sums the cp ranks' gradients
     pipeline: Pipeline | None = None  # set by pipeline.apply_pipeline
+    expert_parallel: ExpertParallelRuntime | None = None  # set by expert_parallel.apply_expert_parallel
     param_map: dict[int, nn.Parameter | None] | None = None  # {id(original parameter): parallel one}, the front doors
     unsupported: dict[str, str] = field(default_factory=dict)  # method name -> why this layout cannot serve it
 

@@ -31,6 +31,7 @@ from ...engine.grad_norm import grad_norm as global_grad_norm
 from ...engine.validate import TRAINER_KEYS
 from ...frontends.manager import ParallelizersManager
 from ...mesh import ParallelMesh, get_mesh, init_mesh
+from ...mesh.parallel_mesh import check_expert_parallel_size
 from ...plan import logits_mode
 from ...plan.wrappers import plan_root
 from ...state import parallel_state
@@ -56,6 +57,7 @@ def _mesh_for(args: ParallelTrainingArguments) -> ParallelMesh:
         )
     sizes = {"dp": world // (tp * pp * cp), "pp": pp, "cp": cp, "tp": tp}
     ranks = sizes["dp"] * cp  # the ranks holding the same parameters
+    ep = check_expert_parallel_size(args.expert_parallel_size, sizes["dp"], cp, "expert_parallel_size")
     if args.shard_size != -1 and ranks > 1 and ranks % args.shard_size:
         allowed = [-1] + [d for d in range(1, ranks + 1) if ranks % d == 0]
         raise ValueError(
@@ -63,9 +65,9 @@ def _mesh_for(args: ParallelTrainingArguments) -> ParallelMesh:
             f"{', '.join(map(str, allowed))}"
         )
     with contextlib.suppress(RuntimeError):
-        if get_mesh().sizes == sizes:
+        if get_mesh().sizes == sizes and get_mesh().size("ep") == ep:
             return get_mesh()
-    return init_mesh(**sizes, timeout=args.ddp_timeout)
+    return init_mesh(**sizes, ep=ep, timeout=args.ddp_timeout)
 
 
 def _register_data_loader(accelerator, data_loader) -> None:

@@ -30,6 +30,13 @@ class ParallelTrainingArguments(TrainingArguments):
             "same batches, so per_device_*_batch_size is per dp replica as without cp."
         },
     )
+    expert_parallel_size: int = field(
+        default=1,
+        metadata={
+            "help": "Ranks the experts of a mixture-of-experts model are split over (ep); consecutive dp x cp ranks, "
+            "so ep divides world / (tp * pp); tokens reach their experts by all-to-all."
+        },
+    )
     context_parallel_strategy: str = field(
         default="ring",
         metadata={"help": f"Attention over the cp ranks: {', '.join(CP_STRATEGIES)} (all_to_all: heads divide by cp)."},
@@ -78,6 +85,7 @@ class ParallelTrainingArguments(TrainingArguments):
         check_positive_int("tensor_parallel_size", self.tensor_parallel_size)
         check_positive_int("pipeline_parallel_size", self.pipeline_parallel_size)
         check_positive_int("context_parallel_size", self.context_parallel_size)
+        check_positive_int("expert_parallel_size", self.expert_parallel_size)
         check_positive_int("pipeline_parallel_num_microbatches", self.pipeline_parallel_num_microbatches)
         check_sharding_level(self.sharding_level, "sharding_level")
         _check_hybrid_sharding(self)

@@ -1,0 +1,23 @@
+"""Expert parallelism: the experts of a mixture-of-experts model split over ranks that share the dense weights,
+tokens dispatched to them by all-to-all (dispatch) and the split itself (experts)."""
+
+from .dispatch import all_to_all_rows, exchange_counts
+from .experts import (
+    ExpertParallelRuntime,
+    apply_expert_parallel,
+    check_expert_parallel,
+    expert_layout,
+    find_experts,
+    is_experts_module,
+)
+
+__all__ = [
+    "ExpertParallelRuntime",
+    "all_to_all_rows",
+    "apply_expert_parallel",
+    "check_expert_parallel",
+    "exchange_counts",
+    "expert_layout",
+    "find_experts",
+    "is_experts_module",
+]

@@ -1,0 +1,161 @@
+"""Expert parallelism: the experts of every MoE block split along the expert dim over the mesh's expert group.
+
+Each rank of an expert group (ep ranks sharing the dense weights) keeps `num_experts / ep` consecutive experts of
+every stacked expert tensor (transformers' `gate_up_proj` / `down_proj` [E, ...] and their biases). The router stays
+as it is: each rank routes its own tokens, sends every (token, expert) row to the rank holding the expert (counts
+first, then the hidden states: `dispatch`), runs its local experts on what it received through the experts class's
+own forward (so its experts implementation, eager or grouped GEMM, and its activation apply), sends the results back
+and sums them weighted by the router's top-k weights. No row is dropped, so the output is the single-device one.
+
+Under tp the experts module is also a tp region (its hooks wrap this forward): the dispatch is linear, so each tp
+rank dispatches its partial sums along with the others and the region's all-reduce follows.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+from torch.distributed import ProcessGroup
+
+from ..state import parallel_state
+from ..tensor_parallel.spec import ShardLayout, ShardSpec, local_parameter
+from .dispatch import all_to_all_rows, exchange_counts
+
+_EXPERT_WEIGHTS = (("gate_up_proj", "down_proj"), ("up_proj", "down_proj"))
+
+
+def is_experts_module(module: nn.Module) -> bool:
+    """A transformers stacked-experts module: `num_experts` and 3D expert tensors [num_experts, ...]."""
+    count = getattr(module, "num_experts", None)
+    if not isinstance(count, int) or isinstance(count, bool):
+        return False
+    params = module._parameters
+    return any(
+        all(isinstance(params.get(n), nn.Parameter) and params[n].dim() == 3 for n in names)
+        and all(params[n].shape[0] == count for n in names)
+        for names in _EXPERT_WEIGHTS
+    )
+
+
+def find_experts(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    """(name, module) of every stacked-experts module of `model`, in model order."""
+    return [(name, module) for name, module in model.named_modules() if is_experts_module(module)]
+
+
+def check_expert_parallel(model: nn.Module, ep: int, key: str = "ep") -> None:
+    """Raise ValueError (naming `key` and the allowed values) unless `model`'s experts can be split over ep ranks."""
+    experts = find_experts(model)
+    if not experts:
+        raise ValueError(
+            f"{key}={ep}: {type(model).__name__} has no stacked experts module (num_experts and 3D gate_up_proj or "
+            "up_proj / down_proj), so there is nothing to split over ep; allowed for this model: ep=1"
+        )
+    for name, module in experts:
+        count = module.num_experts
+        if count % ep:
+            allowed = [d for d in range(1, count + 1) if count % d == 0]
+            raise ValueError(
+                f"{key}={ep} does not divide the {count} experts of {name!r}; allowed: divisors of {count} that "
+                f"divide dp x cp ({', '.join(map(str, allowed))})"
+            )
+        if any(p.device.type == "meta" for p in module.parameters(recurse=False)):
+            raise ValueError(
+                f"{key}={ep}: {name!r} is on the meta device (lazy loading); reading only a rank's experts is not "
+                "supported yet; allowed: a model built normally, or ep=1"
+            )
+
+
+@dataclass
+class ExpertParallelRuntime:
+    """What every split experts module of one model shares: the groups, and the work queued after each backward
+    (data parallelism's expert-gradient reduction: `after_backward`)."""
+
+    group: ProcessGroup
+    ep: int
+    rank: int
+    gradients_reduced: bool = False
+    after_backward: list[Callable[[], None]] = field(default_factory=list)
+    _queued: bool = False
+
+    def backward_started(self) -> None:
+        """Called by the first dispatch backward of a backward pass: queue the after-backward work once."""
+        if self._queued or not self.after_backward:
+            return
+        self._queued = True
+        torch.autograd.Variable._execution_engine.queue_callback(self._run_after_backward)
+
+    def _run_after_backward(self) -> None:
+        self._queued = False
+        for callback in self.after_backward:
+            callback()
+
+
+def apply_expert_parallel(model: nn.Module, group: ProcessGroup, ep: int, rank: int) -> dict[int, nn.Parameter]:
+    """Split the experts of `model` over the `ep` ranks of `group` (this rank is `rank` of them), in place; returns
+    {id(old parameter): new parameter}. Each new parameter carries its `expert_layout` (dim 0 of the global one)."""
+    check_expert_parallel(model, ep)
+    runtime = ExpertParallelRuntime(group, ep, rank)
+    parallel_state(model).expert_parallel = runtime
+    mapping: dict[int, nn.Parameter] = {}
+    for _, module in find_experts(model):
+        count = module.num_experts
+        for leaf, param in list(module.named_parameters(recurse=False)):
+            if param.dim() == 0 or param.shape[0] != count:
+                continue
+            layout = ShardSpec.split(tuple(param.shape), 0).local(rank, ep)
+            new = local_parameter(param, layout, param.requires_grad)
+            tensor_parallel = getattr(param, "shard_layout", None)
+            if tensor_parallel is not None:
+                new.shard_layout = tensor_parallel  # the tp cut (another dim) of the same experts
+            else:
+                del new.shard_layout
+            new.expert_layout = layout
+            setattr(module, leaf, new)
+            mapping[id(param)] = new
+        module.global_num_experts, module.num_experts = count, count // ep
+        module.expert_parallel = runtime
+        module.forward = _ExpertParallelForward(module)
+    return mapping
+
+
+def expert_layout(param: torch.Tensor) -> ShardLayout | None:
+    """The expert-dim cut of an expert-parallel parameter, None for any other."""
+    return getattr(param, "expert_layout", None)
+
+
+class _ExpertParallelForward:
+    """The experts module's forward under ep (an instance attribute over the class's forward)."""
+
+    def __init__(self, module: nn.Module) -> None:
+        self.module = module
+        self.local_forward = type(module).forward  # transformers' own (experts implementation dispatch included)
+
+    def __call__(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor):
+        module = self.module
+        runtime: ExpertParallelRuntime = module.expert_parallel
+        if torch.is_grad_enabled() and not runtime.gradients_reduced:
+            raise RuntimeError(
+                "an expert-parallel model (ep > 1) trains only with its gradients reduced over dp x cp (each rank's "
+                "expert gradients hold other ranks' tokens): call op.parallelize(model, optimizer, mesh, "
+                "{'dp_config': {'sharding_level': 0}}), or train with ParallelTrainer; for evaluation run under "
+                "torch.no_grad()"
+            )
+        ep, local = runtime.ep, module.num_experts
+        top_k = top_k_index.shape[-1]
+        experts = top_k_index.reshape(-1)
+        order = torch.argsort(experts, stable=True)  # (token, k) rows grouped by expert, so by destination rank
+        token_of_row = order // top_k
+        counts = torch.bincount(experts, minlength=ep * local).view(ep, local)
+        received = exchange_counts(counts, runtime.group)  # [source rank, local expert]
+        send_splits, recv_splits = counts.sum(1).tolist(), received.sum(1).tolist()
+        rows = all_to_all_rows(hidden_states[token_of_row], send_splits, recv_splits, runtime.group)
+        local_expert = torch.arange(local, device=rows.device).repeat(ep).repeat_interleave(received.reshape(-1))
+        ones = torch.ones(rows.shape[0], 1, dtype=top_k_weights.dtype, device=rows.device)
+        out = self.local_forward(module, rows, local_expert[:, None], ones)
+        back = all_to_all_rows(out, recv_splits, send_splits, runtime.group, runtime.backward_started)
+        weights = top_k_weights.reshape(-1)[order].unsqueeze(-1)
+        combined = torch.zeros_like(hidden_states)
+        return combined.index_add(0, token_of_row, (back * weights).to(hidden_states.dtype))
