@@ -11,6 +11,9 @@ final weights go to `OUT/final` (sharded).
 `KILL_HOST_AT_STEP=s`, `KILL_HOST_IFNAME=dev`: in the first attempt (torchrun restart 0) the ranks of the host
 whose gloo interface is `dev` SIGKILL themselves after step s, writing the time to `OUT/killed-rank<r>`; a survivor
 whose collective fails writes the time and the error to `OUT/failed-rank<r>-attempt<a>` before it exits.
+
+`CRASH_IN_SAVE=point:n@r` (custom loop): rank r SIGKILLs itself the n-th time it reaches the crash point `point`
+(`optimum_parallel.checkpoint.crash`) inside the save of the last checkpoint.
 """
 
 from __future__ import annotations
@@ -44,6 +47,14 @@ def maybe_lose_this_host(out: Path, step: int) -> None:
     if kill_at and first_attempt and int(kill_at) == step and os.environ.get("GLOO_SOCKET_IFNAME") == host:
         (out / f"killed-rank{dist.get_rank()}").write_text(str(time.time()))
         os.kill(os.getpid(), signal.SIGKILL)
+
+
+def arm_crash_in_save(step: int, last_save: int) -> None:
+    point, _, rank = os.environ.get("CRASH_IN_SAVE", "").partition("@")
+    if point and step == last_save and int(rank) == dist.get_rank():
+        from optimum_parallel.checkpoint.crash import CRASH_ENV
+
+        os.environ[CRASH_ENV] = point
 
 
 def custom_loop(args: argparse.Namespace) -> list[float]:
@@ -86,6 +97,7 @@ def custom_loop(args: argparse.Namespace) -> list[float]:
         schedule.step()
         losses.append(loss.item())
         if step % args.save_every == 0:
+            arm_crash_in_save(step, args.steps - args.steps % args.save_every)
             parallelizer.save_model_checkpoint(model, Path(args.out) / f"checkpoint-{step}", optimizer=optimizer)
         maybe_lose_this_host(Path(args.out), step)
     parallelizer.save_model_checkpoint(model, Path(args.out) / "final")

@@ -1,15 +1,18 @@
 """Several hosts on one machine (network namespaces joined by a veth pair, one torchrun agent per host, c10d
 rendezvous): two hosts x 2 ranks train the same losses and write the same checkpoint files, byte for byte, as one
 host of 4 ranks (dp=2 x tp=2, pp=2 x tp=2, ParallelTrainer); a lost host ends the job within the mesh timeout and
-`torchrun --max-restarts 1` brings it back from the last complete checkpoint to the same final weights, bit for bit.
+`torchrun --max-restarts 1` brings it back from the last complete checkpoint to the same final weights, bit for bit;
+a rank of either host SIGKILLed inside a sharded save leaves the previous checkpoint complete, byte for byte.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
+import warnings
 from pathlib import Path
 
 import pytest
@@ -125,6 +128,59 @@ def test_lost_host_restarts_from_last_checkpoint(hosts, hf_dir, reference, tmp_p
     resumed = {rank: losses[-(STEPS - 2) :] for rank, losses in _losses(one).items()}  # steps 3 and 4 again
     assert _losses(out) == resumed
     _assert_same_checkpoints(out, one, ["final"])
+
+
+# (layout, crash point "name:n" in the save of checkpoint-4, the rank that dies): host 0 holds ranks 0-1, host 1
+# ranks 2-3. Under pp2-tp2 each host writes its stage's files; under dp2-tp2 only host 0 writes and host 1's ranks
+# die in the save's collectives ("gather:k": the k-th result exchange; 1 describe, 2 prepare, 3 write, 4 after
+# rank 0 published, so a death there still leaves checkpoint-4 complete).
+PUBLISHED = ("published:1", "gather:4")
+CRASHES = [
+    ("pp2-tp2", "gather:1", 2),
+    ("pp2-tp2", "prepare:1", 0),
+    ("pp2-tp2", "gather:2", 3),
+    ("pp2-tp2", "tensor:1", 2),
+    ("pp2-tp2", "tensor:7", 3),
+    ("pp2-tp2", "tensor:2", 0),
+    ("pp2-tp2", "file:1", 2),
+    ("pp2-tp2", "tensor:15", 1),
+    ("pp2-tp2", "file:2", 3),
+    ("pp2-tp2", "gather:3", 2),
+    ("pp2-tp2", "config:1", 0),
+    ("pp2-tp2", "index:1", 0),
+    ("pp2-tp2", "publish:1", 0),
+    ("pp2-tp2", "published:1", 0),
+    ("dp2-tp2", "gather:1", 3),
+    ("dp2-tp2", "tensor:5", 1),
+    ("dp2-tp2", "gather:3", 2),
+    ("dp2-tp2", "file:2", 0),
+    ("dp2-tp2", "gather:4", 3),
+    ("dp2-tp2", "published:1", 0),
+]
+
+
+@pytest.mark.parametrize(("layout", "point", "rank"), CRASHES, ids=[f"{lay}-{p}@rank{r}" for lay, p, r in CRASHES])
+def test_crash_while_saving_across_hosts(hosts, hf_dir, reference, tmp_path, layout, point, rank):
+    """The found checkpoint is the last complete one (checkpoint-2, or checkpoint-4 once renamed into place), it
+    verifies and equals the uninterrupted run's files, and the interrupted save is named in a warning."""
+    from optimum_parallel.checkpoint import find_last_checkpoint, verify_checkpoint
+
+    out = tmp_path / "crash"
+    job = hosts.torchrun(_args(hf_dir, out, layout), {**ENV, "CRASH_IN_SAVE": f"{point}@{rank}"}, out / "logs")
+    codes = job.wait()
+    log = job.logs[rank // 2].read_text()
+    killed = re.search(rf"rank\s*: {rank} \(local_rank: {rank % 2}\)\s*exitcode\s*: -9 ", log)
+    assert codes[rank // 2] != 0 and killed, f"rank {rank} never reached {point}:\n{job.output()}"
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        last = find_last_checkpoint(out)
+    messages = [str(w.message) for w in caught]
+    expected = "checkpoint-4" if point in PUBLISHED else "checkpoint-2"
+    assert last is not None and last.name == expected, (last, messages, job.output())
+    verify_checkpoint(last)
+    assert _files(last) == _files(reference(layout) / expected), "differs from an uninterrupted run"
+    for partial in (p.name for p in out.iterdir() if p.name.endswith(".partial")):
+        assert any(partial in m and "interrupted" in m for m in messages), (partial, messages)
 
 
 if __name__ == "__main__":

@@ -14,6 +14,7 @@ from typing import TypeVar
 import torch.distributed as dist
 
 from ..mesh import get_mesh
+from .crash import crash_point
 
 T = TypeVar("T")
 
@@ -48,6 +49,7 @@ class RankInfo:
         if not self.distributed:
             return [obj]
         out: list = [None] * dist.get_world_size()
+        crash_point("gather")
         dist.all_gather_object(out, obj)
         return out
 
