@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import re
 import shutil
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import torch
@@ -63,15 +64,25 @@ def write_hf_checkpoint(
     total = sum(nbytes(e.global_shape, dtype_from_name(e.dtype)) for e in index.tensors.values())
     weight_map = {}
     largest = max((nbytes(e.global_shape, dtype_from_name(e.dtype)) for e in index.tensors.values()), default=0)
-    buffer = torch.empty(largest, dtype=torch.uint8)  # one tensor at a time, in the same memory
+    # two buffers: the next tensor is read and checked (pread, crc32: both drop the GIL) while this one is written
+    buffers = [torch.empty(largest, dtype=torch.uint8) for _ in range(2)]
+    order = [name for group in groups for name in group]
     bar = tqdm(total=total, unit="B", unit_scale=True, desc="consolidate", disable=not progress)
-    with ShardFiles(checkpoint_dir, index) as shards:
+    with ShardFiles(checkpoint_dir, index) as shards, ThreadPoolExecutor(1, "consolidate-read") as reads:
+        pending = reads.submit(shards.assemble, order[0], index.tensors[order[0]], buffers[0]) if order else None
+        position = 0
         for file, group in zip(names, groups, strict=True):
             specs = [(n, dtype_from_name(index.tensors[n].dtype), index.tensors[n].global_shape) for n in group]
             writer = SafetensorsWriter(output_dir / file, specs, {"format": "pt"}, sha256=False, crc32=False)
             try:
                 for name in group:
-                    full = shards.assemble(name, index.tensors[name], buffer)
+                    full = pending.result()
+                    position += 1
+                    if position < len(order):
+                        following = order[position]
+                        pending = reads.submit(
+                            shards.assemble, following, index.tensors[following], buffers[position % 2]
+                        )
                     writer.write(name, full)
                     bar.update(full.numel() * full.element_size())
                     weight_map[name] = file
