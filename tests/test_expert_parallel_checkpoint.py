@@ -1,0 +1,236 @@
+"""Sharded checkpoints and lazy loading with expert parallelism (gloo, 4 ranks): save -> load is bit-identical (model
+and AdamW state) and training goes on as if uninterrupted, at dp=4 x ep=2 and dp=2 x tp=2 x ep=2; consolidate gives
+a plain HF checkpoint equal to the single model trained alike; reshard between ep (and tp) sizes; a lazily built
+model reads only its rank's experts."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+from _checks import train_step
+from _models import build_model, rel_err, tiny_config
+from safetensors.torch import load_file
+from test_expert_parallel import MOE, replica_batch
+from transformers import AutoModelForCausalLM
+
+WORLD_SIZE = 4
+LR = 1e-2
+TOL = 1e-5
+LOAD = dict(dtype=torch.float32, attn_implementation="eager")
+DP4_EP2 = dict(dp=4, ep=2)
+TP2_EP2 = dict(dp=2, tp=2, ep=2)
+
+
+# ----------------------------------------------------------------------------------------------- worker helpers
+
+
+def _parallel(mesh, model_type: str, seed: int, model=None):
+    """A tiny MoE (random with `seed`, or `model`) and its AdamW, parallelized on `mesh` (tp plan first, then ep and
+    data parallelism at sharding level 0)."""
+    import optimum_parallel as op
+
+    model = model if model is not None else build_model(tiny_config(model_type, **MOE[model_type]), seed=seed)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.1)
+    if mesh.tp_size > 1:
+        parallelizer = op.ParallelizersManager.parallelizer_for_model(model)
+        model = parallelizer.parallelize(model)
+        optimizer = parallelizer.optimizer_for_mp(optimizer, model.orig_param_to_parallel_param)
+    return op.parallelize(model, optimizer, mesh, {"dp_config": {"sharding_level": 0}})
+
+
+def _where(param) -> dict:
+    """Where a local tensor sits in the global one: its experts (dim 0) and its tp cut."""
+    from optimum_parallel.expert_parallel import expert_range
+
+    layout = getattr(param, "shard_layout", None)
+    return {"experts": expert_range(param), "tp": None if layout is None or layout.dim is None else layout.to_json()}
+
+
+def _snapshot(model, optimizer) -> dict:
+    """Every local parameter and AdamW state tensor, with where it sits (copies)."""
+    names = {id(p): n for n, p in model.named_parameters()}
+    tensors = {}
+    for name, param in model.named_parameters():
+        tensors[name] = (param.detach().clone(), _where(param))
+    for param, state in optimizer.state.items():
+        for key, value in state.items():
+            like = value.shape == param.shape
+            tensors[f"{names[id(param)]}/{key}"] = (value.clone(), _where(param) if like else {"experts": None})
+    return tensors
+
+
+def _local_batch(config, mesh) -> dict:
+    replica = mesh.data_parallel_rank
+    return {k: v[2 * replica : 2 * replica + 2] for k, v in replica_batch(config, mesh.data_parallel_size).items()}
+
+
+def _replica_mean(loss: float, mesh) -> float:
+    total = torch.tensor(loss, dtype=torch.float64)
+    dist.all_reduce(total, group=mesh.data_parallel_group)
+    return (total / mesh.data_parallel_size).item()
+
+
+def train_save_resume(model_type: str, sizes: dict, ckpt: str, before: int = 2, after: int = 2) -> dict:
+    """`before` steps, save (sharded + regular), `after` more steps; then a fresh model (other weights) loads the
+    checkpoint and trains `after` steps. Also trains the single model on the whole batch `before` steps."""
+    import optimum_parallel as op
+    from optimum_parallel.checkpoint import load_model_checkpoint, save_model_checkpoint
+
+    mesh = op.init_mesh(**sizes)
+    model, optimizer = _parallel(mesh, model_type, seed=0)
+    batch = _local_batch(model.config, mesh)
+    for _ in range(before):
+        train_step(model, optimizer, batch)
+    save_model_checkpoint(model, ckpt, optimizer=optimizer, as_regular=True)
+    saved = _snapshot(model, optimizer)
+    straight = [_replica_mean(train_step(model, optimizer, batch), mesh) for _ in range(after)]
+
+    fresh, fresh_optimizer = _parallel(mesh, model_type, seed=99)
+    train_step(fresh, fresh_optimizer, batch)  # state of its own, which the checkpoint must replace
+    load_model_checkpoint(fresh, ckpt, optimizer=fresh_optimizer)
+    loaded = _snapshot(fresh, fresh_optimizer)
+    differ = sorted(k for k in saved if k not in loaded or not torch.equal(saved[k][0], loaded[k][0]))
+    resumed = [_replica_mean(train_step(fresh, fresh_optimizer, batch), mesh) for _ in range(after)]
+
+    out = {"saved": saved, "differ": differ, "straight": straight, "resumed": resumed, "only": sorted(loaded)}
+    if dist.get_rank() == 0:  # the single model on the global batch, trained alike
+        reference = build_model(tiny_config(model_type, **MOE[model_type]), seed=0)
+        ref_optimizer = torch.optim.AdamW(reference.parameters(), lr=LR, weight_decay=0.1)
+        whole = replica_batch(reference.config, mesh.data_parallel_size)
+        for _ in range(before):
+            train_step(reference, ref_optimizer, whole)
+        out["reference"] = {k: v.detach().clone() for k, v in reference.state_dict().items()}
+        with torch.no_grad():
+            out["reference_logits"] = reference(**whole).logits
+    return out
+
+
+def assemble(per_rank: list[dict]) -> dict[str, torch.Tensor]:
+    """The global tensors of every rank's snapshot, put together by their layouts (not by the checkpoint code)."""
+    full: dict[str, torch.Tensor] = {}
+    for snapshot in per_rank:
+        for name, (local, where) in snapshot.items():
+            if name not in full:
+                shape = list(where["tp"]["global_shape"]) if where.get("tp") else list(local.shape)
+                if where["experts"] is not None:
+                    shape[0] = max(s[name][1]["experts"][1] for s in per_rank)
+                full[name] = torch.full(shape, float("nan"), dtype=local.dtype)
+            view = full[name]
+            if where["experts"] is not None:
+                view = view.narrow(0, where["experts"][0], where["experts"][1] - where["experts"][0])
+            if not where.get("tp"):
+                view.copy_(local)
+                continue
+            dim, offset = where["tp"]["dim"], 0
+            for start, end in where["tp"]["ranges"]:
+                view.narrow(dim, start, end - start).copy_(local.narrow(dim, offset, end - start))
+                offset += end - start
+    return full
+
+
+def expected_local(full: torch.Tensor, where: dict) -> torch.Tensor:
+    """The local tensor `where` describes, cut out of the global `full`."""
+    from optimum_parallel.tensor_parallel.spec import ShardLayout
+
+    if where["experts"] is not None:
+        start, end = where["experts"]
+        full = full.narrow(0, start, end - start)
+    if where.get("tp"):
+        full = ShardLayout.from_json({**where["tp"], "global_shape": list(full.shape)}).slice(full)
+    return full
+
+
+# ----------------------------------------------------------------------------------------------- save / load / resume
+
+CASES = [("mixtral", DP4_EP2), ("qwen3_moe", TP2_EP2), ("gpt_oss", DP4_EP2), ("mixtral", TP2_EP2)]
+
+
+@pytest.fixture(scope="module")
+def runs(pool, tmp_path_factory) -> dict:
+    """One save -> load -> resume run per case (the checkpoints are reused by the consolidate and reshard tests)."""
+    out = {}
+    for model_type, sizes in CASES:
+        key = _key(model_type, sizes)
+        ckpt = str(tmp_path_factory.mktemp("ep") / key)
+        results = pool.run(train_save_resume, model_type, sizes, ckpt)
+        out[key] = {"ckpt": ckpt, "results": results, "full": assemble([r["saved"] for r in results])}
+    return out
+
+
+def _key(model_type: str, sizes: dict) -> str:
+    return model_type + "-" + "-".join(f"{d}{n}" for d, n in sizes.items())
+
+
+@pytest.mark.parametrize("model_type,sizes", CASES, ids=[_key(*c) for c in CASES])
+def test_save_load_is_bit_identical_and_resumes(runs, model_type, sizes):
+    run = runs[_key(model_type, sizes)]
+    for rank, result in enumerate(run["results"]):
+        assert result["differ"] == [], f"rank {rank}: loaded tensors differ: {result['differ'][:5]}"
+        assert sorted(result["saved"]) == result["only"]
+        assert any("/exp_avg" in k for k in result["saved"]), "no optimizer state was compared"
+        assert result["resumed"] == result["straight"], f"rank {rank}: {result['resumed']} != {result['straight']}"
+    assert all(not torch.isnan(t).any() for t in run["full"].values())
+
+
+@pytest.mark.parametrize("model_type,sizes", CASES[:3], ids=[_key(*c) for c in CASES[:3]])
+def test_index_and_files(runs, model_type, sizes):
+    """Every expert block is stored once, by the first replica of its expert group, in that ep rank's file."""
+    from optimum_parallel.checkpoint import read_index, verify_checkpoint
+
+    ckpt = Path(runs[_key(model_type, sizes)]["ckpt"])
+    index = verify_checkpoint(ckpt)
+    ep, tp = sizes["ep"], sizes.get("tp", 1)
+    assert index.mesh == {"dp": sizes["dp"], "pp": 1, "tp": tp, "ep": ep}
+    experts = {n: e for n, e in index.tensors.items() if e.experts}
+    assert experts and all(".experts." in n for n in experts)
+    assert not any(".experts." in n for n, e in index.tensors.items() if not e.experts)
+    for name, entry in experts.items():
+        count = entry.global_shape[0]
+        blocks = sorted({(s.ep_rank, tuple(s.experts)) for s in entry.shards})
+        assert blocks == [(e, (e * count // ep, (e + 1) * count // ep)) for e in range(ep)], (name, blocks)
+        for shard in entry.shards:
+            suffix = f"-ep{shard.ep_rank:02d}" if shard.ep_rank else ""
+            assert shard.file == f"model-pp00-tp{shard.tp_ranks[0]:02d}{suffix}.safetensors"
+    state = {k: e for k, e in index.optimizer_tensors.items() if e.experts}
+    assert {e.param for e in state.values()} == set(experts)  # AdamW's exp_avg / exp_avg_sq, split like them
+    names = sorted(p.name for p in ckpt.glob("*-pp*.safetensors"))
+    expected = sorted(
+        f"{kind}-pp00-tp{t:02d}{f'-ep{e:02d}' if e else ''}.safetensors"
+        for kind in ("model", "optimizer")
+        for t in range(tp)
+        for e in range(ep)
+    )
+    assert names == expected
+    dense = load_file(ckpt / "model-pp00-tp00-ep01.safetensors")
+    assert dense and all(".experts." in k for k in dense)  # ep rank > 0 files hold experts only
+    assert read_index(ckpt).tensors == index.tensors
+
+
+@pytest.mark.parametrize("model_type,sizes", CASES[:3], ids=[_key(*c) for c in CASES[:3]])
+def test_consolidate_loads_in_transformers_equal_to_the_single_model(runs, tmp_path, model_type, sizes):
+    import optimum_parallel as op
+
+    run = runs[_key(model_type, sizes)]
+    out = op.consolidate_checkpoint(run["ckpt"], tmp_path / "hf", progress=False)
+    tensors = {k: v for f in out.glob("*.safetensors") for k, v in load_file(f).items()}
+    params = {k: v for k, v in run["full"].items() if "/" not in k}
+    assert set(tensors) == set(params)
+    for name, full in params.items():
+        assert torch.equal(tensors[name], full), f"{name} differs from the trained parallel weights"
+    model = AutoModelForCausalLM.from_pretrained(out, **LOAD)
+    reference = run["results"][0]["reference"]
+    state = model.state_dict()
+    worst = {n: rel_err(state[n], reference[n]) for n in reference}
+    batch = replica_batch(model.config, sizes["dp"] * sizes.get("cp", 1))
+    with torch.no_grad():
+        logits = rel_err(model(**batch).logits, run["results"][0]["reference_logits"])
+    # the files are the parallel weights bit for bit (above); those differ from the single model's by AdamW turning
+    # last-bit gradient differences of near-zero gradients into updates of up to lr: up to ~2e-4 relative here
+    assert max(worst.values()) <= 1e-3, sorted(worst.items(), key=lambda kv: -kv[1])[:3]
+    assert logits <= TOL
+    # as_regular=True wrote the same standard checkpoint next to the shards
+    regular = AutoModelForCausalLM.from_pretrained(run["ckpt"], **LOAD)
+    assert all(torch.equal(a, b) for a, b in zip(regular.parameters(), model.parameters(), strict=True))
