@@ -38,6 +38,8 @@ def _parallel(mesh, model_type: str, seed: int, model=None):
         parallelizer = op.ParallelizersManager.parallelizer_for_model(model)
         model = parallelizer.parallelize(model)
         optimizer = parallelizer.optimizer_for_mp(optimizer, model.orig_param_to_parallel_param)
+    if mesh.data_parallel_size == 1:
+        return model, optimizer
     return op.parallelize(model, optimizer, mesh, {"dp_config": {"sharding_level": 0}})
 
 
@@ -234,3 +236,81 @@ def test_consolidate_loads_in_transformers_equal_to_the_single_model(runs, tmp_p
     # as_regular=True wrote the same standard checkpoint next to the shards
     regular = AutoModelForCausalLM.from_pretrained(run["ckpt"], **LOAD)
     assert all(torch.equal(a, b) for a, b in zip(regular.parameters(), model.parameters(), strict=True))
+
+
+# ----------------------------------------------------------------------------------------------- reshard
+
+
+def load_and_continue(model_type: str, sizes: dict, ckpt: str, steps: int = 2) -> dict:
+    """A fresh model (other weights, a step of its own) on `sizes` loads `ckpt` with its optimizer state; the
+    snapshot after loading and the losses of `steps` more steps."""
+    import optimum_parallel as op
+    from optimum_parallel.checkpoint import load_model_checkpoint
+
+    mesh = op.init_mesh(**sizes)
+    model, optimizer = _parallel(mesh, model_type, seed=99)
+    batch = _local_batch(model.config, mesh)
+    train_step(model, optimizer, batch)
+    load_model_checkpoint(model, ckpt, optimizer=optimizer)
+    loaded = _snapshot(model, optimizer)
+    losses = [_replica_mean(train_step(model, optimizer, batch), mesh) for _ in range(steps)]
+    return {"loaded": loaded, "losses": losses}
+
+
+RESHARDS = [  # (model, saved at, loaded at)
+    ("mixtral", DP4_EP2, dict(dp=4)),
+    ("mixtral", DP4_EP2, dict(dp=4, ep=4)),
+    ("mixtral", TP2_EP2, dict(dp=4, ep=4)),
+    ("qwen3_moe", TP2_EP2, dict(tp=4)),
+]
+
+
+@pytest.mark.parametrize(
+    "model_type,saved_at,loaded_at", RESHARDS, ids=[f"{m}-{_key('', a)}-to{_key('', b)}" for m, a, b in RESHARDS]
+)
+def test_reshard_between_ep_and_tp_sizes(pool, runs, tmp_path, model_type, saved_at, loaded_at):
+    import optimum_parallel as op
+    from optimum_parallel.checkpoint import read_index
+
+    run = runs[_key(model_type, saved_at)]
+    tp, ep = loaded_at.get("tp", 1), loaded_at.get("ep", 1)
+    target = op.reshard_checkpoint(run["ckpt"], tmp_path / "resharded", tp=tp, ep=ep, progress=False)
+    assert read_index(target).mesh == {"dp": saved_at["dp"], "pp": 1, "tp": tp, **({"ep": ep} if ep > 1 else {})}
+    results = pool.run(load_and_continue, model_type, {"dp": 1, **loaded_at}, str(target))
+    compared = 0
+    for rank, result in enumerate(results):
+        assert sorted(result["loaded"]) == sorted(run["full"]), rank
+        for name, (local, where) in result["loaded"].items():
+            expected = expected_local(run["full"][name], where)
+            assert torch.equal(local, expected), f"rank {rank}: {name} at {where}"
+            compared += ".experts." in name and where["experts"] is not None
+    assert compared or ep == 1
+    if loaded_at.get("dp", 1) == saved_at["dp"]:  # the same batches per replica: training goes on alike
+        straight = run["results"][0]["straight"]
+        assert all(abs(a - b) <= TOL * abs(b) for a, b in zip(results[0]["losses"], straight, strict=True))
+
+
+def test_reshard_ep_round_trip_gives_the_same_files(runs, tmp_path):
+    """ep 2 -> 1 -> 2 (pure CPU): every tensor of every file is the saved one again."""
+    import optimum_parallel as op
+
+    source = Path(runs[_key("mixtral", DP4_EP2)]["ckpt"])
+    one = op.reshard_checkpoint(source, tmp_path / "ep1", tp=1, ep=1, progress=False)
+    assert not list(one.glob("*-ep*.safetensors"))
+    back = op.reshard_checkpoint(one, tmp_path / "ep2", tp=1, ep=2, progress=False)
+    for file in sorted(source.glob("*.safetensors")):
+        if file.name.startswith(("model-pp", "optimizer-pp")):
+            original, again = load_file(file), load_file(back / file.name)
+            assert original.keys() == again.keys() and all(torch.equal(original[k], again[k]) for k in original)
+
+
+def test_reshard_and_load_refusals(runs, tmp_path):
+    import optimum_parallel as op
+    from optimum_parallel.checkpoint import CheckpointError
+
+    ckpt = runs[_key("mixtral", DP4_EP2)]["ckpt"]
+    with pytest.raises(CheckpointError, match=r"4 experts cannot be split over ep=3; allowed: 1, 2, 4"):
+        op.reshard_checkpoint(ckpt, tmp_path / "ep3", tp=1, ep=3, progress=False)
+    assert not (tmp_path / "ep3").exists()
+    with pytest.raises(ValueError, match="ep=0"):
+        op.reshard_checkpoint(ckpt, tmp_path / "ep0", tp=1, ep=0, progress=False)

@@ -14,7 +14,7 @@ from torch import nn
 
 from ..expert_parallel import expert_range
 from ..io.errors import CheckpointError
-from ..tensor_parallel.spec import replace_tensor
+from ..tensor_parallel.spec import ShardLayout, replace_tensor
 from .collect import is_dtensor, optimizer_class, parameter_names
 from .metadata import INDEX_NAME, CheckpointIndex, TensorEntry, read_index
 from .ranks import RankInfo, current_rank
@@ -47,10 +47,16 @@ def _live_tensors(model: nn.Module) -> dict[str, tuple[nn.Module, str, torch.Ten
     return live
 
 
+def _cut(layout: ShardLayout | None) -> ShardLayout | None:
+    """`layout`, None when it holds the whole tensor (tp=1 with a plan, or none: the same tensor)."""
+    if layout is None or layout.dim is None or layout.local_shape == layout.global_shape:
+        return None
+    return layout
+
+
 def _check_layout(where: str, name: str, entry: TensorEntry, shard, tensor: torch.Tensor) -> None:
-    expected = entry.layout(shard)
-    held = getattr(tensor, "shard_layout", None)
-    held = held if held is not None and held.dim is not None else None
+    expected = _cut(entry.layout(shard))
+    held = _cut(getattr(tensor, "shard_layout", None))
     stored_experts = tuple(shard.experts) if entry.experts else None
     held_experts = expert_range(tensor) or ((0, tensor.shape[0]) if entry.experts else None)
     if expected != held or tuple(tensor.shape) != entry.local_shape(shard) or stored_experts != held_experts:

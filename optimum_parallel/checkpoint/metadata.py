@@ -19,6 +19,8 @@ from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
+import torch
+
 from ..io.errors import CheckpointError
 from ..tensor_parallel.spec import ShardLayout, ShardSpec
 from .crash import crash_point
@@ -122,6 +124,13 @@ class TensorEntry:
         if shard.experts:
             shape[0] = shard.experts[1] - shard.experts[0]
         return tuple(shape)
+
+    def cut(self, shard: Shard, full: torch.Tensor) -> torch.Tensor:
+        """`shard`'s piece of the global tensor `full`: its experts (dim 0), then its tp cut."""
+        if shard.experts:
+            full = full.narrow(0, shard.experts[0], shard.experts[1] - shard.experts[0])
+        layout = self.layout(shard)
+        return full if layout is None else layout.slice(full)
 
     def expert_blocks(self) -> list[tuple[int, int, TensorEntry]]:
         """(start, end, entry) per block of experts an ep rank held: the entry of that block alone (its global

@@ -141,8 +141,7 @@ def reshard_checkpoint(
                 for name, entry in new.items():
                     full = files.assemble(name, old[name], buffer)
                     for shard in entry.shards:
-                        layout = entry.layout(shard)
-                        piece = full if layout is None else layout.slice(full)
+                        piece = entry.cut(shard, full)
                         shard.crc32 = writers[shard.file].write(shard.key, piece.contiguous())
                     bar.update(full.numel() * full.element_size())
                     del full
