@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 from _checks import train_step
 from _models import build_model, rel_err, tiny_config
-from safetensors.torch import load_file
+from safetensors.torch import load_file, save_file
 from test_expert_parallel import MOE, replica_batch
 from transformers import AutoModelForCausalLM
 
@@ -27,13 +27,14 @@ TP2_EP2 = dict(dp=2, tp=2, ep=2)
 # ----------------------------------------------------------------------------------------------- worker helpers
 
 
-def _parallel(mesh, model_type: str, seed: int, model=None):
+def _parallel(mesh, model_type: str, seed: int, model=None, lazy_optimizer: bool = False):
     """A tiny MoE (random with `seed`, or `model`) and its AdamW, parallelized on `mesh` (tp plan first, then ep and
     data parallelism at sharding level 0)."""
     import optimum_parallel as op
 
     model = model if model is not None else build_model(tiny_config(model_type, **MOE[model_type]), seed=seed)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.1)
+    adamw = op.make_optimizer_constructor_lazy(torch.optim.AdamW) if lazy_optimizer else torch.optim.AdamW
+    optimizer = adamw(model.parameters(), lr=LR, weight_decay=0.1)
     if mesh.tp_size > 1:
         parallelizer = op.ParallelizersManager.parallelizer_for_model(model)
         model = parallelizer.parallelize(model)
@@ -314,3 +315,124 @@ def test_reshard_and_load_refusals(runs, tmp_path):
     assert not (tmp_path / "ep3").exists()
     with pytest.raises(ValueError, match="ep=0"):
         op.reshard_checkpoint(ckpt, tmp_path / "ep0", tp=1, ep=0, progress=False)
+
+
+def load_at_other_ep(ckpt: str) -> str:
+    import optimum_parallel as op
+    from optimum_parallel.checkpoint import load_model_checkpoint
+
+    mesh = op.init_mesh(dp=4, ep=4)
+    model, optimizer = _parallel(mesh, "mixtral", seed=99)
+    try:
+        load_model_checkpoint(model, ckpt, optimizer=optimizer)
+    except Exception as err:
+        return f"{type(err).__name__}: {err}"
+    return "no error"
+
+
+def save_with_zero1(path: str) -> dict:
+    """ZeRO-1 state of an ep model (sharding level 1, which validation does not let through yet): refused by name
+    before anything is written."""
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+
+    import optimum_parallel as op
+    from optimum_parallel.checkpoint import save_model_checkpoint
+
+    mesh = op.init_mesh(dp=4, ep=2)
+    model, _ = _parallel(mesh, "mixtral", seed=0)
+    zero = ZeroRedundancyOptimizer(
+        list(model.parameters()), torch.optim.AdamW, process_group=mesh.data_parallel_group, lr=LR
+    )
+    try:
+        save_model_checkpoint(model, path, optimizer=zero)
+    except NotImplementedError as err:
+        return {"error": str(err), "written": Path(path).exists()}
+    return {"error": "no error", "written": True}
+
+
+def test_refusals_name_the_key(pool, runs, tmp_path):
+    ckpt = runs[_key("mixtral", DP4_EP2)]["ckpt"]
+    for error in pool.run(load_at_other_ep, ckpt):
+        assert error.startswith("CheckpointError") and "saved at tp=1, pp=1, ep=2" in error, error
+        assert f"reshard {ckpt} OUT --tp 1 --pp 1 --ep 4" in error, error
+    for result in pool.run(save_with_zero1, str(tmp_path / "zero1")):
+        assert (
+            "sharding_level=1 (ZeRO-1)" in result["error"]
+            and "allowed with ep > 1: sharding_level=0" in result["error"]
+        ), result
+        assert not result["written"]
+    assert not list(tmp_path.iterdir())
+
+
+# ----------------------------------------------------------------------------------------------- lazy loading
+
+
+@pytest.fixture(scope="module")
+def stacked_dirs(tmp_path_factory) -> dict[str, str]:
+    """HF checkpoints with the experts stored stacked ([E, ...] tensors, as gpt_oss ships them; transformers saves
+    mixtral / qwen3_moe per expert, which lazy loading refuses as a weight conversion)."""
+    out = {}
+    for model_type in ("mixtral", "qwen3_moe"):
+        path = tmp_path_factory.mktemp("stacked") / model_type
+        model = build_model(tiny_config(model_type, **MOE[model_type]), seed=3)
+        model.config.save_pretrained(path)
+        state = {k: v.contiguous() for k, v in model.state_dict().items()}
+        save_file(state, path / "model.safetensors", metadata={"format": "pt"})
+        out[model_type] = str(path)
+    return out
+
+
+def lazy_against_eager(model_type: str, sizes: dict, hf_dir: str) -> dict:
+    """The model built on meta and parallelized (reading its slices), and the same checkpoint loaded eagerly and
+    parallelized alike: what the lazy one read, and which parameters differ."""
+    import optimum_parallel as op
+    import optimum_parallel.engine.materialize as lazy
+
+    mesh = op.init_mesh(**sizes)
+    reads, original = [], lazy.read_slice
+
+    def recording(reader, key, layout, scratch=None, experts=None):
+        value = original(reader, key, layout, scratch, experts)
+        reads.append((key, experts, value.numel() * value.element_size()))
+        return value
+
+    with op.lazy_load_for_parallelism(tensor_parallel_size=mesh.tp_size):
+        model = AutoModelForCausalLM.from_pretrained(hf_dir, **LOAD)
+    meta = all(p.device.type == "meta" for p in model.parameters())
+    lazy.read_slice = recording
+    try:
+        model, _ = _parallel(mesh, model_type, 0, model=model, lazy_optimizer=True)
+    finally:
+        lazy.read_slice = original
+    eager, _ = _parallel(mesh, model_type, 0, model=AutoModelForCausalLM.from_pretrained(hf_dir, **LOAD))
+    held = dict(eager.named_parameters())
+    differ = [n for n, p in model.named_parameters() if not torch.equal(p.detach(), held[n].detach())]
+    experts = {n: p.numel() * p.element_size() for n, p in model.named_parameters() if ".experts." in n}
+    batch = _local_batch(model.config, mesh)
+    with torch.no_grad():
+        same_loss = model(**batch).loss.item() == eager(**batch).loss.item()
+    return {"meta": meta, "reads": reads, "differ": differ, "experts": experts, "same_loss": same_loss}
+
+
+LAZY = [("mixtral", TP2_EP2), ("qwen3_moe", TP2_EP2)]
+
+
+@pytest.mark.parametrize("model_type,sizes", LAZY, ids=[_key(*c) for c in LAZY])
+def test_lazy_loading_reads_only_the_ranks_experts(pool, stacked_dirs, model_type, sizes):
+    hf_dir = stacked_dirs[model_type]
+    files = load_file(Path(hf_dir) / "model.safetensors")
+    on_disk = {k: v.numel() * v.element_size() for k, v in files.items() if ".experts." in k}
+    ep, tp = sizes["ep"], sizes["tp"]
+    blocks = set()
+    for rank, result in enumerate(pool.run(lazy_against_eager, model_type, sizes, hf_dir)):
+        assert result["meta"] and result["differ"] == [] and result["same_loss"], (rank, result["differ"])
+        expert_reads = [r for r in result["reads"] if ".experts." in r[0]]
+        assert sorted(k for k, _, _ in expert_reads) == sorted(on_disk), rank  # each expert tensor read once
+        for key, experts, size in expert_reads:
+            count = files[key].shape[0]
+            ep_rank = (rank // tp) % ep  # grid [dp, pp, cp, tp]: dp rank = rank // tp; ep rank = dp rank % ep
+            assert experts == (ep_rank * count // ep, (ep_rank + 1) * count // ep), (rank, key, experts)
+            assert size == on_disk[key] // (ep * tp) == result["experts"][key], (rank, key, size)
+            blocks.add((key, experts, rank % tp))
+        assert sum(s for _, _, s in expert_reads) == sum(on_disk.values()) // (ep * tp)
+    assert len(blocks) == len(on_disk) * ep * tp  # together the ranks read every expert slice once per replica

@@ -22,15 +22,16 @@ from .reading import ShardFiles
 
 
 def _check_mesh(index: CheckpointIndex, rank: RankInfo, directory: Path) -> None:
-    dims = ("tp", "pp", "ep")
-    saved = {d: index.mesh.get(d, 1) for d in dims}
-    running = {d: rank.sizes.get(d, 1) for d in dims}
+    saved = {d: index.mesh.get(d, 1) for d in ("tp", "pp", "ep")}
+    running = {d: rank.sizes.get(d, 1) for d in ("tp", "pp", "ep")}
     if saved != running:
-        option = f" --ep {running['ep']}" if running["ep"] > 1 or saved["ep"] > 1 else ""
+        dims = ("tp", "pp", "ep") if saved["ep"] > 1 or running["ep"] > 1 else ("tp", "pp")
+        had = ", ".join(f"{d}={saved[d]}" for d in dims)
+        has = ", ".join(f"{d}={running[d]}" for d in dims)
+        options = " ".join(f"--{d} {running[d]}" for d in dims)
         raise CheckpointError(
-            f"{directory / INDEX_NAME}: saved at tp={saved['tp']}, pp={saved['pp']}, ep={saved['ep']}, but the running "
-            f"mesh has tp={running['tp']}, pp={running['pp']}, ep={running['ep']}; convert it first: "
-            f"optimum-parallel reshard {directory} OUT --tp {running['tp']} --pp {running['pp']}{option}"
+            f"{directory / INDEX_NAME}: saved at {had}, but the running mesh has {has}; convert it first: "
+            f"optimum-parallel reshard {directory} OUT {options}"
         )
 
 
