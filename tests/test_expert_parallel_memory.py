@@ -113,3 +113,15 @@ def test_cli_estimate_memory_with_ep(tmp_path):
     suggest = ["estimate-memory", str(tmp_path), "--suggest", "--devices", "4", "--memory", "1", "--ep", "2"]
     fixed = CliRunner().invoke(main, suggest, prog_name="optimum-parallel")
     assert fixed.exit_code == 2 and "--suggest chooses --ep itself" in fixed.output
+    planner = MemoryPlanner(tiny_config("mixtral", **MOE["mixtral"]))
+    workload = Workload(dtype="fp32", seq_len=16)
+    between = sum(planner.estimate(Layout(dp=4, ep=ep), workload).total for ep in (1, 2)) / 2 / 1024**3
+    args = [*suggest[:-2], "--dtype", "fp32", "--seq-len", "16", "--reserve", "0"]
+    args[args.index("--memory") + 1] = f"{between:.9f}"
+    result = CliRunner().invoke(main, args, prog_name="optimum-parallel")
+    assert result.exit_code == 0, result.output
+    lines = result.output.splitlines()
+    header = next(line.split() for line in lines if line.split()[:1] == ["#"])
+    first = next(line.split() for line in lines if line.split()[:1] == ["1"])
+    assert header[1:7] == ["dp", "tp", "pp", "cp", "ep", "level"] and first[1:7] == ["4", "1", "1", "1", "2", "0"]
+    assert "then fewest ep" in result.output

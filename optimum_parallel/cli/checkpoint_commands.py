@@ -84,6 +84,9 @@ def inspect(checkpoint: str, verify: bool, as_json: bool) -> None:
     split = sum(1 for e in index.tensors.values() if e.dim is not None)
     click.echo(f"{checkpoint}: {index.model_class}, saved at {mesh}")
     click.echo(f"  {len(index.tensors)} tensors ({params} parameters, {split} split), {numel / 1e6:.2f}M values")
+    experts = sum(1 for e in index.tensors.values() if e.experts)
+    if experts:
+        click.echo(f"  {experts} expert tensors, their experts split over ep={index.mesh.get('ep', 1)}")
     if index.tied:
         click.echo(f"  tied: {', '.join(f'{a} -> {c}' for a, c in index.tied.items())}")
     if index.optimizer is not None:
