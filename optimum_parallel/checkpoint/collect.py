@@ -1,4 +1,6 @@
-"""What one rank holds: its named model tensors and optimizer state, each with the layout it is split by."""
+"""What one rank holds: its named model tensors and optimizer state, each with the layout it is split by (and, for
+the tensors of a stacked-experts module, the experts it holds: a block of dim 0 under expert parallelism, all of
+them otherwise, so a checkpoint saved at any ep can be re-split at another)."""
 
 from __future__ import annotations
 
@@ -9,6 +11,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from ..expert_parallel import expert_range, expert_tensors, find_experts
 from ..io.safetensors_io import dtype_name
 from ..mesh.loaded import is_dtensor, is_zero_optimizer
 from ..tensor_parallel.spec import ShardLayout, ShardSpec, split_layout
@@ -23,6 +26,7 @@ class LocalTensor:
     layout: ShardLayout | None  # None: replicated (the whole tensor)
     param: str | None = None
     like_param: bool = False
+    experts: tuple[int, int, int] | None = None  # expert tensors: (start, end, count) of the experts held on dim 0
 
     @property
     def sharded_over_dp(self) -> bool:
@@ -40,14 +44,16 @@ class LocalTensor:
             raise ValueError(
                 f"a tensor split by {layout} carries no ShardSpec: build split parameters with ShardSpec.local"
             )
-        if layout is None:  # replicated: the whole tensor
-            layout = ShardSpec(tuple(self.tensor.shape)).local(0, 1)
+        if layout is None:  # replicated over tp: the whole tensor (all its experts)
+            shape = tuple(self.tensor.shape)
+            layout = ShardSpec(shape if self.experts is None else (self.experts[2], *shape[1:])).local(0, 1)
         return {
             "dtype": dtype_name(self.tensor.dtype),
             **layout.to_json(),
             "kind": self.kind,
             "param": self.param,
             "like_param": self.like_param,
+            "experts": None if self.experts is None else list(self.experts[:2]),
         }
 
 
@@ -56,10 +62,22 @@ def _check_materialised(name: str, tensor: torch.Tensor) -> None:
         raise ValueError(f"{name} is still on the meta device: parallelize (materialise) the model before saving it")
 
 
+def held_experts(model: nn.Module) -> dict[int, tuple[int, int, int]]:
+    """{id(expert tensor): (start, end, count)}: the experts each expert tensor of `model` holds along dim 0."""
+    held = {}
+    for _, module in find_experts(model):
+        count = getattr(module, "global_num_experts", module.num_experts)
+        for _, param in expert_tensors(module):
+            start, end = expert_range(param) or (0, count)
+            held[id(param)] = (start, end, count)
+    return held
+
+
 def model_tensors(model: nn.Module, trainable_only: bool = False) -> tuple[dict[str, LocalTensor], dict[str, str]]:
     """({name: tensor} for every parameter (tied ones once) and persistent buffer, {tied alias: canonical name});
     with `trainable_only`, the parameters that require a gradient and nothing else (adapters over a frozen base)."""
     tensors: dict[str, LocalTensor] = {}
+    experts = held_experts(model)
     canonical: dict[int, str] = {}
     tied: dict[str, str] = {}
     for name, param in model.named_parameters(remove_duplicate=False):
@@ -70,7 +88,7 @@ def model_tensors(model: nn.Module, trainable_only: bool = False) -> tuple[dict[
         if trainable_only and not param.requires_grad:
             continue
         _check_materialised(name, param)
-        tensors[name] = LocalTensor(param.detach(), "param", split_layout(param))
+        tensors[name] = LocalTensor(param.detach(), "param", split_layout(param), experts=experts.get(id(param)))
     if trainable_only:
         return tensors, {alias: name for alias, name in tied.items() if name in tensors}
     for module_name, module in model.named_modules():
@@ -152,7 +170,7 @@ def optimizer_tensors(
     for group in optimizer.param_groups:
         for param in group["params"]:
             name = names[id(param)]
-            layout = params[name].layout
+            layout, experts = params[name].layout, params[name].experts
             for key, value in held.get(id(param), {}).items():
                 if not torch.is_tensor(value):
                     if not _jsonable(value):
@@ -160,14 +178,20 @@ def optimizer_tensors(
                     scalars.setdefault(name, {})[key] = value
                     continue
                 _check_materialised(f"optimizer state {name}/{key}", value)
-                like_param = layout is not None and tuple(value.shape) == tuple(param.shape)
-                if layout is not None and not like_param and value.numel() > 1:
+                split = layout is not None or experts is not None
+                like_param = split and tuple(value.shape) == tuple(param.shape)
+                if split and not like_param and value.numel() > 1:
                     raise NotImplementedError(
                         f"optimizer state {name}/{key} has shape {tuple(value.shape)}, neither the parameter shard's "
                         f"{tuple(param.shape)} nor a scalar: its split over tensor-parallel ranks is unknown"
                     )
                 state[f"{name}/{key}"] = LocalTensor(
-                    value.detach(), "state", layout if like_param else None, param=name, like_param=like_param
+                    value.detach(),
+                    "state",
+                    layout if like_param else None,
+                    param=name,
+                    like_param=like_param,
+                    experts=experts if like_param else None,
                 )
     cls = optimizer_class(optimizer)
     meta = {

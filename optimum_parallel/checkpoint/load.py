@@ -12,8 +12,9 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from ..expert_parallel import expert_range
 from ..io.errors import CheckpointError
-from ..tensor_parallel.spec import replace_tensor
+from ..tensor_parallel.spec import ShardLayout, replace_tensor
 from .collect import is_dtensor, optimizer_class, parameter_names
 from .metadata import INDEX_NAME, CheckpointIndex, TensorEntry, read_index
 from .ranks import RankInfo, current_rank
@@ -21,13 +22,16 @@ from .reading import ShardFiles
 
 
 def _check_mesh(index: CheckpointIndex, rank: RankInfo, directory: Path) -> None:
-    saved = {d: index.mesh.get(d, 1) for d in ("tp", "pp")}
-    running = {d: rank.sizes[d] for d in ("tp", "pp")}
+    saved = {d: index.mesh.get(d, 1) for d in ("tp", "pp", "ep")}
+    running = {d: rank.sizes.get(d, 1) for d in ("tp", "pp", "ep")}
     if saved != running:
+        dims = ("tp", "pp", "ep") if saved["ep"] > 1 or running["ep"] > 1 else ("tp", "pp")
+        had = ", ".join(f"{d}={saved[d]}" for d in dims)
+        has = ", ".join(f"{d}={running[d]}" for d in dims)
+        options = " ".join(f"--{d} {running[d]}" for d in dims)
         raise CheckpointError(
-            f"{directory / INDEX_NAME}: saved at tp={saved['tp']}, pp={saved['pp']}, but the running mesh has "
-            f"tp={running['tp']}, pp={running['pp']}; convert it first: "
-            f"optimum-parallel reshard {directory} OUT --tp {running['tp']} --pp {running['pp']}"
+            f"{directory / INDEX_NAME}: saved at {had}, but the running mesh has {has}; convert it first: "
+            f"optimum-parallel reshard {directory} OUT {options}"
         )
 
 
@@ -44,14 +48,27 @@ def _live_tensors(model: nn.Module) -> dict[str, tuple[nn.Module, str, torch.Ten
     return live
 
 
+def _cut(layout: ShardLayout | None) -> ShardLayout | None:
+    """`layout`, None when it holds the whole tensor (tp=1 with a plan, or none: the same tensor)."""
+    if layout is None or layout.dim is None or layout.local_shape == layout.global_shape:
+        return None
+    return layout
+
+
 def _check_layout(where: str, name: str, entry: TensorEntry, shard, tensor: torch.Tensor) -> None:
-    expected = entry.layout(shard)
-    held = getattr(tensor, "shard_layout", None)
-    held = held if held is not None and held.dim is not None else None
-    if expected != held or tuple(tensor.shape) != entry.local_shape(shard):
+    expected = _cut(entry.layout(shard))
+    held = _cut(getattr(tensor, "shard_layout", None))
+    stored_experts = tuple(shard.experts) if entry.experts else None
+    held_experts = expert_range(tensor) or ((0, tensor.shape[0]) if entry.experts else None)
+    if expected != held or tuple(tensor.shape) != entry.local_shape(shard) or stored_experts != held_experts:
+
+        def experts(block):
+            return "" if block is None else f" of experts [{block[0]}, {block[1]})"
+
         raise CheckpointError(
-            f"{where}: {name} is stored as {expected or f'replicated {entry.global_shape}'}, but this rank's model "
-            f"holds {held or f'replicated {list(tensor.shape)}'} (a different parallel layout or model)"
+            f"{where}: {name} is stored as {expected or f'replicated {entry.global_shape}'}{experts(stored_experts)}, "
+            f"but this rank's model holds {held or f'replicated {list(tensor.shape)}'}{experts(held_experts)} "
+            "(a different parallel layout or model)"
         )
 
 
@@ -95,7 +112,7 @@ def _load_model(model: nn.Module, index: CheckpointIndex, files: ShardFiles, ran
         for name, (module, leaf, tensor) in live.items():
             stored = name if name in index.tensors else index.tied[name]
             entry = index.tensors[stored]
-            shard = entry.shard_for(rank.tp, f"{where}: {stored}")
+            shard = entry.shard_for(rank.tp, f"{where}: {stored}", rank.ep)
             _check_layout(str(files.directory / shard.file), name, entry, shard, tensor)
             _read_into(files, stored, entry, shard, module, leaf, tensor)
 
@@ -141,7 +158,7 @@ def _load_optimizer(
             values = {}
             stored = name if name in states or name in saved["scalars"] else index.tied.get(name, name)
             for key, entry in states.get(stored, {}).items():
-                shard = entry.shard_for(rank.tp, f"{where}: {name}/{key}")
+                shard = entry.shard_for(rank.tp, f"{where}: {name}/{key}", rank.ep)
                 if entry.like_param:
                     _check_layout(str(files.directory / shard.file), f"{name}/{key}", entry, shard, param)
                 value = files.read_shard(f"{stored}/{key}", entry, shard)
@@ -163,9 +180,9 @@ def load_model_checkpoint(
     """Load this rank's shards of the sharded checkpoint `load_dir` into the parallelized `model` (in place),
     and the optimizer state into `optimizer` when given (its param groups must match the saved ones).
     Call it on every rank; meta (lazy) parameters are materialised from the checkpoint."""
-    from .save import refuse_expert_parallel
+    from .save import check_expert_checkpoint
 
-    refuse_expert_parallel(model, "load_model_checkpoint")
+    check_expert_checkpoint(model, optimizer, "load_model_checkpoint")
     rank = current_rank()
     directory = Path(load_dir)
 

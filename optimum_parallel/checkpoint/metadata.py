@@ -1,9 +1,12 @@
 """The self-describing index of a sharded checkpoint (`parallel_checkpoint.json`) and its completion marker.
 
 A checkpoint directory holds the HF `config.json`, one model (and optimizer) safetensors file per
-(pp stage, tp rank), this index and a `COMPLETE` marker written last. For every tensor the index
+(pp stage, tp rank) -- and, under expert parallelism, per ep rank > 0 one more holding only that rank's experts
+(`-epNN`) -- this index and a `COMPLETE` marker written last. For every tensor the index
 records its global shape, dtype, split dim, split units (heads), pipeline stage and, per distinct
 shard, the tp ranks holding it, its ranges, file and crc32; for every file its size and sha256.
+Expert tensors (dim 0 one slice per expert) are marked `experts` and each of their shards names its ep rank and
+its experts (a range along dim 0) besides its tp ranges, whatever ep they were saved at, so any ep re-splits them.
 That is all consolidation and resharding need: they are pure functions of the directory.
 """
 
@@ -13,8 +16,10 @@ import hashlib
 import json
 import os
 from collections.abc import Mapping
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
+
+import torch
 
 from ..io.errors import CheckpointError
 from ..tensor_parallel.spec import ShardLayout, ShardSpec
@@ -26,12 +31,17 @@ INDEX_NAME = "parallel_checkpoint.json"
 MARKER_NAME = "COMPLETE"
 
 
-def model_file(pp: int, tp: int) -> str:
-    return f"model-pp{pp:02d}-tp{tp:02d}.safetensors"
+def _ep_suffix(ep: int) -> str:
+    return f"-ep{ep:02d}" if ep else ""
 
 
-def optimizer_file(pp: int, tp: int) -> str:
-    return f"optimizer-pp{pp:02d}-tp{tp:02d}.safetensors"
+def model_file(pp: int, tp: int, ep: int = 0) -> str:
+    """The model file of (pp, tp) rank; ep rank 0's holds the dense tensors too, ep rank > 0's only its experts."""
+    return f"model-pp{pp:02d}-tp{tp:02d}{_ep_suffix(ep)}.safetensors"
+
+
+def optimizer_file(pp: int, tp: int, ep: int = 0) -> str:
+    return f"optimizer-pp{pp:02d}-tp{tp:02d}{_ep_suffix(ep)}.safetensors"
 
 
 @dataclass
@@ -45,6 +55,15 @@ class Shard:
     ranges: list[list[int]] = field(default_factory=list)
     replicas: int = 1  # the holders' ShardLayout.replicas (how many tp ranks sum this shard's gradients)
     crc32: int | None = None
+    ep_rank: int = 0  # expert tensors: the ep rank holding these experts (dense tensors: 0, every ep rank has them)
+    experts: list[int] = field(default_factory=list)  # expert tensors: [start, end) along dim 0; empty: all of it
+
+    def to_dict(self) -> dict:
+        """Its fields, the expert ones only where set (an index without experts reads as before them)."""
+        data = asdict(self)
+        if not self.experts:
+            del data["ep_rank"], data["experts"]
+        return data
 
 
 @dataclass
@@ -61,12 +80,15 @@ class TensorEntry:
     parts: list[list] = field(default_factory=list)  # [[size, heads or None (rows)], ...] packed along `dim`
     param: str | None = None  # optimizer state: the parameter it belongs to
     like_param: bool = False  # optimizer state shaped (and split) like its parameter
+    experts: bool = False  # one slice per expert along dim 0 (shards name their ep rank and experts)
 
-    def shard_for(self, tp_rank: int, where: str = "") -> Shard:
+    def shard_for(self, tp_rank: int, where: str = "", ep_rank: int = 0) -> Shard:
+        """The shard tp rank `tp_rank` (and, for an expert tensor, ep rank `ep_rank`) holds."""
         for shard in self.shards:
-            if tp_rank in shard.tp_ranks:
+            if tp_rank in shard.tp_ranks and (not self.experts or shard.ep_rank == ep_rank):
                 return shard
-        raise CheckpointError(f"{where}: no shard of this tensor is held by tp rank {tp_rank}")
+        held = f"tp rank {tp_rank}" + (f", ep rank {ep_rank}" if self.experts else "")
+        raise CheckpointError(f"{where}: no shard of this tensor is held by {held}")
 
     def _spec_json(self) -> dict:
         """Its `ShardSpec.to_json` fields (an older "custom" split saved no parts: none then)."""
@@ -99,7 +121,37 @@ class TensorEntry:
         shape = list(self.global_shape)
         if self.dim is not None:
             shape[self.dim] = sum(e - s for s, e in shard.ranges)
+        if shard.experts:
+            shape[0] = shard.experts[1] - shard.experts[0]
         return tuple(shape)
+
+    def cut(self, shard: Shard, full: torch.Tensor) -> torch.Tensor:
+        """`shard`'s piece of the global tensor `full`: its experts (dim 0), then its tp cut."""
+        if shard.experts:
+            full = full.narrow(0, shard.experts[0], shard.experts[1] - shard.experts[0])
+        layout = self.layout(shard)
+        return full if layout is None else layout.slice(full)
+
+    def expert_blocks(self) -> list[tuple[int, int, TensorEntry]]:
+        """(start, end, entry) per block of experts an ep rank held: the entry of that block alone (its global
+        shape the block's, no experts), whose shards are the tp shards of the block."""
+        if not self.experts:
+            return [(0, self.global_shape[0] if self.global_shape else 0, self)]
+        blocks: dict[tuple[int, int], list[Shard]] = {}
+        for shard in self.shards:
+            blocks.setdefault(tuple(shard.experts) or (0, self.global_shape[0]), []).append(shard)
+        out = []
+        for (start, end), shards in sorted(blocks.items()):
+            shape = [end - start, *self.global_shape[1:]]
+            plain = [replace(s, experts=[], ep_rank=0) for s in shards]
+            out.append((start, end, replace(self, global_shape=shape, shards=plain, experts=False)))
+        return out
+
+    def to_dict(self) -> dict:
+        data = {**asdict(self), "shards": [s.to_dict() for s in self.shards]}
+        if not self.experts:
+            del data["experts"]
+        return data
 
     @classmethod
     def from_dict(cls, data: Mapping) -> TensorEntry:
@@ -126,9 +178,9 @@ class CheckpointIndex:
             "model_class": self.model_class,
             "tied": self.tied,
             "files": self.files,
-            "tensors": {k: asdict(v) for k, v in self.tensors.items()},
+            "tensors": {k: v.to_dict() for k, v in self.tensors.items()},
             "optimizer": self.optimizer,
-            "optimizer_tensors": {k: asdict(v) for k, v in self.optimizer_tensors.items()},
+            "optimizer_tensors": {k: v.to_dict() for k, v in self.optimizer_tensors.items()},
             "extra": self.extra,
         }
         return json.dumps(data, indent=1)

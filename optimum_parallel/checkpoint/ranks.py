@@ -34,11 +34,19 @@ class RankInfo:
     sizes: dict[str, int]
     distributed: bool
     cp: int = 0
+    ep: int = 0  # the rank in its expert group (sizes has "ep" when the mesh splits experts)
+    replica: int = 0  # the rank among the dp x cp ranks holding the same (pp, tp) parameters
 
     @property
     def writes_replica(self) -> bool:
         """Whether this rank writes its (pp, tp) shards: the first rank of the dp x cp ranks that hold them."""
         return self.dp == 0 and self.cp == 0
+
+    @property
+    def writes_experts(self) -> bool:
+        """Whether this rank writes its experts' (pp, tp) shards: it is in the first expert group of the dp x cp
+        ranks (their ep ranks hold every expert once; dp x cp rank 0, the dense writer, is ep rank 0)."""
+        return self.replica < self.sizes.get("ep", 1)
 
     @property
     def is_main(self) -> bool:
@@ -69,7 +77,7 @@ class RankInfo:
         return [o[1] for o in outcomes]
 
 
-FILE_DIMS = ("dp", "pp", "tp")  # the mesh sizes a checkpoint records
+FILE_DIMS = ("dp", "pp", "tp")  # the mesh sizes a checkpoint records (and "ep" where it is > 1)
 
 
 def current_rank() -> RankInfo:
@@ -77,4 +85,15 @@ def current_rank() -> RankInfo:
         return RankInfo(0, 0, 0, dict.fromkeys(FILE_DIMS, 1), False)
     mesh = get_mesh()
     sizes = {dim: mesh.size(dim) for dim in FILE_DIMS}
-    return RankInfo(mesh.rank("dp"), mesh.rank("pp"), mesh.rank("tp"), sizes, True, cp=mesh.rank("cp"))
+    if mesh.size("ep") > 1:
+        sizes["ep"] = mesh.size("ep")
+    return RankInfo(
+        mesh.rank("dp"),
+        mesh.rank("pp"),
+        mesh.rank("tp"),
+        sizes,
+        True,
+        cp=mesh.rank("cp"),
+        ep=mesh.rank("ep"),
+        replica=mesh.data_parallel_rank,
+    )

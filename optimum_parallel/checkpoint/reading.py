@@ -41,13 +41,32 @@ class ShardFiles:
 
     def assemble(self, name: str, entry: TensorEntry, buffer: torch.Tensor | None = None) -> torch.Tensor:
         """The whole (global) tensor, from one copy of each distinct shard; in `buffer` (flat uint8, reused from
-        tensor to tensor by streaming conversions: fresh memory costs a page fault per 4 KiB) when it is big enough."""
+        tensor to tensor by streaming conversions: fresh memory costs a page fault per 4 KiB) when it is big enough.
+        An expert tensor is assembled block of experts by block (each ep rank's, itself cut over tp)."""
         dtype = dtype_from_name(entry.dtype)
         size = nbytes(entry.global_shape, dtype)
         if buffer is not None and buffer.numel() >= size:
             full = buffer[:size].view(dtype).view(entry.global_shape)
         else:
             full = torch.empty(entry.global_shape, dtype=dtype)
+        if not entry.experts:
+            return self._fill(name, entry, full)
+        position = 0
+        for start, end, block in entry.expert_blocks():
+            if start != position:
+                break
+            self._fill(name, block, full.narrow(0, start, end - start))
+            position = end
+        if position != entry.global_shape[0]:
+            raise CheckpointError(
+                f"{self.directory}: the expert blocks of {name!r} cover "
+                f"{[(s, e) for s, e, _ in entry.expert_blocks()]} of [0, {entry.global_shape[0]}), not all of it "
+                "without overlaps"
+            )
+        return full
+
+    def _fill(self, name: str, entry: TensorEntry, full: torch.Tensor) -> torch.Tensor:
+        """`full` (the entry's global shape) filled from one copy of each distinct shard."""
         if entry.dim is None:
             return self.read_shard(name, entry, entry.shards[0], out=full)
         dim = entry.dim

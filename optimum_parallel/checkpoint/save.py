@@ -1,7 +1,9 @@
 """Collective save of a parallel model (and optimizer) as a sharded checkpoint, atomically.
 
 Every rank tells the others what it holds; one copy of each distinct shard is written by the
-lowest tp rank holding it on data-parallel replica 0 (dp rank 0 and cp rank 0), into a temporary sibling
+lowest tp rank holding it on data-parallel replica 0 (dp rank 0 and cp rank 0) -- for expert tensors under expert
+parallelism, on the first replica of each expert group (dp x cp ranks 0..ep-1, which hold every expert once), each
+into its own `-epNN` file -- into a temporary sibling
 directory (FSDP2 shards are all-gathered over dp x cp one tensor at a time, so the files are the same at every
 sharding level and every cp); rank 0 then writes config, index and completion marker and swaps the directory
 into place.
@@ -20,8 +22,9 @@ import torch
 from torch import nn
 
 from ..io.safetensors_io import SafetensorsWriter, dtype_from_name
+from ..mesh.loaded import is_dtensor
 from .atomic import partial_dir, publish
-from .collect import LocalTensor, model_tensors, optimizer_tensors
+from .collect import LocalTensor, is_zero1, model_tensors, optimizer_tensors
 from .consolidate import DEFAULT_MAX_SHARD_SIZE, write_hf_checkpoint
 from .crash import crash_point
 from .metadata import CheckpointIndex, TensorEntry, model_file, optimizer_file, write_index
@@ -40,7 +43,15 @@ def _write_rank_file(
     """Write the shards this rank stores into `path`: {"size", "sha256", "crc32": {key: crc}}."""
     mine = _stored_here(path.name, entries)
     specs = [(s.key, dtype_from_name(e.dtype), e.local_shape(s)) for n, e, s in mine]
-    layouts = {s.key: {"global_shape": e.global_shape, "dim": e.dim, "ranges": s.ranges} for n, e, s in mine}
+    layouts = {
+        s.key: {
+            "global_shape": e.global_shape,
+            "dim": e.dim,
+            "ranges": s.ranges,
+            **({"experts": s.experts} if e.experts else {}),
+        }
+        for n, e, s in mine
+    }
     metadata = {"format": "pt", "optimum_parallel": json.dumps({**coords, "layouts": layouts})}
     writer = SafetensorsWriter(path, specs, metadata)
     crcs = {}
@@ -96,13 +107,21 @@ def _save_configs(model: nn.Module, directory: Path) -> None:
             warnings.warn(f"generation_config.json not saved: {err}", stacklevel=3)
 
 
-def refuse_expert_parallel(model: nn.Module, what: str) -> None:
-    """Checkpoints are written by dp rank 0, which holds only its experts under ep: refuse rather than miss the rest."""
-    if any(getattr(p, "expert_layout", None) is not None for p in model.parameters()):
-        raise NotImplementedError(
-            f"{what} of an expert-parallel model (ep > 1) is not supported yet (each dp rank holds other experts); "
-            "allowed: a model parallelized with ep=1"
-        )
+def check_expert_checkpoint(model: nn.Module, optimizer: torch.optim.Optimizer | None, what: str) -> None:
+    """Checkpoints of an expert-parallel model are written and read at sharding level 0 (DDP semantics) only, for
+    now: refuse ZeRO-1 state and FSDP2 shards with ep > 1 before anything is written or read."""
+    if not any(getattr(p, "expert_layout", None) is not None for p in model.parameters()):
+        return
+    if any(is_dtensor(p) for p in model.parameters()):
+        level = "2 or 3 (FSDP2)"
+    elif optimizer is not None and is_zero1(optimizer):
+        level = "1 (ZeRO-1)"
+    else:
+        return
+    raise NotImplementedError(
+        f"{what} of an expert-parallel model (ep > 1) at sharding_level={level} is not supported yet; "
+        "allowed with ep > 1: sharding_level=0"
+    )
 
 
 def save_model_checkpoint(
@@ -126,7 +145,7 @@ def save_model_checkpoint(
     """
     if not (as_sharded or as_regular):
         raise ValueError("nothing to save: as_sharded and as_regular are both False")
-    refuse_expert_parallel(model, "save_model_checkpoint")
+    check_expert_checkpoint(model, optimizer, "save_model_checkpoint")
     rank = current_rank()
     final = Path(output_dir).absolute()
     tmp = partial_dir(final)
@@ -139,18 +158,21 @@ def save_model_checkpoint(
         local["state"], meta = ({}, None) if optimizer is None else optimizer_tensors(optimizer, model, local["model"])
         specs = {kind: {n: t.spec() for n, t in local[kind].items()} for kind in ("model", "state")}
         here = (rank.dp, rank.pp, rank.tp)
-        return {"coords": here, "writes": rank.writes_replica, "specs": specs, "tied": tied, "optimizer": meta}
+        writes = {"writes": rank.writes_replica, "writes_experts": rank.writes_experts, "ep": rank.ep}
+        return {"coords": here, **writes, "specs": specs, "tied": tied, "optimizer": meta}
 
     described = rank.run(describe, "describing the checkpoint")
     replica0 = [d for d in described if d["writes"]]
+    writers = [d for d in described if d["writes_experts"]]  # replica 0, and the rest of its expert group
     tp = rank.sizes["tp"]
     tied = {alias: name for d in described for alias, name in d["tied"].items()}
-    entries = entries_from_specs({d["coords"][1:]: d["specs"]["model"] for d in replica0}, tp, model_file)
+    model_specs = {(*d["coords"][1:], d["ep"]): d["specs"]["model"] for d in writers}
+    entries = entries_from_specs(model_specs, tp, model_file)
     aliases = {alias for alias, name in tied.items() if alias in entries and name in entries}
     entries = {n: e for n, e in entries.items() if n not in aliases}  # a tie across pp stages: stored once
     state_entries, optimizer_meta = {}, None
     if optimizer is not None:
-        state_specs = {d["coords"][1:]: d["specs"]["state"] for d in replica0}
+        state_specs = {(*d["coords"][1:], d["ep"]): d["specs"]["state"] for d in writers}
         state_entries = entries_from_specs(state_specs, tp, optimizer_file, owners=entries)
         state_entries = {k: e for k, e in state_entries.items() if e.param not in aliases}
         optimizer_meta = _merge_optimizer_meta([d for d in replica0 if d["coords"][2] == 0])
@@ -166,8 +188,8 @@ def save_model_checkpoint(
         written = {}
         for name, kind, table in ((model_file, "model", entries), (optimizer_file, "state", state_entries)):
             if kind == "model" or optimizer is not None:
-                file = name(rank.pp, rank.tp)
-                if rank.writes_replica:
+                file = name(rank.pp, rank.tp, rank.ep)
+                if rank.writes_experts:
                     written[file] = _write_rank_file(tmp / file, table, local[kind], coords)
                 else:
                     _join_gathers(file, table, local[kind])
@@ -181,6 +203,8 @@ def save_model_checkpoint(
                 kind = "model" if name.startswith("model-") else "optimizer"
                 files[name] = {"size": info["size"], "sha256": info["sha256"], "kind": kind}
                 files[name].update(pp_rank=pp_rank, tp_rank=tp_rank)
+                if description["ep"]:
+                    files[name]["ep_rank"] = description["ep"]
                 for entry in (entries if kind == "model" else state_entries).values():
                     for shard in entry.shards:
                         if shard.file == name:

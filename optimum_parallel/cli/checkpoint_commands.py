@@ -50,17 +50,18 @@ def consolidate(checkpoint: str, output: str, max_shard_size: str, progress: boo
 @click.argument("output", type=click.Path(file_okay=False))
 @click.option("--tp", type=click.IntRange(min=1), required=True, help="Target tensor-parallel size.")
 @click.option("--pp", type=click.IntRange(min=1), default=1, show_default=True, help="Target pipeline stages.")
+@click.option("--ep", type=click.IntRange(min=1), default=None, help="Target expert-parallel size (default: as saved).")
 @click.option("--progress/--no-progress", default=True, show_default=True, help="Show a progress bar.")
 @_checkpoint_errors
-def reshard(checkpoint: str, output: str, tp: int, pp: int, progress: bool) -> None:
-    """Convert the sharded CHECKPOINT to another tp / pp layout in OUTPUT, optimizer state included.
+def reshard(checkpoint: str, output: str, tp: int, pp: int, ep: int | None, progress: bool) -> None:
+    """Convert the sharded CHECKPOINT to another tp / pp / ep layout in OUTPUT, optimizer state included.
 
     Streams one tensor at a time; never consolidates the whole model. There is no --dp or --cp: data and
     context parallel ranks hold the same shards, so a checkpoint loads at any dp and cp as it is.
     """
     from ..checkpoint import reshard_checkpoint
 
-    reshard_checkpoint(checkpoint, output, tp=tp, pp=pp, progress=progress)
+    reshard_checkpoint(checkpoint, output, tp=tp, pp=pp, progress=progress, ep=ep)
     click.echo(f"wrote {output} (tp={tp}, pp={pp})")
 
 
@@ -83,6 +84,9 @@ def inspect(checkpoint: str, verify: bool, as_json: bool) -> None:
     split = sum(1 for e in index.tensors.values() if e.dim is not None)
     click.echo(f"{checkpoint}: {index.model_class}, saved at {mesh}")
     click.echo(f"  {len(index.tensors)} tensors ({params} parameters, {split} split), {numel / 1e6:.2f}M values")
+    experts = sum(1 for e in index.tensors.values() if e.experts)
+    if experts:
+        click.echo(f"  {experts} expert tensors, their experts split over ep={index.mesh.get('ep', 1)}")
     if index.tied:
         click.echo(f"  tied: {', '.join(f'{a} -> {c}' for a, c in index.tied.items())}")
     if index.optimizer is not None:

@@ -108,6 +108,13 @@ def _explicit(ctx: click.Context, name: str) -> bool:
     help="Context-parallel size: ranks each sequence is split over (ring attention); they hold the same weights.",
 )
 @click.option(
+    "--ep",
+    type=click.IntRange(min=1),
+    default=1,
+    show_default=True,
+    help="Expert-parallel size (mixture-of-experts models): the experts split over ep of the dp x cp ranks.",
+)
+@click.option(
     "--sharding-level",
     type=click.IntRange(0, 3),
     default=0,
@@ -172,6 +179,7 @@ def estimate_memory(
     pp: int,
     dp: int,
     cp: int,
+    ep: int,
     sharding_level: int,
     shard_size: int,
     seq_len: int,
@@ -198,6 +206,8 @@ def estimate_memory(
     Llama (checked against measurement). Under pp, 1F1B keeps pp micro-batches in flight on the first stage
     (GPipe: all of them on every stage). Under cp, activations are those of seq/cp tokens plus ring attention's
     K/V blocks in flight; sharding levels split the states over dp x cp, or over groups of --shard-size of them.
+    Under --ep (mixture-of-experts models) each rank keeps num_experts / ep of every block's experts, and
+    activations add the dispatched rows; --suggest proposes ep for such models.
     """
     from ..planning.memory_planner import MemoryPlanner
     from ..planning.memory_text import format_estimate, format_suggestions
@@ -209,7 +219,7 @@ def estimate_memory(
             raise click.UsageError(f"--suggest needs {' and '.join(missing)}")
         fixed = [
             f"--{n.replace('_', '-')}"
-            for n in ("tp", "pp", "dp", "cp", "sharding_level", "shard_size")
+            for n in ("tp", "pp", "dp", "cp", "ep", "sharding_level", "shard_size")
             if _explicit(ctx, n)
         ]
         if fixed:
@@ -238,8 +248,8 @@ def estimate_memory(
                 "--seq-len / --micro-batch"
             )
         return
-    off = planner.estimate(Layout(dp, tp, pp, sharding_level, False, cp, shard_size), workload)
+    off = planner.estimate(Layout(dp, tp, pp, sharding_level, False, cp, shard_size, ep), workload)
     on = None
     if tp > 1 and planner.supports_sequence_parallel:
-        on = planner.estimate(Layout(dp, tp, pp, sharding_level, True, cp, shard_size), workload)
+        on = planner.estimate(Layout(dp, tp, pp, sharding_level, True, cp, shard_size, ep), workload)
     click.echo(format_estimate(planner, off, on), nl=False)

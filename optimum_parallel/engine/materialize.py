@@ -2,7 +2,7 @@
 
 The lazy front end (`integrations.transformers.lazy_loading`) records, on the model, where each weight lives
 (`SOURCES_ATTR`) or how to replay its init (`INIT_ATTR`); this step, run once the model is split, reads only
-this rank's slices.
+this rank's slices (under expert parallelism, of its own experts only).
 """
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ import torch.distributed as dist
 from torch import nn
 from tqdm.auto import tqdm
 
+from ..expert_parallel import expert_range
 from ..io.safetensors_io import SLICE_BUFFER, SafetensorsReader
 from ..io.slices import read_slice
 from ..tensor_parallel.spec import replace_tensor, split_layout
@@ -74,7 +75,7 @@ def materialize_lazy_model(
                 continue
             if file not in readers:
                 readers[file] = SafetensorsReader(file)
-            value = read_slice(readers[file], key, split_layout(tensor), scratch)
+            value = read_slice(readers[file], key, split_layout(tensor), scratch, expert_range(tensor))
             replace_tensor(module, leaf, value.to(device=device or "cpu", dtype=tensor.dtype))
     finally:
         for reader in readers.values():

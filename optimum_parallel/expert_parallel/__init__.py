@@ -7,6 +7,8 @@ from .experts import (
     apply_expert_parallel,
     check_expert_parallel,
     expert_layout,
+    expert_range,
+    expert_tensors,
     find_experts,
     is_experts_module,
 )
@@ -18,6 +20,8 @@ __all__ = [
     "check_expert_parallel",
     "exchange_counts",
     "expert_layout",
+    "expert_range",
+    "expert_tensors",
     "find_experts",
     "is_experts_module",
 ]

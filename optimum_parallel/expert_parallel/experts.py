@@ -45,6 +45,19 @@ def find_experts(model: nn.Module) -> list[tuple[str, nn.Module]]:
     return [(name, module) for name, module in model.named_modules() if is_experts_module(module)]
 
 
+def expert_tensors(module: nn.Module) -> list[tuple[str, nn.Parameter]]:
+    """(leaf, parameter) of the tensors of a stacked-experts module that hold one slice per expert along dim 0
+    (gate_up_proj / down_proj and their biases): what ep splits, and what a checkpoint marks as expert tensors."""
+    count = module.num_experts
+    return [(n, p) for n, p in module.named_parameters(recurse=False) if p.dim() > 0 and p.shape[0] == count]
+
+
+def expert_range(param: torch.Tensor) -> tuple[int, int] | None:
+    """[start, end) of the experts an expert-parallel parameter holds (dim 0 of the global one), None otherwise."""
+    layout = getattr(param, "expert_layout", None)
+    return None if layout is None else layout.ranges[0]
+
+
 def check_expert_parallel(model: nn.Module, ep: int, key: str = "ep") -> None:
     """Raise ValueError (naming `key` and the allowed values) unless `model`'s experts can be split over ep ranks."""
     experts = find_experts(model)
@@ -60,11 +73,6 @@ def check_expert_parallel(model: nn.Module, ep: int, key: str = "ep") -> None:
             raise ValueError(
                 f"{key}={ep} does not divide the {count} experts of {name!r}; allowed: divisors of {count} that "
                 f"divide dp x cp ({', '.join(map(str, allowed))})"
-            )
-        if any(p.device.type == "meta" for p in module.parameters(recurse=False)):
-            raise ValueError(
-                f"{key}={ep}: {name!r} is on the meta device (lazy loading); reading only a rank's experts is not "
-                "supported yet; allowed: a model built normally, or ep=1"
             )
 
 
@@ -102,9 +110,7 @@ def apply_expert_parallel(model: nn.Module, group: ProcessGroup, ep: int, rank: 
     mapping: dict[int, nn.Parameter] = {}
     for _, module in find_experts(model):
         count = module.num_experts
-        for leaf, param in list(module.named_parameters(recurse=False)):
-            if param.dim() == 0 or param.shape[0] != count:
-                continue
+        for leaf, param in expert_tensors(module):
             layout = ShardSpec.split(tuple(param.shape), 0).local(rank, ep)
             new = local_parameter(param, layout, param.requires_grad)
             tensor_parallel = getattr(param, "shard_layout", None)

@@ -230,14 +230,25 @@ class SafetensorsReader:
         return map_bytes(self._fd, begin + start * row, begin + stop * row, dtype, (stop - start, *shape[1:]))
 
     def read_slice(
-        self, name: str, dim: int, ranges: Sequence[tuple[int, int]], scratch: torch.Tensor | None = None
+        self,
+        name: str,
+        dim: int,
+        ranges: Sequence[tuple[int, int]],
+        scratch: torch.Tensor | None = None,
+        rows: tuple[int, int] | None = None,
     ) -> torch.Tensor:
         """The concatenation along `dim` of `ranges` of tensor `name`, read with pread straight into a new tensor
         (no file mapping left behind); rows that are not contiguous on disk go through a bounded buffer --
         `scratch` (uint8, at least `SLICE_BUFFER` bytes) when given, so a run of reads reuses one buffer
-        instead of leaving the allocator a trail of freed ones."""
+        instead of leaving the allocator a trail of freed ones. `rows`: only [start, end) of dim 0 (one block of
+        experts), the other rows' bytes are not read."""
         dtype, shape = self.info(name)
         _, _, begin, _ = self.tensors[name]
+        if rows is not None:
+            if dim == 0:
+                raise ValueError(f"{self.path}: {name}: cannot restrict dim 0 to rows {rows} and split it too")
+            begin += rows[0] * math.prod(shape[1:]) * dtype.itemsize
+            shape = (rows[1] - rows[0], *shape[1:])
         outer = math.prod(shape[:dim])
         size = shape[dim]
         row = math.prod(shape[dim + 1 :]) * dtype.itemsize  # bytes of one index along `dim`

@@ -13,6 +13,12 @@ The rank with the most bytes is reported. Assumptions (the `notes` of every esti
   (dp x cp) (ZeRO-1 splits by whole parameters, so only about evenly); 2 + gradients / (dp x cp) (FSDP2 keeps
   parameters gathered from forward to backward); 3 + parameters / (dp x cp) (plus the gathered working set of the
   current and the prefetched block). cp alone divides none of them: every cp rank holds the same parameters.
+- Experts (mixture-of-experts models): under ep each rank keeps num_experts / ep of every MoE block's experts, so
+  their parameters, gradients and AdamW state are divided by ep on top of tp's split (`experts.py`); their
+  gradients skip DDP and are averaged over the ranks holding the same experts in one flat buffer (a copy of the
+  local expert gradients, none when ep = dp x cp); the dispatch keeps the k routed copies of the rank's tokens
+  received by its experts and their outputs sent back, 2 sbkh per MoE layer (balanced routing). ep runs with
+  sharding level 0 and pp=1 only, for now.
 - Buffers: DDP's gradient buckets or, under pp, the flattened gradients of the dp all-reduce (one more copy of
   the gradients, levels 0-1); FSDP2's gathered blocks and reduce-scatter input (levels 2-3).
 - Activations per micro-batch, per decoder layer: Korthikanti et al. 2022 (GPT with dropout, 16-bit, scores
@@ -29,6 +35,7 @@ Not counted: the runtime (CUDA context, NCCL), allocator fragmentation, temporar
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Iterator
 from dataclasses import dataclass, replace
 from functools import cached_property
@@ -44,6 +51,7 @@ from .activations import (
     paper_layer_bytes,
     ring_attention_layer_bytes,
 )
+from .experts import ExpertFacts, dispatch_layer_bytes
 from .memory_text import format_estimate, format_suggestions, in_unit, pick_unit
 from .simulate import build_meta_model, load_config, resolve_for_tp
 from .tables import numel
@@ -76,6 +84,7 @@ class _Counts:
     per_stage: list[int]
     largest_layer: int
     param_tensors: list[int]  # parameter tensors per stage (AdamW keeps one step counter per tensor)
+    experts: int = 0  # of which expert tensors' numel, on the rank with the most (all stages: ep runs with pp=1)
 
 
 class MemoryPlanner:
@@ -88,7 +97,7 @@ class MemoryPlanner:
         from ..frontends.manager import ParallelizersManager
 
         self.parallelizer = ParallelizersManager.parallelizer_for_model(self.model)
-        self._counts: dict[tuple[int, int], _Counts] = {}
+        self._counts: dict[tuple[int, int, int], _Counts] = {}
         self._per_rank: dict[int, list[dict[str, int]]] = {}
 
     # ---- model facts
@@ -123,6 +132,11 @@ class MemoryPlanner:
     @property
     def llama_style(self) -> bool:
         return getattr(self.config, "model_type", None) in LLAMA_STYLE
+
+    @cached_property
+    def experts(self) -> ExpertFacts:
+        """The model's stacked-experts modules (none for a dense model)."""
+        return ExpertFacts.of(self.model)
 
     @property
     def supports_pipeline(self) -> bool:
@@ -168,9 +182,10 @@ class MemoryPlanner:
             ]
         return self._per_rank[tp]
 
-    def counts(self, tp: int, pp: int) -> _Counts:
-        """Local numel per pipeline stage on the tp rank holding the most, and the largest layer's local numel."""
-        key = (tp, pp)
+    def counts(self, tp: int, pp: int, ep: int = 1) -> _Counts:
+        """Local numel per pipeline stage on the tp rank holding the most, and the largest layer's local numel;
+        expert tensors hold num_experts / ep experts each."""
+        key = (tp, pp, ep)
         if key in self._counts:
             return self._counts[key]
         if pp > 1 and not self.supports_pipeline:
@@ -181,11 +196,14 @@ class MemoryPlanner:
         stage_of_layer = {layer: s for s, layers in enumerate(stages) for layer in layers}
         segments = self._segment()
         ids = {name: id(p) for name, p in self.model.named_parameters(remove_duplicate=False)}
-        per_stage, tensors, largest = [0] * pp, [0] * pp, 0
+        per_stage, tensors, largest, most_experts = [0] * pp, [0] * pp, 0, 0
         for rank_numel in self.local_numel(tp):
-            stage_sum, stage_tensors, seen = [0] * pp, [0] * pp, set()
+            stage_sum, stage_tensors, seen, expert_sum = [0] * pp, [0] * pp, set(), 0
             layer_sum: dict[int, int] = {}
             for name, n in rank_numel.items():
+                if name in self.experts.names:
+                    n //= ep  # whole experts: ep divides every block's count (checked by `estimate`)
+                    expert_sum += n
                 segment = segments[name]
                 stage = 0 if segment == "first" else pp - 1 if segment == "last" else stage_of_layer[segment]
                 if (stage, ids[name]) in seen:  # tied: once per stage
@@ -198,7 +216,8 @@ class MemoryPlanner:
             per_stage = [max(a, b) for a, b in zip(per_stage, stage_sum, strict=True)]
             tensors = [max(a, b) for a, b in zip(tensors, stage_tensors, strict=True)]
             largest = max(largest, max(layer_sum.values(), default=0))
-        self._counts[key] = _Counts(per_stage, largest, tensors)
+            most_experts = max(most_experts, expert_sum)
+        self._counts[key] = _Counts(per_stage, largest, tensors, most_experts)
         return self._counts[key]
 
     # ---- estimates
@@ -226,6 +245,13 @@ class MemoryPlanner:
             method, local, layout.tp, layout.sequence_parallel, workload.element, workload.attention
         )
         layer += ring_attention_layer_bytes(self.dims(workload), layout.cp, layout.tp, workload.element)
+        if layout.ep > 1:  # the dispatched rows, spread over the layers (ep runs with pp=1: one stage holds them all)
+            e = self.experts
+            layer += (
+                dispatch_layer_bytes(local.s, local.b, local.h, e.top_k, workload.element)
+                * e.moe_layers
+                / max(self.num_layers, 1)
+            )
         micro = workload.num_microbatches or pp
         stages = stage_layers(self.num_layers, pp, "layers", "layers")
         worst = 0.0
@@ -243,7 +269,8 @@ class MemoryPlanner:
             raise ValueError(f"{self.parallelizer.__name__} does not support sequence parallelism")
         if workload.num_microbatches is not None and workload.num_microbatches < layout.pp:
             raise ValueError(f"num_microbatches={workload.num_microbatches} must be >= pp={layout.pp}")
-        counts = self.counts(layout.tp, layout.pp)
+        self.experts.check(layout.ep, layout.data_parallel)
+        counts = self.counts(layout.tp, layout.pp, layout.ep)
         local = max(counts.per_stage)
         tensors = max(counts.param_tensors)
         # levels shard over the sharding group: all dp x cp ranks, or shard_size of them (hybrid sharding)
@@ -256,6 +283,11 @@ class MemoryPlanner:
         notes = []
         if dp == 1:
             buffers = 0.0
+        elif layout.ep > 1:  # level 0: DDP buckets for the dense parameters, one flat all-reduce for the experts'
+            replicated = layout.data_parallel > layout.ep
+            buffers = (local - counts.experts) * e + (counts.experts * e if replicated else 0)
+            flat = " and the expert gradients' flat all-reduce buffer" if replicated else ""
+            notes.append(f"buffers: DDP's gradient buckets of the dense parameters{flat}")
         elif level <= 1:
             buffers = local * e  # DDP's gradient buckets, or the pipeline's flattened gradients
             where = "DDP's gradient buckets" if layout.pp == 1 else "the pipeline's flattened dp all-reduce buffer"
@@ -289,6 +321,13 @@ class MemoryPlanner:
             notes.append(
                 f"hybrid sharding: states split over groups of {group} ranks, replicated over the {dp // group} groups"
             )
+        if layout.ep > 1:
+            experts = self.experts
+            notes.append(
+                f"ep={layout.ep}: {max(experts.counts) // layout.ep} of {max(experts.counts)} experts per MoE block on "
+                f"each rank (expert weights, gradients and AdamW state / ep); activations add the dispatched rows, "
+                f"2·s·b·k·h per MoE layer (k={experts.top_k}, balanced routing)"
+            )
         if layout.cp > 1:
             notes.append(
                 f"cp={layout.cp}: activations of seq/cp tokens per rank plus ring attention's 2 K/V blocks in flight "
@@ -299,9 +338,10 @@ class MemoryPlanner:
     # ---- suggestions
 
     def candidate_layouts(self, devices: int, workload: Workload | None = None) -> Iterator[Layout]:
-        """Every (dp, tp, pp, cp, sharding level, SP) this engine can run on `devices` ranks for this model; cp
+        """Every (dp, tp, pp, cp, sharding level, SP, ep) this engine can run on `devices` ranks for this model; cp
         (1, 2, 4, 8) only where `workload`'s sequence splits into 2 x cp chunks of at least cp tokens (none
-        without a workload)."""
+        without a workload); ep > 1 for a mixture-of-experts model, dividing dp x cp and every block's experts, at
+        sharding level 0 without pp."""
         if isinstance(devices, bool) or not isinstance(devices, int) or devices < 1:
             raise ValueError(f"devices={devices!r} is not allowed; it must be a positive integer")
         for tp in _divisors(devices):
@@ -314,12 +354,11 @@ class MemoryPlanner:
                     continue
                 for cp in _cp_sizes(devices // (tp * pp), workload):
                     dp = devices // (tp * pp * cp)
+                    sp_options = (False, True) if tp > 1 and pp == 1 and self.supports_sequence_parallel else (False,)
                     for level in (0, 1, 2, 3) if dp * cp > 1 else (0,):
-                        sp_options = (
-                            (False, True) if tp > 1 and pp == 1 and self.supports_sequence_parallel else (False,)
-                        )
-                        for sp in sp_options:
-                            yield Layout(dp, tp, pp, level, sp, cp)
+                        eps = self.experts.allowed_ep(dp * cp) if level == 0 and pp == 1 else [1]
+                        for ep, sp in itertools.product(eps, sp_options):
+                            yield Layout(dp, tp, pp, level, sp, cp, ep=ep)
 
     def suggest(
         self, devices: int, memory_bytes: float, workload: Workload, reserve: float = 0.1
@@ -327,8 +366,10 @@ class MemoryPlanner:
         """The layouts whose estimate fits `memory_bytes` x (1 - reserve), best first: fewest tp ranks (tp
         communication sits on every layer's critical path), then fewest pipeline stages (bubble), then fewest cp
         ranks (ring attention hides its K/V passes behind attention, mostly), then the lowest sharding level (level
-        3 re-gathers parameters every forward and backward), then most headroom. So cp > 1 comes first exactly when
-        the sequence is long enough that activations only fit split, and before tp or pp would be needed."""
+        3 re-gathers parameters every forward and backward), then fewest ep ranks (two all-to-alls per MoE layer
+        each way, which beat a sharding level: ep at level 0 is what the engine runs), then most headroom. So
+        cp > 1 comes first exactly when the sequence is long enough that activations only fit split, and before tp
+        or pp would be needed."""
         if not 0 <= reserve < 1:
             raise ValueError(f"reserve={reserve!r} is not allowed; it is a fraction in [0, 1)")
         if memory_bytes <= 0:
@@ -348,11 +389,12 @@ def estimate_memory(
     sequence_parallel: bool = False,
     cp: int = 1,
     shard_size: int = -1,
+    ep: int = 1,
     **workload,
 ) -> MemoryEstimate:
     """Per-rank memory of one layout (see `MemoryPlanner.estimate`); `workload`: `Workload`'s fields."""
     return MemoryPlanner(model_dir_or_config).estimate(
-        Layout(dp, tp, pp, sharding_level, sequence_parallel, cp, shard_size), Workload(**workload)
+        Layout(dp, tp, pp, sharding_level, sequence_parallel, cp, shard_size, ep), Workload(**workload)
     )
 
 
@@ -381,4 +423,4 @@ def _cp_sizes(ranks: int, workload: Workload | None) -> list[int]:
 
 def _preference(estimate: MemoryEstimate) -> tuple:
     layout = estimate.layout
-    return (layout.tp, layout.pp, layout.cp, layout.sharding_level, estimate.total)
+    return (layout.tp, layout.pp, layout.cp, layout.sharding_level, layout.ep, estimate.total)

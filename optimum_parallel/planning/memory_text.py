@@ -46,6 +46,10 @@ def _groups(layout) -> str:
     return f" in groups of {layout.sharding_group} (shard_size)" if hybrid else ""
 
 
+def _ep(layout) -> str:
+    return f" ep={layout.ep}" if layout.ep > 1 else ""
+
+
 def format_estimate(planner: MemoryPlanner, off: MemoryEstimate, on: MemoryEstimate | None) -> str:
     """A table of one layout without (and with) sequence parallelism, bytes per rank in a readable unit."""
     layout = off.layout
@@ -54,7 +58,8 @@ def format_estimate(planner: MemoryPlanner, off: MemoryEstimate, on: MemoryEstim
     unit, scale = pick_unit(max(e.total for e in columns))
     lines = [
         describe_model(planner, off.workload),
-        f"layout: dp={layout.dp} tp={layout.tp} pp={layout.pp} cp={layout.cp}, sharding level {layout.sharding_level}"
+        f"layout: dp={layout.dp} tp={layout.tp} pp={layout.pp} cp={layout.cp}{_ep(layout)}, sharding level "
+        f"{layout.sharding_level}"
         f"{_groups(layout)}; {unit} on the rank with the most",
         "",
     ]
@@ -88,19 +93,35 @@ def format_suggestions(
     lines.append(
         f"{len(estimates)} layouts fit {devices} devices of {memory_bytes / GIB:.1f} GiB "
         f"(budget {budget / GIB:.1f} GiB per device after a {reserve:.0%} reserve); best first: fewest tp, then "
-        "fewest pp, then fewest cp, then lowest sharding level, then most headroom"
+        f"fewest pp, then fewest cp, then lowest sharding level, {'then fewest ep, ' if planner.experts.counts else ''}"
+        "then most headroom"
     )
     if not estimates:
         return "\n".join(lines) + "\n"
     unit, scale = pick_unit(max(e.total for e in estimates[:top]))
-    rows = []
+    rows, moe = [], bool(planner.experts.counts)  # an ep column for mixture-of-experts models
     for rank, e in enumerate(estimates[:top], 1):
         sizes = (e.parameters, e.gradients, e.optimizer_state, e.buffers, e.activations, e.total)
-        layout = (e.layout.dp, e.layout.tp, e.layout.pp, e.layout.cp, e.layout.sharding_level)
+        layout = (e.layout.dp, e.layout.tp, e.layout.pp, e.layout.cp, *((e.layout.ep,) if moe else ()))
+        layout += (e.layout.sharding_level,)
         sp = "on" if e.layout.sequence_parallel else "off"
         free = f"{1 - e.total / memory_bytes:.0%}"
         rows.append([str(rank), *map(str, layout), sp, *(in_unit(n, scale) for n in sizes), free])
-    header = ["#", "dp", "tp", "pp", "cp", "level", "SP", "params", "grads", "optim", "buffers", "activ."]
+    header = [
+        "#",
+        "dp",
+        "tp",
+        "pp",
+        "cp",
+        *(["ep"] if moe else []),
+        "level",
+        "SP",
+        "params",
+        "grads",
+        "optim",
+        "buffers",
+        "activ.",
+    ]
     header += [f"total {unit}", "free"]
     lines += ["", *table(header, rows, align_numbers=True)]
     if len(estimates) > top:

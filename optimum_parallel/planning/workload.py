@@ -29,7 +29,8 @@ def parse_dtype(dtype: str | torch.dtype) -> str:
 
 @dataclass(frozen=True)
 class Layout:
-    """One way to lay a model over dp x tp x pp x cp devices (cp: context parallelism, the sequence split)."""
+    """One way to lay a model over dp x tp x pp x cp devices (cp: context parallelism, the sequence split; ep:
+    expert parallelism, the experts split over blocks of ep of the dp x cp ranks, which it divides)."""
 
     dp: int = 1
     tp: int = 1
@@ -38,12 +39,25 @@ class Layout:
     sequence_parallel: bool = False
     cp: int = 1
     shard_size: int = -1  # ranks per sharding group (hybrid sharding); -1: all dp x cp
+    ep: int = 1  # ranks the experts are split over (a divisor of dp x cp)
 
     def __post_init__(self) -> None:
-        for name in ("dp", "tp", "pp", "cp"):
+        for name in ("dp", "tp", "pp", "cp", "ep"):
             check_positive_int(name, getattr(self, name), "a size")
         if self.sharding_level not in (0, 1, 2, 3) or isinstance(self.sharding_level, bool):
             raise ValueError(f"sharding_level={self.sharding_level!r} is not allowed; allowed: 0, 1, 2, 3")
+        if self.data_parallel % self.ep:
+            allowed = [d for d in range(1, self.data_parallel + 1) if self.data_parallel % d == 0]
+            raise ValueError(
+                f"ep={self.ep} must divide dp x cp = {self.data_parallel}; allowed: {', '.join(map(str, allowed))}"
+            )
+        if self.ep > 1 and (self.sharding_level, self.pp) != (0, 1):  # what the engine runs with ep, for now
+            key, value, allowed = (
+                ("sharding_level", self.sharding_level, 0) if self.sharding_level else ("pp", self.pp, 1)
+            )
+            raise ValueError(
+                f"{key}={value} with ep={self.ep} is not supported yet; allowed with ep > 1: {key}={allowed}"
+            )
         size, ranks = self.shard_size, self.data_parallel
         if isinstance(size, bool) or not isinstance(size, int) or not (size == -1 or (size >= 1 and ranks % size == 0)):
             allowed = [-1] + [d for d in range(1, ranks + 1) if ranks % d == 0]
@@ -69,7 +83,8 @@ class Layout:
     def __str__(self) -> str:
         sp = ", SP" if self.sequence_parallel else ""
         group = f" in groups of {self.shard_size}" if self.sharding_group < self.data_parallel else ""
-        return f"dp={self.dp} tp={self.tp} pp={self.pp} cp={self.cp} level {self.sharding_level}{group}{sp}"
+        ep = f" ep={self.ep}" if self.ep > 1 else ""
+        return f"dp={self.dp} tp={self.tp} pp={self.pp} cp={self.cp}{ep} level {self.sharding_level}{group}{sp}"
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,62 @@
+"""What the memory planner needs to know about a mixture-of-experts model: which parameters are expert tensors
+(split over ep ranks on top of tp), how many experts each block has (ep must divide them), and the rows expert
+parallelism's dispatch keeps per MoE layer."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import reduce
+from math import gcd
+
+from torch import nn
+
+from ..expert_parallel import expert_tensors, find_experts
+
+
+@dataclass(frozen=True)
+class ExpertFacts:
+    """The stacked-experts modules of a model: their expert tensors' names, expert counts and routing top-k."""
+
+    names: frozenset[str]  # parameter names of expert tensors (dim 0: one slice per expert)
+    counts: tuple[int, ...]  # experts per MoE block
+    top_k: int
+
+    @classmethod
+    def of(cls, model: nn.Module) -> ExpertFacts:
+        names, counts = set(), []
+        for module_name, module in find_experts(model):
+            counts.append(module.num_experts)
+            names |= {f"{module_name}.{leaf}" for leaf, _ in expert_tensors(module)}
+        config = getattr(model, "config", None)
+        text = config.get_text_config() if hasattr(config, "get_text_config") else config
+        top_k = int(getattr(text, "num_experts_per_tok", None) or getattr(text, "top_k", None) or 1)
+        return cls(frozenset(names), tuple(counts), top_k)
+
+    @property
+    def moe_layers(self) -> int:
+        return len(self.counts)
+
+    def allowed_ep(self, ranks: int) -> list[int]:
+        """The ep sizes that divide `ranks` (dp x cp) and every block's experts (1 for a model without experts)."""
+        common = reduce(gcd, self.counts, 0)
+        return [d for d in range(1, ranks + 1) if ranks % d == 0 and (d == 1 or (common and common % d == 0))]
+
+    def check(self, ep: int, ranks: int, key: str = "ep") -> None:
+        """Raise ValueError naming `key` and the allowed values unless the experts split over ep of `ranks` ranks."""
+        if ep == 1:
+            return
+        if not self.counts:
+            raise ValueError(f"{key}={ep}: the model has no stacked experts module to split; allowed: ep=1")
+        allowed = self.allowed_ep(ranks)
+        if ep not in allowed:
+            raise ValueError(
+                f"{key}={ep} must divide dp x cp = {ranks} and the experts of every MoE block "
+                f"{sorted(set(self.counts))}; allowed: {', '.join(map(str, allowed))}"
+            )
+
+
+def dispatch_layer_bytes(s: int, b: int, h: int, top_k: int, element: int) -> float:
+    """Bytes expert parallelism's dispatch keeps per MoE layer and micro-batch for the backward: the k routed copies
+    of the rank's s x b tokens received by its experts and their outputs coming back, 2 sbkh (balanced routing;
+    under skewed routing the busiest rank receives more)."""
+    return 2 * s * b * top_k * h * element
