@@ -396,7 +396,7 @@ def lazy_against_eager(model_type: str, sizes: dict, hf_dir: str) -> dict:
         reads.append((key, experts, value.numel() * value.element_size()))
         return value
 
-    with op.lazy_load_for_parallelism(tensor_parallel_size=mesh.tp_size):
+    with op.lazy_load_for_parallelism(tensor_parallel_size=mesh.tp_size, expert_parallel_size=sizes.get("ep", 1)):
         model = AutoModelForCausalLM.from_pretrained(hf_dir, **LOAD)
     meta = all(p.device.type == "meta" for p in model.parameters())
     lazy.read_slice = recording
@@ -414,7 +414,7 @@ def lazy_against_eager(model_type: str, sizes: dict, hf_dir: str) -> dict:
     return {"meta": meta, "reads": reads, "differ": differ, "experts": experts, "same_loss": same_loss}
 
 
-LAZY = [("mixtral", TP2_EP2), ("qwen3_moe", TP2_EP2)]
+LAZY = [("mixtral", TP2_EP2), ("qwen3_moe", TP2_EP2), ("mixtral", DP4_EP2)]
 
 
 @pytest.mark.parametrize("model_type,sizes", LAZY, ids=[_key(*c) for c in LAZY])
@@ -422,7 +422,7 @@ def test_lazy_loading_reads_only_the_ranks_experts(pool, stacked_dirs, model_typ
     hf_dir = stacked_dirs[model_type]
     files = load_file(Path(hf_dir) / "model.safetensors")
     on_disk = {k: v.numel() * v.element_size() for k, v in files.items() if ".experts." in k}
-    ep, tp = sizes["ep"], sizes["tp"]
+    ep, tp = sizes["ep"], sizes.get("tp", 1)
     blocks = set()
     for rank, result in enumerate(pool.run(lazy_against_eager, model_type, sizes, hf_dir)):
         assert result["meta"] and result["differ"] == [] and result["same_loss"], (rank, result["differ"])

@@ -149,13 +149,17 @@ def _lazy_from_config(original):
 
 
 @contextmanager
-def lazy_load_for_parallelism(tensor_parallel_size: int = 1, pipeline_parallel_size: int = 1) -> Iterator[None]:
+def lazy_load_for_parallelism(
+    tensor_parallel_size: int = 1, pipeline_parallel_size: int = 1, expert_parallel_size: int = 1
+) -> Iterator[None]:
     """Context manager: `from_pretrained` / `from_config` build the model on the meta device and record where
-    each weight lives; `Parallelizer.parallelize` then reads only this rank's slices. A no-op when both sizes are 1.
+    each weight lives; `Parallelizer.parallelize` then reads only this rank's slices (of its experts, under ep).
+    A no-op when every size is 1.
     """
     check_positive_int("tensor_parallel_size", tensor_parallel_size)
     check_positive_int("pipeline_parallel_size", pipeline_parallel_size)
-    if tensor_parallel_size == 1 and pipeline_parallel_size == 1:
+    check_positive_int("expert_parallel_size", expert_parallel_size)
+    if tensor_parallel_size == 1 and pipeline_parallel_size == 1 and expert_parallel_size == 1:
         yield
         return
     from transformers import PreTrainedModel

@@ -116,7 +116,9 @@ class ParallelTrainer(Trainer):
             raise ValueError("model_init is not supported by ParallelTrainer; pass the model or its path")
         self.mesh = _mesh_for(args)
         if isinstance(model, (str, os.PathLike)):
-            with lazy_load_for_parallelism(args.tensor_parallel_size, args.pipeline_parallel_size):
+            with lazy_load_for_parallelism(
+                args.tensor_parallel_size, args.pipeline_parallel_size, args.expert_parallel_size
+            ):
                 model = model_class.from_pretrained(model, **(model_kwargs or {}))
         self.parallelizer = ParallelizersManager.parallelizer_for_model(model)
         config = DataParallelConfig(
