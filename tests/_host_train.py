@@ -63,7 +63,7 @@ def custom_loop(args: argparse.Namespace) -> list[float]:
     import optimum_parallel as op
     from optimum_parallel.engine.data_parallel import DataParallelConfig, apply_data_parallel
 
-    mesh = op.init_mesh(dp=args.dp, pp=args.pp, tp=args.tp, timeout=30)
+    mesh = op.init_mesh(dp=args.dp, pp=args.pp, tp=args.tp, timeout=args.timeout)
     with op.lazy_load_for_parallelism(tensor_parallel_size=args.tp, pipeline_parallel_size=args.pp):
         model = AutoModelForCausalLM.from_pretrained(args.hf_dir, dtype=torch.float32, attn_implementation="eager")
     optimizer = op.make_optimizer_constructor_lazy(torch.optim.AdamW)(model.parameters(), lr=LR, weight_decay=0.1)
@@ -172,6 +172,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=6)
     parser.add_argument("--save-every", type=int, default=2)
     parser.add_argument("--trainer", action="store_true")
+    parser.add_argument("--timeout", type=int, default=30, help="the mesh's collective timeout in seconds")
     args = parser.parse_args()
     torch.set_num_threads(1)
     out = Path(args.out)

@@ -166,7 +166,8 @@ def test_crash_while_saving_across_hosts(hosts, hf_dir, reference, tmp_path, lay
     from optimum_parallel.checkpoint import find_last_checkpoint, verify_checkpoint
 
     out = tmp_path / "crash"
-    job = hosts.torchrun(_args(hf_dir, out, layout), {**ENV, "CRASH_IN_SAVE": f"{point}@{rank}"}, out / "logs")
+    args = _args(hf_dir, out, layout, "--timeout", "15")  # the other host's ranks wait out the timeout
+    job = hosts.torchrun(args, {**ENV, "CRASH_IN_SAVE": f"{point}@{rank}"}, out / "logs")
     codes = job.wait()
     log = job.logs[rank // 2].read_text()
     killed = re.search(rf"rank\s*: {rank} \(local_rank: {rank % 2}\)\s*exitcode\s*: -9 ", log)
