@@ -78,6 +78,7 @@ def validate_request(
             schedule_key=keys.schedule,
             microbatches_key=keys.num_microbatches,
         )
+        check_router_logits(model, mesh.size("pp"))
     cp = mesh.size("cp")
     state = find_state(model)  # a read that records nothing: validation changes nothing
     if cp > 1 and (state is None or state.context_parallel is None):
@@ -88,7 +89,16 @@ def validate_request(
     ep = mesh.size("ep")
     if ep > 1 and (state is None or state.expert_parallel is None):
         check_expert_parallel(model, ep)
-        if pipeline is not None and mesh.size("pp") > 1:
-            raise ValueError(f"ep={ep} with pp={mesh.size('pp')} is not supported yet; allowed with ep > 1: pp=1")
         if data_parallel is not None:
             check_expert_data_parallel(data_parallel.shard_size, ep, keys.shard_size)
+
+
+def check_router_logits(model: nn.Module, pp: int) -> None:
+    """Under pp the stages pass hidden states only and the loss is the language-model one: a router aux loss
+    (`output_router_logits=True`) would be dropped without a word, so it is refused."""
+    config = getattr(model, "config", None)
+    if pp > 1 and getattr(config, "output_router_logits", False):
+        raise ValueError(
+            f"output_router_logits=True with pp={pp} is not supported (the pipeline's loss has no router aux loss: "
+            "the stages pass hidden states only); allowed with pp > 1: output_router_logits=False"
+        )
