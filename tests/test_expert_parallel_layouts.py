@@ -56,19 +56,19 @@ def replica_mean(value: torch.Tensor, mesh) -> torch.Tensor:
     return total / mesh.data_parallel_size
 
 
-def check_level(model_type: str, sizes: dict, level: int, steps: int = 3, config_overrides: dict | None = None):
+def check_level(model_type: str, sizes: dict, level: int, steps: int = 3, sequence_parallel: bool = False):
     """This rank's worst relative errors against the single-device model, per quantity."""
     import optimum_parallel as op
 
     mesh = op.init_mesh(**sizes)
-    config = tiny_config(model_type, **{**MOE[model_type], **(config_overrides or {})})
+    config = tiny_config(model_type, **MOE[model_type])
     reference = build_model(config)
     model = copy.deepcopy(reference)
     ref_optimizer = torch.optim.AdamW(reference.parameters(), lr=1e-2, weight_decay=0.1)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
     if mesh.tp_size > 1:
         parallelizer = op.ParallelizersManager.parallelizer_for_model(model)
-        model = parallelizer.parallelize(model)
+        model = parallelizer.parallelize(model, sequence_parallel_enabled=sequence_parallel)
         optimizer = parallelizer.optimizer_for_mp(optimizer, model.orig_param_to_parallel_param)
     model, optimizer = op.parallelize(model, optimizer, mesh, {"dp_config": {"sharding_level": level}})
 
@@ -78,6 +78,11 @@ def check_level(model_type: str, sizes: dict, level: int, steps: int = 3, config
     share = torch.tensor(labelled(batch["labels"]) / replicas)  # each replica: token sum / (global count / replicas)
     counts = [labelled(batch["labels"][2 * r : 2 * r + 2]) for r in range(replicas)]
 
+    seen = []  # the sequence length the first decoder layer's MoE block and its input norm see
+    for name, module in model.named_modules():
+        leaf = name.rsplit(".", 1)[-1]
+        if name.endswith(("layers.0.post_attention_layernorm", "layers.0.mlp")):
+            module.register_forward_pre_hook(lambda m, args, leaf=leaf: seen.append((leaf, args[0].shape[1])))
     errors: dict[str, float] = {}
     ref_params = dict(reference.named_parameters())
     losses = []
@@ -101,7 +106,7 @@ def check_level(model_type: str, sizes: dict, level: int, steps: int = 3, config
     errors["loss"] = losses[0]
     if steps:
         errors["steps"] = max(losses[1:])
-    out = {"errors": errors, "counts": counts, "optimizer": type(optimizer).__name__}
+    out = {"errors": errors, "counts": counts, "optimizer": type(optimizer).__name__, "seen": sorted(set(seen))}
     if level == 1:
         try:
             optimizer.state_dict()

@@ -16,7 +16,9 @@ from .llama import LlamaParallelizer
 
 
 class MoEParallelizer(LlamaParallelizer):
-    supports_sequence_parallel = False  # the experts region enters from the whole sequence
+    # under sequence parallelism the MoE block is replicated work on the whole sequence (`SequenceParallelDisable`
+    # without column/row layers inside: gather in, split out); the experts stay one tp region inside it
+    supports_sequence_parallel = True
     supports_pipeline_parallel = True  # tests/test_expert_parallel_pipeline.py (mixtral, qwen3_moe, qwen2_moe)
 
     @classmethod
@@ -40,3 +42,10 @@ class Qwen3MoEParallelizer(MoEParallelizer):
         plan = super().plan(model, mesh, parallelize_embeddings, sequence_parallel_enabled)
         plan[prefix(model) + r"layers\.\d+\.self_attn\.(q|k)_norm"] = ReplicatedWithGradAllReduce()
         return plan
+
+
+class Qwen2MoEParallelizer(MoEParallelizer):
+    """Qwen2-MoE: its shared expert (column/row layers) sits in the same block as the routed experts, so the
+    block's sequence-parallel entry would mix the two kinds of region: tensor parallelism only for now."""
+
+    supports_sequence_parallel = False
