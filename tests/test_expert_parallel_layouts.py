@@ -162,3 +162,60 @@ def test_sharding_level_matches_one_process(pool, model_type, sizes, level, step
             ep = sizes["ep"]
             replicas = [r for r in range(sizes["dp"]) if r % ep == dp_rank % ep]
             assert result["expert_mesh"] == [r * sizes.get("tp", 1) + rank % sizes.get("tp", 1) for r in replicas]
+
+
+def check_router_aux_loss(model_type: str, sizes: dict, level: int, steps: int = 3) -> dict:
+    """`output_router_logits=True`: each replica's loss is what one device computes on that replica's rows (language
+    model mean + coef x the load-balancing loss of its routing); the gradients, once data parallelism averages them,
+    are the mean of those single-device gradients over the replicas."""
+    import optimum_parallel as op
+
+    mesh = op.init_mesh(**sizes)
+    config = tiny_config(model_type, **MOE[model_type], output_router_logits=True, router_aux_loss_coef=0.1)
+    reference = build_model(config)
+    model = copy.deepcopy(reference)
+    ref_optimizer = torch.optim.AdamW(reference.parameters(), lr=1e-2, weight_decay=0.1)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+    if mesh.tp_size > 1:
+        parallelizer = op.ParallelizersManager.parallelizer_for_model(model)
+        model = parallelizer.parallelize(model)
+        optimizer = parallelizer.optimizer_for_mp(optimizer, model.orig_param_to_parallel_param)
+    model, optimizer = op.parallelize(model, optimizer, mesh, {"dp_config": {"sharding_level": level}})
+    replicas, replica = mesh.data_parallel_size, mesh.data_parallel_rank
+    batch = uneven_batch(config, 2 * replicas)
+    rows = [{k: v[2 * r : 2 * r + 2] for k, v in batch.items()} for r in range(replicas)]
+    errors, aux = {}, []
+    ref_params = dict(reference.named_parameters())
+    for step in range(steps + 1):
+        ref_losses = []
+        for part in rows:  # one device, replica by replica: the mean of their gradients
+            out = reference(**part)
+            (out.loss / replicas).backward()
+            ref_losses.append(out.loss.detach())
+            aux.append(float(out.aux_loss))
+        out = model(**rows[replica])
+        out.loss.backward()
+        errors[f"loss {step}"] = rel_err(out.loss, ref_losses[replica])
+        if step == 0:
+            for name, param in model.named_parameters():
+                errors[f"grad {name}"] = rel_err(whole(param.grad), reference_slice(param, ref_params[name].grad))
+        ref_optimizer.step()
+        optimizer.step()
+        ref_optimizer.zero_grad()
+        optimizer.zero_grad()
+    return {"errors": errors, "aux": min(aux)}
+
+
+AUX_CASES = [
+    ("mixtral", dict(dp=4, ep=2), 0),
+    ("qwen3_moe", dict(dp=4, ep=2), 2),
+    ("mixtral", dict(dp=2, tp=2, ep=2), 1),
+]
+
+
+@pytest.mark.parametrize("model_type,sizes,level", AUX_CASES, ids=[_id(*case) for case in AUX_CASES])
+def test_router_aux_loss_per_replica(pool, model_type, sizes, level):
+    for rank, result in enumerate(pool.run(check_router_aux_loss, model_type, sizes, level)):
+        assert result["aux"] > 0  # the load-balancing loss is in the loss
+        worst = {k: v for k, v in result["errors"].items() if v > TOL}
+        assert not worst, f"rank {rank}: {worst}"
