@@ -21,6 +21,9 @@ AUTO_FAMILIES = {
     "qwen3_moe": dict(
         LLAMA_LIKE, head_dim=16, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, mlp_only_layers=[1]
     ),
+    # MoE experts with q/k/v gathered over tp (qwen3_moe has a hand-written parallelizer now: its plan is translated
+    # in test_translation_of_a_moe_plan only)
+    "olmoe": dict(LLAMA_LIKE, num_experts=4, num_experts_per_tok=2, intermediate_size=64),
     # partial rotary, dense/fc1/fc2 names, biases
     "phi": dict(LLAMA_LIKE, partial_rotary_factor=0.5),
     # embedding/residual/attention multipliers and logits scaling
@@ -33,8 +36,8 @@ CASES = [
     ("olmo2", 4, {"num_key_value_heads": 4}),
     ("starcoder2", 2, {}),
     ("starcoder2", 4, {"vocab_size": 130}),  # 2 kv heads replicated over 4 ranks, uneven vocab
-    ("qwen3_moe", 2, {}),
-    ("qwen3_moe", 4, {"tie_word_embeddings": True}),
+    ("olmoe", 2, {}),
+    ("olmoe", 4, {"tie_word_embeddings": True}),
     ("phi", 2, {}),
     ("granite", 4, {"num_key_value_heads": 1, "tie_word_embeddings": True}),
 ]
@@ -55,7 +58,13 @@ def test_auto_plan_matches_single_device(pool, tmp_path, model_type, tp, overrid
 
 
 def test_hand_written_parallelizer_wins():
-    for model_type in ("llama", "phi3", "qwen2_moe", "gpt_neox"):  # all of them carry a base_model_tp_plan too
+    for model_type in (
+        "llama",
+        "phi3",
+        "qwen2_moe",
+        "qwen3_moe",
+        "gpt_neox",
+    ):  # all of them carry a base_model_tp_plan too
         assert auto_parallelizer(model_type) is not None
         chosen = op.ParallelizersManager.parallelizer_for_model(model_type)
         assert not chosen.__name__.startswith("AutoPlan"), (model_type, chosen)

@@ -163,6 +163,10 @@ def _phi3():
     return build_model(tiny_config("phi3", pad_token_id=0))
 
 
+def _olmoe():
+    return build_model(tiny_config("olmoe", num_experts=2, num_experts_per_tok=1))
+
+
 def _mixtral():
     return build_model(tiny_config("mixtral", num_local_experts=2, num_experts_per_tok=1))
 
@@ -379,9 +383,36 @@ CASES = {
         ["pipeline_parallel_input_names", "'token_type_ids'", "allowed: input_ids, attention_mask, labels"],
     ),
     "parallelizer/pp_family": (
-        parallelizer(PP2, model=_mixtral, pipeline_parallel_num_microbatches=2),
+        parallelizer(PP2, model=_olmoe, pipeline_parallel_num_microbatches=2),
         "NotImplementedError",
         ["does not support pipeline parallelism", "allowed for this family: pp=1"],
+    ),
+    "parallelizer/router_logits_pp": (
+        parallelizer(
+            PP2,
+            model=lambda: build_model(
+                tiny_config(
+                    "mixtral",
+                    num_local_experts=2,
+                    num_experts_per_tok=1,
+                    num_hidden_layers=4,
+                    output_router_logits=True,
+                )  # fmt: skip
+            ),
+            pipeline_parallel_num_microbatches=2,
+        ),
+        "ValueError",
+        ["output_router_logits=True with pp=2", "allowed with pp > 1: output_router_logits=False"],
+    ),
+    "paddle/ep_hybrid_sharding": (
+        paddle({"dp_config": {"sharding_level": 2, "shard_size": 2}}, model=_mixtral, mesh={"dp": 4, "ep": 2}),
+        "ValueError",
+        ["dp_config['shard_size']=2", "ep=2", "allowed with ep > 1: -1"],
+    ),
+    "trainer/ep_hybrid_sharding": (
+        trainer({"expert_parallel_size": 2, "sharding_level": 1, "shard_size": 2}, model=_mixtral),
+        "ValueError",
+        ["shard_size=2", "ep=2", "allowed with ep > 1: -1"],
     ),
     "parallelizer/sp_family": (
         parallelizer({"dp": 2, "tp": 2}, model=_phi3, sequence_parallel_enabled=True),

@@ -266,7 +266,7 @@ def check_refusals() -> dict:
     odd = build_model(tiny_config("mixtral", **{**MOE["mixtral"], "num_local_experts": 3}))
     out["odd"] = error_and_whether_untouched(odd, lambda: op.parallelize(odd, None, mesh, {"dp_config": {}}))
     moe = build_model(tiny_config("mixtral", **MOE["mixtral"]))
-    level = {"dp_config": {"sharding_level": 2}}
+    level = {"dp_config": {"sharding_level": 2, "shard_size": 2}}  # hybrid sharding with ep: refused
     out["level"] = error_and_whether_untouched(moe, lambda: op.parallelize(moe, None, mesh, level))
     model = op.ParallelizersManager.parallelizer_for_model(moe).parallelize(moe)
     batch = replica_batch(moe.config, 1)
@@ -287,7 +287,7 @@ def test_refusals(pool):
         assert result["odd"][0] == "ValueError" and result["odd"][2], result["odd"]
         assert "ep=2 does not divide the 3 experts" in result["odd"][1] and "allowed" in result["odd"][1]
         assert result["level"][0] == "ValueError" and result["level"][2], result["level"]
-        assert "dp_config['sharding_level']=2" in result["level"][1] and "allowed with ep > 1: 0" in result["level"][1]
+        assert "dp_config['shard_size']=2" in result["level"][1] and "allowed with ep > 1: -1" in result["level"][1]
         assert "ep > 1" in result["no_reduction"] and "dp_config" in result["no_reduction"]
         assert result["eval_ok"]
 

@@ -39,8 +39,8 @@ def test_report_errors_before_anything():
 
 
 def test_report_for_an_automatic_plan():
-    report = plan_report(auto_config("qwen3_moe"), 2)
-    assert "AutoPlanParallelizer[qwen3_moe]" in report and "TensorParallelExperts" in report
+    report = plan_report(auto_config("olmoe"), 2)
+    assert "AutoPlanParallelizer[olmoe]" in report and "TensorParallelExperts" in report
     assert "model.layers.*.mlp.experts.gate_up_proj" in report and "2 packed parts" in report
 
 

@@ -13,7 +13,7 @@ Tensor-parallel shards are plain local tensors, so every level composes with tp 
 Context parallelism (cp) splits the sequence, not the weights, and scales each cp rank's loss by cp: averaging the
 gradients over dp x cp (`mesh.data_parallel_group` / `data_parallel_mesh`) gives the single-device gradient.
 Expert parallelism (ep) splits the experts over blocks of ep dp x cp ranks: the expert parameters stay out of the
-dp x cp reduction and get their own (`_reduce_expert_gradients`, level 0 only for now).
+dp x cp reduction and get their own over their replica group, at every level (`expert_data_parallel.py`).
 """
 
 from __future__ import annotations
@@ -26,10 +26,10 @@ import torch.distributed as dist
 from torch import nn
 
 from ..context_parallel import mark_gradients_reduced
-from ..expert_parallel import ExpertParallelRuntime, find_experts
 from ..mesh import ParallelMesh
 from ..plan.wrappers import plan_root
 from ..state import find_state, parallel_state
+from .expert_data_parallel import check_expert_data_parallel
 from .optimizer import rebuild_optimizer
 
 SHARDING_LEVELS = (0, 1, 2, 3)
@@ -91,7 +91,7 @@ class DataParallelConfig:
             raise ValueError(f"dp_config['reduce_dtype'] = {self.reduce_dtype!r} is not a torch.dtype")
 
 
-def _blocks(model: nn.Module) -> list[nn.Module]:
+def blocks(model: nn.Module) -> list[nn.Module]:
     """The repeated blocks (decoder layers) FSDP wraps one by one, so one block is gathered at a time."""
     for module in model.modules():
         if isinstance(module, nn.ModuleList) and len(module) > 1:
@@ -111,47 +111,49 @@ def apply_data_parallel(
         return model, optimizer
     check_shard_size(config.shard_size, mesh.data_parallel_size)
     mark_gradients_reduced(model)
-    experts = find_state(model).expert_parallel if find_state(model) is not None else None
-    if experts is not None:
-        if config.sharding_level != 0:
-            raise ValueError(
-                f"sharding_level={config.sharding_level} with ep={mesh.size('ep')} is not supported yet; allowed "
-                "with ep > 1: 0"
-            )
-        ignored = [module for _, module in find_experts(model)]
-        _reduce_expert_gradients(ignored, experts, mesh)
-        from torch.distributed._composable import replicate
-
-        replicate(model, process_group=mesh.data_parallel_group, ignored_modules=ignored)
-        return model, optimizer
     # Under pp the schedule calls the stage modules, not the model: the stages are the wrapped roots.
     pipeline = parallel_state(plan_root(model)).pipeline
     roots = list(pipeline.stages) if pipeline is not None else [model]
     if pipeline is not None:
         pipeline.use_data_parallelism(mesh, all_reduce_gradients=config.sharding_level <= 1)
+    state = find_state(model)
+    if state is not None and state.expert_parallel is not None:  # experts reduce over their replica group only
+        from .expert_data_parallel import apply_expert_data_parallel
+
+        check_expert_data_parallel(config.shard_size, mesh.size("ep"))
+        return apply_expert_data_parallel(
+            model,
+            optimizer,
+            mesh,
+            config.sharding_level,
+            state.expert_parallel,
+            roots,
+            config.reduce_dtype,
+            config.threshold,
+        )
     if config.sharding_level <= 1:
         if pipeline is None:
             from torch.distributed._composable import replicate  # loaded here: importing the package stays light
 
             replicate(model, process_group=mesh.data_parallel_group)
         if optimizer is not None and config.sharding_level == 1:
-            optimizer = _zero1(optimizer, mesh.sharding_group(config.shard_size))
+            optimizer = zero1(optimizer, mesh.sharding_group(config.shard_size))
         return model, optimizer
 
     before = dict(model.named_parameters(remove_duplicate=False))
     dp_mesh = mesh.sharding_mesh(config.shard_size)  # 1-D: FSDP; 2-D (replicate, shard): HSDP
-    small = _below_threshold(model, config.threshold)
+    small = below_threshold(model, config.threshold)
     ignored = set(small)
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     policy = MixedPrecisionPolicy(reduce_dtype=config.reduce_dtype)
     reshard = config.sharding_level == 3
     for root in roots:
-        for block in _blocks(root):
+        for block in blocks(root):
             fully_shard(block, mesh=dp_mesh, reshard_after_forward=reshard, mp_policy=policy, ignored_params=ignored)
         fully_shard(root, mesh=dp_mesh, reshard_after_forward=reshard, mp_policy=policy, ignored_params=ignored)
     if small:
-        _all_reduce_after_backward(small, mesh.data_parallel_group)
+        all_reduce_after_backward(small, mesh.data_parallel_group)
     after = dict(model.named_parameters(remove_duplicate=False))
     for name, param in before.items():  # FSDP2 makes new parameters: keep their tensor-parallel layouts
         if hasattr(param, "shard_layout"):
@@ -159,11 +161,11 @@ def apply_data_parallel(
     if optimizer is not None:
         optimizer = rebuild_optimizer(optimizer, {id(p): after[name] for name, p in before.items()})
         if not reshard:
-            _reshard_before_step(optimizer, roots)
+            reshard_before_step(optimizer, roots)
     return model, optimizer
 
 
-def _reshard_before_step(optimizer: torch.optim.Optimizer, roots: list[nn.Module]) -> None:
+def reshard_before_step(optimizer: torch.optim.Optimizer, roots: list[nn.Module]) -> None:
     """Level 2 keeps the weights gathered after a forward until a backward frees them: a no-grad forward between
     backward and step (metrics, evaluation) would leave them gathered, and the forward after the step would use
     the weights from before it. Dropping them before every step is free otherwise (the backward dropped them)."""
@@ -188,7 +190,7 @@ def check_shard_size(shard_size: int, data_parallel_size: int) -> None:
         )
 
 
-def _below_threshold(model: nn.Module, threshold_kb: float) -> list[nn.Parameter]:
+def below_threshold(model: nn.Module, threshold_kb: float) -> list[nn.Parameter]:
     """The parameters smaller than `threshold_kb` KB (this rank's piece), in model order (the same on every rank):
     FSDP2 leaves them whole (replicated)."""
     if threshold_kb <= 0:
@@ -197,7 +199,7 @@ def _below_threshold(model: nn.Module, threshold_kb: float) -> list[nn.Parameter
     return [p for p in model.parameters() if p.numel() * p.element_size() < limit]
 
 
-def _all_reduce_after_backward(params: list[nn.Parameter], group: dist.ProcessGroup) -> None:
+def all_reduce_after_backward(params: list[nn.Parameter], group: dist.ProcessGroup) -> None:
     """Average the gradients of `params` (FSDP2 ignores them) over `group` once per backward, in one bucket: the
     first gradient to arrive queues a callback that runs when the whole backward is done. Linear, so it stays right
     when gradients accumulate over micro-batches (it then runs once per micro-batch)."""
@@ -225,40 +227,13 @@ def _all_reduce_after_backward(params: list[nn.Parameter], group: dist.ProcessGr
             param.register_post_accumulate_grad_hook(on_gradient)
 
 
-def _reduce_expert_gradients(experts: list[nn.Module], runtime: ExpertParallelRuntime, mesh: ParallelMesh) -> None:
-    """DDP semantics for the expert parameters: each expert's gradient becomes the mean over dp x cp of the replicas'
-    gradients. A rank's raw expert gradient sums its expert group's tokens (the dispatch backward brings them), so it
-    is scaled by 1/ep as it arrives (before accumulation) and then averaged over the ranks holding the same experts
-    (dp x cp / ep of them), once per backward, in one bucket; averaging replicated values changes nothing, so it stays
-    right when gradients accumulate over micro-batches. The dispatch backward queues it, so it runs on every rank
-    even where no token reached this rank's experts (their gradients are then zeros)."""
-    params = [p for module in experts for p in module.parameters(recurse=False) if p.requires_grad]
-    scale = 1.0 / runtime.ep
-    for param in params:
-        param.register_hook(lambda grad: grad * scale)
-    group = mesh.expert_replica_group
-    replicas = dist.get_world_size(group)
-
-    def reduce() -> None:
-        for param in params:
-            if param.grad is None:
-                param.grad = torch.zeros_like(param)
-        if replicas == 1:
-            return
-        flat = torch.cat([p.grad.reshape(-1) for p in params])
-        dist.all_reduce(flat, group=group)
-        flat /= replicas
-        for param, part in zip(params, flat.split([p.numel() for p in params]), strict=True):
-            param.grad.copy_(part.view_as(param.grad))
-
-    runtime.after_backward.append(reduce)
-    runtime.gradients_reduced = True
-
-
-def _zero1(optimizer: torch.optim.Optimizer, group: dist.ProcessGroup) -> torch.optim.Optimizer:
-    """The same optimizer with its state sharded over `group` (param groups and hyper-parameters kept)."""
+def zero1(
+    optimizer: torch.optim.Optimizer, group: dist.ProcessGroup, param_groups: list[dict] | None = None
+) -> torch.optim.Optimizer:
+    """The same optimizer with its state sharded over `group` (param groups and hyper-parameters kept; or, given,
+    `param_groups`: a part of them)."""
     check_data_parallel(DataParallelConfig(sharding_level=1), optimizer)
-    groups = [dict(group) for group in optimizer.param_groups]
+    groups = [dict(group) for group in (optimizer.param_groups if param_groups is None else param_groups)]
     accepted = inspect.signature(type(optimizer)).parameters
     defaults = {k: v for k, v in optimizer.defaults.items() if k in accepted and k != "params"}
     from torch.distributed.optim import ZeroRedundancyOptimizer

@@ -23,6 +23,7 @@ from ..pipeline import check_pipeline
 from ..plan import check_plan
 from ..state import find_state
 from .data_parallel import DataParallelConfig, check_data_parallel
+from .expert_data_parallel import check_expert_data_parallel
 
 if TYPE_CHECKING:
     from .compose import PipelineRequest
@@ -36,6 +37,7 @@ class RequestKeys:
     num_microbatches: str = "pipeline_parallel_num_microbatches"
     context_parallel: str = "context_parallel_strategy"
     sharding_level: str = "sharding_level"
+    shard_size: str = "dp_config['shard_size']"
 
 
 PARALLELIZER_KEYS = RequestKeys()
@@ -44,7 +46,7 @@ CONFIG_KEYS = RequestKeys(  # parallelize(model, optimizer, mesh, config)
     num_microbatches="pp_config['num_microbatches']",
     sharding_level="dp_config['sharding_level']",
 )
-TRAINER_KEYS = RequestKeys(schedule="pipeline_schedule")  # ParallelTrainingArguments
+TRAINER_KEYS = RequestKeys(schedule="pipeline_schedule", shard_size="shard_size")  # ParallelTrainingArguments
 
 
 def validate_request(
@@ -76,6 +78,7 @@ def validate_request(
             schedule_key=keys.schedule,
             microbatches_key=keys.num_microbatches,
         )
+        check_router_logits(model, mesh.size("pp"))
     cp = mesh.size("cp")
     state = find_state(model)  # a read that records nothing: validation changes nothing
     if cp > 1 and (state is None or state.context_parallel is None):
@@ -86,10 +89,16 @@ def validate_request(
     ep = mesh.size("ep")
     if ep > 1 and (state is None or state.expert_parallel is None):
         check_expert_parallel(model, ep)
-        if pipeline is not None and mesh.size("pp") > 1:
-            raise ValueError(f"ep={ep} with pp={mesh.size('pp')} is not supported yet; allowed with ep > 1: pp=1")
-        if data_parallel is not None and data_parallel.sharding_level != 0:
-            raise ValueError(
-                f"{keys.sharding_level}={data_parallel.sharding_level} with ep={ep} is not supported yet (the expert "
-                "parameters differ between the ranks it would shard over); allowed with ep > 1: 0"
-            )
+        if data_parallel is not None:
+            check_expert_data_parallel(data_parallel.shard_size, ep, keys.shard_size)
+
+
+def check_router_logits(model: nn.Module, pp: int) -> None:
+    """Under pp the stages pass hidden states only and the loss is the language-model one: a router aux loss
+    (`output_router_logits=True`) would be dropped without a word, so it is refused."""
+    config = getattr(model, "config", None)
+    if pp > 1 and getattr(config, "output_router_logits", False):
+        raise ValueError(
+            f"output_router_logits=True with pp={pp} is not supported (the pipeline's loss has no router aux loss: "
+            "the stages pass hidden states only); allowed with pp > 1: output_router_logits=False"
+        )

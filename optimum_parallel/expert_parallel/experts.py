@@ -161,6 +161,8 @@ class _ExpertParallelForward:
         local_expert = torch.arange(local, device=rows.device).repeat(ep).repeat_interleave(received.reshape(-1))
         ones = torch.ones(rows.shape[0], 1, dtype=top_k_weights.dtype, device=rows.device)
         out = self.local_forward(module, rows, local_expert[:, None], ones)
+        if rows.shape[0] == 0:  # no row reached this rank: its experts still get (zero) gradients, as on the others
+            out = out + sum(p.sum() for p in module.parameters(recurse=False)) * 0
         back = all_to_all_rows(out, recv_splits, send_splits, runtime.group, runtime.backward_started)
         weights = top_k_weights.reshape(-1)[order].unsqueeze(-1)
         combined = torch.zeros_like(hidden_states)

@@ -1,4 +1,4 @@
-"""Mixture-of-experts decoders (Mixtral, Qwen2-MoE): Llama-style attention, experts split over tp.
+"""Mixture-of-experts decoders (Mixtral, Qwen2-MoE, Qwen3-MoE): Llama-style attention, experts split over tp.
 
 Every expert's intermediate dim is split over tp (`TensorParallelExperts`): each rank computes its
 slice of every routed expert, one all-reduce per MoE block. The router (and Qwen2-MoE's
@@ -9,15 +9,17 @@ and its gradients need no extra reduction. Qwen2-MoE's shared expert is an ordin
 from __future__ import annotations
 
 from optimum_parallel import ColWiseParallel, RowWiseParallel, optional
-from optimum_parallel.styles import TensorParallelExperts
+from optimum_parallel.styles import ReplicatedWithGradAllReduce, TensorParallelExperts
 
 from ._common import prefix
 from .llama import LlamaParallelizer
 
 
 class MoEParallelizer(LlamaParallelizer):
-    supports_sequence_parallel = False  # the experts region enters from the whole sequence
-    supports_pipeline_parallel = False  # not verified for this family yet
+    # under sequence parallelism the MoE block is replicated work on the whole sequence (`SequenceParallelDisable`
+    # without column/row layers inside: gather in, split out); the experts stay one tp region inside it
+    supports_sequence_parallel = True
+    supports_pipeline_parallel = True  # tests/test_expert_parallel_pipeline.py (mixtral, qwen3_moe, qwen2_moe)
 
     @classmethod
     def plan(cls, model, mesh, parallelize_embeddings, sequence_parallel_enabled):
@@ -29,3 +31,21 @@ class MoEParallelizer(LlamaParallelizer):
         plan[mlp + r"shared_expert\.(gate|up)_proj"] = optional(ColWiseParallel())
         plan[mlp + r"shared_expert\.down_proj"] = optional(RowWiseParallel())
         return plan
+
+
+class Qwen3MoEParallelizer(MoEParallelizer):
+    """Qwen3-MoE: the MoE plan plus Qwen3's per-head q_norm / k_norm, replicated with their gradients summed over tp
+    (each rank normalizes only its own heads)."""
+
+    @classmethod
+    def plan(cls, model, mesh, parallelize_embeddings, sequence_parallel_enabled):
+        plan = super().plan(model, mesh, parallelize_embeddings, sequence_parallel_enabled)
+        plan[prefix(model) + r"layers\.\d+\.self_attn\.(q|k)_norm"] = ReplicatedWithGradAllReduce()
+        return plan
+
+
+class Qwen2MoEParallelizer(MoEParallelizer):
+    """Qwen2-MoE: its shared expert (column/row layers) sits in the same block as the routed experts, so the
+    block's sequence-parallel entry would mix the two kinds of region: tensor parallelism only for now."""
+
+    supports_sequence_parallel = False

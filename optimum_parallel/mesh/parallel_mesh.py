@@ -42,6 +42,7 @@ class ParallelMesh:
     _sharding_meshes: dict[int, DeviceMesh] = field(default_factory=dict, repr=False)
     expert_parallel_size: int = 1
     _expert_groups: tuple[dist.ProcessGroup, dist.ProcessGroup] | None = field(default=None, repr=False)
+    _expert_replica_mesh: DeviceMesh | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         check_expert_parallel_size(self.expert_parallel_size, self.sizes["dp"], self.sizes["cp"])
@@ -83,6 +84,15 @@ class ParallelMesh:
         if self._expert_groups is None:
             raise ValueError(_NO_EXPERT_PARALLELISM)
         return self._expert_groups[1]
+
+    @property
+    def expert_replica_mesh(self) -> DeviceMesh:
+        """`expert_replica_group` as a 1-D DeviceMesh (FSDP2 shards the experts over it at sharding levels 2-3)."""
+        if self._expert_replica_mesh is None:
+            self._expert_replica_mesh = DeviceMesh.from_group(
+                self.expert_replica_group, self.device_type, mesh_dim_names=("ep_replicate",)
+            )
+        return self._expert_replica_mesh
 
     def _make_expert_groups(self) -> tuple[dist.ProcessGroup, dist.ProcessGroup]:
         """Every rank creates every expert and replica group (torch requires it); returns this rank's two."""

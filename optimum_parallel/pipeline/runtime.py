@@ -11,6 +11,7 @@ from torch import nn
 from torch.distributed.pipelining import PipelineStage
 
 from ..context_parallel import ChunkLayout, check_gradients_reduced, split_batch
+from ..expert_parallel import expert_layout
 from ..mesh import ParallelMesh
 from ..mesh.loaded import local_tensor
 from ..state import parallel_state, refuse
@@ -254,7 +255,12 @@ class Pipeline:
         over `dp_group` (the dp x cp ranks holding the same stages: cp ranks' losses are scaled by cp already)."""
         if self.dp_group is None:
             return
-        grads = [p.grad for stage in self.stages for p in stage.parameters() if p.grad is not None]
+        grads = [  # experts (ep > 1) are averaged over the ranks holding the same experts (the engine's hook)
+            p.grad
+            for stage in self.stages
+            for p in stage.parameters()
+            if p.grad is not None and expert_layout(p) is None
+        ]
         flat = torch._utils._flatten_dense_tensors(grads)
         dist.all_reduce(flat, group=self.dp_group)
         flat /= dist.get_world_size(self.dp_group)

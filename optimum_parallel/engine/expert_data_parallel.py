@@ -1,0 +1,204 @@
+"""Data parallelism for an expert-parallel model: the dense parameters over dp x cp as usual, the experts only over
+their replica group (the dp x cp / ep ranks holding the same experts), scaled so that each expert's gradient is the
+mean over dp x cp.
+
+A rank's raw expert gradient sums the tokens of its whole expert group (the dispatch backward brings them back), so
+averaging it over the replicas and dividing by ep gives the mean over dp x cp:
+
+level 0: DDP (`replicate`) over dp x cp for the dense parameters; expert gradients scaled by 1/ep as they arrive and
+         averaged over the replica group once per backward (`reduce_expert_gradients`);
+level 1: the same gradients, and two ZeRO-1 optimizers stepped as one (`ExpertSplitOptimizer`): the dense state
+         sharded over dp x cp, the experts' over their replica group;
+level 2-3: FSDP2 units: each experts module on the replica sub-mesh with its gradient divided by dp x cp (a SUM
+         reduce-scatter, then the division: gloo has no PREMUL_SUM), the blocks and the root on the dp x cp mesh.
+Hybrid sharding (`shard_size`) is refused with ep by `check_expert_data_parallel`.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from ..expert_parallel import ExpertParallelRuntime, find_experts
+from ..mesh import ParallelMesh
+from .optimizer import rebuild_optimizer
+
+
+def check_expert_data_parallel(shard_size: int, ep: int, key: str = "dp_config['shard_size']") -> None:
+    """ValueError naming `key` unless the request's data parallelism composes with ep (no hybrid sharding yet)."""
+    if ep > 1 and shard_size != -1:
+        raise ValueError(
+            f"{key}={shard_size} (hybrid sharding) with ep={ep} is not supported yet; allowed with ep > 1: -1"
+        )
+
+
+def apply_expert_data_parallel(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer | None,
+    mesh: ParallelMesh,
+    level: int,
+    runtime: ExpertParallelRuntime,
+    roots: list[nn.Module],
+    reduce_dtype: torch.dtype | None = None,
+    threshold: float = 0,
+) -> tuple[nn.Module, torch.optim.Optimizer | None]:
+    """Make the expert-parallel `model` data-parallel at sharding `level` over `mesh`; rebuild `optimizer`.
+    `roots`: the modules the forward calls (the model, or under pp its stages), which FSDP2 wraps."""
+    experts = [module for _, module in find_experts(model)]
+    if level <= 1:
+        reduce_expert_gradients(experts, runtime, mesh)
+        if len(roots) == 1 and roots[0] is model:  # under pp the pipeline all-reduces the dense gradients itself
+            from torch.distributed._composable import replicate
+
+            replicate(model, process_group=mesh.data_parallel_group, ignored_modules=experts)
+        if optimizer is not None and level == 1:
+            optimizer = _split_zero1(optimizer, experts, mesh)
+        return model, optimizer
+    return _fully_shard(model, optimizer, mesh, level, runtime, roots, experts, reduce_dtype, threshold)
+
+
+def expert_parameters(model: nn.Module) -> set[int]:
+    """ids of the parameters of `model`'s stacked-experts modules."""
+    return {id(p) for _, module in find_experts(model) for p in module.parameters(recurse=False)}
+
+
+def reduce_expert_gradients(experts: list[nn.Module], runtime: ExpertParallelRuntime, mesh: ParallelMesh) -> None:
+    """DDP semantics for the expert parameters: each expert's gradient becomes the mean over dp x cp of the replicas'
+    gradients. A rank's raw expert gradient sums its expert group's tokens, so it is scaled by 1/ep as it arrives
+    (before accumulation) and then averaged over the ranks holding the same experts (dp x cp / ep of them), once per
+    backward, in one bucket; averaging replicated values changes nothing, so it stays right when gradients accumulate
+    over micro-batches. The dispatch backward queues it, so it runs on every rank even where no token reached this
+    rank's experts (their gradients are then zeros)."""
+    params = [p for module in experts for p in module.parameters(recurse=False) if p.requires_grad]
+    scale = 1.0 / runtime.ep
+    for param in params:
+        param.register_hook(lambda grad: grad * scale)
+    group = mesh.expert_replica_group
+    replicas = dist.get_world_size(group)
+
+    def reduce() -> None:
+        for param in params:
+            if param.grad is None:
+                param.grad = torch.zeros_like(param)
+        if replicas == 1 or not params:
+            return
+        flat = torch.cat([p.grad.reshape(-1) for p in params])
+        dist.all_reduce(flat, group=group)
+        flat /= replicas
+        for param, part in zip(params, flat.split([p.numel() for p in params]), strict=True):
+            param.grad.copy_(part.view_as(param.grad))
+
+    runtime.after_backward.append(reduce)
+    runtime.gradients_reduced = True
+
+
+class ExpertSplitOptimizer(torch.optim.Optimizer):
+    """Two ZeRO-1 optimizers stepped as one: the dense parameters' state sharded over dp x cp, the experts' over
+    their replica group. `param_groups` are theirs (the same dicts: a scheduler's lr reaches both)."""
+
+    def __init__(self, parts: list[torch.optim.Optimizer]) -> None:
+        self.parts = parts
+        groups = [group for part in parts for group in part.param_groups]
+        super().__init__(groups, parts[0].defaults)  # the same group dicts, appended as they are
+
+    @property
+    def state(self):  # the local optimizers' state (a fresh one holds none)
+        return {k: v for part in self.parts for k, v in part.optim.state.items()}
+
+    @state.setter
+    def state(self, _value) -> None:  # Optimizer.__init__ assigns an empty one
+        pass
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for part in self.parts:
+            part.step()
+        return loss
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        for part in self.parts:
+            part.zero_grad(set_to_none)
+
+    def state_dict(self):
+        raise NotImplementedError(
+            "the optimizer of an expert-parallel model at sharding_level=1 (two ZeRO-1 optimizers, dense over dp x cp "
+            "and experts over their replica group) has no state_dict yet: consolidating the experts' ZeRO state "
+            "over the replica group is missing; allowed: sharding_level 0 or 2-3 to save optimizer state"
+        )
+
+    def load_state_dict(self, state_dict) -> None:
+        raise NotImplementedError(
+            "the optimizer of an expert-parallel model at sharding_level=1 cannot load a state_dict yet (see "
+            "state_dict); allowed: sharding_level 0 or 2-3"
+        )
+
+
+def _split_zero1(
+    optimizer: torch.optim.Optimizer, experts: list[nn.Module], mesh: ParallelMesh
+) -> torch.optim.Optimizer:
+    from .data_parallel import zero1
+
+    expert_ids = {id(p) for module in experts for p in module.parameters(recurse=False)}
+    dense, local = [], []
+    for group in optimizer.param_groups:
+        options = {k: v for k, v in group.items() if k != "params"}
+        dense.append({**options, "params": [p for p in group["params"] if id(p) not in expert_ids]})
+        local.append({**options, "params": [p for p in group["params"] if id(p) in expert_ids]})
+    parts = []
+    for groups, group in ((dense, mesh.data_parallel_group), (local, mesh.expert_replica_group)):
+        groups = [g for g in groups if g["params"]]
+        if groups:
+            parts.append(zero1(optimizer, group, groups))
+    return ExpertSplitOptimizer(parts)
+
+
+def _fully_shard(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer | None,
+    mesh: ParallelMesh,
+    level: int,
+    runtime: ExpertParallelRuntime,
+    roots: list[nn.Module],
+    experts: list[nn.Module],
+    reduce_dtype: torch.dtype | None,
+    threshold: float,
+) -> tuple[nn.Module, torch.optim.Optimizer | None]:
+    """FSDP2: the experts modules first (on the replica sub-mesh), then each block and each root on dp x cp."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    from .data_parallel import all_reduce_after_backward, below_threshold, blocks, reshard_before_step
+
+    before = dict(model.named_parameters(remove_duplicate=False))
+    expert_ids = {id(p) for module in experts for p in module.parameters(recurse=False)}
+    small = [p for p in below_threshold(model, threshold) if id(p) not in expert_ids]
+    ignored = set(small)
+    policy = MixedPrecisionPolicy(reduce_dtype=reduce_dtype)
+    reshard = level == 3
+    for module in experts:
+        fully_shard(module, mesh=mesh.expert_replica_mesh, reshard_after_forward=reshard, mp_policy=policy)
+        module.set_gradient_divide_factor(float(mesh.data_parallel_size))
+        if dist.get_world_size(mesh.expert_replica_group) > 1:  # one rank: torch divides once without it, twice with
+            module.set_force_sum_reduction_for_comms(True)
+    dp_mesh = mesh.data_parallel_mesh
+    for root in roots:
+        for block in blocks(root):
+            fully_shard(block, mesh=dp_mesh, reshard_after_forward=reshard, mp_policy=policy, ignored_params=ignored)
+        fully_shard(root, mesh=dp_mesh, reshard_after_forward=reshard, mp_policy=policy, ignored_params=ignored)
+    if small:
+        all_reduce_after_backward(small, mesh.data_parallel_group)
+    runtime.gradients_reduced = True
+    after = dict(model.named_parameters(remove_duplicate=False))
+    for name, param in before.items():  # FSDP2 makes new parameters: keep their layouts
+        for attribute in ("shard_layout", "expert_layout"):
+            if hasattr(param, attribute):
+                setattr(after[name], attribute, getattr(param, attribute))
+    if optimizer is not None:
+        optimizer = rebuild_optimizer(optimizer, {id(p): after[name] for name, p in before.items()})
+        if not reshard:
+            reshard_before_step(optimizer, roots)
+    return model, optimizer
