@@ -5,6 +5,7 @@ model reads only its rank's experts."""
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pytest
@@ -370,7 +371,7 @@ def test_refusals_name_the_key(pool, runs, tmp_path):
 @pytest.fixture(scope="module")
 def stacked_dirs(tmp_path_factory) -> dict[str, str]:
     """HF checkpoints with the experts stored stacked ([E, ...] tensors, as gpt_oss ships them; transformers saves
-    mixtral / qwen3_moe per expert, which lazy loading refuses as a weight conversion)."""
+    mixtral / qwen3_moe per expert: `per_expert_dirs` below)."""
     out = {}
     for model_type in ("mixtral", "qwen3_moe"):
         path = tmp_path_factory.mktemp("stacked") / model_type
@@ -436,3 +437,75 @@ def test_lazy_loading_reads_only_the_ranks_experts(pool, stacked_dirs, model_typ
             blocks.add((key, experts, rank % tp))
         assert sum(s for _, _, s in expert_reads) == sum(on_disk.values()) // (ep * tp)
     assert len(blocks) == len(on_disk) * ep * tp  # together the ranks read every expert slice once per replica
+
+
+@pytest.fixture(scope="module")
+def per_expert_dirs(tmp_path_factory) -> dict[str, str]:
+    """HF checkpoints as `save_pretrained` writes them: one tensor per expert (mixtral `experts.<e>.w1/w2/w3`,
+    qwen3_moe `experts.<e>.gate_proj/up_proj/down_proj`), which transformers stacks at load."""
+    out = {}
+    for model_type in ("mixtral", "qwen3_moe"):
+        path = tmp_path_factory.mktemp("per_expert") / model_type
+        build_model(tiny_config(model_type, **MOE[model_type]), seed=3).save_pretrained(path)
+        out[model_type] = str(path)
+    return out
+
+
+def lazy_per_expert_against_eager(model_type: str, sizes: dict, hf_dir: str) -> dict:
+    """Lazy load of a per-expert checkpoint, parallelized, against an eager load parallelized alike: the bytes read
+    per checkpoint key, and which parameters differ."""
+    import optimum_parallel as op
+    from optimum_parallel.io.safetensors_io import SafetensorsReader
+
+    mesh = op.init_mesh(**sizes)
+    reads: dict[str, int] = {}
+    originals = {name: getattr(SafetensorsReader, name) for name in ("read", "read_slice", "map_rows")}
+
+    def recording(name):
+        def read(self, key, *args, **kwargs):
+            value = originals[name](self, key, *args, **kwargs)
+            reads[key] = reads.get(key, 0) + value.numel() * value.element_size()
+            return value
+
+        return read
+
+    with op.lazy_load_for_parallelism(tensor_parallel_size=mesh.tp_size, expert_parallel_size=sizes.get("ep", 1)):
+        model = AutoModelForCausalLM.from_pretrained(hf_dir, **LOAD)
+    meta = all(p.device.type == "meta" for p in model.parameters())
+    for name in originals:
+        setattr(SafetensorsReader, name, recording(name))
+    try:
+        model, _ = _parallel(mesh, model_type, 0, model=model, lazy_optimizer=True)
+    finally:
+        for name, original in originals.items():
+            setattr(SafetensorsReader, name, original)
+    eager, _ = _parallel(mesh, model_type, 0, model=AutoModelForCausalLM.from_pretrained(hf_dir, **LOAD))
+    held = dict(eager.named_parameters())
+    differ = [n for n, p in model.named_parameters() if not torch.equal(p.detach(), held[n].detach())]
+    batch = _local_batch(model.config, mesh)
+    with torch.no_grad():
+        same_loss = model(**batch).loss.item() == eager(**batch).loss.item()
+    return {"meta": meta, "reads": reads, "differ": differ, "same_loss": same_loss}
+
+
+PER_EXPERT = [("mixtral", TP2_EP2), ("qwen3_moe", TP2_EP2), ("mixtral", dict(dp=2, tp=2))]
+
+
+@pytest.mark.parametrize("model_type,sizes", PER_EXPERT, ids=[_key(*c) for c in PER_EXPERT])
+def test_lazy_loading_stacks_per_expert_checkpoints(pool, per_expert_dirs, model_type, sizes):
+    """transformers' own save format (one tensor per expert): each rank reads only its experts' tensors, and of each
+    its tp slice; the stacked result equals transformers' eager load parallelized alike."""
+    hf_dir = per_expert_dirs[model_type]
+    files = load_file(Path(hf_dir) / "model.safetensors")
+    per_expert = {k: v.numel() * v.element_size() for k, v in files.items() if re.search(r"\.experts\.\d+\.", k)}
+    assert per_expert, "save_pretrained no longer writes one tensor per expert"
+    count = MOE[model_type]["num_local_experts" if model_type == "mixtral" else "num_experts"]
+    ep, tp = sizes.get("ep", 1), sizes["tp"]
+    for rank, result in enumerate(pool.run(lazy_per_expert_against_eager, model_type, sizes, hf_dir)):
+        assert result["meta"] and result["differ"] == [] and result["same_loss"], (rank, result["differ"])
+        ep_rank = (rank // tp) % ep
+        block = range(ep_rank * count // ep, (ep_rank + 1) * count // ep)
+        mine = {k for k in per_expert if int(re.search(r"experts\.(\d+)\.", k)[1]) in block}
+        read = {k: n for k, n in result["reads"].items() if k in per_expert}
+        assert read.keys() == mine, (rank, sorted(set(read) ^ mine))
+        assert all(n == per_expert[k] // tp for k, n in read.items()), rank

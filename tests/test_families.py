@@ -317,10 +317,11 @@ def test_heads_tp_cannot_split_are_rejected_before_weights_move(pool):
         assert expected in messages[model_type] and "tensor_parallel_size=4" in messages[model_type], messages
 
 
-# MoE checkpoints are left out: transformers saves experts one by one and fuses them while loading,
-# a weight conversion lazy loading does not do yet (NotImplementedError in lazy.py).
 LAZY_CASES = [
     ("phi3", "causal", 4, {}),  # packed qkv (replicated kv parts) and gate_up read as slices
+    # MoE checkpoints as transformers saves them, one tensor per expert: stacked per rank from the experts' slices
+    ("mixtral", "causal", 2, {}),
+    ("qwen2_moe", "causal", 2, {}),
     ("gpt2", "causal", 2, {}),  # Conv1D [in, out] and packed c_attn
     ("t5", "s2s", 2, {}),  # head-split relative attention bias, tied shared embedding
     ("bert", "mlm", 4, {}),  # tied MLM bias

@@ -17,9 +17,10 @@ from tqdm.auto import tqdm
 from ..expert_parallel import expert_range
 from ..io.safetensors_io import SLICE_BUFFER, SafetensorsReader
 from ..io.slices import read_slice
+from ..io.stacked_experts import StackedExpertsSource, read_stacked_experts
 from ..tensor_parallel.spec import replace_tensor, split_layout
 
-SOURCES_ATTR = "_op_lazy_sources"  # {parameter name: (safetensors file, key)}
+SOURCES_ATTR = "_op_lazy_sources"  # {parameter name: (safetensors file, key) or a StackedExpertsSource}
 INIT_ATTR = "_op_lazy_init"  # an object whose .materialize(model, device) replays a lazy from_config's init
 
 
@@ -50,7 +51,7 @@ def materialize_lazy_model(
     the checkpoint (lazy `from_pretrained`) or of a fresh init (lazy `from_config`). No-op for other models.
     `read_checkpoint=False` only allocates what the HF checkpoint would fill (a sharded checkpoint is about
     to overwrite all of it: no double read)."""
-    sources: dict[str, tuple[str, str]] | None = model.__dict__.get(SOURCES_ATTR)
+    sources: dict[str, object] | None = model.__dict__.get(SOURCES_ATTR)
     init = model.__dict__.pop(INIT_ATTR, None)
     if init is not None:
         init.materialize(model, device)
@@ -63,19 +64,26 @@ def materialize_lazy_model(
             "build the model under lazy_load_for_parallelism(...)"
         )
     readers: dict[str, SafetensorsReader] = {}
+
+    def opened(file: str) -> SafetensorsReader:
+        if file not in readers:
+            readers[file] = SafetensorsReader(file)
+        return readers[file]
+
     scratch = torch.empty(SLICE_BUFFER if read_checkpoint else 0, dtype=torch.uint8)  # reused by strided reads
     try:
         for names, module, leaf, tensor in tqdm(pending, desc="lazy load", unit="tensor", disable=_show_progress()):
             source = next((sources[n] for n in names if n in sources), None)
             if source is None:
                 raise ValueError(f"{names[0]} is on the meta device and was not found in the checkpoint files")
-            file, key = source
             if not read_checkpoint:
                 replace_tensor(module, leaf, torch.empty(tensor.shape, dtype=tensor.dtype, device=device or "cpu"))
                 continue
-            if file not in readers:
-                readers[file] = SafetensorsReader(file)
-            value = read_slice(readers[file], key, split_layout(tensor), scratch, expert_range(tensor))
+            if isinstance(source, StackedExpertsSource):  # one tensor per expert on disk
+                value = read_stacked_experts(source, opened, split_layout(tensor), expert_range(tensor), scratch)
+            else:
+                file, key = source
+                value = read_slice(opened(file), key, split_layout(tensor), scratch, expert_range(tensor))
             replace_tensor(module, leaf, value.to(device=device or "cpu", dtype=tensor.dtype))
     finally:
         for reader in readers.values():

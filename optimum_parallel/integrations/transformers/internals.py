@@ -61,7 +61,13 @@ INTERNALS: dict[str, Internal] = {
         "transformers.core_model_loading", "WeightRenaming", "lazy from_pretrained: key renamings"
     ),
     "core_model_loading.WeightConverter": Internal(
-        "transformers.core_model_loading", "WeightConverter", "lazy from_pretrained: weight conversions (refused)"
+        "transformers.core_model_loading", "WeightConverter", "lazy from_pretrained: weight conversions"
+    ),
+    "core_model_loading.MergeModulelist": Internal(
+        "transformers.core_model_loading", "MergeModulelist", "lazy from_pretrained: per-expert tensors stacked"
+    ),
+    "core_model_loading.Concatenate": Internal(
+        "transformers.core_model_loading", "Concatenate", "lazy from_pretrained: gate and up concatenated"
     ),
     "loading_report.LoadStateDictInfo": Internal(
         "transformers.utils.loading_report",

@@ -10,6 +10,7 @@ internals touched here are named in `internals.py`.
 from __future__ import annotations
 
 import copy
+import re
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -20,6 +21,7 @@ from safetensors import safe_open
 from torch import nn
 
 from ...engine.materialize import INIT_ATTR, SOURCES_ATTR, meta_tensors
+from ...io.stacked_experts import StackedExpertsSource
 from ...mesh import check_positive_int
 from ...tensor_parallel.spec import replace_tensor, split_layout
 from .internals import transformers_internal
@@ -75,6 +77,50 @@ def _record_init(model: nn.Module) -> None:
     model.__dict__[INIT_ATTR] = _LazyInit(torch.get_rng_state(), order)
 
 
+class _PerExpertTensors:
+    """The per-expert tensors of a checkpoint that transformers stacks at load (`MergeModulelist(dim=0)`, then for
+    gate and up `Concatenate(dim=1)`): collected by target, then recorded as one `StackedExpertsSource` each. Any
+    other weight conversion is refused: lazy loading reads tensors as stored."""
+
+    def __init__(self) -> None:
+        self.found: dict[str, dict[int, dict[int, tuple[str, str, tuple[int, ...]]]]] = {}  # target -> part -> expert
+
+    def add(self, file, key: str, target: str, pattern: str, converters, shape: tuple[int, ...]) -> None:
+        MergeModulelist = transformers_internal("core_model_loading.MergeModulelist")  # noqa: N806 - classes
+        Concatenate = transformers_internal("core_model_loading.Concatenate")  # noqa: N806
+        converter = next(c for c in converters if pattern in c.source_patterns)
+        kinds = [(type(op), getattr(op, "dim", None)) for op in converter.operations]
+        stacking = kinds[:1] == [(MergeModulelist, 0)] and kinds[1:] in ([], [(Concatenate, 1)])
+        expert = re.search(re.escape(pattern).replace(r"\*", r"(\d+)"), key) if stacking else None
+        if expert is None:
+            raise NotImplementedError(
+                f"{file}: {key} needs the weight conversion {pattern!r} to become {target}; lazy loading reads "
+                "tensors as stored or stacks per-expert tensors, nothing else (convert the checkpoint once with "
+                "save_pretrained)"
+            )
+        part = converter.source_patterns.index(pattern)
+        self.found.setdefault(target, {}).setdefault(part, {})[int(expert.group(1))] = (str(file), key, shape)
+
+    def sources(self, expected: dict) -> dict[str, StackedExpertsSource]:
+        out = {}
+        for target, parts in self.found.items():
+            count = expected[target].shape[0]
+            for part, per_expert in parts.items():
+                if sorted(per_expert) != list(range(count)):
+                    raise ValueError(f"{target}: part {part} has experts {sorted(per_expert)}, expected 0..{count - 1}")
+            ordered = [parts[p] for p in sorted(parts)]
+            rows = tuple(part[0][2][0] for part in ordered)
+            stacked = (count, sum(rows), *ordered[0][0][2][1:]) if len(rows) > 1 else (count, *ordered[0][0][2])
+            if stacked != tuple(expected[target].shape):
+                raise ValueError(
+                    f"{target}: the per-expert tensors stack to {list(stacked)}, the model expects "
+                    f"{list(expected[target].shape)}"
+                )
+            parts_files = tuple(tuple((f, k) for f, k, _ in (part[e] for e in range(count))) for part in ordered)
+            out[target] = StackedExpertsSource(parts_files, rows)
+        return out
+
+
 def _record_instead_of_loading(model, state_dict, checkpoint_files, load_config, expected_keys=None):
     """Stands in for `PreTrainedModel._load_pretrained_model`: map every checkpoint key to its model key,
     exactly as transformers renames them, and leave the weights on the meta device."""
@@ -97,7 +143,8 @@ def _record_instead_of_loading(model, state_dict, checkpoint_files, load_config,
     renamings = [m for m in mapping if isinstance(m, WeightRenaming)]
     converters = [m for m in mapping if isinstance(m, WeightConverter)]
     expected = model.state_dict()
-    sources: dict[str, tuple[str, str]] = {}
+    sources: dict[str, object] = {}
+    experts = _PerExpertTensors()
     unexpected = set()
     for file in checkpoint_files:
         with safe_open(file, framework="pt") as f:
@@ -109,10 +156,8 @@ def _record_instead_of_loading(model, state_dict, checkpoint_files, load_config,
                     unexpected.add(key)
                     continue
                 if pattern is not None:
-                    raise NotImplementedError(
-                        f"{file}: {key} needs the weight conversion {pattern!r} to become {target}; lazy loading "
-                        "reads tensors as stored (convert the checkpoint once with save_pretrained)"
-                    )
+                    experts.add(file, key, target, pattern, converters, tuple(f.get_slice(key).get_shape()))
+                    continue
                 shape = tuple(f.get_slice(key).get_shape())
                 if shape != tuple(expected[target].shape):
                     raise ValueError(
@@ -121,6 +166,9 @@ def _record_instead_of_loading(model, state_dict, checkpoint_files, load_config,
                     )
                 sources[target] = (str(file), key)
                 model.get_parameter_or_buffer(target)._is_hf_initialized = True  # transformers' "loaded" flag
+    for target, source in experts.sources(expected).items():
+        sources[target] = source
+        model.get_parameter_or_buffer(target)._is_hf_initialized = True
     missing = set(expected) - set(sources)  # tied aliases included, as transformers expects
     # tied weights are read from their source's tensor, also where only the alias survives (a pipeline's last stage)
     for alias, target in (getattr(model, "all_tied_weights_keys", None) or {}).items():

@@ -116,9 +116,8 @@ class ParallelTrainer(Trainer):
             raise ValueError("model_init is not supported by ParallelTrainer; pass the model or its path")
         self.mesh = _mesh_for(args)
         if isinstance(model, (str, os.PathLike)):
-            # not expert_parallel_size: transformers saves mixtral / qwen3_moe experts one tensor each, a conversion
-            # lazy loading refuses, so at tp = pp = 1 the model loads whole (as before) and ep splits it after
-            with lazy_load_for_parallelism(args.tensor_parallel_size, args.pipeline_parallel_size):
+            sizes = args.tensor_parallel_size, args.pipeline_parallel_size, args.expert_parallel_size
+            with lazy_load_for_parallelism(*sizes):
                 model = model_class.from_pretrained(model, **(model_kwargs or {}))
         self.parallelizer = ParallelizersManager.parallelizer_for_model(model)
         config = DataParallelConfig(
