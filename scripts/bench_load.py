@@ -158,6 +158,19 @@ def _warm_page_cache(directory: Path) -> None:
                 pass
 
 
+def _same_page_cache(directory: Path) -> None:
+    """Start each timed run from the same state: no dirty pages, and (as root) an emptied page cache with only
+    `directory` read back in (as a warm cache). On a VM, page-cache pages the guest never touched cost far more to
+    fill than recycled ones (a 0.9 GB write took 0.2 s or 2.3 s by that alone), which otherwise decides which run
+    looks faster."""
+    os.sync()
+    try:
+        Path("/proc/sys/vm/drop_caches").write_text("3\n")
+    except OSError:
+        pass  # not root: dirty pages flushed is all we can do
+    _warm_page_cache(directory)
+
+
 def _torchrun(tp: int, *args: str) -> None:
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={tp}", __file__]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(Path(__file__).resolve().parent.parent)}
@@ -174,6 +187,9 @@ def main() -> None:
     parser.add_argument("--workdir", default="/tmp/op-bench-load")
     parser.add_argument("--tp", type=int, default=2)
     parser.add_argument("--repeats", type=int, default=2, help="loads per implementation (alternating order)")
+    parser.add_argument(
+        "--part", choices=("all", "consolidate"), default="all", help="consolidate: reuse the last sharded checkpoint"
+    )
     parser.add_argument("--worker", choices=IMPLS, help=argparse.SUPPRESS)
     parser.add_argument("--timed", choices=("consolidate", "copy"), help=argparse.SUPPRESS)
     parser.add_argument("--checkpoint", help=argparse.SUPPRESS)
@@ -193,57 +209,58 @@ def main() -> None:
     shutil.rmtree(results, ignore_errors=True)
     results.mkdir()
     sharded = work / "sharded"
-    shutil.rmtree(sharded, ignore_errors=True)
-    history: dict[str, list[tuple[float, float]]] = {impl: [] for impl in IMPLS}  # (load, load + first use)
-    for repeat in range(args.repeats):
-        for impl in IMPLS if repeat % 2 == 0 else IMPLS[::-1]:  # alternate who goes first
-            extra = ["--sharded-out", str(sharded)] if impl == "optimum-parallel" and repeat == 0 else []
-            _warm_page_cache(hf_dir)
-            _torchrun(args.tp, "--worker", impl, "--checkpoint", str(hf_dir), "--results", str(results), *extra)
-            runs = [json.loads(f.read_text()) for f in results.glob(f"{impl}-*.json")]
-            history[impl].append((max(r["s"] for r in runs), max(r["s"] + r["touch_s"] for r in runs)))
-
     gb = 1 << 30
-    on_disk = sum(f.stat().st_size for f in hf_dir.glob("*.safetensors"))
-    print(f"\nload at tp={args.tp} of {hf_dir} (bf16, {on_disk / gb:.2f} GiB)")
-    header = (
-        f"{'':17} {'rank':>4} {'after imports':>13} {'shard':>9} {'goal':>9} {'peak at load':>19} {'load s':>6}"
-        f" | {'peak once used':>21} {'load+use s':>10}"
-    )
-    print(header)
-    print("-" * len(header))
-    for impl in IMPLS:
-        for rank in range(args.tp):
-            r = json.loads((results / f"{impl}-{rank}.json").read_text())
-            goal = r["after_imports"] + 1.15 * r["shard"]
-            ratio = (r["peak"] - r["after_imports"]) / r["shard"]
-            used_ratio = (r["peak_touched"] - r["after_imports"]) / r["shard"]
-            print(
-                f"{impl:17} {rank:>4} {r['after_imports'] / gb:>9.2f} GiB {r['shard'] / gb:>5.2f} GiB "
-                f"{goal / gb:>5.2f} GiB {r['peak'] / gb:>5.2f} GiB ({ratio:.2f}x) {_verdict(r['peak'], goal)}"
-                f" {r['s']:>6.2f} | {r['peak_touched'] / gb:>5.2f} GiB ({used_ratio:.2f}x) "
-                f"{_verdict(r['peak_touched'], goal)} {r['s'] + r['touch_s']:>10.2f}"
-            )
-    for impl, seconds in history.items():
-        print(f"  {impl} load time over {args.repeats} runs: {', '.join(f'{t[0]:.2f}' for t in seconds)} s")
-    print("  (goal = after imports + 1.15 x shard; NNx = (peak - after imports) / shard; a weight left as a view of")
-    print("   the file mapping is read when first used, so 'once used' touches every page of every weight)")
-    print("  (table: the last run; times below: the fastest run of each)")
-    for column, what in ((0, "load"), (1, "load + first use")):
-        best = {impl: min(t[column] for t in history[impl]) for impl in IMPLS}
-        op_s, hf_s = best["optimum-parallel"], best["transformers"]
-        print(
-            f"{what} time: optimum-parallel {op_s:.2f} s, transformers {hf_s:.2f} s "
-            f"(transformers / ours {hf_s / op_s:.2f})"
-        )
+    if args.part == "all":
+        shutil.rmtree(sharded, ignore_errors=True)
+        history: dict[str, list[tuple[float, float]]] = {impl: [] for impl in IMPLS}  # (load, load + first use)
+        for repeat in range(args.repeats):
+            for impl in IMPLS if repeat % 2 == 0 else IMPLS[::-1]:  # alternate who goes first
+                extra = ["--sharded-out", str(sharded)] if impl == "optimum-parallel" and repeat == 0 else []
+                _same_page_cache(hf_dir)
+                _torchrun(args.tp, "--worker", impl, "--checkpoint", str(hf_dir), "--results", str(results), *extra)
+                runs = [json.loads(f.read_text()) for f in results.glob(f"{impl}-*.json")]
+                history[impl].append((max(r["s"] for r in runs), max(r["s"] + r["touch_s"] for r in runs)))
 
-    print(f"\nload_model_checkpoint of our tp={args.tp} sharded checkpoint into the parallelized model, per rank")
-    for rank in range(args.tp):
-        r = json.loads((results / f"ckpt-{rank}.json").read_text())
-        print(
-            f"  rank {rank}: {r['ckpt_bytes'] / gb:.2f} GiB, plain copy of its files {r['ckpt_copy_s']:.2f} s, "
-            f"load_model_checkpoint {r['ckpt_load_s']:.2f} s ({r['ckpt_load_s'] / r['ckpt_copy_s']:.2f}x the copy)"
+        on_disk = sum(f.stat().st_size for f in hf_dir.glob("*.safetensors"))
+        print(f"\nload at tp={args.tp} of {hf_dir} (bf16, {on_disk / gb:.2f} GiB)")
+        header = (
+            f"{'':17} {'rank':>4} {'after imports':>13} {'shard':>9} {'goal':>9} {'peak at load':>19} {'load s':>6}"
+            f" | {'peak once used':>21} {'load+use s':>10}"
         )
+        print(header)
+        print("-" * len(header))
+        for impl in IMPLS:
+            for rank in range(args.tp):
+                r = json.loads((results / f"{impl}-{rank}.json").read_text())
+                goal = r["after_imports"] + 1.15 * r["shard"]
+                ratio = (r["peak"] - r["after_imports"]) / r["shard"]
+                used_ratio = (r["peak_touched"] - r["after_imports"]) / r["shard"]
+                print(
+                    f"{impl:17} {rank:>4} {r['after_imports'] / gb:>9.2f} GiB {r['shard'] / gb:>5.2f} GiB "
+                    f"{goal / gb:>5.2f} GiB {r['peak'] / gb:>5.2f} GiB ({ratio:.2f}x) {_verdict(r['peak'], goal)}"
+                    f" {r['s']:>6.2f} | {r['peak_touched'] / gb:>5.2f} GiB ({used_ratio:.2f}x) "
+                    f"{_verdict(r['peak_touched'], goal)} {r['s'] + r['touch_s']:>10.2f}"
+                )
+        for impl, seconds in history.items():
+            print(f"  {impl} load time over {args.repeats} runs: {', '.join(f'{t[0]:.2f}' for t in seconds)} s")
+        print("  (goal = after imports + 1.15 x shard; NNx = (peak - after imports) / shard; a weight left as a view")
+        print("   of the file mapping is read when first used, so 'once used' touches every page of every weight)")
+        print("  (table: the last run; times below: the fastest run of each)")
+        for column, what in ((0, "load"), (1, "load + first use")):
+            best = {impl: min(t[column] for t in history[impl]) for impl in IMPLS}
+            op_s, hf_s = best["optimum-parallel"], best["transformers"]
+            print(
+                f"{what} time: optimum-parallel {op_s:.2f} s, transformers {hf_s:.2f} s "
+                f"(transformers / ours {hf_s / op_s:.2f})"
+            )
+
+        print(f"\nload_model_checkpoint of our tp={args.tp} sharded checkpoint into the parallelized model, per rank")
+        for rank in range(args.tp):
+            r = json.loads((results / f"ckpt-{rank}.json").read_text())
+            print(
+                f"  rank {rank}: {r['ckpt_bytes'] / gb:.2f} GiB, plain copy of its files {r['ckpt_copy_s']:.2f} s, "
+                f"load_model_checkpoint {r['ckpt_load_s']:.2f} s ({r['ckpt_load_s'] / r['ckpt_copy_s']:.2f}x the copy)"
+            )
 
     timings: dict[str, list[dict]] = {"copy": [], "consolidate": []}
     for repeat in range(args.repeats):  # alternate who goes first: fresh page-cache pages cost more on a VM
@@ -251,7 +268,7 @@ def main() -> None:
             output = work / f"{kind}-out"
             shutil.rmtree(output, ignore_errors=True)
             result = results / f"{kind}.json"
-            os.sync()  # start both from the same page-cache state (no dirty pages of the previous run)
+            _same_page_cache(sharded)
             _child("--timed", kind, "--checkpoint", str(sharded), "--output", str(output), "--results", str(result))
             timings[kind].append(json.loads(result.read_text()))
     runs_text = {kind: ", ".join(f"{r['s']:.2f}" for r in runs) for kind, runs in timings.items()}

@@ -320,9 +320,9 @@ def _damaged(saved: dict, tmp_path: Path, how: str) -> Path:
     victim = ckpt / "model-pp00-tp01.safetensors"
     if how == "truncated":
         os.truncate(victim, victim.stat().st_size - 100)
-    elif how == "altered":
+    elif how.startswith("altered"):  # the last tensor's bytes, or the first's (consolidate copies some in-kernel)
         data = bytearray(victim.read_bytes())
-        data[-200] ^= 0xFF
+        data[-200 if how == "altered" else 8 + int.from_bytes(data[:8], "little") + 16] ^= 0xFF
         victim.write_bytes(bytes(data))
     elif how == "missing":
         victim.unlink()
@@ -337,6 +337,7 @@ def _damaged(saved: dict, tmp_path: Path, how: str) -> Path:
     [
         ("truncated", r"model-pp00-tp01\.safetensors: file has \d+ bytes, the checkpoint metadata expects"),
         ("altered", r"model-pp00-tp01\.safetensors: tensor '.*' does not match its checksum"),
+        ("altered-first", r"model-pp00-tp01\.safetensors: tensor '.*' does not match its checksum"),
         ("missing", r"model-pp00-tp01\.safetensors: checkpoint file is missing"),
         ("index", r"parallel_checkpoint\.json: does not match the checksum in .*COMPLETE"),
     ],
@@ -349,7 +350,7 @@ def test_damaged_checkpoint_is_rejected(saved, tmp_path, how, message):
     with pytest.raises(CheckpointError, match=message):
         op.consolidate_checkpoint(ckpt, tmp_path / "out", progress=False)
     assert not (tmp_path / "out").exists()
-    with pytest.raises(CheckpointError, match=message if how != "altered" else "sha256 does not match"):
+    with pytest.raises(CheckpointError, match=message if not how.startswith("altered") else "sha256 does not match"):
         op.checkpoint.verify_checkpoint(ckpt)
 
 

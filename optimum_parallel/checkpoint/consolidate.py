@@ -64,29 +64,41 @@ def write_hf_checkpoint(
     total = sum(nbytes(e.global_shape, dtype_from_name(e.dtype)) for e in index.tensors.values())
     weight_map = {}
     largest = max((nbytes(e.global_shape, dtype_from_name(e.dtype)) for e in index.tensors.values()), default=0)
-    # two buffers: the next tensor is read and checked (pread, crc32: both drop the GIL) while this one is written
+    # two buffers: the next tensor is prepared (read and checked: pread, crc32, both drop the GIL) in a thread while
+    # this one is written. A tensor whose bytes lie in order in the shards (replicated, cut along its first dim) is
+    # only checked there (crc32 through a file mapping) and then copied inside the kernel from the shard files, as a
+    # plain file copy does; the others are assembled in a buffer and written from it.
     buffers = [torch.empty(largest, dtype=torch.uint8) for _ in range(2)]
     order = [name for group in groups for name in group]
     bar = tqdm(total=total, unit="B", unit_scale=True, desc="consolidate", disable=not progress)
     with ShardFiles(checkpoint_dir, index) as shards, ThreadPoolExecutor(1, "consolidate-read") as reads:
-        pending = reads.submit(shards.assemble, order[0], index.tensors[order[0]], buffers[0]) if order else None
+
+        def prepare(position: int) -> list[tuple[int, int, int]] | torch.Tensor:
+            entry = index.tensors[order[position]]
+            runs = shards.byte_runs(entry)
+            if runs is None:
+                return shards.assemble(order[position], entry, buffers[position % 2])
+            shards.verify(entry)
+            return runs
+
+        pending = reads.submit(prepare, 0) if order else None
         position = 0
         for file, group in zip(names, groups, strict=True):
             specs = [(n, dtype_from_name(index.tensors[n].dtype), index.tensors[n].global_shape) for n in group]
             writer = SafetensorsWriter(output_dir / file, specs, {"format": "pt"}, sha256=False, crc32=False)
             try:
                 for name in group:
-                    full = pending.result()
+                    prepared = pending.result()
                     position += 1
                     if position < len(order):
-                        following = order[position]
-                        pending = reads.submit(
-                            shards.assemble, following, index.tensors[following], buffers[position % 2]
-                        )
-                    writer.write(name, full)
-                    bar.update(full.numel() * full.element_size())
+                        pending = reads.submit(prepare, position)
+                    if isinstance(prepared, torch.Tensor):
+                        writer.write(name, prepared)
+                    elif not writer.copy(name, prepared):  # the OS cannot copy between these files
+                        writer.write(name, shards.assemble(name, index.tensors[name]))
+                    bar.update(nbytes(index.tensors[name].global_shape, dtype_from_name(index.tensors[name].dtype)))
                     weight_map[name] = file
-                    del full
+                    del prepared
             except BaseException:
                 writer.abort()
                 raise

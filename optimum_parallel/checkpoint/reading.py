@@ -27,8 +27,8 @@ class ShardFiles:
             self._readers[file] = SafetensorsReader(self.directory / file, expected_size=info["size"])
         return self._readers[file]
 
-    def read_shard(self, name: str, entry: TensorEntry, shard: Shard, out: torch.Tensor | None = None) -> torch.Tensor:
-        """One shard of `entry` as stored (its local shape), checked against the index."""
+    def _checked_reader(self, entry: TensorEntry, shard: Shard) -> SafetensorsReader:
+        """The reader of `shard`'s file, once its tensor's dtype and shape are the index's."""
         reader = self.reader(shard.file)
         dtype, shape = reader.info(shard.key)
         expected = (dtype_from_name(entry.dtype), entry.local_shape(shard))
@@ -37,7 +37,18 @@ class ShardFiles:
                 f"{reader.path}: tensor {shard.key!r} is {dtype} {list(shape)}, the index expects "
                 f"{expected[0]} {list(expected[1])} (altered file?)"
             )
-        return reader.read(shard.key, out=out, crc32=shard.crc32)
+        return reader
+
+    def read_shard(self, name: str, entry: TensorEntry, shard: Shard, out: torch.Tensor | None = None) -> torch.Tensor:
+        """One shard of `entry` as stored (its local shape), checked against the index."""
+        return self._checked_reader(entry, shard).read(shard.key, out=out, crc32=shard.crc32)
+
+    def verify(self, entry: TensorEntry) -> None:
+        """Every shard of `entry` checked against the index (dtype, shape, crc32) without reading it into memory."""
+        for shard in entry.shards:
+            reader = self._checked_reader(entry, shard)
+            if shard.crc32 is not None and reader.checksum(shard.key) != shard.crc32:
+                raise CheckpointError(f"{reader.path}: tensor {shard.key!r} does not match its checksum (file altered)")
 
     def assemble(self, name: str, entry: TensorEntry, buffer: torch.Tensor | None = None) -> torch.Tensor:
         """The whole (global) tensor, from one copy of each distinct shard; in `buffer` (flat uint8, reused from
@@ -94,6 +105,34 @@ class ShardFiles:
                 f"along dim {dim}, not all of it without overlaps"
             )
         return full
+
+    def byte_runs(self, entry: TensorEntry) -> list[tuple[int, int, int]] | None:
+        """The global tensor as runs of bytes already laid out, in order, in the shard files: (file descriptor,
+        offset, length) each; None where the shards interleave in it (a cut after a dim of size > 1, expert blocks)
+        or do not cover it once. Copy from them only once `verify` (or `assemble`) checked the shards."""
+        if entry.experts or (entry.dim is not None and any(s != 1 for s in entry.global_shape[: entry.dim])):
+            return None
+        dtype = dtype_from_name(entry.dtype)
+        if entry.dim is None:
+            reader = self.reader(entry.shards[0].file)
+            begin, end = reader.byte_range(entry.shards[0].key)
+            return [(reader.fileno(), begin, end - begin)]
+        row = nbytes(entry.global_shape[entry.dim + 1 :], dtype)
+        pieces: dict[int, tuple[int, int, int]] = {}  # start -> (end, fd, offset); replicated parts kept once
+        for shard in entry.shards:
+            reader = self.reader(shard.file)
+            offset, _ = reader.byte_range(shard.key)
+            for start, end in ((int(s), int(e)) for s, e in shard.ranges):
+                pieces.setdefault(start, (end, reader.fileno(), offset))
+                offset += (end - start) * row
+        runs, position = [], 0
+        for start in sorted(pieces):
+            end, fd, offset = pieces[start]
+            if start != position:
+                return None
+            runs.append((fd, offset, (end - start) * row))
+            position = end
+        return runs if position == entry.global_shape[entry.dim] else None
 
     def close(self) -> None:
         for reader in self._readers.values():

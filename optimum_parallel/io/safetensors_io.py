@@ -9,6 +9,7 @@ The files are standard safetensors (https://github.com/huggingface/safetensors#f
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import math
@@ -122,6 +123,32 @@ class SafetensorsWriter:
         self._next += 1
         return zlib.crc32(data) if self._crc32 else None
 
+    def copy(self, name: str, runs: Sequence[tuple[int, int, int]]) -> bool:
+        """Tensor `name` (next in order) as `runs` of (file descriptor, offset, length) already laid out in other
+        files, copied inside the kernel (copy_file_range: no pass through this process's memory). False, with
+        nothing written, where the OS cannot (the caller then `write`s the tensor)."""
+        expected, dtype, shape = self._order[self._next]
+        if name != expected or sum(length for _, _, length in runs) != nbytes(shape, dtype) or self._sha is not None:
+            raise ValueError(f"{self.path}: cannot copy {name} as {len(runs)} runs here (expected {expected} next)")
+        start = os.lseek(self._fd, 0, os.SEEK_CUR)
+        try:
+            for fd, offset, length in runs:
+                done = 0
+                while done < length:
+                    moved = os.copy_file_range(fd, self._fd, length - done, offset + done)
+                    if moved <= 0:
+                        raise OSError(errno.EIO, "copy_file_range moved nothing")
+                    done += moved
+        except OSError as err:
+            if err.errno not in (errno.EXDEV, errno.ENOSYS, errno.EOPNOTSUPP, errno.EINVAL, errno.EIO):
+                raise
+            os.lseek(self._fd, start, os.SEEK_SET)
+            os.ftruncate(self._fd, start)
+            return False
+        self._size += nbytes(shape, dtype)
+        self._next += 1
+        return True
+
     def close(self) -> tuple[int, str]:
         if self._next != len(self._order):
             raise ValueError(f"{self.path}: closed after {self._next} of {len(self._order)} tensors")
@@ -188,6 +215,26 @@ class SafetensorsReader:
                     f"(truncated or altered)"
                 )
             self.tensors[name] = (dtype, shape, self._data_start + begin, self._data_start + end)
+
+    def fileno(self) -> int:
+        return self._fd
+
+    def byte_range(self, name: str) -> tuple[int, int]:
+        """[begin, end) of tensor `name`'s bytes in the file."""
+        self.info(name)
+        _, _, begin, end = self.tensors[name]
+        return begin, end
+
+    def checksum(self, name: str, chunk: int = 1 << 20) -> int:
+        """crc32 of tensor `name`'s bytes, streamed through one small buffer that stays in the CPU cache."""
+        begin, end = self.byte_range(name)
+        buffer = bytearray(min(chunk, end - begin))
+        view, crc = memoryview(buffer), 0
+        for offset in range(begin, end, chunk):
+            size = min(chunk, end - offset)
+            self._pread_into(view[:size], offset, name)
+            crc = zlib.crc32(view[:size], crc)
+        return crc
 
     def info(self, name: str) -> tuple[torch.dtype, tuple[int, ...]]:
         if name not in self.tensors:
