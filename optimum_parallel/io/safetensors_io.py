@@ -130,7 +130,7 @@ class SafetensorsWriter:
         expected, dtype, shape = self._order[self._next]
         if name != expected or sum(length for _, _, length in runs) != nbytes(shape, dtype) or self._sha is not None:
             raise ValueError(f"{self.path}: cannot copy {name} as {len(runs)} runs here (expected {expected} next)")
-        start = os.lseek(self._fd, 0, os.SEEK_CUR)
+        start = self._size  # the file position: everything so far went through this writer
         try:
             for fd, offset, length in runs:
                 done = 0
