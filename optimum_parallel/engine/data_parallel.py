@@ -19,6 +19,7 @@ dp x cp reduction and get their own over their replica group, at every level (`e
 from __future__ import annotations
 
 import inspect
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -140,24 +141,47 @@ def apply_data_parallel(
             optimizer = zero1(optimizer, mesh.sharding_group(config.shard_size))
         return model, optimizer
 
-    before = dict(model.named_parameters(remove_duplicate=False))
     dp_mesh = mesh.sharding_mesh(config.shard_size)  # 1-D: FSDP; 2-D (replicate, shard): HSDP
     small = below_threshold(model, config.threshold)
-    ignored = set(small)
+    return fully_shard_model(
+        model, optimizer, roots, dp_mesh, config.sharding_level, config.reduce_dtype, small, mesh.data_parallel_group
+    )
+
+
+def fully_shard_model(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer | None,
+    roots: list[nn.Module],
+    dp_mesh,
+    level: int,
+    reduce_dtype: torch.dtype | None,
+    small: list[nn.Parameter],
+    small_group: dist.ProcessGroup,
+    shard_first: Callable[[bool, object], None] | None = None,
+) -> tuple[nn.Module, torch.optim.Optimizer | None]:
+    """Levels 2-3 with FSDP2: `shard_first(reshard_after_forward, policy)` makes its own units first (the experts on
+    their replica mesh), then every block of each root and each root becomes a unit on `dp_mesh`. The `small`
+    parameters stay whole and are all-reduced over `small_group` after the backward. FSDP2 makes new parameters:
+    they keep the old ones' layouts, and the optimizer is rebuilt on them."""
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-    policy = MixedPrecisionPolicy(reduce_dtype=config.reduce_dtype)
-    reshard = config.sharding_level == 3
+    before = dict(model.named_parameters(remove_duplicate=False))
+    policy = MixedPrecisionPolicy(reduce_dtype=reduce_dtype)
+    reshard = level == 3
+    if shard_first is not None:
+        shard_first(reshard, policy)
+    ignored = set(small)
     for root in roots:
         for block in blocks(root):
             fully_shard(block, mesh=dp_mesh, reshard_after_forward=reshard, mp_policy=policy, ignored_params=ignored)
         fully_shard(root, mesh=dp_mesh, reshard_after_forward=reshard, mp_policy=policy, ignored_params=ignored)
     if small:
-        all_reduce_after_backward(small, mesh.data_parallel_group)
+        all_reduce_after_backward(small, small_group)
     after = dict(model.named_parameters(remove_duplicate=False))
-    for name, param in before.items():  # FSDP2 makes new parameters: keep their tensor-parallel layouts
-        if hasattr(param, "shard_layout"):
-            after[name].shard_layout = param.shard_layout
+    for name, param in before.items():
+        for attribute in ("shard_layout", "expert_layout"):
+            if hasattr(param, attribute):
+                setattr(after[name], attribute, getattr(param, attribute))
     if optimizer is not None:
         optimizer = rebuild_optimizer(optimizer, {id(p): after[name] for name, p in before.items()})
         if not reshard:

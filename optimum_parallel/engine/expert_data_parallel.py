@@ -22,7 +22,6 @@ from torch import nn
 
 from ..expert_parallel import ExpertParallelRuntime, find_experts
 from ..mesh import ParallelMesh
-from .optimizer import rebuild_optimizer
 
 
 def check_expert_data_parallel(shard_size: int, ep: int, key: str = "dp_config['shard_size']") -> None:
@@ -169,36 +168,28 @@ def _fully_shard(
     threshold: float,
 ) -> tuple[nn.Module, torch.optim.Optimizer | None]:
     """FSDP2: the experts modules first (on the replica sub-mesh), then each block and each root on dp x cp."""
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    from torch.distributed.fsdp import fully_shard
 
-    from .data_parallel import all_reduce_after_backward, below_threshold, blocks, reshard_before_step
+    from .data_parallel import below_threshold, fully_shard_model
 
-    before = dict(model.named_parameters(remove_duplicate=False))
+    def shard_experts(reshard: bool, policy) -> None:
+        for module in experts:
+            fully_shard(module, mesh=mesh.expert_replica_mesh, reshard_after_forward=reshard, mp_policy=policy)
+            module.set_gradient_divide_factor(float(mesh.data_parallel_size))
+            if dist.get_world_size(mesh.expert_replica_group) > 1:  # one rank: torch divides once without, twice with
+                module.set_force_sum_reduction_for_comms(True)
+
     expert_ids = {id(p) for module in experts for p in module.parameters(recurse=False)}
     small = [p for p in below_threshold(model, threshold) if id(p) not in expert_ids]
-    ignored = set(small)
-    policy = MixedPrecisionPolicy(reduce_dtype=reduce_dtype)
-    reshard = level == 3
-    for module in experts:
-        fully_shard(module, mesh=mesh.expert_replica_mesh, reshard_after_forward=reshard, mp_policy=policy)
-        module.set_gradient_divide_factor(float(mesh.data_parallel_size))
-        if dist.get_world_size(mesh.expert_replica_group) > 1:  # one rank: torch divides once without it, twice with
-            module.set_force_sum_reduction_for_comms(True)
-    dp_mesh = mesh.data_parallel_mesh
-    for root in roots:
-        for block in blocks(root):
-            fully_shard(block, mesh=dp_mesh, reshard_after_forward=reshard, mp_policy=policy, ignored_params=ignored)
-        fully_shard(root, mesh=dp_mesh, reshard_after_forward=reshard, mp_policy=policy, ignored_params=ignored)
-    if small:
-        all_reduce_after_backward(small, mesh.data_parallel_group)
     runtime.gradients_reduced = True
-    after = dict(model.named_parameters(remove_duplicate=False))
-    for name, param in before.items():  # FSDP2 makes new parameters: keep their layouts
-        for attribute in ("shard_layout", "expert_layout"):
-            if hasattr(param, attribute):
-                setattr(after[name], attribute, getattr(param, attribute))
-    if optimizer is not None:
-        optimizer = rebuild_optimizer(optimizer, {id(p): after[name] for name, p in before.items()})
-        if not reshard:
-            reshard_before_step(optimizer, roots)
-    return model, optimizer
+    return fully_shard_model(
+        model,
+        optimizer,
+        roots,
+        mesh.data_parallel_mesh,
+        level,
+        reduce_dtype,
+        small,
+        mesh.data_parallel_group,
+        shard_experts,
+    )
