@@ -45,7 +45,7 @@ $(XLA_BIN)/.installed:
 	touch $@
 
 xla-env: $(XLA_BIN)/.installed
-	@$(XLA_BIN)/python -c "import optimum_parallel, sys; sys.exit(not optimum_parallel.__file__.startswith('$(CURDIR)/'))" \
+	@(cd / && $(XLA_BIN)/python -c "import optimum_parallel as m, sys; sys.exit(not m.__file__.startswith('$(CURDIR)/'))") \
 		2>/dev/null || $(XLA_BIN)/python -m pip install --quiet --no-deps -e .
 
 test-xla: xla-env

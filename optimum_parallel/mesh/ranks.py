@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import pickle
 import sys
+import time
 from datetime import timedelta
 
 import torch
@@ -72,12 +73,13 @@ def device_indices(start: int, length: int, device: torch.device) -> torch.Tenso
 
 
 def device_scalar(value: int, device: torch.device) -> torch.Tensor | int:
-    """`value` as a 0-d tensor on an XLA `device` (a graph input, see `device_indices`); elsewhere the int itself."""
+    """`value` as a one-element tensor on an XLA `device` (a graph input, see `device_indices`; not 0-d: torch-xla
+    turns a 0-d 0 or 1 into a constant of the graph, so rank 0's graph would differ); elsewhere the int itself."""
     if torch.device(device).type != "xla":
         return value
     key = ("scalar", value, str(device))
     if key not in _DEVICE_DATA:
-        _DEVICE_DATA[key] = torch.tensor(value).to(device)
+        _DEVICE_DATA[key] = torch.tensor([value]).to(device)
     return _DEVICE_DATA[key]
 
 
@@ -96,5 +98,10 @@ def all_gather_object(obj: object, timeout: timedelta = timedelta(seconds=300)) 
     store = dist.distributed_c10d._get_default_store()
     keys = [f"optimum_parallel/objects/{count}/{r}" for r in range(world)]
     store.set(keys[me], pickle.dumps(obj))
-    store.wait(keys, timeout)
+    deadline = time.monotonic() + timeout.total_seconds()
+    while not store.check(keys):  # polled: a blocking wait holds the store client that the other threads share
+        if time.monotonic() > deadline:
+            missing = [r for r, key in enumerate(keys) if not store.check([key])]
+            raise TimeoutError(f"rank {me}: ranks {missing} did not join object exchange {count} in {timeout}")
+        time.sleep(0.005)
     return [pickle.loads(store.get(key)) for key in keys]
