@@ -49,7 +49,7 @@ xla-env: $(XLA_BIN)/.installed
 		2>/dev/null || $(XLA_BIN)/python -m pip install --quiet --no-deps -e .
 
 test-xla: xla-env
-	cd tests/xla && PJRT_DEVICE=CPU $(XLA_BIN)/python -m pytest -p no:cacheprovider -c $(CURDIR)/tests/xla/pytest.ini .
+	PJRT_DEVICE=CPU $(XLA_BIN)/python -m pytest tests/xla
 
 lint: $(BIN)/.installed
 	$(BIN)/ruff check .

@@ -60,7 +60,10 @@ def _run(scenario: str, model_dir: str, out: str) -> None:
     with op.lazy_load_for_parallelism(tensor_parallel_size=tp):  # each rank reads its slices, on the CPU
         model = load_llama(model_dir)
     parallelizer = op.ParallelizersManager.parallelizer_for_model(model)
+    assert parallelizer.__name__ == "LlamaParallelizer", parallelizer  # the family plan on every rank
     model = parallelizer.parallelize(model, device=device, sequence_parallel_enabled=sequence_parallel)
+    split = [n for n, m in model.named_modules() if getattr(m, "sequence_parallel", False) is True]
+    assert bool(split) == sequence_parallel, split
     params = dict(model.named_parameters())
     assert all(p.device.type == "xla" for p in params.values())
     optimizer = torch.optim.AdamW(model.parameters(), lr=LR, eps=EPS)
