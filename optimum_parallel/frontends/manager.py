@@ -20,6 +20,7 @@ ENTRY_POINT_GROUP = "optimum_parallel.parallelizers"
 
 _DISCOVERY_LOCK = threading.Lock()
 
+
 class UnsupportedModelError(ValueError):
     """No parallelizer is registered for a model type."""
 
