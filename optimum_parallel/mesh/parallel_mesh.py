@@ -262,7 +262,14 @@ def _init_process_group(timeout: timedelta, device_type: str = "cpu") -> None:
         import torch.distributed.optim  # noqa: F401
 
         if device_type == "xla":
-            import torch_xla.distributed.xla_backend  # noqa: F401  (registers the "xla" backend and "xla://")
+            try:
+                import torch_xla.distributed.xla_backend  # noqa: F401  (registers the "xla" backend and "xla://")
+            except ImportError as err:
+                raise ImportError(
+                    f"the mesh runs on XLA devices (device='xla' or PJRT_DEVICE={os.environ.get('PJRT_DEVICE')!r}) "
+                    "but torch-xla does not import; install torch-xla (torch-neuronx on Neuron), or leave PJRT_DEVICE "
+                    f"unset for gloo/NCCL ({err})"
+                ) from err
 
             dist.init_process_group(backend="xla", init_method="xla://", timeout=timeout)
             return

@@ -80,6 +80,10 @@ def _run(scenario: str, model_dir: str, out: str) -> None:
         return found
 
     batch = {k: v.to(device) for k, v in make_batch().items()}
+    with torch.no_grad():  # inference: the full-vocabulary logits (gathered from the vocab-parallel head)
+        logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+    sync()
+    logits = logits.cpu()
     losses, grads = [], None
     for step in range(STEPS):
         loss = model(**batch).loss
@@ -98,6 +102,7 @@ def _run(scenario: str, model_dir: str, out: str) -> None:
         "ordinal": me,
         "world": ranks.world_size(),
         "losses": losses,
+        "logits": logits,
         "grads": grads,
         "params": pieces(params),
         "compiles": compiles[0] if compiles else 0,

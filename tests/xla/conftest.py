@@ -35,10 +35,13 @@ def model_dir(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="session")
 def cpu_reference(model_dir) -> dict:
-    """One CPU process, the whole batch: the loss of every step, the first step's gradients, the weights after."""
+    """One CPU process, the whole batch: the first logits, the loss of every step, the first step's gradients, the
+    weights after."""
     model = load_llama(model_dir)
     optimizer = torch.optim.AdamW(model.parameters(), lr=LR, eps=EPS)
     batch = make_batch()
+    with torch.no_grad():
+        logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
     losses, grads = [], None
     for step in range(STEPS):
         loss = model(**batch).loss
@@ -48,7 +51,8 @@ def cpu_reference(model_dir) -> dict:
             grads = {n: p.grad.clone() for n, p in model.named_parameters()}
         optimizer.step()
         optimizer.zero_grad()
-    return {"losses": losses, "grads": grads, "params": {n: p.detach().clone() for n, p in model.named_parameters()}}
+    params = {n: p.detach().clone() for n, p in model.named_parameters()}
+    return {"logits": logits, "losses": losses, "grads": grads, "params": params}
 
 
 class Scenarios:
