@@ -8,7 +8,7 @@ BIN     = $(VENV)/bin
 
 export OMP_NUM_THREADS ?= 1
 
-.PHONY: demo test test-hosts lint install clean
+.PHONY: demo test test-hosts test-xla xla-env lint install clean
 
 $(BIN)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -29,6 +29,27 @@ test: $(BIN)/.installed
 test-hosts: $(BIN)/.installed
 	@command -v ip >/dev/null || [ "$$(id -u)" != 0 ] || (apt-get update -qq && apt-get install -y -qq iproute2)
 	$(BIN)/python -m pytest tests/test_hosts.py
+
+# XLA devices (the Neuron path) on this machine's CPU: torch-xla runs with PJRT_DEVICE=CPU. torch-xla 2.9 needs
+# torch 2.9 (PyPI's, a CUDA build, ~7 GB installed), so it gets its own environment, cached outside the clone and
+# reused by every clone; this clone is installed into it editable (re-pointed when another clone installed last).
+XLA_VENV  ?= $(HOME)/.cache/optimum-parallel/xla-venv
+XLA_TORCH ?= torch==2.9.0 torch-xla==2.9.0
+XLA_BIN    = $(XLA_VENV)/bin
+
+$(XLA_BIN)/.installed:
+	$(PYTHON) -m venv $(XLA_VENV)
+	$(XLA_BIN)/python -m pip install --quiet --upgrade pip
+	$(XLA_BIN)/python -m pip install --quiet $(XLA_TORCH)
+	$(XLA_BIN)/python -m pip install --quiet "transformers>=5" accelerate safetensors tqdm "click>=8" pytest pytest-timeout
+	touch $@
+
+xla-env: $(XLA_BIN)/.installed
+	@(cd / && $(XLA_BIN)/python -c "import optimum_parallel as m, sys; sys.exit(not m.__file__.startswith('$(CURDIR)/'))") \
+		2>/dev/null || $(XLA_BIN)/python -m pip install --quiet --no-deps -e .
+
+test-xla: xla-env
+	PJRT_DEVICE=CPU $(XLA_BIN)/python -m pytest tests/xla
 
 lint: $(BIN)/.installed
 	$(BIN)/ruff check .

@@ -15,6 +15,7 @@ HEAVY = (
     "torch.distributed.fsdp",
     "torch.distributed.optim",
     "peft",
+    "torch_xla",  # only where the mesh runs on XLA devices
 )
 SURFACE = "[getattr(op, name) for name in op.__all__ if name not in LATER]"
 LATER = ("ParallelTrainer", "ParallelTrainingArguments", "MemoryPlanner", "estimate_memory", "suggest_layouts")

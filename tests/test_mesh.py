@@ -12,7 +12,10 @@ WORLD_SIZE = 2  # worker processes of this module's `pool` (conftest.py)
 
 
 def check_mesh_shapes() -> dict:
+    import sys
+
     import optimum_parallel as op
+    from optimum_parallel.mesh import ranks
 
     default = op.init_mesh()  # tp takes the whole world
     alias = op.init_mesh(dp=1, mp=2)
@@ -23,12 +26,23 @@ def check_mesh_shapes() -> dict:
         "current_is_last": op.get_mesh() is data,
         "dp_ranks": data.ranks("dp"),
         "tp_rank": alias.tp_rank,
+        # the one rank accessor is torch.distributed's off XLA, and asks nothing of torch-xla
+        "accessor": (ranks.global_rank(), ranks.rank(alias.tp_group), ranks.world_size(), ranks.on_xla()),
+        "torch_xla_loaded": "torch_xla" in sys.modules,
     }
 
 
 def test_mesh_shapes_and_alias(pool):
     for rank, result in enumerate(pool.run(check_mesh_shapes)):
-        assert result == {"default_tp": 2, "alias_tp": 2, "current_is_last": True, "dp_ranks": [0, 1], "tp_rank": rank}
+        assert result == {
+            "default_tp": 2,
+            "alias_tp": 2,
+            "current_is_last": True,
+            "dp_ranks": [0, 1],
+            "tp_rank": rank,
+            "accessor": (rank, rank, 2, False),
+            "torch_xla_loaded": False,
+        }
 
 
 def check_cp_mesh() -> dict:
@@ -84,6 +98,7 @@ def check_mesh_error(kwargs: dict) -> str:
         ({"cp": 2, "tp": 2}, ["dp=1 x pp=1 x cp=2 x tp=2 = 4 ranks", "world size is 2"]),
         ({"cp": 0}, ["cp=0", "positive"]),
         ({"tp": 2, "mp": 1}, ["tp=2", "mp=1", "disagree"]),
+        ({"tp": 2, "device": "tpu"}, ["device='tpu'", "cpu, cuda, xla"]),
     ],
 )
 def test_mesh_errors_name_the_value(pool, kwargs, words):

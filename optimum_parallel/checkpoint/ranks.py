@@ -13,7 +13,7 @@ from typing import TypeVar
 
 import torch.distributed as dist
 
-from ..mesh import get_mesh
+from ..mesh import get_mesh, ranks
 from .crash import crash_point
 
 T = TypeVar("T")
@@ -50,16 +50,14 @@ class RankInfo:
 
     @property
     def is_main(self) -> bool:
-        return not self.distributed or dist.get_rank() == 0
+        return not self.distributed or ranks.global_rank() == 0
 
     def gather(self, obj: object) -> list:
         """`obj` from every rank, in global rank order."""
         if not self.distributed:
             return [obj]
-        out: list = [None] * dist.get_world_size()
         crash_point("gather")
-        dist.all_gather_object(out, obj)
-        return out
+        return ranks.all_gather_object(obj)  # on XLA through the store: the xla backend moves no pickles
 
     def run(self, fn: Callable[[], T], what: str, only_main: bool = False) -> list[T]:
         """Run `fn` on every rank (or the main one), then raise on every rank if it failed on any."""

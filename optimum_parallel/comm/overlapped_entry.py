@@ -18,6 +18,7 @@ activation checkpointing saves exactly what the first one did.
 
 from __future__ import annotations
 
+import threading
 import weakref
 from dataclasses import dataclass, field
 
@@ -133,10 +134,19 @@ def _overlappable(layer) -> bool:
 
 class RegionEntry:
     """Enter the tp region once per input tensor (the last entry is held until the next one: a view of an
-    activation that is alive anyway, plus weight aliases)."""
+    activation that is alive anyway, plus weight aliases). The last entry is per thread: on XLA one process may
+    run several ranks, one thread each, and a rank must never see another's entry (its graph would differ)."""
 
     def __init__(self) -> None:
-        self._last: _Entry | None = None
+        self._local = threading.local()
+
+    @property
+    def _last(self) -> _Entry | None:
+        return getattr(self._local, "last", None)
+
+    @_last.setter
+    def _last(self, entry: _Entry | None) -> None:
+        self._local.last = entry
 
     def __call__(self, x: torch.Tensor, group: ProcessGroup, sequence_parallel: bool) -> torch.Tensor:
         """The entered input for a layer that computes its own output (no overlap)."""

@@ -4,7 +4,9 @@ Megatron's conjugate pairs, each an autograd.Function over one process group:
 copy (identity / all-reduce), reduce (all-reduce / identity), scatter (split / all-gather),
 gather (all-gather / split), and the sequence-dim pair all-gather / reduce-scatter.
 Every collective is a torch.distributed call, or the same call on the group's `SharedMemoryGroup` for CPU
-tensors of ranks that share a host (see `shared_memory`); tests count both.
+tensors of ranks that share a host (see `shared_memory`); tests count both. Ranks and sizes come from
+`mesh.ranks`; on XLA devices a rank's slice is taken with indices that reach the device as data, so every rank
+runs the same compiled graph.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed import ProcessGroup, ReduceOp
 
+from ..mesh import ranks
 from .shared_memory import shared_memory_group
 
 SEQ_DIM = 1  # activations are [batch, seq, hidden]: sequence parallelism splits dim 1
@@ -20,7 +23,7 @@ SEQ_DIM = 1  # activations are [batch, seq, hidden]: sequence parallelism splits
 
 def all_reduce(x: torch.Tensor, group: ProcessGroup, op=ReduceOp.SUM) -> torch.Tensor:
     """`x` reduced over `group` (in place once contiguous)."""
-    if dist.get_world_size(group) > 1:
+    if ranks.world_size(group) > 1:
         x = x.contiguous()
         shared = shared_memory_group(group, x)
         if shared is not None and shared.reduces(op):
@@ -32,7 +35,7 @@ def all_reduce(x: torch.Tensor, group: ProcessGroup, op=ReduceOp.SUM) -> torch.T
 
 def _all_gather(x: torch.Tensor, dim: int, group: ProcessGroup, sizes: list[int] | None = None) -> torch.Tensor:
     """Concatenate every rank's `x` along `dim`; `sizes` allows uneven shards (padded on the wire)."""
-    world = dist.get_world_size(group)
+    world = ranks.world_size(group)
     if world == 1:
         return x
     dim = dim % x.dim()
@@ -54,19 +57,23 @@ def _all_gather(x: torch.Tensor, dim: int, group: ProcessGroup, sizes: list[int]
 
 
 def _split(x: torch.Tensor, dim: int, group: ProcessGroup, sizes: list[int] | None = None) -> torch.Tensor:
-    world = dist.get_world_size(group)
+    world = ranks.world_size(group)
     if world == 1:
         return x
-    rank = dist.get_rank(group)
+    rank = ranks.rank(group)
     if not sizes:  # an even split, the first ranks one larger (as `tensor_parallel.spec.shard_sizes`)
-        return torch.tensor_split(x, world, dim=dim)[rank].contiguous()
-    return x.narrow(dim, sum(sizes[:rank]), sizes[rank]).contiguous()
+        length = x.shape[dim]
+        sizes = [length // world + (r < length % world) for r in range(world)]
+    start = sum(sizes[:rank])
+    if x.device.type == "xla":  # the offset as data: the same graph on every rank
+        return x.index_select(dim, ranks.device_indices(start, sizes[rank], x.device))
+    return x.narrow(dim, start, sizes[rank]).contiguous()
 
 
 def start_all_reduce(x: torch.Tensor, group: ProcessGroup, op=ReduceOp.SUM) -> tuple[torch.Tensor, dist.Work | None]:
     """Start an all-reduce of `x` (in place once contiguous): the tensor, and the handle to wait on (None if
     there is nothing to do)."""
-    if dist.get_world_size(group) == 1:
+    if ranks.world_size(group) == 1:
         return x, None
     x = x.contiguous()
     shared = shared_memory_group(group, x)
@@ -78,11 +85,11 @@ def start_all_reduce(x: torch.Tensor, group: ProcessGroup, op=ReduceOp.SUM) -> t
 def start_reduce_scatter(x: torch.Tensor, dim: int, group: ProcessGroup) -> tuple[torch.Tensor, dist.Work | None]:
     """Start a reduce-scatter of `x` along `dim`: this rank's chunk of the sum (filled once the handle is
     waited on), and the handle (None if there is nothing to do)."""
-    world = dist.get_world_size(group)
+    world = ranks.world_size(group)
     if world == 1:
         return x, None
     chunks = [c.contiguous() for c in x.chunk(world, dim=dim)]
-    out = torch.empty_like(chunks[dist.get_rank(group)])
+    out = torch.empty_like(chunks[ranks.rank(group)])
     shared = shared_memory_group(group, x)
     if shared is not None and shared.fits(x):
         return out, shared.reduce_scatter(out, chunks, async_op=True)

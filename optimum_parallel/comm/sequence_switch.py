@@ -5,16 +5,18 @@ tp size does not divide (a one-token decode step), or that keeps only the last p
 (`logits_to_keep`, which `generate` passes), runs the plain tensor-parallel path instead: the entry leaves
 the sequence whole and every sequence-parallel layer falls back to its tensor-parallel collective. Same
 weights, same results; the decision is taken once per forward, at the region's entry, from shapes every tp
-rank shares, so the ranks always agree. Forwards run one at a time in a process: one switch serves them all.
+rank shares, so the ranks always agree. Forwards run one at a time in a thread: one switch (per thread) serves them all.
 """
 
 from __future__ import annotations
 
+import threading
 from contextlib import contextmanager
 
 
-class SequenceSwitch:
-    """`on`: the current forward splits the sequence; `forced_off`: a caller asked for the plain path."""
+class SequenceSwitch(threading.local):
+    """`on`: the current forward splits the sequence; `forced_off`: a caller asked for the plain path. Per thread:
+    on XLA one process may run several ranks, one thread each."""
 
     def __init__(self) -> None:
         self.on = True

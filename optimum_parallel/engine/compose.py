@@ -22,7 +22,7 @@ from ..plan import apply_plan
 from ..state import find_state
 from .data_parallel import DataParallelConfig, apply_data_parallel
 from .lazy_optimizer import build_lazy_optimizer, is_lazy_optimizer
-from .materialize import materialize_lazy_model
+from .materialize import materialize_lazy_model, move_to_device
 from .optimizer import rebuild_optimizer
 from .validate import PARALLELIZER_KEYS, RequestKeys, validate_request
 
@@ -95,7 +95,7 @@ def _compose_model(
     #    (no-op for a model built normally; read_checkpoint=False when a sharded checkpoint will overwrite it).
     materialize_lazy_model(model, device, read_checkpoint=read_checkpoint)
     if device is not None:
-        model.to(device)
+        move_to_device(model, device)
     return mapping
 
 

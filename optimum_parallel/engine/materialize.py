@@ -18,6 +18,7 @@ from ..expert_parallel import expert_range
 from ..io.safetensors_io import SLICE_BUFFER, SafetensorsReader
 from ..io.slices import read_slice
 from ..io.stacked_experts import StackedExpertsSource, read_stacked_experts
+from ..mesh import ranks
 from ..tensor_parallel.spec import replace_tensor, split_layout
 
 SOURCES_ATTR = "_op_lazy_sources"  # {parameter name: (safetensors file, key) or a StackedExpertsSource}
@@ -40,7 +41,7 @@ def meta_tensors(model: nn.Module) -> Iterator[tuple[list[str], nn.Module, str, 
 
 
 def _show_progress() -> bool | None:
-    main = not dist.is_initialized() or dist.get_rank() == 0
+    main = not dist.is_initialized() or ranks.global_rank() == 0
     return None if main else True  # tqdm: None = only on a terminal
 
 
@@ -89,3 +90,23 @@ def materialize_lazy_model(
         for reader in readers.values():
             reader.close()  # the weights keep their mappings
     model.__dict__.pop(SOURCES_ATTR, None)
+
+
+def move_to_device(model: nn.Module, device: torch.device | str) -> None:
+    """`model.to(device)`, keeping every Parameter object, and so the parameter map, tied weights and the layout
+    each shard carries: torch's `Module.to` makes new Parameters where the device's tensors are of another kind
+    than the CPU's (XLA devices)."""
+    device = torch.device(device)
+    if device.type != "xla":
+        model.to(device)
+        return
+    moved: dict[int, torch.Tensor] = {}  # buffers shared between modules move once
+    for module in model.modules():
+        for leaf, tensor in list(module._parameters.items()):
+            if tensor is not None and tensor.device.type != "xla":
+                replace_tensor(module, leaf, tensor.detach().to(device))  # in place: every holder sees it
+        for leaf, tensor in list(module._buffers.items()):
+            if tensor is not None and tensor.device.type != "xla":
+                if id(tensor) not in moved:
+                    moved[id(tensor)] = tensor.to(device)
+                module._buffers[leaf] = moved[id(tensor)]

@@ -6,6 +6,7 @@ config's `base_model_tp_plan` (see `auto_plan`); a registered (hand-written) one
 
 from __future__ import annotations
 
+import threading
 import warnings
 from importlib.metadata import entry_points
 
@@ -15,6 +16,9 @@ from .auto_plan import auto_parallelizer, auto_plan_model_types
 from .parallelizer import Parallelizer
 
 ENTRY_POINT_GROUP = "optimum_parallel.parallelizers"
+
+
+_DISCOVERY_LOCK = threading.Lock()
 
 
 class UnsupportedModelError(ValueError):
@@ -35,16 +39,21 @@ class ParallelizersManager:
 
     @classmethod
     def _discover(cls) -> None:
+        """Load the entry points once; under a lock, and marked done only after: on XLA one process may run
+        several ranks (one thread each), and a rank that saw a half-filled registry would pick another plan."""
         if cls._discovered:
             return
-        cls._discovered = True
-        for entry in entry_points(group=ENTRY_POINT_GROUP):
-            if entry.name in cls._registry:  # registered by hand: keep it
-                continue
-            try:
-                cls.register(entry.name, entry.load())
-            except Exception as err:  # a broken third-party plugin must not break the others
-                warnings.warn(f"could not load parallelizer {entry.name!r} ({entry.value}): {err}", stacklevel=2)
+        with _DISCOVERY_LOCK:
+            if cls._discovered:
+                return
+            for entry in entry_points(group=ENTRY_POINT_GROUP):
+                if entry.name in cls._registry:  # registered by hand: keep it
+                    continue
+                try:
+                    cls.register(entry.name, entry.load())
+                except Exception as err:  # a broken third-party plugin must not break the others
+                    warnings.warn(f"could not load parallelizer {entry.name!r} ({entry.value}): {err}", stacklevel=2)
+            cls._discovered = True
 
     @staticmethod
     def _model_type(model_type_or_model: str | nn.Module) -> str:

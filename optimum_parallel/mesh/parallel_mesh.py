@@ -8,6 +8,7 @@ in every block hold the same experts (`expert_replica_group`).
 from __future__ import annotations
 
 import os
+import threading
 from dataclasses import dataclass, field
 from datetime import timedelta
 
@@ -23,6 +24,7 @@ DIM_ALIASES = {"mp": "tp"}
 EXPERT_DIM = "ep"
 _NO_EXPERT_PARALLELISM = "this mesh has no expert parallelism (ep=1); allowed: init_mesh(..., ep=N), N dividing dp x cp"
 DEFAULT_TIMEOUT = timedelta(seconds=60)
+DEVICE_TYPES = ("cpu", "cuda", "xla")
 _GRACE = timedelta(seconds=3)  # how long a failed rank waits for the other survivors' reports (see hang_report)
 
 
@@ -242,23 +244,52 @@ def check_positive_int(name: str, value: object, what: str = "it") -> int:
     return value
 
 
-def _init_process_group(timeout: timedelta) -> None:
-    """Start torch.distributed from torchrun's environment (or a single local process)."""
-    if dist.is_initialized():
-        return
-    # torch.distributed.optim (ZeRO-1) imports torch.distributed.rpc; imported after a process group exists, it made
-    # the process abort at exit ("terminate called without an active exception", 1 run in 3 of a 4-rank job):
-    # import it before the group is made (0.2 s, only in processes that start torch.distributed)
-    import torch.distributed.optim  # noqa: F401
+_INIT_LOCK = threading.Lock()  # on XLA one process may drive several devices, one thread each: one group for all
 
-    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    os.environ.setdefault("MASTER_PORT", "29500")
-    os.environ.setdefault("RANK", "0")
-    os.environ.setdefault("WORLD_SIZE", "1")
-    if torch.cuda.is_available():
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-    backend = "nccl" if torch.cuda.is_available() else "gloo"
-    dist.init_process_group(backend=backend, timeout=timeout)
+
+def _device_type(device: str | None) -> str:
+    """The device the mesh runs on: `device`, else XLA where torch-xla's runtime is configured (`PJRT_DEVICE`) or
+    the process group already runs on the "xla" backend, else CUDA when there is one, else the CPU."""
+    if device is None:
+        if os.environ.get("PJRT_DEVICE") or (dist.is_initialized() and dist.get_backend() == "xla"):
+            return "xla"
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    kind = str(device).split(":")[0]
+    if kind not in DEVICE_TYPES:
+        raise ValueError(f"device={device!r} is not supported; allowed: {', '.join(DEVICE_TYPES)}")
+    return kind
+
+
+def _init_process_group(timeout: timedelta, device_type: str = "cpu") -> None:
+    """Start torch.distributed from torchrun's environment (or a single local process); on XLA from torch-xla's
+    runtime (`init_method="xla://"`), once per process however many devices it drives."""
+    with _INIT_LOCK:
+        if dist.is_initialized():
+            return
+        # torch.distributed.optim (ZeRO-1) imports torch.distributed.rpc; imported after a process group exists, it
+        # made the process abort at exit ("terminate called without an active exception", 1 run in 3 of a 4-rank
+        # job): import it before the group is made (0.2 s, only in processes that start torch.distributed)
+        import torch.distributed.optim  # noqa: F401
+
+        if device_type == "xla":
+            try:
+                import torch_xla.distributed.xla_backend  # noqa: F401  (registers the "xla" backend and "xla://")
+            except ImportError as err:
+                raise ImportError(
+                    f"the mesh runs on XLA devices (device='xla' or PJRT_DEVICE={os.environ.get('PJRT_DEVICE')!r}) "
+                    "but torch-xla does not import; install torch-xla (torch-neuronx on Neuron), or leave PJRT_DEVICE "
+                    f"unset for gloo/NCCL ({err})"
+                ) from err
+
+            dist.init_process_group(backend="xla", init_method="xla://", timeout=timeout)
+            return
+        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+        os.environ.setdefault("MASTER_PORT", "29500")
+        os.environ.setdefault("RANK", "0")
+        os.environ.setdefault("WORLD_SIZE", "1")
+        if device_type == "cuda":
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        dist.init_process_group(backend="nccl" if device_type == "cuda" else "gloo", timeout=timeout)
 
 
 def _gloo_or_nccl_options(timeout: timedelta):
@@ -279,6 +310,7 @@ def init_mesh(
     *,
     ep: int = 1,
     timeout: timedelta | float = DEFAULT_TIMEOUT,
+    device: str | None = None,
     **aliases: int,
 ) -> ParallelMesh:
     """Build (and set as current) the dp x pp x cp x tp mesh; `tp` (alias `mp`) defaults to world / (dp * pp * cp).
@@ -287,9 +319,9 @@ def init_mesh(
     ep is expert parallelism: blocks of `ep` consecutive dp x cp ranks split the experts between them (ep divides
     dp x cp; dense weights stay replicated over dp x cp).
 
-    Starts torch.distributed from the torchrun environment if needed (gloo on CPU, NCCL on CUDA);
-    every process group of the mesh gets `timeout` (seconds or a timedelta), so a lost rank fails
-    the run instead of hanging it.
+    Starts torch.distributed from the torchrun environment if needed (gloo on CPU, NCCL on CUDA, the "xla"
+    backend on XLA devices: `device="xla"`, or `PJRT_DEVICE` set, e.g. NEURON); every process group of the mesh
+    gets `timeout` (seconds or a timedelta), so a lost rank fails the run instead of hanging it.
     """
     for name, value in aliases.items():
         if DIM_ALIASES.get(name) != "tp":
@@ -300,7 +332,8 @@ def init_mesh(
         tp = value
     if not isinstance(timeout, timedelta):
         timeout = timedelta(seconds=float(timeout))
-    _init_process_group(timeout)
+    device_type = _device_type(device)
+    _init_process_group(timeout, device_type)
     world = dist.get_world_size()
     check_positive_int("dp", dp, "a mesh size")
     check_positive_int("pp", pp, "a mesh size")
@@ -312,7 +345,10 @@ def init_mesh(
     total = dp * pp * cp * tp
     if total != world:
         raise ValueError(f"mesh dp={dp} x pp={pp} x cp={cp} x tp={tp} = {total} ranks, but the world size is {world}")
-    device_type = "cuda" if torch.cuda.is_available() else "cpu"
+    if device_type == "xla":
+        from .xla_mesh import XlaParallelMesh  # torch-xla's replica groups, no DeviceMesh
+
+        return set_mesh(XlaParallelMesh(None, sizes, timeout, expert_parallel_size=ep))
     backend, options = _gloo_or_nccl_options(timeout)
     overrides = {name: (backend, options) for name in MESH_DIMS}
     shape = tuple(sizes[name] for name in MESH_DIMS)

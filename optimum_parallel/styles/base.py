@@ -9,10 +9,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import torch.distributed as dist
 from torch import nn
 
-from ..mesh import ParallelMesh
+from ..mesh import ParallelMesh, ranks
 from ..tensor_parallel.spec import ShardSpec, check_heads
 
 
@@ -25,7 +24,7 @@ class PlanContext:
     @property
     def tp_rank_world(self) -> tuple[int, int]:
         group = self.mesh.tp_group
-        return dist.get_rank(group), dist.get_world_size(group)
+        return ranks.rank(group), ranks.world_size(group)
 
 
 class ParallelStyle:

@@ -18,7 +18,6 @@ tensor-parallel path (norm gradients are whole on every rank, so they are not su
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
 from ..comm.regions import (
@@ -29,6 +28,7 @@ from ..comm.regions import (
     scatter_to_sequence_parallel_region,
 )
 from ..comm.sequence_switch import sequence_switch
+from ..mesh import ranks
 from ..tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
 from ..tensor_parallel.replicated import sum_parameter_gradients
 from .base import ParallelStyle, PlanContext
@@ -36,7 +36,7 @@ from .base import ParallelStyle, PlanContext
 
 def split_sequence(x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
     """This rank's slice of the sequence (all-gather of the gradient backward)."""
-    tp = dist.get_world_size(group)
+    tp = ranks.world_size(group)
     if x.shape[SEQ_DIM] % tp:
         raise ValueError(
             f"sequence length {x.shape[SEQ_DIM]} is not divisible by the tensor-parallel size {tp} "
@@ -47,7 +47,7 @@ def split_sequence(x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
 
 def _split_if_divisible(x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
     """The region's entry: split the sequence when this forward can (see `sequence_switch`), else keep it whole."""
-    if sequence_switch.decide(x.shape[SEQ_DIM], dist.get_world_size(group)):
+    if sequence_switch.decide(x.shape[SEQ_DIM], ranks.world_size(group)):
         return split_sequence(x, group)
     return x
 

@@ -6,6 +6,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
+from ..mesh import ranks
 from .spec import ShardLayout
 
 
@@ -14,7 +15,7 @@ def gather_full(tensor: torch.Tensor, layout: ShardLayout | None, group: Process
     every rank calls it for the same tensors in the same order). A replicated tensor is returned as it is."""
     if layout is None or layout.dim is None:
         return tensor
-    dim, tp = layout.dim, dist.get_world_size(group)
+    dim, tp = layout.dim, ranks.world_size(group)
     layouts = [layout.spec.local(r, tp) for r in range(tp)]
     longest = max(lay.local_shape[dim] for lay in layouts)
     local = tensor.detach().contiguous()

@@ -7,7 +7,6 @@ Each layer holds only this rank's shard; every parameter carries its `ShardLayou
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 from torch.distributed import ProcessGroup
@@ -21,6 +20,7 @@ from ..comm.regions import (
     scatter_to_tensor_parallel_region,
 )
 from ..comm.sequence_switch import sequence_switch
+from ..mesh import ranks
 from .spec import ShardLayout, ShardSpec, local_parameter, shard_sizes
 
 
@@ -86,7 +86,7 @@ class ColumnParallelLinear(_ShardedModule):
         sequence_parallel: bool = False,
         replica_group: ProcessGroup | None = None,
     ) -> ColumnParallelLinear:
-        rank, world = dist.get_rank(group), dist.get_world_size(group)
+        rank, world = ranks.rank(group), ranks.world_size(group)
         layout = ShardSpec.split(linear.weight.shape, 0, units).local(rank, world)
         if layout.replicas > 1 and replica_group is None:
             raise ValueError("a replicated column shard needs the group of its replicas to sum gradients")
@@ -101,7 +101,7 @@ class ColumnParallelLinear(_ShardedModule):
 
     @property
     def output_sizes(self) -> list[int]:
-        return shard_sizes(self.out_features, dist.get_world_size(self.group))
+        return shard_sizes(self.out_features, ranks.world_size(self.group))
 
     def gather(self, y: torch.Tensor) -> torch.Tensor:
         """All-gather split outputs (e.g. vocab-parallel logits) into the full feature dim."""
@@ -151,7 +151,7 @@ class RowParallelLinear(_ShardedModule):
         input_is_parallel: bool = True,
         sequence_parallel: bool = False,
     ) -> RowParallelLinear:
-        rank, world = dist.get_rank(group), dist.get_world_size(group)
+        rank, world = ranks.rank(group), ranks.world_size(group)
         layout = ShardSpec.split(linear.weight.shape, 1, units).local(rank, world)
         if layout.replicas > 1:
             raise ValueError(f"row-parallel input of {units} units cannot be split over {world} ranks")
@@ -166,7 +166,7 @@ class RowParallelLinear(_ShardedModule):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.input_is_parallel:
             x = scatter_to_tensor_parallel_region(
-                x, self.group, dim=-1, sizes=shard_sizes(self.in_features, dist.get_world_size(self.group))
+                x, self.group, dim=-1, sizes=shard_sizes(self.in_features, ranks.world_size(self.group))
             )
         y = _exit_region(F.linear(x, self.weight), self.group, self.sequence_parallel)
         return y + self.bias if self.bias is not None else y
@@ -204,7 +204,7 @@ class VocabParallelEmbedding(_ShardedModule):
     ) -> VocabParallelEmbedding:
         if embedding.max_norm is not None or embedding.sparse:
             raise ValueError("VocabParallelEmbedding does not support max_norm or sparse embeddings")
-        rank, world = dist.get_rank(group), dist.get_world_size(group)
+        rank, world = ranks.rank(group), ranks.world_size(group)
         layout = ShardSpec.split(embedding.weight.shape, 0).local(rank, world)
         weight = local_parameter(embedding.weight, layout, embedding.weight.requires_grad)
         layer = cls(weight, group, embedding.padding_idx, sequence_parallel)
@@ -213,10 +213,26 @@ class VocabParallelEmbedding(_ShardedModule):
         return layer
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        if input_ids.device.type == "xla":
+            return self._xla_forward(input_ids)
         outside = (input_ids < self.vocab_start) | (input_ids >= self.vocab_end)
         local_ids = (input_ids - self.vocab_start).masked_fill(outside, 0)
         out = F.embedding(local_ids, self.weight, self._local_padding_idx)
-        out = out.masked_fill(outside.unsqueeze(-1), 0.0)
+        return self._finish(out.masked_fill(outside.unsqueeze(-1), 0.0))
+
+    def _xla_forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """The same with no rank in the graph: the shard's bounds reach the device as data, and the padding row
+        (on one rank only) gets no gradient through a mask on the global id instead of a local padding_idx."""
+        start = ranks.device_scalar(self.vocab_start, input_ids.device)
+        end = ranks.device_scalar(self.vocab_end, input_ids.device)
+        outside = (input_ids < start) | (input_ids >= end)
+        local_ids = (input_ids - start).masked_fill(outside, 0)
+        out = F.embedding(local_ids, self.weight)
+        if self.padding_idx is not None:
+            out = torch.where((input_ids == self.padding_idx).unsqueeze(-1), out.detach(), out)
+        return self._finish(out.masked_fill(outside.unsqueeze(-1), 0.0))
+
+    def _finish(self, out: torch.Tensor) -> torch.Tensor:
         if hasattr(self, "embed_scale"):
             out = out * self.embed_scale.to(out.dtype)
         return _exit_region(out, self.group, self.sequence_parallel)

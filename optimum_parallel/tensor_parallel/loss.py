@@ -10,12 +10,14 @@ import torch
 from torch.distributed import ProcessGroup, ReduceOp
 
 from ..comm.regions import all_reduce
+from ..mesh import ranks
 
 
 class _VocabParallelCrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx, logits, target, group, vocab_start, ignore_index):
         logits = logits.float()
+        vocab_start = ranks.device_scalar(vocab_start, logits.device)  # on XLA: data, not a per-rank constant
         vocab_end = vocab_start + logits.shape[-1]
         logits_max = logits.amax(dim=-1)  # amax: no indices (max(dim) computes them, ~9x slower here)
         all_reduce(logits_max, group, op=ReduceOp.MAX)

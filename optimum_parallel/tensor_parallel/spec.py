@@ -214,9 +214,13 @@ def split_layout(tensor: torch.Tensor) -> ShardLayout | None:
 
 
 def local_parameter(source: torch.Tensor, layout: ShardLayout, requires_grad: bool) -> nn.Parameter:
-    """This rank's slice of `source` as a new Parameter carrying its `shard_layout` (meta stays meta)."""
-    local = layout.slice(source.detach())
-    if local.device.type != "meta":
+    """This rank's slice of `source` as a new Parameter carrying its `shard_layout` (meta stays meta). An XLA
+    tensor is sliced on the CPU and moved back: slicing on the device would compile one graph per rank."""
+    if source.device.type == "xla":
+        local = layout.slice(source.detach().cpu()).clone().to(source.device)
+    else:
+        local = layout.slice(source.detach())
+    if local.device.type not in ("meta", "xla"):
         local = local.clone()
     param = nn.Parameter(local.contiguous(), requires_grad=requires_grad)
     param.shard_layout = layout

@@ -1,0 +1,116 @@
+"""The dp x pp x cp x tp grid on XLA devices (Neuron; torch-xla's CPU device in the tests), without a DeviceMesh.
+
+An XLA collective names its replica groups: all the groups of a dim at once (`[[0, 1], [2, 3]]`), given to every
+group of the dim as torch-xla's `xla_pg_options` mesh. torch-xla keys collectives by those groups alone, not by
+the group object, so where one process drives several devices (one thread each, torch.distributed's rank 0 on
+all) each dim's one group that holds torch's rank serves every device, and `ranks.rank(group)` finds a device's
+place from the lines recorded on it (`ranks.LINES_ATTR`). This rank's coordinates always come from torch-xla's
+runtime (`ranks.global_rank()`), asked at each call, so one mesh object serves every thread.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+from . import ranks
+from .parallel_mesh import MESH_DIMS, ParallelMesh, _canonical_dim
+
+_NO_DEVICE_MESH = (
+    "{what} needs a torch DeviceMesh, which the XLA mesh does not build; allowed on XLA: sharding_level 0 "
+    "(DDP) or 1 (ZeRO-1), shard_size -1"
+)
+
+
+def make_xla_groups(lines: list[list[int]], timeout) -> dist.ProcessGroup:
+    """Make one group per line (every rank makes every group, as torch requires); return the one holding
+    torch.distributed's rank, with every line recorded on it."""
+    options = {"xla_pg_options": {"mesh": [list(line) for line in lines]}}
+    made = [dist.new_group(list(line), timeout=timeout, pg_options=options) for line in lines]
+    me = dist.get_rank()
+    group = next(g for g, line in zip(made, lines, strict=True) if me in line)
+    setattr(group, ranks.LINES_ATTR, [tuple(line) for line in lines])
+    return group
+
+
+@dataclass
+class XlaParallelMesh(ParallelMesh):
+    """A `ParallelMesh` over the "xla" backend: the same names and sizes, groups made with torch-xla's replica
+    groups. Context and expert parallelism, FSDP2 and hybrid sharding are refused (they need a DeviceMesh or
+    all-to-all patterns not built here)."""
+
+    _groups: dict[str, dist.ProcessGroup] = field(default_factory=dict, repr=False)
+
+    def __post_init__(self) -> None:
+        for dim, allowed in (("cp", "cp=1"), ("ep", "ep=1")):
+            size = self.expert_parallel_size if dim == "ep" else self.sizes[dim]
+            if size != 1:
+                raise ValueError(f"{dim}={size} is not supported on XLA devices yet; allowed: {allowed}")
+        for dim in MESH_DIMS:
+            self._groups[dim] = make_xla_groups(self._lines(dim), self.timeout)
+
+    @property
+    def _grid(self) -> torch.Tensor:
+        world = self.sizes["dp"] * self.sizes["pp"] * self.sizes["cp"] * self.sizes["tp"]
+        return torch.arange(world).reshape([self.sizes[d] for d in MESH_DIMS])
+
+    def _lines(self, dim: str) -> list[list[int]]:
+        """Every group of `dim`: the ranks that differ only in their `dim` coordinate, in coordinate order."""
+        return self._grid.movedim(MESH_DIMS.index(dim), -1).reshape(-1, self.sizes[dim]).tolist()
+
+    def size(self, dim: str) -> int:
+        return 1 if dim == "ep" else self.sizes[_canonical_dim(dim)]
+
+    def rank(self, dim: str) -> int:
+        if dim == "ep":
+            return 0
+        dim = _canonical_dim(dim)
+        return self.ranks(dim).index(ranks.global_rank())
+
+    def group(self, dim: str) -> dist.ProcessGroup:
+        if dim == "ep":
+            return self.expert_group  # raises: ep=1
+        return self._groups[_canonical_dim(dim)]
+
+    def ranks(self, dim: str) -> list[int]:
+        me = ranks.global_rank()
+        return next(line for line in self._lines(_canonical_dim(dim)) if me in line)
+
+    @property
+    def device_type(self) -> str:
+        return "xla"
+
+    @property
+    def data_parallel_mesh(self):
+        raise NotImplementedError(_NO_DEVICE_MESH.format(what="FSDP2 (sharding_level 2 or 3)"))
+
+    @property
+    def data_parallel_group(self) -> dist.ProcessGroup:
+        return self.group("dp")
+
+    def sharding_mesh(self, shard_size: int = -1):
+        raise NotImplementedError(_NO_DEVICE_MESH.format(what="FSDP2 and hybrid sharding"))
+
+    def sharding_group(self, shard_size: int = -1) -> dist.ProcessGroup:
+        if shard_size not in (-1, self.data_parallel_size):
+            raise NotImplementedError(_NO_DEVICE_MESH.format(what=f"shard_size={shard_size}"))
+        return self.data_parallel_group
+
+    def subgroups(self, dim: str, parts: int) -> dist.ProcessGroup:
+        """Every group along `dim` cut into `parts` contiguous blocks (e.g. the tp ranks holding the same replicated
+        kv head): this rank's block's group, all the blocks its XLA replica groups."""
+        dim = _canonical_dim(dim)
+        key = ("xla", dim, parts)
+        if key not in self._extra_groups:
+            block = self.sizes[dim] // parts
+            lines = [line[i : i + block] for line in self._lines(dim) for i in range(0, len(line), block)]
+            self._extra_groups[key] = make_xla_groups(lines, self.timeout)
+        return self._extra_groups[key]
+
+    def group_of(self, dim: str, positions) -> dist.ProcessGroup | None:
+        raise NotImplementedError(
+            f"a group of positions {list(positions)} along {dim} leaves ranks out of every XLA replica group; "
+            "allowed on XLA: groups of whole dims or of equal blocks of them (subgroups)"
+        )

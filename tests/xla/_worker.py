@@ -1,0 +1,128 @@
+"""Runs one XLA scenario and writes what each rank saw to OUT/rank<N>.pt (the tests compare it with the CPU).
+
+    python _worker.py tp1 MODEL_DIR OUT       # one XLA device, tp=1
+    python _worker.py tp2 MODEL_DIR OUT       # two XLA devices in this process (torch_xla.launch, a thread each)
+    python _worker.py tp2-sp MODEL_DIR OUT    # the same with sequence parallelism
+
+PJRT's CPU client has only in-process collectives, so several ranks means several devices of one process, one
+thread each. Compilation is serialized (`SYNC_LOCK` around every `torch_xla.sync()`): two threads compiling at
+once may deadlock in a collective's rendezvous. The parallel code itself takes its rank from torch-xla's runtime.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import threading
+import traceback
+from pathlib import Path
+
+SCENARIOS = {"tp1": (1, False), "tp2": (2, False), "tp2-sp": (2, True)}
+SYNC_LOCK = threading.Lock()
+
+
+def sync() -> None:
+    import torch_xla
+
+    with SYNC_LOCK:
+        torch_xla.sync()
+
+
+def run(index: int, scenario: str, model_dir: str, out: str) -> None:
+    """One rank: a failure ends the whole process at once (the other thread would wait for it in a collective)."""
+    try:
+        _run(scenario, model_dir, out)
+    except BaseException:
+        traceback.print_exc()
+        sys.stderr.flush()
+        os._exit(1)
+
+
+def _run(scenario: str, model_dir: str, out: str) -> None:
+    with SYNC_LOCK:  # first imports one thread at a time: transformers' lazy module is not thread-safe
+        import torch
+        import torch_xla
+        import torch_xla.debug.metrics as met
+        from _common import EPS, LR, STEPS, load_llama, make_batch
+        from transformers import AutoModelForCausalLM, LlamaForCausalLM, PreTrainedModel  # noqa: F401
+
+        import optimum_parallel as op
+        from optimum_parallel.mesh import ranks
+
+    tp, sequence_parallel = SCENARIOS[scenario]
+    device = torch_xla.device()
+    with SYNC_LOCK:  # group creation, one thread at a time
+        mesh = op.init_mesh(tp=tp, device="xla", timeout=120)
+    me = ranks.global_rank()
+    assert ranks.world_size() == tp and mesh.tp_size == tp and mesh.device_type == "xla", (ranks.world_size(), tp)
+    assert mesh.tp_rank == me == ranks.rank(mesh.tp_group)
+
+    with op.lazy_load_for_parallelism(tensor_parallel_size=tp):  # each rank reads its slices, on the CPU
+        model = load_llama(model_dir)
+    parallelizer = op.ParallelizersManager.parallelizer_for_model(model)
+    assert parallelizer.__name__ == "LlamaParallelizer", parallelizer  # the family plan on every rank
+    model = parallelizer.parallelize(model, device=device, sequence_parallel_enabled=sequence_parallel)
+    split = [n for n, m in model.named_modules() if getattr(m, "sequence_parallel", False) is True]
+    assert bool(split) == sequence_parallel, split
+    params = dict(model.named_parameters())
+    assert all(p.device.type == "xla" for p in params.values())
+    optimizer = torch.optim.AdamW(model.parameters(), lr=LR, eps=EPS)
+    if scenario == "tp2":
+        sync()
+        parallelizer.save_model_checkpoint(model, Path(out) / "ckpt-0")
+
+    def pieces(tensors) -> dict:
+        found = {}
+        for name, tensor in tensors.items():
+            layout = getattr(params[name], "shard_layout", None)
+            dim = layout.dim if layout is not None else None
+            found[name] = (tensor.detach().cpu().clone(), dim, list(layout.ranges) if dim is not None else None)
+        return found
+
+    batch = {k: v.to(device) for k, v in make_batch().items()}
+    with torch.no_grad():  # inference: the full-vocabulary logits (gathered from the vocab-parallel head)
+        logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+    sync()
+    logits = logits.cpu()
+    losses, grads = [], None
+    for step in range(STEPS):
+        loss = model(**batch).loss
+        loss.backward()
+        sync()  # the tests look at the gradients; a training loop needs only the sync after the step
+        losses.append(loss.detach().cpu().item())
+        if step == 0:
+            grads = pieces({n: p.grad for n, p in params.items()})
+        optimizer.step()
+        optimizer.zero_grad()
+        sync()
+    if scenario == "tp2":
+        parallelizer.save_model_checkpoint(model, Path(out) / f"ckpt-{STEPS}")
+    compiles = met.metric_data("CompileTime")
+    result = {
+        "ordinal": me,
+        "world": ranks.world_size(),
+        "losses": losses,
+        "logits": logits,
+        "grads": grads,
+        "params": pieces(params),
+        "compiles": compiles[0] if compiles else 0,
+    }
+    torch.save(result, Path(out) / f"rank{me}.pt")
+
+
+def main() -> None:
+    scenario, model_dir, out = sys.argv[1:4]
+    tp, _ = SCENARIOS[scenario]
+    os.environ["PJRT_DEVICE"] = "CPU"
+    os.environ["CPU_NUM_DEVICES"] = str(tp)
+    import torch_xla
+
+    if tp == 1:
+        run(0, scenario, model_dir, out)
+    else:
+        torch_xla.launch(run, args=(scenario, model_dir, out))
+
+
+if __name__ == "__main__":
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    main()

@@ -1,0 +1,87 @@
+"""The XLA lane (`make test-xla`): torch-xla's CPU device (PJRT_DEVICE=CPU) in its own cached environment.
+
+Each scenario runs once per session in a fresh process (`_worker.py`, with a timeout): PJRT fixes the number of
+devices when it starts, and a stuck collective must end the run, not hang it. The CPU reference is the plain
+transformers model in this process.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+pytest.importorskip("torch_xla", reason="the XLA lane needs torch-xla: run `make test-xla`")
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+
+from _common import EPS, LR, STEPS, load_llama, make_batch, save_tiny_llama  # noqa: E402
+
+WORKER_TIMEOUT_S = 300
+
+
+@pytest.fixture(scope="session")
+def model_dir(tmp_path_factory) -> Path:
+    directory = tmp_path_factory.mktemp("tiny-llama")
+    save_tiny_llama(directory)
+    return directory
+
+
+@pytest.fixture(scope="session")
+def cpu_reference(model_dir) -> dict:
+    """One CPU process, the whole batch: the first logits, the loss of every step, the first step's gradients, the
+    weights after."""
+    model = load_llama(model_dir)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=LR, eps=EPS)
+    batch = make_batch()
+    with torch.no_grad():
+        logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+    losses, grads = [], None
+    for step in range(STEPS):
+        loss = model(**batch).loss
+        loss.backward()
+        losses.append(loss.item())
+        if step == 0:
+            grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+        optimizer.step()
+        optimizer.zero_grad()
+    params = {n: p.detach().clone() for n, p in model.named_parameters()}
+    return {"logits": logits, "losses": losses, "grads": grads, "params": params}
+
+
+class Scenarios:
+    """Runs each worker scenario once; what every rank saved, in rank order."""
+
+    def __init__(self, model_dir: Path, root: Path) -> None:
+        self.model_dir, self.root, self.done = model_dir, root, {}
+
+    def __call__(self, scenario: str) -> list[dict]:
+        if scenario not in self.done:
+            out = self.root / scenario
+            out.mkdir()
+            env = {**os.environ, "PJRT_DEVICE": "CPU", "OMP_NUM_THREADS": "1", "TF_CPP_MIN_LOG_LEVEL": "1"}
+            command = [sys.executable, str(HERE / "_worker.py"), scenario, str(self.model_dir), str(out)]
+            start = time.monotonic()
+            run = subprocess.run(command, env=env, capture_output=True, text=True, timeout=WORKER_TIMEOUT_S)
+            seconds = time.monotonic() - start
+            output = run.stdout[-4000:] + run.stderr[-8000:]
+            assert run.returncode == 0, f"{scenario} failed ({run.returncode}):\n{output}"
+            results = [torch.load(path) for path in sorted(out.glob("rank*.pt"))]
+            print(f"\n[xla] {scenario}: {len(results)} rank(s), {seconds:.1f} s, {results[0]['compiles']} compilations")
+            self.done[scenario] = (out, results)
+        return self.done[scenario][1]
+
+    def directory(self, scenario: str) -> Path:
+        self(scenario)
+        return self.done[scenario][0]
+
+
+@pytest.fixture(scope="session")
+def scenarios(model_dir, tmp_path_factory) -> Scenarios:
+    return Scenarios(model_dir, tmp_path_factory.mktemp("xla-runs"))

@@ -1,0 +1,90 @@
+"""Tensor (and sequence) parallelism on XLA devices equals one CPU process: logits, loss, every gradient, 3 AdamW
+steps.
+
+tp=1 runs on one XLA device; tp=2 on two XLA devices of one process (torch_xla.launch, a thread per rank: PJRT's
+CPU client has no collectives between processes). Every multi-rank check asserts a world of 2 first, so a run
+that fell back to one rank cannot pass.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from _common import rel_err, whole
+
+from optimum_parallel.checkpoint import consolidate_checkpoint
+
+TOL = 1e-5  # fp32, relative to the largest value of the tensor
+# AdamW divides by sqrt(v): a gradient at float-noise level (1e-8) moves its weight by up to lr, so the weights
+# after the steps are held to a looser bound than the gradients and losses they come from
+WEIGHT_TOL = 2e-3
+
+
+def _check_world(results: list[dict], world: int) -> None:
+    assert len(results) == world, f"{len(results)} ranks reported, expected {world}"
+    assert sorted(r["ordinal"] for r in results) == list(range(world))
+    assert all(r["world"] == world for r in results)
+
+
+def _compare(results: list[dict], reference: dict) -> dict[str, float]:
+    worst = {}
+    worst["loss"] = max(  # the loss of every step, as every rank sees it
+        rel_err(torch.tensor(a), torch.tensor(b))
+        for r in results
+        for a, b in zip(r["losses"], reference["losses"], strict=True)
+    )
+    worst["logits"] = max(rel_err(r["logits"], reference["logits"]) for r in results)  # whole on every rank
+    assert set(results[0]["grads"]) == set(reference["grads"])
+    for key, tol in (("grads", TOL), ("params", WEIGHT_TOL)):
+        errors = {}
+        for name, expected in reference[key].items():
+            errors[name] = rel_err(whole([r[key][name] for r in results], expected.shape), expected)
+        name = max(errors, key=errors.get)
+        worst[key] = errors[name]
+        assert errors[name] <= tol, f"{key} of {name}: relative error {errors[name]:.2e} > {tol}"
+    assert worst["loss"] <= TOL and worst["logits"] <= TOL, worst
+    print(f"\n[xla] worst relative errors: {worst}")
+    return worst
+
+
+def test_tp1_on_one_xla_device_equals_cpu(scenarios, cpu_reference):
+    results = scenarios("tp1")
+    _check_world(results, 1)
+    _compare(results, cpu_reference)
+
+
+@pytest.mark.parametrize("scenario", ["tp2", "tp2-sp"])
+def test_tp2_on_two_xla_devices_equals_one_cpu_process(scenarios, cpu_reference, scenario):
+    results = scenarios(scenario)
+    _check_world(results, 2)
+    for name, (_, dim, _) in results[0]["grads"].items():  # really split: the big matrices differ by rank
+        if name.endswith(("q_proj.weight", "down_proj.weight", "embed_tokens.weight", "lm_head.weight")):
+            assert dim is not None, f"{name} is not split at tp=2"
+    _compare(results, cpu_reference)
+
+
+@pytest.mark.parametrize("scenario", ["tp2", "tp2-sp"])
+def test_every_rank_runs_the_same_compiled_graphs(scenarios, scenario):
+    """Graphs with no rank in them compile once for both devices: as many compilations as one device's run."""
+    one_device = scenarios("tp1")[0]["compiles"]
+    assert scenarios(scenario)[0]["compiles"] == one_device
+
+
+def test_a_checkpoint_saved_from_xla_consolidates_to_the_cpu_weights(scenarios, cpu_reference, model_dir, tmp_path):
+    from safetensors.torch import load_file
+
+    results = scenarios("tp2")
+    _check_world(results, 2)
+    runs = scenarios.directory("tp2")
+    original = load_file(model_dir / "model.safetensors")
+    before = consolidate_checkpoint(runs / "ckpt-0", tmp_path / "ckpt-0", progress=False)
+    saved = {k: v for f in sorted(before.glob("*.safetensors")) for k, v in load_file(f).items()}
+    assert set(saved) == set(original)
+    for name, tensor in original.items():  # loaded on XLA, saved from XLA: the same bits
+        assert torch.equal(saved[name], tensor), name
+    after = consolidate_checkpoint(runs / "ckpt-3", tmp_path / "ckpt-3", progress=False)
+    saved = {k: v for f in sorted(after.glob("*.safetensors")) for k, v in load_file(f).items()}
+    for name, expected in cpu_reference["params"].items():
+        held = whole([r["params"][name] for r in results], expected.shape)
+        assert torch.equal(saved[name], held), f"{name}: the checkpoint is not what the XLA ranks held"
+        assert rel_err(saved[name], expected) <= WEIGHT_TOL, name
