@@ -126,5 +126,5 @@ def test_crash_mid_save_keeps_last_checkpoint(uninterrupted, tmp_path, point, ra
     assert _checkpoint_files(last) == expected, "the checkpoint found differs from an uninterrupted save"
     for name in interrupted:  # the partial save is ignored, with a message naming it
         assert any(name in m and "interrupted" in m for m in messages), (name, messages)
-    if not renamed:
+    if not renamed and rank == 0:  # a surviving rank 0 removes the partial directory when its collective fails
         assert interrupted or target == OVERWRITE, "a save that died before its rename left no partial directory"
