@@ -199,6 +199,10 @@ TRAINING_CASES = [
     ("deepseek_v3", dict(dp=4, ep=2)),
     ("mixtral", dict(dp=2, tp=2, ep=2)),
     ("qwen3_moe", dict(dp=2, tp=2, ep=2)),
+    ("qwen2_moe", dict(dp=2, tp=2, ep=2)),
+    ("olmoe", dict(dp=2, tp=2, ep=2)),
+    ("granitemoe", dict(dp=2, tp=2, ep=2)),
+    ("deepseek_v3", dict(dp=2, tp=2, ep=2)),
 ]
 
 
