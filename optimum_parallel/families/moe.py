@@ -9,7 +9,7 @@ and its gradients need no extra reduction. Qwen2-MoE's shared expert is an ordin
 from __future__ import annotations
 
 from optimum_parallel import ColWiseParallel, RowWiseParallel, optional
-from optimum_parallel.styles import ReplicatedWithGradAllReduce, TensorParallelExperts
+from optimum_parallel.styles import ReplicatedWithGradAllReduce, SequenceParallelDisable, TensorParallelExperts
 
 from ._common import prefix
 from .llama import LlamaParallelizer
@@ -45,7 +45,15 @@ class Qwen3MoEParallelizer(MoEParallelizer):
 
 
 class Qwen2MoEParallelizer(MoEParallelizer):
-    """Qwen2-MoE: its shared expert (column/row layers) sits in the same block as the routed experts, so the
-    block's sequence-parallel entry would mix the two kinds of region: tensor parallelism only for now."""
+    """Qwen2-MoE: its shared expert (column/row layers) sits in the same block as the routed experts. Under
+    sequence parallelism the block is replicated work on the whole sequence (gather in, split out) and the shared
+    expert plain tensor parallelism inside it, so its output adds to the routed experts' whole-sequence one."""
 
-    supports_sequence_parallel = False
+    @classmethod
+    def sequence_parallel_plan(cls, base: str) -> dict:
+        plan = super().sequence_parallel_plan(base)
+        layer = base + r"layers\.\d+\."
+        del plan[layer + r"(self_attn|mlp)"]
+        plan[layer + "self_attn"] = SequenceParallelDisable()
+        plan[layer + "mlp"] = SequenceParallelDisable(replicate=True)
+        return plan

@@ -132,16 +132,20 @@ class SequenceParallelDisable(ParallelStyle):
     """Run the module on the whole sequence: its input is all-gathered at the module boundary (HF attention
     reads the sequence length from its input). Column-parallel layers inside then skip their own entry
     (the gather's backward reduce-scatters their partial gradients) and row-parallel layers reduce-scatter
-    their output; a module without them is replicated work: gather in (split backward), split out."""
+    their output; a module without them is replicated work: gather in (split backward), split out.
+    `replicate=True` makes any module replicated work, its column/row layers then plain tensor parallelism on the
+    whole sequence (a MoE block whose shared expert sits beside the routed experts' own tp region: both must
+    produce whole-sequence outputs to be added)."""
 
-    def __init__(self, need_transpose: bool = True) -> None:
+    def __init__(self, need_transpose: bool = True, replicate: bool = False) -> None:
         self.need_transpose = need_transpose
+        self.replicate = replicate
 
     def apply(self, module, name, ctx: PlanContext):
         group = ctx.mesh.tp_group
         columns = [m for m in module.modules() if isinstance(m, ColumnParallelLinear)]
         rows = [m for m in module.modules() if isinstance(m, RowParallelLinear)]
-        if columns or rows:
+        if (columns or rows) and not self.replicate:
 
             def enter(x):  # the whole sequence enters the region; a forward that kept it whole: the plain entry
                 if sequence_switch.on:
