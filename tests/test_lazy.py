@@ -205,7 +205,7 @@ def test_bad_sizes_are_rejected():
 def test_slice_reads_map_contiguous_rows_and_read_the_rest(tmp_path, monkeypatch):
     """read_slice equals the tensor's slice for every layout; dim-0 rows are a copy-on-write mapping of just
     their bytes (writing them never changes the file, the mapping outlives the reader), other slices are read
-    (strided rows through a small buffer, several ranges)."""
+    (strided rows mapped a bounded block at a time, several ranges)."""
     from safetensors.torch import load_file, save_file
 
     from optimum_parallel.io import safetensors_io
@@ -222,7 +222,7 @@ def test_slice_reads_map_contiguous_rows_and_read_the_rest(tmp_path, monkeypatch
     cases += [("b", 0, [(0, 2), (4, 6)]), ("b", 0, [(3, 7)]), ("b", None, [])]
     mapped = []
     original = safetensors_io.map_bytes
-    monkeypatch.setattr(safetensors_io, "map_bytes", lambda *args: mapped.append(args[-1]) or original(*args))
+    monkeypatch.setattr(safetensors_io, "map_bytes", lambda *args: mapped.append(args[-2:]) or original(*args))
     with SafetensorsReader(path) as reader:
         for key, dim, ranges in cases:
             full = tensors[key]
@@ -231,7 +231,15 @@ def test_slice_reads_map_contiguous_rows_and_read_the_rest(tmp_path, monkeypatch
             expected = full if dim is None else torch.cat([full.narrow(dim, s, e - s) for s, e in ranges], dim)
             assert torch.equal(value, expected) and value.is_contiguous(), (key, dim, ranges)
         view = read_slice(reader, "a", ShardLayout((6, 10, 3), 0, ((1, 4),)))
-    assert mapped == [(3, 10, 3), (4, 5), (7, 5), (3, 10, 3)]  # the single dim-0 ranges and the whole tensor
+    typed = [shape for dtype, shape in mapped if dtype != torch.uint8]
+    assert typed == [(3, 10, 3), (4, 5), (7, 5), (3, 10, 3)]  # the single dim-0 ranges and the whole tensor
+    blocks = [shape for dtype, shape in mapped if dtype == torch.uint8]  # strided slices: whole rows, mapped a block
+    assert blocks and all(rows * width <= 64 or rows == 1 for rows, width in blocks), blocks  # at a time
+    monkeypatch.setattr(safetensors_io, "can_map", lambda: False)  # where the OS has no mappings: pread
+    with SafetensorsReader(path) as reader:
+        for key, dim, ranges in cases[1:5]:
+            expected = torch.cat([tensors[key].narrow(dim, s, e - s) for s, e in ranges], dim)
+            assert torch.equal(reader.read_slice(key, dim, ranges), expected), (key, dim, ranges)
     view.add_(1.0)  # the reader is closed: the mapping lives on, copy-on-write
     assert torch.equal(view, tensors["a"][1:4] + 1.0)
     assert torch.equal(load_file(path)["a"], tensors["a"])

@@ -7,6 +7,7 @@ from pathlib import Path
 import torch
 
 from ..io.errors import CheckpointError
+from ..io.file_mapping import can_map
 from ..io.safetensors_io import SafetensorsReader, dtype_from_name, nbytes
 from .metadata import CheckpointIndex, Shard, TensorEntry
 
@@ -43,12 +44,27 @@ class ShardFiles:
         """One shard of `entry` as stored (its local shape), checked against the index."""
         return self._checked_reader(entry, shard).read(shard.key, out=out, crc32=shard.crc32)
 
+    def _verified_reader(self, entry: TensorEntry, shard: Shard) -> SafetensorsReader:
+        """The reader of `shard`'s file, once its tensor is checked against the index (dtype, shape, crc32)
+        without reading it into memory."""
+        reader = self._checked_reader(entry, shard)
+        if shard.crc32 is not None and reader.checksum(shard.key) != shard.crc32:
+            raise CheckpointError(f"{reader.path}: tensor {shard.key!r} does not match its checksum (file altered)")
+        return reader
+
     def verify(self, entry: TensorEntry) -> None:
         """Every shard of `entry` checked against the index (dtype, shape, crc32) without reading it into memory."""
         for shard in entry.shards:
-            reader = self._checked_reader(entry, shard)
-            if shard.crc32 is not None and reader.checksum(shard.key) != shard.crc32:
-                raise CheckpointError(f"{reader.path}: tensor {shard.key!r} does not match its checksum (file altered)")
+            self._verified_reader(entry, shard)
+
+    def mapped_shard(self, entry: TensorEntry, shard: Shard) -> torch.Tensor:
+        """One shard of `entry` as stored, checked, as a copy-on-write mapping of its bytes where the OS has them
+        (no copy into fresh memory: pages of the page cache), else read."""
+        reader = self._verified_reader(entry, shard)
+        if not can_map():
+            return reader.read(shard.key)
+        _, shape = reader.info(shard.key)
+        return reader.map_rows(shard.key, 0, shape[0]) if shape else reader.read(shard.key)
 
     def assemble(self, name: str, entry: TensorEntry, buffer: torch.Tensor | None = None) -> torch.Tensor:
         """The whole (global) tensor, from one copy of each distinct shard; in `buffer` (flat uint8, reused from
@@ -88,7 +104,7 @@ class ShardFiles:
                 start, end = ranges[0]  # a contiguous block of `full`: read straight into it
                 self.read_shard(name, entry, shard, out=full.narrow(dim, start, end - start))
             else:
-                local, offset = self.read_shard(name, entry, shard), 0
+                local, offset = self.mapped_shard(entry, shard), 0
                 for start, end in ranges:
                     if (start, end) not in covered:
                         full.narrow(dim, start, end - start).copy_(local.narrow(dim, offset, end - start))
