@@ -39,31 +39,44 @@ CONFIG = dict(  # ~0.5B parameters
 IMPLS = ("optimum-parallel", "transformers")
 
 
-def build_checkpoint(path: Path) -> None:
+CHECKPOINTS = {  # name: (dtype, max_shard_size): the issue's two cases
+    "bf16-files": ("bfloat16", "300MB"),  # several files
+    "fp32-one-file": ("float32", "10GB"),  # one model.safetensors
+}
+
+
+def build_checkpoint(path: Path, kind: str) -> None:
     import torch
     from transformers import AutoModelForCausalLM, LlamaConfig
 
-    if (path / "model.safetensors.index.json").exists():
+    if any(path.glob("model*.safetensors")):
         return
+    dtype, shard_size = CHECKPOINTS[kind]
     print(f"building the checkpoint in {path} ...", flush=True)
     torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(LlamaConfig(**CONFIG), dtype=torch.bfloat16)
+    model = AutoModelForCausalLM.from_config(LlamaConfig(**CONFIG), dtype=getattr(torch, dtype))
     print(f"  {sum(p.numel() for p in model.parameters()) / 1e9:.3f}B parameters", flush=True)
-    model.save_pretrained(path, max_shard_size="300MB")
+    model.save_pretrained(path, max_shard_size=shard_size)
 
 
 def worker(impl: str, checkpoint: str, result_dir: str, sharded_out: str | None) -> None:
-    """One rank under torchrun: load `checkpoint` at tp=WORLD_SIZE with `impl`, write this rank's numbers."""
+    """One rank under torchrun: load `checkpoint` at tp=WORLD_SIZE with `impl`, write this rank's numbers.
+    Each path's entry points are imported before the timer (transformers' DistributedConfig, our
+    lazy_load_for_parallelism and ParallelizersManager): start-up cost is scripts/bench_import.py's."""
     import torch
     import torch.distributed as dist
     from transformers import AutoModelForCausalLM
     from transformers.distributed import DistributedConfig
 
     import optimum_parallel as op
+    from optimum_parallel import ParallelizersManager, lazy_load_for_parallelism
 
     torch.set_num_threads(1)
     world = int(os.environ["WORLD_SIZE"])
     import transformers.modeling_utils  # noqa: F401  both paths import it on first from_pretrained (~0.9 s, torch._dynamo)
+
+    dtype = json.loads(Path(checkpoint, "config.json").read_text()).get("dtype") or "bfloat16"
+    dtype = getattr(torch, dtype)
 
     if impl == "optimum-parallel":
         op.init_mesh(tp=world)
@@ -73,13 +86,13 @@ def worker(impl: str, checkpoint: str, result_dir: str, sharded_out: str | None)
     after_imports = proc_status_bytes("VmRSS")
     start = time.perf_counter()
     if impl == "optimum-parallel":
-        with op.lazy_load_for_parallelism(tensor_parallel_size=world):
-            model = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.bfloat16)
-        parallelizer = op.ParallelizersManager.parallelizer_for_model(model)
+        with lazy_load_for_parallelism(tensor_parallel_size=world):
+            model = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=dtype)
+        parallelizer = ParallelizersManager.parallelizer_for_model(model)
         model = parallelizer.parallelize(model)
     else:
         model = AutoModelForCausalLM.from_pretrained(
-            checkpoint, dtype=torch.bfloat16, distributed_config=DistributedConfig(tp_size=world)
+            checkpoint, dtype=dtype, distributed_config=DistributedConfig(tp_size=world)
         )
     dist.barrier()
     seconds = time.perf_counter() - start
@@ -187,6 +200,75 @@ def _child(*args: str) -> None:
     subprocess.run([sys.executable, __file__, *args], check=True, env=env)
 
 
+GB = 1 << 30
+
+
+def _bench_loads(args, hf_dir: Path, kind: str, results: Path, sharded: Path | None) -> None:
+    """Both loads of `hf_dir`, `args.repeats` times each in alternating order, then their table; with `sharded`,
+    our first run also saves a sharded checkpoint there and times load_model_checkpoint from it."""
+    history: dict[str, list[tuple[float, float]]] = {impl: [] for impl in IMPLS}  # (load, load + first use)
+    for repeat in range(args.repeats):
+        for impl in IMPLS if repeat % 2 == 0 else IMPLS[::-1]:  # alternate who goes first
+            extra = ["--sharded-out", str(sharded)] if sharded and impl == "optimum-parallel" and repeat == 0 else []
+            _same_page_cache(hf_dir)
+            _torchrun(args.tp, "--worker", impl, "--checkpoint", str(hf_dir), "--results", str(results), *extra)
+            runs = [json.loads(f.read_text()) for f in results.glob(f"{impl}-*.json")]
+            history[impl].append((max(r["s"] for r in runs), max(r["s"] + r["touch_s"] for r in runs)))
+
+    on_disk = sum(f.stat().st_size for f in hf_dir.glob("*.safetensors"))
+    files = len(list(hf_dir.glob("*.safetensors")))
+    print(f"\nload at tp={args.tp} of {hf_dir} ({kind}: {files} file(s), {on_disk / GB:.2f} GiB)")
+    header = (
+        f"{'':17} {'rank':>4} {'after imports':>13} {'shard':>9} {'goal':>9} {'peak at load':>19} {'load s':>6}"
+        f" | {'peak once used':>21} {'load+use s':>10}"
+    )
+    print(header)
+    print("-" * len(header))
+    for impl in IMPLS:
+        for rank in range(args.tp):
+            r = json.loads((results / f"{impl}-{rank}.json").read_text())
+            goal = r["after_imports"] + 1.15 * r["shard"]
+            ratio = (r["peak"] - r["after_imports"]) / r["shard"]
+            used_ratio = (r["peak_touched"] - r["after_imports"]) / r["shard"]
+            print(
+                f"{impl:17} {rank:>4} {r['after_imports'] / GB:>9.2f} GiB {r['shard'] / GB:>5.2f} GiB "
+                f"{goal / GB:>5.2f} GiB {r['peak'] / GB:>5.2f} GiB ({ratio:.2f}x) {_verdict(r['peak'], goal)}"
+                f" {r['s']:>6.2f} | {r['peak_touched'] / GB:>5.2f} GiB ({used_ratio:.2f}x) "
+                f"{_verdict(r['peak_touched'], goal)} {r['s'] + r['touch_s']:>10.2f}"
+            )
+    for impl, seconds in history.items():
+        print(f"  {impl} load time over {args.repeats} runs: {', '.join(f'{t[0]:.2f}' for t in seconds)} s")
+    print("  (goal = after imports + 1.15 x shard; NNx = (peak - after imports) / shard; a weight left as a view")
+    print("   of the file mapping is read when first used, so 'once used' touches every page of every weight)")
+    print("  (table: the last run; times below: the fastest run of each)")
+    peaks = {
+        impl: max(json.loads((results / f"{impl}-{r}.json").read_text())["peak_touched"] for r in range(args.tp))
+        for impl in IMPLS
+    }
+    for column, what in ((0, "load"), (1, "load + first use")):
+        best = {impl: min(t[column] for t in history[impl]) for impl in IMPLS}
+        op_s, hf_s = best["optimum-parallel"], best["transformers"]
+        print(
+            f"{kind} {what} time: optimum-parallel {op_s:.2f} s, transformers {hf_s:.2f} s "
+            f"(ours / transformers {op_s / hf_s:.2f}x, goal <= 0.6x)"
+        )
+    print(
+        f"{kind} peak once used: optimum-parallel / transformers "
+        f"{peaks['optimum-parallel'] / peaks['transformers']:.2f}x (goal <= 0.7x)"
+    )
+    if not sharded:
+        return
+    print(f"\nload_model_checkpoint of our tp={args.tp} sharded checkpoint into the parallelized model, per rank")
+    for rank in range(args.tp):
+        r = json.loads((results / f"ckpt-{rank}.json").read_text())
+        print(
+            f"  rank {rank}: {r['ckpt_bytes'] / GB:.2f} GiB, plain copy of its files {r['ckpt_copy_s']:.2f} s, "
+            f"load_model_checkpoint {r['ckpt_load_s']:.2f} s ({r['ckpt_load_s'] / r['ckpt_copy_s']:.2f}x the copy)"
+            f" into mapped weights, {r['ckpt_resident_s']:.2f} s ({r['ckpt_resident_s'] / r['ckpt_copy_s']:.2f}x)"
+            " into resident ones"
+        )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--workdir", default="/tmp/op-bench-load")
@@ -209,66 +291,16 @@ def main() -> None:
 
     work = Path(args.workdir)
     work.mkdir(parents=True, exist_ok=True)
-    hf_dir, results = work / "hf", work / "results"
-    build_checkpoint(hf_dir)
+    results = work / "results"
     shutil.rmtree(results, ignore_errors=True)
     results.mkdir()
     sharded = work / "sharded"
-    gb = 1 << 30
     if args.part == "all":
         shutil.rmtree(sharded, ignore_errors=True)
-        history: dict[str, list[tuple[float, float]]] = {impl: [] for impl in IMPLS}  # (load, load + first use)
-        for repeat in range(args.repeats):
-            for impl in IMPLS if repeat % 2 == 0 else IMPLS[::-1]:  # alternate who goes first
-                extra = ["--sharded-out", str(sharded)] if impl == "optimum-parallel" and repeat == 0 else []
-                _same_page_cache(hf_dir)
-                _torchrun(args.tp, "--worker", impl, "--checkpoint", str(hf_dir), "--results", str(results), *extra)
-                runs = [json.loads(f.read_text()) for f in results.glob(f"{impl}-*.json")]
-                history[impl].append((max(r["s"] for r in runs), max(r["s"] + r["touch_s"] for r in runs)))
-
-        on_disk = sum(f.stat().st_size for f in hf_dir.glob("*.safetensors"))
-        print(f"\nload at tp={args.tp} of {hf_dir} (bf16, {on_disk / gb:.2f} GiB)")
-        header = (
-            f"{'':17} {'rank':>4} {'after imports':>13} {'shard':>9} {'goal':>9} {'peak at load':>19} {'load s':>6}"
-            f" | {'peak once used':>21} {'load+use s':>10}"
-        )
-        print(header)
-        print("-" * len(header))
-        for impl in IMPLS:
-            for rank in range(args.tp):
-                r = json.loads((results / f"{impl}-{rank}.json").read_text())
-                goal = r["after_imports"] + 1.15 * r["shard"]
-                ratio = (r["peak"] - r["after_imports"]) / r["shard"]
-                used_ratio = (r["peak_touched"] - r["after_imports"]) / r["shard"]
-                print(
-                    f"{impl:17} {rank:>4} {r['after_imports'] / gb:>9.2f} GiB {r['shard'] / gb:>5.2f} GiB "
-                    f"{goal / gb:>5.2f} GiB {r['peak'] / gb:>5.2f} GiB ({ratio:.2f}x) {_verdict(r['peak'], goal)}"
-                    f" {r['s']:>6.2f} | {r['peak_touched'] / gb:>5.2f} GiB ({used_ratio:.2f}x) "
-                    f"{_verdict(r['peak_touched'], goal)} {r['s'] + r['touch_s']:>10.2f}"
-                )
-        for impl, seconds in history.items():
-            print(f"  {impl} load time over {args.repeats} runs: {', '.join(f'{t[0]:.2f}' for t in seconds)} s")
-        print("  (goal = after imports + 1.15 x shard; NNx = (peak - after imports) / shard; a weight left as a view")
-        print("   of the file mapping is read when first used, so 'once used' touches every page of every weight)")
-        print("  (table: the last run; times below: the fastest run of each)")
-        for column, what in ((0, "load"), (1, "load + first use")):
-            best = {impl: min(t[column] for t in history[impl]) for impl in IMPLS}
-            op_s, hf_s = best["optimum-parallel"], best["transformers"]
-            print(
-                f"{what} time: optimum-parallel {op_s:.2f} s, transformers {hf_s:.2f} s "
-                f"(transformers / ours {hf_s / op_s:.2f})"
-            )
-
-        print(f"\nload_model_checkpoint of our tp={args.tp} sharded checkpoint into the parallelized model, per rank")
-        for rank in range(args.tp):
-            r = json.loads((results / f"ckpt-{rank}.json").read_text())
-            print(
-                f"  rank {rank}: {r['ckpt_bytes'] / gb:.2f} GiB, plain copy of its files {r['ckpt_copy_s']:.2f} s, "
-                f"load_model_checkpoint {r['ckpt_load_s']:.2f} s ({r['ckpt_load_s'] / r['ckpt_copy_s']:.2f}x the copy)"
-                f" into mapped weights, {r['ckpt_resident_s']:.2f} s ({r['ckpt_resident_s'] / r['ckpt_copy_s']:.2f}x)"
-                " into resident ones"
-            )
-
+        for kind in CHECKPOINTS:
+            hf_dir = work / ("hf" if kind == "bf16-files" else kind)
+            build_checkpoint(hf_dir, kind)
+            _bench_loads(args, hf_dir, kind, results, sharded if kind == "bf16-files" else None)
     timings: dict[str, list[dict]] = {"copy": [], "consolidate": []}
     for repeat in range(args.repeats):  # alternate who goes first: fresh page-cache pages cost more on a VM
         for kind in ("copy", "consolidate") if repeat % 2 == 0 else ("consolidate", "copy"):
@@ -283,14 +315,14 @@ def main() -> None:
     size = sum(f.stat().st_size for f in sharded.glob("model-pp*.safetensors"))
     largest = max(f.stat().st_size for f in (work / "consolidate-out").glob("*.safetensors"))
     c, p = timings["consolidate"], timings["copy"]
-    print(f"\nconsolidate of the tp={args.tp} sharded checkpoint ({size / gb:.2f} GiB of model shards; fastest runs)")
+    print(f"\nconsolidate of the tp={args.tp} sharded checkpoint ({size / GB:.2f} GiB of model shards; fastest runs)")
     print(f"  runs: copy {runs_text['copy']} s; consolidate {runs_text['consolidate']} s")
     print(f"  plain copy of the same bytes (shutil.copyfile + fsync): {p['s']:.2f} s")
     print(f"  consolidate (incl. crc32 checks, fsync):            {c['s']:.2f} s ({c['s'] / p['s']:.2f}x the copy)")
     print(
-        f"  consolidate peak RSS {c['peak'] / gb:.2f} GiB = after imports {c['after_imports'] / gb:.2f} GiB "
-        f"+ {(c['peak'] - c['after_imports']) / gb:.2f} GiB (largest tensor {_largest_tensor(sharded) / gb:.3f} GiB, "
-        f"largest output file {largest / gb:.2f} GiB)"
+        f"  consolidate peak RSS {c['peak'] / GB:.2f} GiB = after imports {c['after_imports'] / GB:.2f} GiB "
+        f"+ {(c['peak'] - c['after_imports']) / GB:.2f} GiB (largest tensor {_largest_tensor(sharded) / GB:.3f} GiB, "
+        f"largest output file {largest / GB:.2f} GiB)"
     )
 
 
