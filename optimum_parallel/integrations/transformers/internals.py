@@ -51,6 +51,12 @@ INTERNALS: dict[str, Internal] = {
         "guard_torch_init_functions",
         "lazy from_config: the replayed init runs under transformers' own init guards",
     ),
+    "modeling_utils.get_model_conversion_mapping": Internal(
+        "transformers.modeling_utils",
+        "get_model_conversion_mapping",
+        "lazy from_pretrained: deferred until a checkpoint key is not a model key (building it costs ~0.08 s)",
+        ("model", "key_mapping", "hf_quantizer"),
+    ),
     "core_model_loading.rename_source_key": Internal(
         "transformers.core_model_loading",
         "rename_source_key",
