@@ -203,6 +203,7 @@ TRAINING_CASES = [
     ("olmoe", dict(dp=2, tp=2, ep=2)),
     ("granitemoe", dict(dp=2, tp=2, ep=2)),
     ("deepseek_v3", dict(dp=2, tp=2, ep=2)),
+    ("gpt_oss", dict(dp=2, tp=2, ep=2)),
 ]
 
 

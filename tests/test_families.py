@@ -63,6 +63,10 @@ FAMILIES: dict[str, dict] = {
         decoder_sparse_step=1,
         mlp_only_layers=[1],  # layer 1 keeps a dense MLP
     ),
+    # biases on attention and experts, one attention sink per head, interleaved gate/up pairs, sliding-window layers
+    "gpt_oss": dict(
+        LLAMA_LIKE, num_local_experts=4, num_experts_per_tok=2, intermediate_size=64, head_dim=16, sliding_window=8
+    ),
     "gpt2": dict(n_embd=64, n_layer=2, n_head=4, n_positions=64),
     "gpt_neox": dict(ENCODER, max_position_embeddings=64),
     "gpt_neo": dict(
@@ -95,6 +99,8 @@ CASES = [
     ("mixtral", "causal", 4, {"output_router_logits": True, "router_aux_loss_coef": 0.1, "vocab_size": 130}),
     ("qwen2_moe", "causal", 2, {}),
     ("qwen2_moe", "causal", 4, {"tie_word_embeddings": True, "vocab_size": 130}),
+    ("gpt_oss", "causal", 2, {}),
+    ("gpt_oss", "causal", 4, {"vocab_size": 130}),  # one head and its sink per rank, 2 kv heads over 4 ranks
     ("gpt2", "causal", 2, {}),  # Conv1D, fused c_attn, tied
     ("gpt2", "causal", 4, {"vocab_size": 130}),
     ("gpt2", "tok_cls", 2, {}),

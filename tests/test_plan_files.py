@@ -240,6 +240,7 @@ SAMPLE_ARGS = {
     "TensorParallelExperts": dict(packed=["gate_up_proj"], row=["down_proj"]),
     "TiedBiasColWiseParallel": dict(child="decoder", bias="bias", gather_output=True),
     "SequenceParallelBegin": dict(on="input"),
+    "SplitParameter": dict(param="sinks", units=4),
     "ColWiseParallel": dict(gather_output=True, units=8),
 }
 

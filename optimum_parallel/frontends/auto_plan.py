@@ -6,7 +6,8 @@ Its style names are translated to this engine's styles: colwise/rowwise split in
 the module sits in an attention block (its parent has `head_dim`), the gathered/split-input variants,
 packed gate|up experts with the experts module as one tp region, replicated-with-grad-all-reduce
 norms and the vocab-parallel embedding. A plan using any other style is not supported (the model
-type is then reported unsupported rather than parallelized wrongly).
+type is then reported unsupported rather than parallelized wrongly). Sequence parallelism is taken by
+the model types in `SEQUENCE_PARALLEL_TYPES` only, each verified against one process (`sequence_plan.py`).
 """
 
 from __future__ import annotations
@@ -24,11 +25,13 @@ from ..styles import (
     ParallelStyle,
     ReplicatedWithGradAllReduce,
     RowWiseParallel,
+    SequenceParallelEnd,
     TensorParallelExperts,
     optional,
 )
 from ..tensor_parallel.spec import check_attention_heads
 from .parallelizer import Parallelizer
+from .sequence_plan import sequence_parallel_plan
 
 MODULE_STYLES = {
     "colwise",
@@ -51,6 +54,9 @@ KNOWN_BAD_PLANS = {
     "apertus": "its xIELU activation has learnable parameters inside the split MLP that the plan leaves unsummed",
     "doge": "its per-head attention parameters (A, dt_proj) are not split with the heads by the plan",
 }
+# Model types whose automatic plan takes sequence parallelism (the Llama-shaped decoder's, `sequence_plan.py`): each
+# checked against one process at tp=2 and tp=2 x ep=2 (tests/test_expert_parallel_sequence.py)
+SEQUENCE_PARALLEL_TYPES = frozenset({"olmoe", "granitemoe", "deepseek_v3"})
 
 
 def _config_class(model_type: str):
@@ -172,23 +178,28 @@ class AutoPlanParallelizer(Parallelizer):
 
     @classmethod
     def plan(cls, model, mesh, parallelize_embeddings, sequence_parallel_enabled):
-        if sequence_parallel_enabled:
-            raise NotImplementedError("automatic plans do not support sequence parallelism yet")
         prefix = cls.base_model_prefix(model)
         plan = translate_tp_plan(model, tp_plan_of(model), prefix.replace(".", r"\."))
         base = model.get_submodule(prefix[:-1]) if prefix else model
+        head = []
         if parallelize_embeddings:
             if isinstance(getattr(base, "embed_tokens", None), nn.Embedding):
                 plan.setdefault(re.escape(prefix) + "embed_tokens", RowWiseParallel())
             if isinstance(getattr(model, "lm_head", None), nn.Linear):
                 causal = getattr(model, "loss_type", None) in CAUSAL_LOSS_TYPES
-                plan["lm_head"] = ColWiseParallel(gather_output=not causal)
+                head.append(ColWiseParallel(gather_output=not causal))
+        if sequence_parallel_enabled:
+            plan.update(sequence_parallel_plan(base, re.escape(prefix)))
+            head.append(SequenceParallelEnd())
+        if head:
+            plan["lm_head"] = optional(head)  # absent on the bare base model
         return plan
 
 
 @cache
 def _auto_parallelizer_class(model_type: str) -> type[Parallelizer]:
-    return type(f"AutoPlanParallelizer[{model_type}]", (AutoPlanParallelizer,), {"model_type": model_type})
+    attributes = {"model_type": model_type, "supports_sequence_parallel": model_type in SEQUENCE_PARALLEL_TYPES}
+    return type(f"AutoPlanParallelizer[{model_type}]", (AutoPlanParallelizer,), attributes)
 
 
 def auto_parallelizer(model_type_or_config) -> type[Parallelizer] | None:

@@ -5,6 +5,7 @@ from .experts import TensorParallelExperts
 from .hooks import PrepareLayerInput, PrepareLayerOutput, ReplicatedWithGradAllReduce
 from .linear import ColWiseParallel, LocalColWiseEmbedding, RowWiseParallel, TiedBiasColWiseParallel
 from .packed import ColWiseConv1D, PackedColWiseParallel, RowWiseConv1D
+from .parameter import SplitParameter
 from .sequence_parallel import (
     SequenceParallelBegin,
     SequenceParallelDisable,
@@ -28,6 +29,7 @@ __all__ = [
     "SequenceParallelDisable",
     "SequenceParallelEnable",
     "SequenceParallelEnd",
+    "SplitParameter",
     "TensorParallelExperts",
     "TiedBiasColWiseParallel",
     "optional",

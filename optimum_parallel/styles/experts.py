@@ -6,15 +6,17 @@ from collections.abc import Sequence
 
 from torch import nn
 
-from ..tensor_parallel.experts import expert_specs, shard_experts
+from ..tensor_parallel.experts import bias_of, expert_specs, shard_experts
 from .base import ParallelStyle
 
 
 class TensorParallelExperts(ParallelStyle):
     """Split every expert's intermediate dim over tp (3D expert tensors, transformers 5 layout).
 
-    packed: tensors packing gate|up (split each half on its own); row: tensors whose input is the
-    intermediate dim. The experts module becomes one tp region; the router stays replicated.
+    packed: tensors packing gate|up (split each half on its own, or whole interleaved (gate, up) pairs); row: tensors
+    whose input is the intermediate dim. Their biases (`<name>_bias`, gpt_oss) follow: a packed tensor's is split like
+    its output features, a row tensor's stays whole and is added once. The experts module becomes one tp region; the
+    router stays replicated.
     """
 
     swaps_module = True
@@ -32,7 +34,20 @@ class TensorParallelExperts(ParallelStyle):
                     f"(packed={self.packed}, row={self.row})"
                 )
         if getattr(module, "has_bias", False):
-            raise ValueError(f"TensorParallelExperts on {name!r}: experts with biases are not supported yet")
+            missing = [p for p in self.packed + self.row if bias_of(module, p) is None]
+            if missing:
+                raise ValueError(
+                    f"TensorParallelExperts on {name!r}: has_bias is set but {missing} have no '<name>_bias' "
+                    "parameter; allowed: expert biases named after their tensors (gate_up_proj_bias, down_proj_bias)"
+                )
+        for param_name in self.packed + self.row:
+            bias = bias_of(module, param_name)
+            expected = self._bias_shape(module, param_name)
+            if bias is not None and tuple(getattr(module, bias).shape) != expected:
+                raise ValueError(
+                    f"{name}.{bias}: shape {tuple(getattr(module, bias).shape)} is not the [experts, output features] "
+                    f"{expected} of {param_name!r}"
+                )
         for param_name in self.packed:
             param = getattr(module, param_name)
             dim = param.dim() - 1 if getattr(module, "is_transposed", False) else param.dim() - 2
@@ -45,13 +60,20 @@ class TensorParallelExperts(ParallelStyle):
                     f"size {tp}; tp must divide {pairs}"
                 )
 
+    @staticmethod
+    def _bias_shape(module, param_name: str) -> tuple[int, ...]:
+        """[experts, output features] of expert tensor `param_name` (its last dim when transposed)."""
+        shape = getattr(module, param_name).shape
+        return (shape[0], shape[-1] if getattr(module, "is_transposed", False) else shape[-2])
+
     def param_specs(self, module):
         return expert_specs(module, self.packed, self.row)
 
     def apply(self, module, name, ctx):
         rank, world = ctx.tp_rank_world
         layouts = {leaf: spec.local(rank, world) for leaf, spec in self.param_specs(module).items()}
-        shard_experts(module, layouts, ctx.mesh.tp_group)
+        add_once = [bias for bias in (bias_of(module, p) for p in self.row) if bias is not None]
+        shard_experts(module, layouts, ctx.mesh.tp_group, add_once)
         if self.row and hasattr(module, "intermediate_dim"):
             row = layouts[self.row[0]]
             module.intermediate_dim = row.local_shape[row.dim]

@@ -73,8 +73,7 @@ class RowParallelConv1D(_ShardedModule):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         size_out = x.shape[:-1] + (self.nf,)
         y = (x.reshape(-1, x.shape[-1]) @ self.weight).view(size_out)
-        y = _exit_region(y, self.group, self.sequence_parallel)
-        return y + self.bias if self.bias is not None else y
+        return _exit_region(y, self.group, self.sequence_parallel, self.bias)
 
     def extra_repr(self) -> str:
         return f"nx={self.weight.shard_layout.global_shape[0]} (local {self.nx}), nf={self.nf}"

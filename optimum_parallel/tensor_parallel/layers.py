@@ -24,10 +24,17 @@ from ..mesh import ranks
 from .spec import ShardLayout, ShardSpec, local_parameter, shard_sizes
 
 
-def _exit_region(y: torch.Tensor, group: ProcessGroup, sequence_parallel: bool) -> torch.Tensor:
+def _exit_region(
+    y: torch.Tensor, group: ProcessGroup, sequence_parallel: bool, bias: torch.Tensor | None = None
+) -> torch.Tensor:
+    """The partial sums `y` all-reduced (reduce-scattered over the sequence under sequence parallelism), plus the
+    whole `bias`, added once. On a slice of the sequence each rank's bias gradient holds only its positions: the bias
+    then enters through an identity whose backward sums it over tp."""
     if sequence_switch(sequence_parallel):  # a forward that leaves the sequence whole all-reduces
-        return reduce_scatter_to_sequence_parallel_region(y, group)
-    return reduce_from_tensor_parallel_region(y, group)
+        y = reduce_scatter_to_sequence_parallel_region(y, group)
+        return y if bias is None else y + copy_to_tensor_parallel_region(bias, group)
+    y = reduce_from_tensor_parallel_region(y, group)
+    return y if bias is None else y + bias
 
 
 class _ShardedModule(nn.Module):
@@ -168,8 +175,7 @@ class RowParallelLinear(_ShardedModule):
             x = scatter_to_tensor_parallel_region(
                 x, self.group, dim=-1, sizes=shard_sizes(self.in_features, ranks.world_size(self.group))
             )
-        y = _exit_region(F.linear(x, self.weight), self.group, self.sequence_parallel)
-        return y + self.bias if self.bias is not None else y
+        return _exit_region(F.linear(x, self.weight), self.group, self.sequence_parallel, self.bias)
 
     def extra_repr(self) -> str:
         return (

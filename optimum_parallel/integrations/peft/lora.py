@@ -358,8 +358,8 @@ def _row_forward(self, x: torch.Tensor, active: list[str]) -> torch.Tensor:
         joined = reduce_from_tensor_parallel_region(joined, base.group)
     out = base.weight.shape[0]
     result = joined[..., :out]
-    if base.bias is not None:
-        result = result + base.bias
+    if base.bias is not None:  # on a slice of the sequence, the bias's gradient is summed over tp too
+        result = result + (copy_to_tensor_parallel_region(base.bias, base.group) if sequence_parallel else base.bias)
     offset = out
     for name in active:
         b = self.lora_B[name].weight

@@ -1,0 +1,61 @@
+"""MoE plans resolved on one process (no process group): how gpt_oss's biases and attention sinks are cut, the
+automatic plans' sequence-parallel entries, and the errors that name what does not fit."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from _models import tiny_config
+from test_expert_parallel import MOE
+from transformers import AutoModelForCausalLM
+
+from optimum_parallel.planning.simulate import resolve_for_tp
+from optimum_parallel.styles import SequenceParallelDisable, SplitParameter
+
+
+def meta_model(model_type: str, **overrides):
+    with torch.device("meta"):
+        return AutoModelForCausalLM.from_config(tiny_config(model_type, **{**MOE[model_type], **overrides}))
+
+
+@pytest.mark.parametrize("tp", [2, 4])
+def test_gpt_oss_cuts_biases_in_whole_pairs_and_sinks_in_heads(tp):
+    resolved = resolve_for_tp(meta_model("gpt_oss"), tp, sequence_parallel_enabled=True)
+    experts = "model.layers.1.mlp.experts."
+    pairs = 64 // tp  # intermediate_size 64: gate_up_proj [4, 64, 128] interleaved gate0, up0, gate1, up1...
+    for rank, layouts in enumerate(resolved.layouts):
+        cut = ((2 * pairs * rank, 2 * pairs * (rank + 1)),)
+        assert layouts[experts + "gate_up_proj"].ranges == cut and layouts[experts + "gate_up_proj"].dim == 2
+        assert layouts[experts + "gate_up_proj_bias"].ranges == cut and layouts[experts + "gate_up_proj_bias"].dim == 1
+        assert layouts[experts + "down_proj_bias"].dim is None  # whole, added once
+        heads = 4 // tp
+        assert layouts["model.layers.0.self_attn.sinks"].ranges == ((heads * rank, heads * (rank + 1)),)
+        assert layouts["model.layers.0.self_attn.q_proj.bias"].ranges == ((16 * heads * rank, 16 * heads * (rank + 1)),)
+
+
+def test_deepseek_v3_dense_first_layer_gets_its_own_sequence_parallel_entry():
+    resolved = resolve_for_tp(meta_model("deepseek_v3"), 2, sequence_parallel_enabled=True)
+    dense, moe = resolved.targets["model.layers.0.mlp"], resolved.targets["model.layers.1.mlp"]
+    assert [type(s) for s in dense] == [SequenceParallelDisable] and not dense[0].replicate  # reduce-scatter out
+    assert [type(s) for s in moe] == [SequenceParallelDisable] and moe[0].replicate  # shared experts beside experts
+
+
+def test_errors_name_what_does_not_fit():
+    with pytest.raises(ValueError, match=r"9 interleaved gate/up pairs .* tp must divide 9"):
+        resolve_for_tp(meta_model("gpt_oss", intermediate_size=9), 2)
+    model = meta_model("gpt_oss")
+    plan = {r"model\.layers\.0\.self_attn": SplitParameter("sink", units=4)}
+    with pytest.raises(ValueError, match=r"no parameter 'sink' .* allowed: its own parameters \['sinks'\]"):
+        resolve_for_tp(model, 2, plan)
+    plan = {r"model\.layers\.0\.self_attn": SplitParameter("sinks", units=4)}
+    with pytest.raises(ValueError, match=r"sinks.*4 heads cannot be split over tensor-parallel size 3"):
+        resolve_for_tp(model, 3, plan)
+
+
+def test_only_verified_automatic_plans_take_sequence_parallelism():
+    import optimum_parallel as op
+
+    for model_type in ("olmoe", "granitemoe", "deepseek_v3"):
+        assert op.ParallelizersManager.parallelizer_for_model(model_type).supports_sequence_parallel, model_type
+    for model_type in ("olmo2", "phimoe", "jamba"):
+        assert not op.ParallelizersManager.parallelizer_for_model(model_type).supports_sequence_parallel, model_type
