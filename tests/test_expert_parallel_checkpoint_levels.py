@@ -290,3 +290,56 @@ def test_reshard_to_other_ep_with_optimizer_state(pool, runs, tmp_path, saved, l
     if loaded_at["dp"] == saved[1]["dp"]:  # the same rows per replica: training goes on alike
         straight = run["results"][0]["straight"]
         assert all(abs(a - b) <= TOL * abs(b) for a, b in zip(results[0]["losses"], straight, strict=True))
+
+
+# ----------------------------------------------------------------------------------------------- param groups
+
+
+def grouped_save_load(level: int, ckpt: str) -> dict:
+    """dp=4 x ep=2 with three AdamW param groups as transformers' Trainer makes them (decay, no decay, and an empty
+    one): a step, save, and a fresh model at the same level loads it; whether what it holds is what was saved."""
+    import optimum_parallel as op
+    from optimum_parallel.checkpoint import load_model_checkpoint, save_model_checkpoint
+
+    mesh = op.init_mesh(**DP4_EP2)
+
+    def build(seed: int):
+        model = build_model(tiny_config("mixtral", **MOE["mixtral"]), seed=seed)
+        params = list(model.parameters())
+        groups = [
+            {"params": [p for p in params if p.dim() >= 2], "weight_decay": 0.1},
+            {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0, "lr": LR / 2},
+            {"params": [], "weight_decay": 0.3},
+        ]
+        optimizer = torch.optim.AdamW(groups, lr=LR)
+        return op.parallelize(model, optimizer, mesh, {"dp_config": {"sharding_level": level}})
+
+    model, optimizer = build(0)
+    batch = _local_batch(model.config, mesh)
+    train_step(model, optimizer, batch)
+    save_model_checkpoint(model, ckpt, optimizer=optimizer)
+    saved = local_snapshot(model, optimizer)
+    fresh, fresh_optimizer = build(99)
+    load_model_checkpoint(fresh, ckpt, optimizer=fresh_optimizer)
+    loaded = local_snapshot(fresh, fresh_optimizer)
+    groups = [{k: v for k, v in g.items() if k != "params"} for g in fresh_optimizer.param_groups]
+    return {
+        "same": sorted(saved) == sorted(loaded) and all(torch.equal(saved[k], loaded[k]) for k in saved),
+        "groups": groups,
+    }
+
+
+def test_param_groups_are_recorded_as_built(pool, tmp_path):
+    """The index's optimizer groups (options, parameter names, an empty group where the rebuilt optimizer keeps it)
+    are level 0's at levels 1 and 3."""
+    from optimum_parallel.checkpoint import read_index
+
+    meta = {}
+    for level in (0, 1, 3):
+        results = pool.run(grouped_save_load, level, str(tmp_path / f"L{level}"))
+        assert all(r["same"] for r in results), level
+        meta[level] = read_index(tmp_path / f"L{level}").optimizer
+    groups = meta[0]["param_groups"]["0"]
+    assert [(g["weight_decay"], g["lr"]) for g in groups[:2]] == [(0.1, LR), (0.0, LR / 2)]
+    assert all(g["weight_decay"] == 0.3 and not g["params"] for g in groups[2:])  # the empty group, where kept
+    assert meta[1] == meta[0] and meta[3] == meta[0]

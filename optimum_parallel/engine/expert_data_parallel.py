@@ -110,7 +110,7 @@ def _split_zero1(
         if kept:
             parts.append(zero1(optimizer, group, [groups[i] for i in kept]))
             origins.append(kept)
-    return ExpertSplitOptimizer(parts, origins, [list(g["params"]) for g in optimizer.param_groups])
+    return ExpertSplitOptimizer(parts, origins, [dict(g) for g in optimizer.param_groups])
 
 
 def _fully_shard(

@@ -13,12 +13,15 @@ import torch
 class ExpertSplitOptimizer(torch.optim.Optimizer):
     """`parts` (ZeRO-1 optimizers) stepped as one. `param_groups` are theirs (the same dicts: a scheduler's lr
     reaches both); `origins[k][j]` is the index of the caller's param group that part k's group j came from, and
-    `source_params` the caller's groups' parameters, in their order (state dicts index them)."""
+    `source_groups` the caller's groups (their parameters in order, which state dicts index, and their options,
+    kept for a group no part holds: an empty one)."""
 
     def __init__(
-        self, parts: list[torch.optim.Optimizer], origins: list[list[int]], source_params: list[list[torch.Tensor]]
+        self, parts: list[torch.optim.Optimizer], origins: list[list[int]], source_groups: list[dict[str, Any]]
     ) -> None:
-        self.parts, self.origins, self.source_params = parts, origins, source_params
+        self.parts, self.origins = parts, origins
+        self.source_params = [list(group["params"]) for group in source_groups]
+        self._source_options = [{k: v for k, v in group.items() if k != "params"} for group in source_groups]
         groups = [group for part in parts for group in part.param_groups]
         super().__init__(groups, parts[0].defaults)  # the same group dicts, appended as they are
 
@@ -38,7 +41,10 @@ class ExpertSplitOptimizer(torch.optim.Optimizer):
         for part, origins in zip(self.parts, self.origins, strict=True):
             for group, origin in zip(part.param_groups, origins, strict=True):
                 options.setdefault(origin, {k: v for k, v in group.items() if k != "params"})
-        return [{**options.get(i, {}), "params": list(params)} for i, params in enumerate(self.source_params)]
+        return [
+            {**options.get(i, self._source_options[i]), "params": list(params)}
+            for i, params in enumerate(self.source_params)
+        ]
 
     @torch.no_grad()
     def step(self, closure=None):
