@@ -3,7 +3,8 @@ over dp x cp and experts over their replica group; FSDP2: experts sharded over t
 (gloo, 4 ranks): the files and index are those of sharding level 0 (same names, shards, files, optimizer groups), they
 hold the trained tensors bit for bit, loading is bit-identical and the next steps' losses equal an uninterrupted run,
 another level loads them too, consolidate gives a plain HF checkpoint of the single model, and reshard to ep=1 and
-ep=4 with the optimizer state loads and trains on."""
+ep=4 with the optimizer state loads and trains on; the optimizer groups are recorded as built; pp=2 x dp=2 x ep=2 at
+levels 0, 1 and 3 saves and resumes alike."""
 
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ from _models import build_model, rel_err, tiny_config
 from safetensors.torch import load_file
 from test_expert_parallel import MOE, replica_batch
 from test_expert_parallel_checkpoint import _local_batch, _replica_mean, _where, expected_local
+from test_pipeline import pipeline_batch
 from transformers import AutoModelForCausalLM
 
 WORLD_SIZE = 4
@@ -343,3 +345,55 @@ def test_param_groups_are_recorded_as_built(pool, tmp_path):
     assert [(g["weight_decay"], g["lr"]) for g in groups[:2]] == [(0.1, LR), (0.0, LR / 2)]
     assert all(g["weight_decay"] == 0.3 and not g["params"] for g in groups[2:])  # the empty group, where kept
     assert meta[1] == meta[0] and meta[3] == meta[0]
+
+
+# ----------------------------------------------------------------------------------------------- pp x ep
+
+
+def pipeline_save_resume(level: int, ckpt: str) -> dict:
+    """pp=2 x dp=2 x ep=2 (4 layers, 2 micro-batches) at sharding `level`: a step, save with AdamW state, two more;
+    a fresh model at the same level loads the checkpoint and takes the same two steps."""
+    import optimum_parallel as op
+    from optimum_parallel.checkpoint import load_model_checkpoint, save_model_checkpoint
+
+    mesh = op.init_mesh(dp=2, pp=2, ep=2)
+    config = tiny_config("mixtral", **{**MOE["mixtral"], "num_hidden_layers": 4})
+
+    def build(seed: int):
+        model = build_model(config, seed=seed)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.1)
+        parallelizer = op.ParallelizersManager.parallelizer_for_model(model)
+        model = parallelizer.parallelize(model, pipeline_parallel_num_microbatches=2)
+        optimizer = parallelizer.optimizer_for_mp(optimizer, model.orig_param_to_parallel_param)
+        return op.parallelize(model, optimizer, mesh, {"dp_config": {"sharding_level": level}})
+
+    def step(model, optimizer) -> float:
+        loss = model.run_train(**local)
+        optimizer.step()
+        optimizer.zero_grad()
+        return float(loss)
+
+    local = {k: v[4 * mesh.rank("dp") : 4 * mesh.rank("dp") + 4] for k, v in pipeline_batch(config, rows=8).items()}
+    model, optimizer = build(0)
+    step(model, optimizer)
+    save_model_checkpoint(model, ckpt, optimizer=optimizer)
+    saved = local_snapshot(model, optimizer)
+    straight = [step(model, optimizer) for _ in range(2)]
+    fresh, fresh_optimizer = build(99)
+    step(fresh, fresh_optimizer)
+    load_model_checkpoint(fresh, ckpt, optimizer=fresh_optimizer)
+    loaded = local_snapshot(fresh, fresh_optimizer)
+    same = sorted(saved) == sorted(loaded) and all(torch.equal(saved[k], loaded[k]) for k in saved)
+    return {"same": same, "straight": straight, "resumed": [step(fresh, fresh_optimizer) for _ in range(2)]}
+
+
+@pytest.mark.parametrize("level", [0, 1, 3])
+def test_pipeline_with_expert_parallel_save_load_resumes(pool, tmp_path, level):
+    from optimum_parallel.checkpoint import verify_checkpoint
+
+    for rank, result in enumerate(pool.run(pipeline_save_resume, level, str(tmp_path / "ckpt"))):
+        assert result["same"] and result["resumed"] == result["straight"], (rank, result)
+    index = verify_checkpoint(tmp_path / "ckpt")
+    assert index.mesh == {"dp": 2, "pp": 2, "tp": 1, "ep": 2}
+    blocks = {(e.pp_rank, s.ep_rank) for e in index.tensors.values() if e.experts for s in e.shards}
+    assert blocks == {(0, 0), (0, 1), (1, 0), (1, 1)}  # each stage's experts, one block per ep rank
