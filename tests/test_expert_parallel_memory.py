@@ -1,12 +1,11 @@
 """The memory planner with expert parallelism: per-rank parameter, gradient and AdamW bytes of a tiny MoE checked
-against the model actually parallelized (gloo, 4 ranks: dp=4 x ep=2 / ep=4, dp=2 x tp=2 x ep=2), ep in
-`--suggest`, and the refusals."""
+against the model actually parallelized (gloo, 4 ranks: dp=4 x ep=2 / ep=4, dp=2 x tp=2 x ep=2, pp=2 x dp=2 x ep=2,
+at sharding levels 0-3), ep in `--suggest`, and the refusals."""
 
 from __future__ import annotations
 
 import pytest
 import torch
-from _checks import train_step
 from _models import build_model, tiny_config
 from test_expert_parallel import MOE, replica_batch
 
@@ -17,56 +16,95 @@ WORLD_SIZE = 4
 FP32 = Workload(dtype="fp32", seq_len=16, micro_batch=2)
 
 
-def held_bytes(model_type: str, sizes: dict) -> dict:
-    """Bytes of this rank's parameters, gradients and AdamW state after one step of the parallelized model."""
+def _config(model_type: str, pp: int):
+    return tiny_config(model_type, **MOE[model_type], **({"num_hidden_layers": 4} if pp > 1 else {}))
+
+
+def _nbytes(tensors) -> int:
+    local = [t.to_local() if hasattr(t, "to_local") else t for t in tensors]
+    return sum(t.numel() * t.element_size() for t in local)
+
+
+def held_bytes(model_type: str, sizes: dict, level: int = 0) -> dict:
+    """Bytes of this rank's parameters, gradients and AdamW state after one step of the parallelized model at
+    sharding `level`. Parameters as the step holds them at its peak: sharded at level 3, whole (this rank's tp / ep
+    block) below, as FSDP2 keeps them gathered from forward to backward at level 2."""
     import optimum_parallel as op
 
     mesh = op.init_mesh(**sizes)
-    model = build_model(tiny_config(model_type, **MOE[model_type]))
+    pp = sizes.get("pp", 1)
+    model = build_model(_config(model_type, pp))
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    if mesh.tp_size > 1:
+    if mesh.tp_size > 1 or pp > 1:
         parallelizer = op.ParallelizersManager.parallelizer_for_model(model)
-        model = parallelizer.parallelize(model)
+        model = parallelizer.parallelize(model, pipeline_parallel_num_microbatches=pp)
         optimizer = parallelizer.optimizer_for_mp(optimizer, model.orig_param_to_parallel_param)
-    model, optimizer = op.parallelize(model, optimizer, mesh, {"dp_config": {"sharding_level": 0}})
+    model, optimizer = op.parallelize(model, optimizer, mesh, {"dp_config": {"sharding_level": level}})
     batch = replica_batch(model.config, mesh.data_parallel_size)
     replica = mesh.data_parallel_rank
     local = {k: v[2 * replica : 2 * replica + 2] for k, v in batch.items()}
-    loss = model(**local).loss
-    loss.backward()
-    grads = sum(p.grad.numel() * p.grad.element_size() for p in model.parameters())
+    if pp > 1:
+        model.run_train(**local)
+    else:
+        model(**local).loss.backward()
+    grads = _nbytes(p.grad for p in model.parameters())
     optimizer.step()
-    params = sum(p.numel() * p.element_size() for p in model.parameters())
-    state = sum(v.numel() * v.element_size() for s in optimizer.state.values() for v in s.values())
-    experts = sum(p.numel() * p.element_size() for n, p in model.named_parameters() if ".experts." in n)
-    train_step(model, optimizer, local)
-    return {"params": params, "grads": grads, "state": state, "experts": experts}
+    params = _nbytes(model.parameters()) if level == 3 else sum(p.numel() * 4 for p in model.parameters())
+    state = _nbytes(v for s in optimizer.state.values() for v in s.values())
+    experts = _nbytes(p for n, p in model.named_parameters() if ".experts." in n)
+    return {"params": params, "grads": grads, "state": state, "experts": experts, "tensors": len(optimizer.state)}
 
 
 CASES = [
-    ("mixtral", dict(dp=4, ep=2)),
-    ("mixtral", dict(dp=4, ep=4)),
-    ("mixtral", dict(dp=2, tp=2, ep=2)),
-    ("qwen3_moe", dict(dp=2, tp=2, ep=2)),
+    ("mixtral", dict(dp=4, ep=2), 0),
+    ("mixtral", dict(dp=4, ep=4), 0),
+    ("mixtral", dict(dp=2, tp=2, ep=2), 0),
+    ("qwen3_moe", dict(dp=2, tp=2, ep=2), 0),
+    ("mixtral", dict(dp=4, ep=2), 1),
+    ("mixtral", dict(dp=4, ep=2), 2),
+    ("mixtral", dict(dp=4, ep=2), 3),
+    ("qwen3_moe", dict(dp=4, ep=2), 3),
+    ("mixtral", dict(dp=2, tp=2, ep=2), 3),
+    ("mixtral", dict(dp=2, pp=2, ep=2), 0),
+    ("mixtral", dict(dp=2, pp=2, ep=2), 3),
 ]
 
 
-@pytest.mark.parametrize("model_type,sizes", CASES, ids=[f"{m}-{s}" for m, s in CASES])
-def test_estimate_matches_the_parallelized_model(pool, model_type, sizes):
-    held = pool.run(held_bytes, model_type, sizes)
-    planner = MemoryPlanner(tiny_config(model_type, **MOE[model_type]))
-    layout = Layout(dp=sizes["dp"], tp=sizes.get("tp", 1), ep=sizes["ep"])
+def _layout(sizes: dict, level: int, ep: int | None = None) -> Layout:
+    return Layout(
+        dp=sizes["dp"], tp=sizes.get("tp", 1), pp=sizes.get("pp", 1), sharding_level=level, ep=ep or sizes["ep"]
+    )
+
+
+@pytest.mark.parametrize(
+    "model_type,sizes,level",
+    CASES,
+    ids=[f"{m}-{'_'.join(f'{k}{v}' for k, v in s.items())}-L{lv}" for m, s, lv in CASES],
+)
+def test_estimate_matches_the_parallelized_model(pool, model_type, sizes, level):
+    held = pool.run(held_bytes, model_type, sizes, level)
+    planner = MemoryPlanner(_config(model_type, sizes.get("pp", 1)))
+    layout = _layout(sizes, level)
     estimate = planner.estimate(layout, FP32)
     assert estimate.parameters == max(h["params"] for h in held)
     assert estimate.gradients == max(h["grads"] for h in held)
-    assert estimate.optimizer_state == max(h["state"] for h in held)
-    plain = planner.estimate(Layout(dp=sizes["dp"], tp=sizes.get("tp", 1)), FP32)
-    # only the expert tensors shrink, by ep
-    counts = planner.counts(layout.tp, 1, layout.ep)
-    assert counts.experts * 4 == max(h["experts"] for h in held)
-    assert plain.parameters - estimate.parameters == counts.experts * 4 * (sizes["ep"] - 1)
+    if level == 1:  # ZeRO-1 splits by whole tensors, unevenly: the mean over the ranks is what the planner divides
+        assert estimate.optimizer_state == sum(h["state"] for h in held) / len(held)
+    elif level >= 2:  # FSDP2 keeps AdamW's 4-byte step counter of every tensor on every rank (the planner divides it)
+        worst = max(held, key=lambda h: h["state"])
+        assert 0 <= worst["state"] - estimate.optimizer_state <= 4 * worst["tensors"]
+    else:
+        assert estimate.optimizer_state == max(h["state"] for h in held)
+    plain = planner.estimate(_layout(sizes, level, ep=1), FP32)
+    counts = planner.counts(layout.tp, layout.pp, layout.ep)
     assert estimate.activations > plain.activations  # the dispatched rows
     assert any(f"ep={sizes['ep']}" in note for note in estimate.notes)
+    if level == 0:  # only the expert tensors shrink, by ep
+        assert max(counts.expert_stage) * 4 == max(h["experts"] for h in held)
+        assert plain.parameters - estimate.parameters == max(counts.expert_stage) * 4 * (sizes["ep"] - 1)
+    if level >= 1:  # the experts' states are split over the ranks holding the same experts, dp x cp / ep of them
+        replicas = sizes["dp"] // sizes["ep"]
+        assert any(f"then / {replicas} (the dp x cp / ep ranks holding them)" in n for n in estimate.notes)
 
 
 def test_suggest_proposes_ep_when_only_split_experts_fit():
@@ -78,18 +116,45 @@ def test_suggest_proposes_ep_when_only_split_experts_fit():
     assert any(e.layout.ep == 2 for e in roomy) and any(e.layout.ep == 4 for e in roomy)
     tight = planner.suggest(4, (by_ep[2] + by_ep[1]) / 2, FP32, reserve=0)
     assert tight and tight[0].layout.ep == 2 and tight[0].layout.tp == 1 and tight[0].layout.sharding_level == 0
-    assert all(e.layout.ep == 1 or (e.layout.sharding_level == 0 and e.layout.pp == 1) for e in roomy)
+    # the engine runs ep at every sharding level and with pp: the planner proposes those too, after ep at level 0
+    assert any(e.layout.ep > 1 and e.layout.sharding_level == 3 for e in roomy)
+    assert any(e.layout.ep > 1 and e.layout.pp == 2 for e in roomy)
     dense = MemoryPlanner(tiny_config("llama"))
     assert all(e.layout.ep == 1 for e in dense.suggest(4, by_ep[1] * 2, FP32))
+
+
+def test_sharding_levels_split_expert_states_over_their_replicas():
+    """(dp=4, ep=2): dense states split over the 4 dp ranks, expert states (2 of 4 experts per rank) over the 2 ranks
+    holding the same experts, as the engine shards them (ZeRO-1 / FSDP2 on `mesh.expert_replica_group`)."""
+    planner = MemoryPlanner(tiny_config("mixtral", **MOE["mixtral"]))
+    (dense, dense_tensors), (experts, expert_tensors) = planner.counts(1, 1, 2).split(0)
+    assert dense and experts
+    states = {}
+    for level in range(4):
+        est = planner.estimate(Layout(dp=4, ep=2, sharding_level=level), FP32)
+        states[level] = (est.parameters, est.gradients, est.optimizer_state)
+    whole = (dense + experts) * 4
+    adamw = ((dense * 8 + 4 * dense_tensors) / 4, (experts * 8 + 4 * expert_tensors) / 2)
+    assert states[0] == (whole, whole, whole * 2 + 4 * (dense_tensors + expert_tensors))
+    assert states[1] == (whole, whole, sum(adamw))
+    assert states[2] == (whole, dense + 2 * experts, sum(adamw))
+    assert states[3] == (dense + 2 * experts, dense + 2 * experts, sum(adamw))
+    # ep = dp x cp: one rank per expert block, nothing to split the experts over
+    (dense4, _), (experts4, _) = planner.counts(1, 1, 4).split(0)
+    assert planner.estimate(Layout(dp=4, ep=4, sharding_level=3), FP32).parameters == dense4 + experts4 * 4
+    # under pp each stage counts its own layers' experts; activations add the dispatched rows of its MoE layers
+    deep = MemoryPlanner(tiny_config("mixtral", **MOE["mixtral"], num_hidden_layers=4))
+    stages = deep.counts(1, 2, 2)
+    assert stages.expert_stage[0] == stages.expert_stage[1] == deep.counts(1, 1, 2).expert_stage[0] // 2
+    piped = deep.estimate(Layout(dp=2, pp=2, ep=2, sharding_level=3), FP32)
+    assert piped.parameters == max(d * 4 / 2 + x * 4 / 1 for (d, _), (x, _) in map(stages.split, range(2)))
 
 
 def test_refusals_name_the_key_and_the_allowed_values():
     with pytest.raises(ValueError, match=r"ep=3 must divide dp x cp = 4; allowed: 1, 2, 4"):
         Layout(dp=4, ep=3)
-    with pytest.raises(ValueError, match=r"sharding_level=2 with ep=2 is not supported yet; allowed with ep > 1: "):
-        Layout(dp=4, ep=2, sharding_level=2)
-    with pytest.raises(ValueError, match=r"pp=2 with ep=2 .* allowed with ep > 1: pp=1"):
-        Layout(dp=2, pp=2, ep=2)
+    with pytest.raises(ValueError, match=r"shard_size=2 \(hybrid sharding\) with ep=2 is not supported yet; allowed"):
+        Layout(dp=4, ep=2, sharding_level=3, shard_size=2)
     with pytest.raises(ValueError, match=r"ep=8 must divide .* experts of every MoE block \[4\]; allowed: 1, 2, 4"):
         MemoryPlanner(tiny_config("mixtral", **MOE["mixtral"])).estimate(Layout(dp=8, ep=8), FP32)
     with pytest.raises(ValueError, match=r"ep=2: the model has no stacked experts module to split; allowed: ep=1"):
@@ -108,8 +173,10 @@ def test_cli_estimate_memory_with_ep(tmp_path):
     assert (
         "dp=4 tp=1 pp=1 cp=1 ep=2, sharding level 0" in result.output and "note: ep=2: 2 of 4 experts" in result.output
     )
-    bad = CliRunner().invoke(main, [*args, "--sharding-level", "1"], prog_name="optimum-parallel")
-    assert bad.exit_code == 2 and "sharding_level=1 with ep=2 is not supported yet" in bad.output
+    sharded = CliRunner().invoke(main, [*args, "--sharding-level", "3"], prog_name="optimum-parallel")
+    assert sharded.exit_code == 0 and "then / 2 (the dp x cp / ep ranks holding them)" in sharded.output
+    bad = CliRunner().invoke(main, [*args, "--sharding-level", "3", "--shard-size", "2"], prog_name="optimum-parallel")
+    assert bad.exit_code == 2 and "shard_size=2 (hybrid sharding) with ep=2 is not supported yet" in bad.output
     suggest = ["estimate-memory", str(tmp_path), "--suggest", "--devices", "4", "--memory", "1", "--ep", "2"]
     fixed = CliRunner().invoke(main, suggest, prog_name="optimum-parallel")
     assert fixed.exit_code == 2 and "--suggest chooses --ep itself" in fixed.output

@@ -125,15 +125,36 @@ def is_zero1(optimizer: torch.optim.Optimizer) -> bool:
     return is_zero_optimizer(optimizer)
 
 
+def optimizer_parts(optimizer: torch.optim.Optimizer) -> list[torch.optim.Optimizer] | None:
+    """The optimizers whose states together make `optimizer`'s (the engine's `ExpertSplitOptimizer` at sharding
+    level 1 under ep: a ZeRO-1 optimizer for the dense parameters, one for the experts), None for a single one."""
+    return getattr(optimizer, "parts", None)
+
+
+def source_param_groups(optimizer: torch.optim.Optimizer) -> list[dict]:
+    """The param groups as the caller built them (an optimizer made of parts regroups them per part): checkpoints
+    record these, so the files do not depend on the sharding level."""
+    groups = getattr(optimizer, "source_param_groups", None)
+    return optimizer.param_groups if groups is None else groups
+
+
 def optimizer_class(optimizer: torch.optim.Optimizer) -> type:
     """The optimizer the state belongs to (for ZeRO-1, the one it wraps): checkpoints do not depend on the level."""
+    parts = optimizer_parts(optimizer)
+    if parts:
+        return optimizer_class(parts[0])
     return type(optimizer.optim) if is_zero1(optimizer) else type(optimizer)
 
 
 def _state_by_param(optimizer: torch.optim.Optimizer) -> dict[int, dict]:
     """{id(param): its state}. ZeRO-1 state is spread over the dp ranks: torch's `consolidate_state_dict`
     gathers it on dp rank 0 (a collective of the dp group; the whole state of this stage/tp shard transiently
-    in that rank's memory), the only rank that writes; the other dp ranks hold none."""
+    in that rank's memory), the only rank that writes; the other dp ranks hold none. An optimizer made of parts
+    gives the union of theirs (under ep: the dense state on dp x cp rank 0, each expert block's on the first rank
+    of its replica group, the ranks that write them)."""
+    parts = optimizer_parts(optimizer)
+    if parts is not None:
+        return {k: v for part in parts for k, v in _state_by_param(part).items()}
     if not is_zero1(optimizer):
         return {id(p): optimizer.state.get(p, {}) for group in optimizer.param_groups for p in group["params"]}
     optimizer.consolidate_state_dict(to=0)
@@ -155,7 +176,7 @@ def optimizer_tensors(
     held = _state_by_param(optimizer)
     names = parameter_names(model)
     groups, unsaved = [], set()
-    for i, group in enumerate(optimizer.param_groups):
+    for i, group in enumerate(source_param_groups(optimizer)):
         missing = [p for p in group["params"] if id(p) not in names]
         if missing:
             raise ValueError(
@@ -167,7 +188,7 @@ def optimizer_tensors(
         groups.append({**hyper, "params": [names[id(p)] for p in group["params"]]})
     state: dict[str, LocalTensor] = {}
     scalars: dict[str, dict] = {}
-    for group in optimizer.param_groups:
+    for group in source_param_groups(optimizer):
         for param in group["params"]:
             name = names[id(param)]
             layout, experts = params[name].layout, params[name].experts

@@ -15,7 +15,7 @@ from torch import nn
 from ..expert_parallel import expert_range
 from ..io.errors import CheckpointError
 from ..tensor_parallel.spec import ShardLayout, replace_tensor
-from .collect import is_dtensor, optimizer_class, parameter_names
+from .collect import is_dtensor, optimizer_class, parameter_names, source_param_groups
 from .metadata import INDEX_NAME, CheckpointIndex, TensorEntry, read_index
 from .ranks import RankInfo, current_rank
 from .reading import ShardFiles
@@ -129,7 +129,8 @@ def _load_optimizer(
         raise CheckpointError(f"{where}: holds {saved['class']} state, not {cls.__module__}.{cls.__qualname__}")
     # empty groups hold no state (transformers' Trainer makes a no-decay group even when nothing goes in it)
     saved_groups = [g for g in saved["param_groups"].get(str(rank.pp)) or [] if g["params"]]
-    filled = [g for g in optimizer.param_groups if g["params"]]
+    source = source_param_groups(optimizer)  # as the caller built them, whatever the sharding level
+    filled = [g for g in source if g["params"]]
     if len(saved_groups) != len(filled):
         raise CheckpointError(
             f"{where}: {len(saved_groups)} non-empty optimizer param groups saved for pp rank {rank.pp}, the "
@@ -141,7 +142,7 @@ def _load_optimizer(
         states.setdefault(entry.param, {})[key.rpartition("/")[2]] = entry
     state, groups, position = {}, [], 0
     saved_of = dict(zip((id(g) for g in filled), saved_groups, strict=True))
-    for i, group in enumerate(optimizer.param_groups):
+    for i, group in enumerate(source):
         if not group["params"]:
             groups.append({**group, "params": []})
             continue
@@ -171,7 +172,7 @@ def _load_optimizer(
             position += 1
         hyper = {k: tuple(v) if isinstance(group.get(k), tuple) else v for k, v in saved_group.items()}
         groups.append({**group, **hyper, "params": ids})
-    optimizer.load_state_dict({"state": state, "param_groups": groups})  # ZeRO-1 keeps its own part
+    optimizer.load_state_dict({"state": state, "param_groups": groups})  # ZeRO-1 (each part) keeps its own share
 
 
 def load_model_checkpoint(

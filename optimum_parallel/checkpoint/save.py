@@ -4,9 +4,9 @@ Every rank tells the others what it holds; one copy of each distinct shard is wr
 lowest tp rank holding it on data-parallel replica 0 (dp rank 0 and cp rank 0) -- for expert tensors under expert
 parallelism, on the first replica of each expert group (dp x cp ranks 0..ep-1, which hold every expert once), each
 into its own `-epNN` file -- into a temporary sibling
-directory (FSDP2 shards are all-gathered over dp x cp one tensor at a time, so the files are the same at every
-sharding level and every cp); rank 0 then writes config, index and completion marker and swaps the directory
-into place.
+directory (FSDP2 shards are all-gathered one tensor at a time, over dp x cp or, for experts, over their replica
+group; ZeRO-1 state is consolidated on the writing ranks; so the files are the same at every sharding level and
+every cp); rank 0 then writes config, index and completion marker and swaps the directory into place.
 Assumes the output directory is on a filesystem every rank sees.
 """
 
@@ -15,16 +15,18 @@ from __future__ import annotations
 import json
 import shutil
 import warnings
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from ..io.safetensors_io import SafetensorsWriter, dtype_from_name
+from ..mesh import get_mesh
 from ..mesh.loaded import is_dtensor
 from .atomic import partial_dir, publish
-from .collect import LocalTensor, is_zero1, model_tensors, optimizer_tensors
+from .collect import LocalTensor, is_zero1, model_tensors, optimizer_parts, optimizer_tensors
 from .consolidate import DEFAULT_MAX_SHARD_SIZE, write_hf_checkpoint
 from .crash import crash_point
 from .metadata import CheckpointIndex, TensorEntry, model_file, optimizer_file, write_index
@@ -37,8 +39,28 @@ def _stored_here(file: str, entries: Mapping[str, TensorEntry]) -> list[tuple[st
     return [(n, e, s) for n, e in entries.items() for s in e.shards if s.file == file]
 
 
+def _in_order(
+    entries: Mapping[str, TensorEntry], local: Mapping[str, LocalTensor], file: str, dense_file: str, writes: bool
+) -> Iterator[tuple[object, torch.Tensor]]:
+    """(shard, value) of every shard stored in `file` (this rank's: its experts' block, and at ep rank 0 the dense
+    tensors), in the index order, when this rank `writes` it; on the way, this rank's part of every all-gather of the
+    FSDP2 shards that its replica writes: the dense tensors of `dense_file` (gathered over dp x cp) and its experts'
+    (gathered over their replica group). Every rank walks the same index in the same order, so each all-gather has
+    all its ranks and no two ranks wait on each other in different groups."""
+    for name, entry in entries.items():
+        target = file if entry.experts else dense_file
+        shard = next((s for s in entry.shards if s.file == target), None)
+        held = local.get(name)  # ZeRO-1 state: consolidated on the writing rank already, none here
+        if shard is None or held is None:
+            continue
+        if writes and target == file:
+            yield shard, held.value()
+        elif held.sharded_over_dp:
+            held.value()
+
+
 def _write_rank_file(
-    path: Path, entries: Mapping[str, TensorEntry], local: Mapping[str, LocalTensor], coords: dict
+    path: Path, entries: Mapping[str, TensorEntry], local: Mapping[str, LocalTensor], coords: dict, dense_file: str
 ) -> dict:
     """Write the shards this rank stores into `path`: {"size", "sha256", "crc32": {key: crc}}."""
     mine = _stored_here(path.name, entries)
@@ -56,8 +78,8 @@ def _write_rank_file(
     writer = SafetensorsWriter(path, specs, metadata)
     crcs = {}
     try:
-        for name, _, shard in mine:
-            crcs[shard.key] = writer.write(shard.key, local[name].value())
+        for shard, value in _in_order(entries, local, path.name, dense_file, writes=True):
+            crcs[shard.key] = writer.write(shard.key, value)
             crash_point("tensor")
     except BaseException:
         writer.abort()
@@ -65,15 +87,6 @@ def _write_rank_file(
     size, sha = writer.close()
     crash_point("file")
     return {"size": size, "sha256": sha, "crc32": crcs}
-
-
-def _join_gathers(file: str, entries: Mapping[str, TensorEntry], local: Mapping[str, LocalTensor]) -> None:
-    """On a replica other than the first (dp or cp rank > 0): take part in the all-gathers of the FSDP2 shards that
-    the first replica writes into `file`."""
-    for name, _, _ in _stored_here(file, entries):
-        held = local.get(name)  # ZeRO-1 state: consolidated on dp rank 0 already, none here
-        if held is not None and held.sharded_over_dp:
-            held.value()
 
 
 def _merge_optimizer_meta(described: list[dict]) -> dict:
@@ -108,20 +121,34 @@ def _save_configs(model: nn.Module, directory: Path) -> None:
 
 
 def check_expert_checkpoint(model: nn.Module, optimizer: torch.optim.Optimizer | None, what: str) -> None:
-    """Checkpoints of an expert-parallel model are written and read at sharding level 0 (DDP semantics) only, for
-    now: refuse ZeRO-1 state and FSDP2 shards with ep > 1 before anything is written or read."""
-    if not any(getattr(p, "expert_layout", None) is not None for p in model.parameters()):
+    """Expert tensors sharded over data-parallel ranks are checkpointed when they are sharded over the ranks holding
+    the same experts (their replica group), as `parallelize` shards them at every level: refuse FSDP2 shards or a
+    ZeRO-1 optimizer over other ranks (a rank there holds other experts under the same names) before anything is
+    written or read."""
+    experts = {id(p): p for p in model.parameters() if getattr(p, "expert_layout", None) is not None}
+    if not experts or not dist.is_initialized():
         return
-    if any(is_dtensor(p) for p in model.parameters()):
-        level = "2 or 3 (FSDP2)"
-    elif optimizer is not None and is_zero1(optimizer):
-        level = "1 (ZeRO-1)"
-    else:
-        return
-    raise NotImplementedError(
-        f"{what} of an expert-parallel model (ep > 1) at sharding_level={level} is not supported yet; "
-        "allowed with ep > 1: sharding_level=0"
-    )
+
+    def ranks_of(group: dist.ProcessGroup) -> list[int]:
+        return sorted(dist.get_process_group_ranks(group))
+
+    replicas = ranks_of(get_mesh().expert_replica_group)
+    wrong = []
+    for param in experts.values():
+        if is_dtensor(param) and ranks_of(param.device_mesh.get_group()) != replicas:
+            wrong.append(f"FSDP2 shards over ranks {ranks_of(param.device_mesh.get_group())}")
+            break
+    zeros = [] if optimizer is None else optimizer_parts(optimizer) or [optimizer]
+    for zero in zeros:
+        holds = any(id(p) in experts for group in zero.param_groups for p in group["params"])
+        if is_zero1(zero) and holds and ranks_of(zero.process_group) != replicas:
+            wrong.append(f"ZeRO-1 state over ranks {ranks_of(zero.process_group)}")
+    if wrong:
+        raise NotImplementedError(
+            f"{what} of an expert-parallel model (ep > 1) with its experts' {wrong[0]}, which hold other experts: "
+            f"allowed: experts sharded over the ranks holding the same experts ({replicas}), as "
+            "parallelize(..., {'dp_config': {'sharding_level': 0..3}}) shards them"
+        )
 
 
 def save_model_checkpoint(
@@ -188,11 +215,12 @@ def save_model_checkpoint(
         written = {}
         for name, kind, table in ((model_file, "model", entries), (optimizer_file, "state", state_entries)):
             if kind == "model" or optimizer is not None:
-                file = name(rank.pp, rank.tp, rank.ep)
+                file, dense = name(rank.pp, rank.tp, rank.ep), name(rank.pp, rank.tp)
                 if rank.writes_experts:
-                    written[file] = _write_rank_file(tmp / file, table, local[kind], coords)
+                    written[file] = _write_rank_file(tmp / file, table, local[kind], coords, dense)
                 else:
-                    _join_gathers(file, table, local[kind])
+                    for _ in _in_order(table, local[kind], file, dense, writes=False):
+                        pass
         return written
 
     def finish() -> None:

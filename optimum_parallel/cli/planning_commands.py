@@ -206,8 +206,9 @@ def estimate_memory(
     Llama (checked against measurement). Under pp, 1F1B keeps pp micro-batches in flight on the first stage
     (GPipe: all of them on every stage). Under cp, activations are those of seq/cp tokens plus ring attention's
     K/V blocks in flight; sharding levels split the states over dp x cp, or over groups of --shard-size of them.
-    Under --ep (mixture-of-experts models) each rank keeps num_experts / ep of every block's experts, and
-    activations add the dispatched rows; --suggest proposes ep for such models.
+    Under --ep (mixture-of-experts models) each rank keeps num_experts / ep of every block's experts (the sharding
+    levels split their states over the dp x cp / ep ranks holding the same experts), and activations add the
+    dispatched rows; --suggest proposes ep for such models, with pp and at every level.
     """
     from ..planning.memory_planner import MemoryPlanner
     from ..planning.memory_text import format_estimate, format_suggestions

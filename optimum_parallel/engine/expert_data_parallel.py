@@ -7,8 +7,8 @@ averaging it over the replicas and dividing by ep gives the mean over dp x cp:
 
 level 0: DDP (`replicate`) over dp x cp for the dense parameters; expert gradients scaled by 1/ep as they arrive and
          averaged over the replica group once per backward (`reduce_expert_gradients`);
-level 1: the same gradients, and two ZeRO-1 optimizers stepped as one (`ExpertSplitOptimizer`): the dense state
-         sharded over dp x cp, the experts' over their replica group;
+level 1: the same gradients, and two ZeRO-1 optimizers stepped as one (`ExpertSplitOptimizer`, expert_optimizer.py):
+         the dense state sharded over dp x cp, the experts' over their replica group;
 level 2-3: FSDP2 units: each experts module on the replica sub-mesh with its gradient divided by dp x cp (a SUM
          reduce-scatter, then the division: gloo has no PREMUL_SUM), the blocks and the root on the dp x cp mesh.
 Hybrid sharding (`shard_size`) is refused with ep by `check_expert_data_parallel`.
@@ -22,6 +22,7 @@ from torch import nn
 
 from ..expert_parallel import ExpertParallelRuntime, find_experts
 from ..mesh import ParallelMesh
+from .expert_optimizer import ExpertSplitOptimizer
 
 
 def check_expert_data_parallel(shard_size: int, ep: int, key: str = "dp_config['shard_size']") -> None:
@@ -92,51 +93,6 @@ def reduce_expert_gradients(experts: list[nn.Module], runtime: ExpertParallelRun
     runtime.gradients_reduced = True
 
 
-class ExpertSplitOptimizer(torch.optim.Optimizer):
-    """Two ZeRO-1 optimizers stepped as one: the dense parameters' state sharded over dp x cp, the experts' over
-    their replica group. `param_groups` are theirs (the same dicts: a scheduler's lr reaches both)."""
-
-    def __init__(self, parts: list[torch.optim.Optimizer]) -> None:
-        self.parts = parts
-        groups = [group for part in parts for group in part.param_groups]
-        super().__init__(groups, parts[0].defaults)  # the same group dicts, appended as they are
-
-    @property
-    def state(self):  # the local optimizers' state (a fresh one holds none)
-        return {k: v for part in self.parts for k, v in part.optim.state.items()}
-
-    @state.setter
-    def state(self, _value) -> None:  # Optimizer.__init__ assigns an empty one
-        pass
-
-    @torch.no_grad()
-    def step(self, closure=None):
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
-        for part in self.parts:
-            part.step()
-        return loss
-
-    def zero_grad(self, set_to_none: bool = True) -> None:
-        for part in self.parts:
-            part.zero_grad(set_to_none)
-
-    def state_dict(self):
-        raise NotImplementedError(
-            "the optimizer of an expert-parallel model at sharding_level=1 (two ZeRO-1 optimizers, dense over dp x cp "
-            "and experts over their replica group) has no state_dict yet: consolidating the experts' ZeRO state "
-            "over the replica group is missing; allowed: sharding_level 0 or 2-3 to save optimizer state"
-        )
-
-    def load_state_dict(self, state_dict) -> None:
-        raise NotImplementedError(
-            "the optimizer of an expert-parallel model at sharding_level=1 cannot load a state_dict yet (see "
-            "state_dict); allowed: sharding_level 0 or 2-3"
-        )
-
-
 def _split_zero1(
     optimizer: torch.optim.Optimizer, experts: list[nn.Module], mesh: ParallelMesh
 ) -> torch.optim.Optimizer:
@@ -148,12 +104,13 @@ def _split_zero1(
         options = {k: v for k, v in group.items() if k != "params"}
         dense.append({**options, "params": [p for p in group["params"] if id(p) not in expert_ids]})
         local.append({**options, "params": [p for p in group["params"] if id(p) in expert_ids]})
-    parts = []
+    parts, origins = [], []
     for groups, group in ((dense, mesh.data_parallel_group), (local, mesh.expert_replica_group)):
-        groups = [g for g in groups if g["params"]]
-        if groups:
-            parts.append(zero1(optimizer, group, groups))
-    return ExpertSplitOptimizer(parts)
+        kept = [i for i, g in enumerate(groups) if g["params"]]
+        if kept:
+            parts.append(zero1(optimizer, group, [groups[i] for i in kept]))
+            origins.append(kept)
+    return ExpertSplitOptimizer(parts, origins, [dict(g) for g in optimizer.param_groups])
 
 
 def _fully_shard(

@@ -14,11 +14,13 @@ The rank with the most bytes is reported. Assumptions (the `notes` of every esti
   parameters gathered from forward to backward); 3 + parameters / (dp x cp) (plus the gathered working set of the
   current and the prefetched block). cp alone divides none of them: every cp rank holds the same parameters.
 - Experts (mixture-of-experts models): under ep each rank keeps num_experts / ep of every MoE block's experts, so
-  their parameters, gradients and AdamW state are divided by ep on top of tp's split (`experts.py`); their
-  gradients skip DDP and are averaged over the ranks holding the same experts in one flat buffer (a copy of the
+  their parameters, gradients and AdamW state are divided by ep on top of tp's split (`experts.py`), and the
+  sharding levels split them over the ranks holding the same experts, dp x cp / ep of them, as the engine does
+  (ZeRO-1 over that group at level 1, FSDP2 units on it at levels 2-3), while the dense ones split over dp x cp;
+  at levels 0-1 their gradients skip DDP and are averaged over those ranks in one flat buffer (a copy of the
   local expert gradients, none when ep = dp x cp); the dispatch keeps the k routed copies of the rank's tokens
-  received by its experts and their outputs sent back, 2 sbkh per MoE layer (balanced routing). ep runs with
-  sharding level 0 and pp=1 only, for now.
+  received by its experts and their outputs sent back, 2 sbkh per MoE layer of the stage (balanced routing).
+  ep composes with pp (each stage's experts) and every level, not with hybrid sharding.
 - Buffers: DDP's gradient buckets or, under pp, the flattened gradients of the dp all-reduce (one more copy of
   the gradients, levels 0-1); FSDP2's gathered blocks and reduce-scatter input (levels 2-3).
 - Activations per micro-batch, per decoder layer: Korthikanti et al. 2022 (GPT with dropout, 16-bit, scores
@@ -37,7 +39,7 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Iterator
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from functools import cached_property
 
 from torch import nn
@@ -54,6 +56,7 @@ from .activations import (
 from .experts import ExpertFacts, dispatch_layer_bytes
 from .memory_text import format_estimate, format_suggestions, in_unit, pick_unit
 from .simulate import build_meta_model, load_config, resolve_for_tp
+from .stage_counts import StageCounts, state_bytes
 from .tables import numel
 from .workload import DTYPES, GIB, Layout, MemoryEstimate, Workload, parse_dtype
 
@@ -77,16 +80,6 @@ __all__ = [  # the formulas, value types and text beside this module still impor
 ]
 
 
-@dataclass
-class _Counts:
-    """Local parameter numel per pipeline stage (max over tp ranks), and the largest layer's local numel."""
-
-    per_stage: list[int]
-    largest_layer: int
-    param_tensors: list[int]  # parameter tensors per stage (AdamW keeps one step counter per tensor)
-    experts: int = 0  # of which expert tensors' numel, on the rank with the most (all stages: ep runs with pp=1)
-
-
 class MemoryPlanner:
     """Estimates for one model (config read once, meta model built once, plans resolved per tp on demand)."""
 
@@ -97,7 +90,7 @@ class MemoryPlanner:
         from ..frontends.manager import ParallelizersManager
 
         self.parallelizer = ParallelizersManager.parallelizer_for_model(self.model)
-        self._counts: dict[tuple[int, int, int], _Counts] = {}
+        self._counts: dict[tuple[int, int, int], StageCounts] = {}
         self._per_rank: dict[int, list[dict[str, int]]] = {}
 
     # ---- model facts
@@ -137,6 +130,12 @@ class MemoryPlanner:
     def experts(self) -> ExpertFacts:
         """The model's stacked-experts modules (none for a dense model)."""
         return ExpertFacts.of(self.model)
+
+    @cached_property
+    def _moe_layers(self) -> set[int]:
+        """Indices of the decoder layers holding a stacked-experts module."""
+        segments = self._segment()
+        return {segments[n] for n in self.experts.names if isinstance(segments.get(n), int)}
 
     @property
     def supports_pipeline(self) -> bool:
@@ -182,7 +181,7 @@ class MemoryPlanner:
             ]
         return self._per_rank[tp]
 
-    def counts(self, tp: int, pp: int, ep: int = 1) -> _Counts:
+    def counts(self, tp: int, pp: int, ep: int = 1) -> StageCounts:
         """Local numel per pipeline stage on the tp rank holding the most, and the largest layer's local numel;
         expert tensors hold num_experts / ep experts each."""
         key = (tp, pp, ep)
@@ -197,15 +196,19 @@ class MemoryPlanner:
         segments = self._segment()
         ids = {name: id(p) for name, p in self.model.named_parameters(remove_duplicate=False)}
         per_stage, tensors, largest, most_experts = [0] * pp, [0] * pp, 0, 0
+        expert_stage, expert_tensors = [0] * pp, [0] * pp
         for rank_numel in self.local_numel(tp):
             stage_sum, stage_tensors, seen, expert_sum = [0] * pp, [0] * pp, set(), 0
+            stage_experts, stage_expert_tensors = [0] * pp, [0] * pp
             layer_sum: dict[int, int] = {}
             for name, n in rank_numel.items():
+                segment = segments[name]
+                stage = 0 if segment == "first" else pp - 1 if segment == "last" else stage_of_layer[segment]
                 if name in self.experts.names:
                     n //= ep  # whole experts: ep divides every block's count (checked by `estimate`)
                     expert_sum += n
-                segment = segments[name]
-                stage = 0 if segment == "first" else pp - 1 if segment == "last" else stage_of_layer[segment]
+                    stage_experts[stage] += n
+                    stage_expert_tensors[stage] += 1
                 if (stage, ids[name]) in seen:  # tied: once per stage
                     continue
                 seen.add((stage, ids[name]))
@@ -215,9 +218,11 @@ class MemoryPlanner:
                     layer_sum[segment] = layer_sum.get(segment, 0) + n
             per_stage = [max(a, b) for a, b in zip(per_stage, stage_sum, strict=True)]
             tensors = [max(a, b) for a, b in zip(tensors, stage_tensors, strict=True)]
+            expert_stage = [max(a, b) for a, b in zip(expert_stage, stage_experts, strict=True)]
+            expert_tensors = [max(a, b) for a, b in zip(expert_tensors, stage_expert_tensors, strict=True)]
             largest = max(largest, max(layer_sum.values(), default=0))
             most_experts = max(most_experts, expert_sum)
-        self._counts[key] = _Counts(per_stage, largest, tensors, most_experts)
+        self._counts[key] = StageCounts(per_stage, largest, tensors, most_experts, expert_stage, expert_tensors)
         return self._counts[key]
 
     # ---- estimates
@@ -245,19 +250,16 @@ class MemoryPlanner:
             method, local, layout.tp, layout.sequence_parallel, workload.element, workload.attention
         )
         layer += ring_attention_layer_bytes(self.dims(workload), layout.cp, layout.tp, workload.element)
-        if layout.ep > 1:  # the dispatched rows, spread over the layers (ep runs with pp=1: one stage holds them all)
-            e = self.experts
-            layer += (
-                dispatch_layer_bytes(local.s, local.b, local.h, e.top_k, workload.element)
-                * e.moe_layers
-                / max(self.num_layers, 1)
-            )
+        dispatch = 0.0  # the dispatched rows of each MoE layer under ep
+        if layout.ep > 1:
+            dispatch = dispatch_layer_bytes(local.s, local.b, local.h, self.experts.top_k, workload.element)
         micro = workload.num_microbatches or pp
         stages = stage_layers(self.num_layers, pp, "layers", "layers")
         worst = 0.0
         for s, layers in enumerate(stages):
             in_flight = micro if workload.schedule == "gpipe" else min(pp - s, micro)
-            held = len(layers) * layer * in_flight
+            moe = len(self._moe_layers & set(layers))
+            held = (len(layers) * layer + moe * dispatch) * in_flight
             held += first * in_flight if s == 0 else 0
             held += last if s == pp - 1 else 0
             worst = max(worst, held)
@@ -271,24 +273,26 @@ class MemoryPlanner:
             raise ValueError(f"num_microbatches={workload.num_microbatches} must be >= pp={layout.pp}")
         self.experts.check(layout.ep, layout.data_parallel)
         counts = self.counts(layout.tp, layout.pp, layout.ep)
-        local = max(counts.per_stage)
-        tensors = max(counts.param_tensors)
-        # levels shard over the sharding group: all dp x cp ranks, or shard_size of them (hybrid sharding)
+        # levels shard over the sharding group: all dp x cp ranks, or shard_size of them (hybrid sharding); under ep
+        # the experts' states over the ranks holding the same experts
         e, dp, level, group = workload.element, layout.data_parallel, layout.sharding_level, layout.sharding_group
         if dp == 1:
             level = 0
-        params = local * e / (group if level >= 3 else 1)
-        grads = local * e / (group if level >= 2 else 1)
-        state = (local * workload.optimizer_bytes_per_param + 4 * tensors) / (group if level >= 1 else 1)
+        params, grads, state = state_bytes(counts, layout, workload, level)
         notes = []
         if dp == 1:
             buffers = 0.0
-        elif layout.ep > 1:  # level 0: DDP buckets for the dense parameters, one flat all-reduce for the experts'
-            replicated = layout.data_parallel > layout.ep
-            buffers = (local - counts.experts) * e + (counts.experts * e if replicated else 0)
+        elif layout.ep > 1 and level <= 1:  # DDP buckets (or under pp the pipeline's) for the dense parameters, one
+            replicated = layout.expert_replicas > 1  # flat all-reduce for the experts' gradients
+            buffers = max(
+                dense * e + (experts * e if replicated else 0)
+                for (dense, _), (experts, _) in map(counts.split, range(layout.pp))
+            )
             flat = " and the expert gradients' flat all-reduce buffer" if replicated else ""
-            notes.append(f"buffers: DDP's gradient buckets of the dense parameters{flat}")
+            where = "DDP's gradient buckets" if layout.pp == 1 else "the pipeline's flattened dp all-reduce buffer"
+            notes.append(f"buffers: {where} of the dense parameters{flat}")
         elif level <= 1:
+            local = max(counts.per_stage)
             buffers = local * e  # DDP's gradient buckets, or the pipeline's flattened gradients
             where = "DDP's gradient buckets" if layout.pp == 1 else "the pipeline's flattened dp all-reduce buffer"
             notes.append(f"buffers: {where} (one more copy of the gradients)")
@@ -323,10 +327,15 @@ class MemoryPlanner:
             )
         if layout.ep > 1:
             experts = self.experts
+            sharded = (
+                f", then / {layout.expert_replicas} (the dp x cp / ep ranks holding them) at sharding level {level}"
+                if level
+                else ""
+            )
             notes.append(
                 f"ep={layout.ep}: {max(experts.counts) // layout.ep} of {max(experts.counts)} experts per MoE block on "
-                f"each rank (expert weights, gradients and AdamW state / ep); activations add the dispatched rows, "
-                f"2·s·b·k·h per MoE layer (k={experts.top_k}, balanced routing)"
+                f"each rank (expert weights, gradients and AdamW state / ep{sharded}); activations add the dispatched "
+                f"rows, 2·s·b·k·h per MoE layer (k={experts.top_k}, balanced routing)"
             )
         if layout.cp > 1:
             notes.append(
@@ -341,7 +350,7 @@ class MemoryPlanner:
         """Every (dp, tp, pp, cp, sharding level, SP, ep) this engine can run on `devices` ranks for this model; cp
         (1, 2, 4, 8) only where `workload`'s sequence splits into 2 x cp chunks of at least cp tokens (none
         without a workload); ep > 1 for a mixture-of-experts model, dividing dp x cp and every block's experts, at
-        sharding level 0 without pp."""
+        every sharding level and with pp (the engine runs them all; hybrid sharding is not proposed)."""
         if isinstance(devices, bool) or not isinstance(devices, int) or devices < 1:
             raise ValueError(f"devices={devices!r} is not allowed; it must be a positive integer")
         for tp in _divisors(devices):
@@ -356,7 +365,7 @@ class MemoryPlanner:
                     dp = devices // (tp * pp * cp)
                     sp_options = (False, True) if tp > 1 and pp == 1 and self.supports_sequence_parallel else (False,)
                     for level in (0, 1, 2, 3) if dp * cp > 1 else (0,):
-                        eps = self.experts.allowed_ep(dp * cp) if level == 0 and pp == 1 else [1]
+                        eps = self.experts.allowed_ep(dp * cp)
                         for ep, sp in itertools.product(eps, sp_options):
                             yield Layout(dp, tp, pp, level, sp, cp, ep=ep)
 
@@ -367,7 +376,7 @@ class MemoryPlanner:
         communication sits on every layer's critical path), then fewest pipeline stages (bubble), then fewest cp
         ranks (ring attention hides its K/V passes behind attention, mostly), then the lowest sharding level (level
         3 re-gathers parameters every forward and backward), then fewest ep ranks (two all-to-alls per MoE layer
-        each way, which beat a sharding level: ep at level 0 is what the engine runs), then most headroom. So
+        each way, which beat a sharding level: ep at level 0 comes before ep=1 at level 1), then most headroom. So
         cp > 1 comes first exactly when the sequence is long enough that activations only fit split, and before tp
         or pp would be needed."""
         if not 0 <= reserve < 1:

@@ -30,7 +30,8 @@ def parse_dtype(dtype: str | torch.dtype) -> str:
 @dataclass(frozen=True)
 class Layout:
     """One way to lay a model over dp x tp x pp x cp devices (cp: context parallelism, the sequence split; ep:
-    expert parallelism, the experts split over blocks of ep of the dp x cp ranks, which it divides)."""
+    expert parallelism, the experts split over blocks of ep of the dp x cp ranks, which it divides; it composes
+    with pp and every sharding level, not with hybrid sharding, as the engine runs it)."""
 
     dp: int = 1
     tp: int = 1
@@ -51,18 +52,15 @@ class Layout:
             raise ValueError(
                 f"ep={self.ep} must divide dp x cp = {self.data_parallel}; allowed: {', '.join(map(str, allowed))}"
             )
-        if self.ep > 1 and (self.sharding_level, self.pp) != (0, 1):  # what the engine runs with ep, for now
-            key, value, allowed = (
-                ("sharding_level", self.sharding_level, 0) if self.sharding_level else ("pp", self.pp, 1)
-            )
-            raise ValueError(
-                f"{key}={value} with ep={self.ep} is not supported yet; allowed with ep > 1: {key}={allowed}"
-            )
         size, ranks = self.shard_size, self.data_parallel
         if isinstance(size, bool) or not isinstance(size, int) or not (size == -1 or (size >= 1 and ranks % size == 0)):
             allowed = [-1] + [d for d in range(1, ranks + 1) if ranks % d == 0]
             raise ValueError(
                 f"shard_size={size!r} is not allowed for dp x cp = {ranks}; allowed: {', '.join(map(str, allowed))}"
+            )
+        if self.ep > 1 and size != -1:  # as the engine refuses it (engine/expert_data_parallel.py)
+            raise ValueError(
+                f"shard_size={size} (hybrid sharding) with ep={self.ep} is not supported yet; allowed with ep > 1: -1"
             )
 
     @property
@@ -73,6 +71,11 @@ class Layout:
     def data_parallel(self) -> int:
         """Ranks holding the same parameters, over which sharding levels 1-3 split them: dp x cp."""
         return self.dp * self.cp
+
+    @property
+    def expert_replicas(self) -> int:
+        """Ranks holding the same experts (dp x cp / ep), over which sharding levels 1-3 split the expert states."""
+        return self.data_parallel // self.ep
 
     @property
     def sharding_group(self) -> int:
