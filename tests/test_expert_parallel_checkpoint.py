@@ -149,7 +149,7 @@ def expected_local(full: torch.Tensor, where: dict) -> torch.Tensor:
 
 # ----------------------------------------------------------------------------------------------- save / load / resume
 
-CASES = [("mixtral", DP4_EP2), ("qwen3_moe", TP2_EP2), ("gpt_oss", DP4_EP2), ("mixtral", TP2_EP2)]
+CASES = [("mixtral", DP4_EP2), ("qwen3_moe", TP2_EP2), ("gpt_oss", DP4_EP2), ("mixtral", TP2_EP2), ("gpt_oss", TP2_EP2)]
 
 
 @pytest.fixture(scope="module")
