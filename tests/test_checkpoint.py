@@ -140,10 +140,30 @@ def test_config_is_saved_unmodified(saved, hf_dir):
 # ----------------------------------------------------------------------------------------------- reshard / resume
 
 
-def load_and_probe(hf_dir: str, ckpt: str, tp: int, with_optimizer: bool = True) -> dict:
-    parallelizer, model, optimizer = _setup(hf_dir, tp, seed=99)  # other weights: the checkpoint must replace them
+def load_and_probe(hf_dir: str, ckpt: str, tp: int, with_optimizer: bool = True, seed: int | None = 99) -> dict:
+    """Load `ckpt` into a parallel model with other weights (random with `seed`, or lazily loaded from `hf_dir`:
+    file mappings) and probe it; `mapped`: how many parameters were file mappings before and after the load."""
+    from optimum_parallel.io.file_mapping import is_file_mapping
+
+    parallelizer, model, optimizer = _setup(hf_dir, tp, seed=seed)  # the checkpoint must replace the weights
+    before = sum(is_file_mapping(p) for p in model.parameters())
     parallelizer.load_model_checkpoint(model, ckpt, optimizer=optimizer if with_optimizer else None)
-    return _probe(model, optimizer, make_batch(model.config))
+    after = sum(is_file_mapping(p) for p in model.parameters())
+    return {**_probe(model, optimizer, make_batch(model.config)), "mapped": (before, after)}
+
+
+def test_load_into_lazily_loaded_weights_maps_the_checkpoint(pool, hf_dir, saved):
+    """Weights still mapped from the HF files (just lazily loaded) are given mappings of the checkpoint's bytes
+    instead of having every page copied and overwritten; the values, and the step after, are the saved ones, and
+    that step writes into private pages, never into the checkpoint (its files still verify)."""
+    from optimum_parallel.checkpoint import verify_checkpoint
+
+    for rank, result in enumerate(pool.run(load_and_probe, hf_dir, saved["ckpt"], 2, True, None)):
+        before, after = result["mapped"]
+        assert before > 0 and after >= before, (rank, result["mapped"])
+        assert rel_err(result["logits"], saved["logits"]) <= TOL, f"rank {rank}: logits"
+        assert abs(result["next_loss"] - saved["next_loss"]) <= TOL * abs(saved["next_loss"]), f"rank {rank}: step"
+    verify_checkpoint(saved["ckpt"])
 
 
 @pytest.mark.parametrize("tp", [4, 1])

@@ -53,7 +53,24 @@ def map_bytes(fd: int, start: int, end: int, dtype: torch.dtype, shape: tuple[in
         errno = ctypes.get_errno()
         raise OSError(errno, f"mmap of {length} bytes at offset {offset} failed")
     buffer = (ctypes.c_char * length).from_address(address)
-    unmap = weakref.finalize(buffer, _libc.munmap, address, length)  # when the last tensor on it is freed
+    _MAPPED.add(address)
+    unmap = weakref.finalize(buffer, _unmap, address, length)  # when the last tensor on it is freed
     unmap.atexit = False  # never at interpreter exit, while tensors may still use it: the OS unmaps then
     count = (end - start) // dtype.itemsize
     return torch.frombuffer(buffer, dtype=dtype, count=count, offset=start - offset).view(shape)
+
+
+_MAPPED: set[int] = set()  # addresses of the live mappings
+
+
+def _unmap(address: int, length: int) -> None:
+    _MAPPED.discard(address)
+    _libc.munmap(address, length)
+
+
+def is_file_mapping(tensor: torch.Tensor) -> bool:
+    """Whether `tensor`'s memory is one of `map_bytes`' file mappings (a lazily loaded weight): loading other
+    values into it is better done by mapping them than by writing each page, which copies it first."""
+    if tensor.device.type != "cpu" or tensor.untyped_storage().nbytes() == 0:
+        return False
+    return tensor.untyped_storage().data_ptr() // _PAGE * _PAGE in _MAPPED
