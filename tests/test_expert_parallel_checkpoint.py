@@ -113,24 +113,25 @@ def train_save_resume(model_type: str, sizes: dict, ckpt: str, before: int = 2, 
 
 
 def assemble(per_rank: list[dict]) -> dict[str, torch.Tensor]:
-    """The global tensors of every rank's snapshot, put together by their layouts (not by the checkpoint code)."""
+    """The global tensors of every rank's snapshot, put together by their layouts (not by the checkpoint code); a name
+    may be missing on some ranks (ZeRO-1 state)."""
     full: dict[str, torch.Tensor] = {}
     for snapshot in per_rank:
         for name, (local, where) in snapshot.items():
             if name not in full:
                 shape = list(where["tp"]["global_shape"]) if where.get("tp") else list(local.shape)
                 if where["experts"] is not None:
-                    shape[0] = max(s[name][1]["experts"][1] for s in per_rank)
+                    shape[0] = max(v[name][1]["experts"][1] for v in per_rank if name in v)
                 full[name] = torch.full(shape, float("nan"), dtype=local.dtype)
-            view = full[name]
+            target = full[name]
             if where["experts"] is not None:
-                view = view.narrow(0, where["experts"][0], where["experts"][1] - where["experts"][0])
+                target = target.narrow(0, where["experts"][0], where["experts"][1] - where["experts"][0])
             if not where.get("tp"):
-                view.copy_(local)
+                target.copy_(local)
                 continue
             dim, offset = where["tp"]["dim"], 0
             for start, end in where["tp"]["ranges"]:
-                view.narrow(dim, start, end - start).copy_(local.narrow(dim, offset, end - start))
+                target.narrow(dim, start, end - start).copy_(local.narrow(dim, offset, end - start))
                 offset += end - start
     return full
 

@@ -17,7 +17,7 @@ from _checks import train_step
 from _models import build_model, rel_err, tiny_config
 from safetensors.torch import load_file
 from test_expert_parallel import MOE, replica_batch
-from test_expert_parallel_checkpoint import _local_batch, _replica_mean, _where, expected_local
+from test_expert_parallel_checkpoint import _local_batch, _replica_mean, _where, assemble, expected_local
 from test_pipeline import pipeline_batch
 from transformers import AutoModelForCausalLM
 
@@ -73,29 +73,6 @@ def full_view(model, optimizer) -> dict[str, tuple[torch.Tensor, dict]]:
             like = value.shape == param.shape
             out[f"{name}/{key}"] = (_whole(value).clone(), _where(param) if like else {"experts": None, "tp": None})
     return out
-
-
-def assemble(per_rank: list[dict]) -> dict[str, torch.Tensor]:
-    """The global tensors from every rank's `full_view` (a name may be missing on some ranks: ZeRO-1 state)."""
-    full: dict[str, torch.Tensor] = {}
-    for view in per_rank:
-        for name, (local, where) in view.items():
-            if name not in full:
-                shape = list(where["tp"]["global_shape"]) if where.get("tp") else list(local.shape)
-                if where["experts"] is not None:
-                    shape[0] = max(v[name][1]["experts"][1] for v in per_rank if name in v)
-                full[name] = torch.full(shape, float("nan"), dtype=local.dtype)
-            view_of = full[name]
-            if where["experts"] is not None:
-                view_of = view_of.narrow(0, where["experts"][0], where["experts"][1] - where["experts"][0])
-            if not where.get("tp"):
-                view_of.copy_(local)
-                continue
-            dim, offset = where["tp"]["dim"], 0
-            for start, end in where["tp"]["ranges"]:
-                view_of.narrow(dim, start, end - start).copy_(local.narrow(dim, offset, end - start))
-                offset += end - start
-    return full
 
 
 def train_save_resume(model_type: str, sizes: dict, level: int, ckpt: str, before: int = 2, after: int = 2) -> dict:
