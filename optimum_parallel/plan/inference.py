@@ -25,6 +25,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ..comm.sequence_switch import sequence_switch
+from ..mesh import ranks
 from ..tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
 
 LOGITS_MODES = ("auto", "full", "local")
@@ -157,7 +158,7 @@ def _input_fingerprint(args: tuple, kwargs: Mapping) -> torch.Tensor:
 
 def sync_generation(group: dist.ProcessGroup, args: tuple = (), kwargs: Mapping | None = None) -> None:
     """Before generating: every tp rank must hold the same prompts; all take tp rank 0's generator state."""
-    world = dist.get_world_size(group)
+    world = ranks.world_size(group)
     if world == 1:
         return
     device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(group) == "nccl" else "cpu"

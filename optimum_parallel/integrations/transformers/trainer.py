@@ -30,7 +30,7 @@ from ...engine.grad_norm import clip_grad_norm_
 from ...engine.grad_norm import grad_norm as global_grad_norm
 from ...engine.validate import TRAINER_KEYS
 from ...frontends.manager import ParallelizersManager
-from ...mesh import ParallelMesh, get_mesh, init_mesh
+from ...mesh import ParallelMesh, get_mesh, init_mesh, ranks
 from ...mesh.parallel_mesh import check_expert_parallel_size
 from ...plan import logits_mode
 from ...plan.wrappers import plan_root
@@ -49,19 +49,19 @@ PIPELINE_COLUMNS = ["input_ids", "attention_mask", "labels", "label", "label_ids
 def _mesh_for(args: ParallelTrainingArguments) -> ParallelMesh:
     """The current mesh if it has the asked sizes, else a new dp x pp x cp x tp one (dp = world / (tp * pp * cp))."""
     tp, pp, cp = args.tensor_parallel_size, args.pipeline_parallel_size, args.context_parallel_size
-    world = dist.get_world_size() if dist.is_initialized() else int(os.environ.get("WORLD_SIZE", "1"))
+    world = ranks.world_size() if dist.is_initialized() else int(os.environ.get("WORLD_SIZE", "1"))
     if world % (tp * pp * cp):
         raise ValueError(
             f"tensor_parallel_size={tp} x pipeline_parallel_size={pp} x context_parallel_size={cp} does not divide "
             f"the world size {world}; allowed: sizes whose product divides the number of processes"
         )
     sizes = {"dp": world // (tp * pp * cp), "pp": pp, "cp": cp, "tp": tp}
-    ranks = sizes["dp"] * cp  # the ranks holding the same parameters
+    replicas = sizes["dp"] * cp  # the ranks holding the same parameters
     ep = check_expert_parallel_size(args.expert_parallel_size, sizes["dp"], cp, "expert_parallel_size")
-    if args.shard_size != -1 and ranks > 1 and ranks % args.shard_size:
-        allowed = [-1] + [d for d in range(1, ranks + 1) if ranks % d == 0]
+    if args.shard_size != -1 and replicas > 1 and replicas % args.shard_size:
+        allowed = [-1] + [d for d in range(1, replicas + 1) if replicas % d == 0]
         raise ValueError(
-            f"shard_size={args.shard_size} does not divide the {ranks} dp x cp ranks; allowed: "
+            f"shard_size={args.shard_size} does not divide the {replicas} dp x cp ranks; allowed: "
             f"{', '.join(map(str, allowed))}"
         )
     with contextlib.suppress(RuntimeError):
