@@ -30,26 +30,22 @@ def grad_norm(model: nn.Module, norm_type: float = 2.0, mesh: ParallelMesh | Non
     every rank to torch's `get_total_norm` over the single-device model's gradients. No value is read on the host."""
     norm_type = _check_norm_type(norm_type)
     mesh = mesh if mesh is not None else _current_mesh()
-    terms = [_term(piece, counted, norm_type) for piece, counted in _counted_pieces(model, mesh)]
-    terms = [term for term in terms if term is not None]
-    if not terms:
+    pieces = list(_counted_pieces(model, mesh))
+    on_xla = any(piece.device.type == "xla" for piece, _ in pieces)
+    if not on_xla:  # on XLA every rank computes every piece: those another rank counts are weighted 0 below
+        pieces = [(piece, True) for piece, counted in pieces if counted]
+    if not pieces:
         total = torch.zeros((), device=_device(model))
     else:
-        stacked = torch.stack(terms)
-        total = stacked.max() if math.isinf(norm_type) else stacked.sum()
+        terms = torch.stack(
+            [piece.abs().max() if math.isinf(norm_type) else piece.abs().pow(norm_type).sum() for piece, _ in pieces]
+        )
+        if on_xla:  # the weights reach the device as data: every rank runs the same graph (see `mesh.ranks`)
+            terms = terms * ranks.device_vector(tuple(float(counted) for _, counted in pieces), terms.device)
+        total = terms.max() if math.isinf(norm_type) else terms.sum()
     if mesh is not None and ranks.world_size() > 1:
         dist.all_reduce(total, op=dist.ReduceOp.MAX if math.isinf(norm_type) else dist.ReduceOp.SUM)
     return total if math.isinf(norm_type) else total.pow(1.0 / norm_type)
-
-
-def _term(piece: torch.Tensor, counted: bool, norm_type: float) -> torch.Tensor | None:
-    """A piece's max |g| (inf-norm) or sum |g|^p. A piece another rank counts is left out, except on an XLA device:
-    there it is multiplied by 0 given as data, so that every rank runs the same graph (see `mesh.ranks`)."""
-    on_xla = piece.device.type == "xla"
-    if not counted and not on_xla:
-        return None
-    term = piece.abs().max() if math.isinf(norm_type) else piece.abs().pow(norm_type).sum()
-    return (term * ranks.device_scalar(int(counted), piece.device)).reshape(()) if on_xla else term
 
 
 def clip_grad_norm_(
