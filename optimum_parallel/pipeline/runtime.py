@@ -1,4 +1,9 @@
-"""Pipeline-parallel training on torch.distributed.pipelining: stages, schedules, run_train / run_eval."""
+"""Pipeline-parallel training on torch.distributed.pipelining: stages, schedules, run_train / run_eval.
+
+No `torch_xla.sync()` here: on XLA devices the mesh refuses pp > 1 (`mesh/xla_mesh.py`: torch-xla runs every send and
+receive as a collective_permute plus a sync of its own, so the step cannot be one graph). `run_train` is forward and
+backward only; the one sync per optimizer step belongs after the step, where the Trainer (or a custom loop) puts it.
+"""
 
 from __future__ import annotations
 
