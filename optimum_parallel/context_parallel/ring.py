@@ -26,11 +26,11 @@ class _RingExchange:
     """Send `tensor` to the next rank of the ring and receive the previous rank's, asynchronously."""
 
     def __init__(self, tensor: torch.Tensor, group: ProcessGroup, tag: int) -> None:
-        rank, size = ranks.rank(group), ranks.world_size(group)
+        ring, rank, size = ranks.group_ranks(group), ranks.rank(group), ranks.world_size(group)
         self.received = torch.empty_like(tensor)
         self.works = [
-            dist.isend(tensor.contiguous(), dist.get_global_rank(group, (rank + 1) % size), group=group, tag=tag),
-            dist.irecv(self.received, dist.get_global_rank(group, (rank - 1) % size), group=group, tag=tag),
+            dist.isend(tensor.contiguous(), ring[(rank + 1) % size], group=group, tag=tag),
+            dist.irecv(self.received, ring[(rank - 1) % size], group=group, tag=tag),
         ]
 
     def wait(self) -> torch.Tensor:

@@ -171,7 +171,7 @@ def sync_generation(group: dist.ProcessGroup, args: tuple = (), kwargs: Mapping 
             f"generate on a tensor-parallel model: tp ranks {differing} hold other prompts than tp rank 0; every "
             "rank of a tp group must call generate with the same inputs (shard the data over dp, not tp)"
         )
-    source = dist.get_global_rank(group, 0)
+    source = ranks.group_ranks(group)[0]
     state = torch.get_rng_state().to(device)
     dist.broadcast(state, src=source, group=group)
     torch.set_rng_state(state.cpu())
