@@ -17,7 +17,7 @@ from transformers import AutoModelForCausalLM, LlamaConfig
 from transformers.utils import logging as hf_logging
 
 from ..frontends.manager import ParallelizersManager
-from ..mesh import init_mesh
+from ..mesh import init_mesh, ranks
 
 DEMO_CONFIG = dict(
     vocab_size=500,  # deliberately not a multiple of tp: uneven vocab shards
@@ -72,7 +72,7 @@ def _train(model, batches: list[dict], lr: float, optimizer_for=None) -> list[fl
 def _shared_checkpoint_dir(output_dir: str | None) -> str:
     """Rank 0 picks the directory and writes the checkpoint; the others learn the path."""
     path = [None]
-    if dist.get_rank() == 0:
+    if ranks.global_rank() == 0:
         path[0] = output_dir or tempfile.mkdtemp(prefix="optimum-parallel-demo-")
         Path(path[0]).mkdir(parents=True, exist_ok=True)
         torch.manual_seed(0)
@@ -89,7 +89,7 @@ def run_demo(steps: int = 20, batch: int = 8, seq: int = 64, lr: float = 3e-3, o
     started = time.perf_counter()
     hf_logging.disable_progress_bar()
     mesh = init_mesh()
-    rank = dist.get_rank()
+    rank = ranks.global_rank()
     checkpoint = _shared_checkpoint_dir(output_dir)
     batches = synthetic_batches(DEMO_CONFIG["vocab_size"], steps, batch, seq)
 

@@ -37,6 +37,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed import ProcessGroup, ReduceOp
 
+from ..mesh import ranks
+
 CAPACITY = 4 << 20  # bytes per rank and slot set; larger all-reduces go through in chunks of this size
 _CACHE_LINE = 64
 _TOKEN_BYTES = 16
@@ -212,7 +214,7 @@ def shared_memory_group(group: ProcessGroup, tensor: torch.Tensor) -> SharedMemo
 
 
 def _wanted(group: ProcessGroup) -> bool:
-    if os.environ.get(_ENV_SWITCH, "1") == "0" or dist.get_world_size(group) < 2:
+    if os.environ.get(_ENV_SWITCH, "1") == "0" or ranks.world_size(group) < 2:
         return False
     if platform.system() != "Linux" or platform.machine().lower() not in {"x86_64", "amd64"}:
         return False
@@ -222,7 +224,7 @@ def _wanted(group: ProcessGroup) -> bool:
 def _connect(group: ProcessGroup) -> SharedMemoryGroup | None:
     """Rank 0 of `group` makes the file; every rank maps it and checks the token rank 0 wrote (same memory,
     not merely the same path); all of them use it only if every rank could."""
-    rank, world = dist.get_rank(group), dist.get_world_size(group)
+    rank, world = ranks.rank(group), ranks.world_size(group)
     size = _header_bytes(world) + 2 * world * CAPACITY
     offer: list = [None]
     if rank == 0 and _wanted(group):

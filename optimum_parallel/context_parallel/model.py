@@ -14,9 +14,9 @@ import functools
 import inspect
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
+from ..mesh import ranks
 from ..state import find_state, parallel_state, refuse
 from .attention import ATTENTION_KEY, ContextParallelAttention, check_strategy, register_attention, sequence_mask
 from .layout import ChunkLayout, pad_sequence
@@ -58,7 +58,7 @@ def apply_context_parallel(model: nn.Module, group, strategy: str = "ring") -> N
         return
     config = model.config
     attention = [m for m in model.modules() if hasattr(m, "num_key_value_groups")]
-    cp, rank = dist.get_world_size(group), dist.get_rank(group)
+    cp, rank = ranks.world_size(group), ranks.rank(group)
     # the engine's validation checked the heads per tp rank; here tp is not known: the attention checks the heads
     # as they arrive
     check_context_parallel(model, cp, strategy)

@@ -16,6 +16,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
+from ..mesh import ranks
 from .blocks import NEG_INF, Attend, accumulation_dtype, attend_chunks, attend_chunks_backward, merge
 
 _KEYS_TAG, _GRADS_TAG = 11, 12
@@ -25,11 +26,11 @@ class _RingExchange:
     """Send `tensor` to the next rank of the ring and receive the previous rank's, asynchronously."""
 
     def __init__(self, tensor: torch.Tensor, group: ProcessGroup, tag: int) -> None:
-        rank, size = dist.get_rank(group), dist.get_world_size(group)
+        ring, rank, size = ranks.group_ranks(group), ranks.rank(group), ranks.world_size(group)
         self.received = torch.empty_like(tensor)
         self.works = [
-            dist.isend(tensor.contiguous(), dist.get_global_rank(group, (rank + 1) % size), group=group, tag=tag),
-            dist.irecv(self.received, dist.get_global_rank(group, (rank - 1) % size), group=group, tag=tag),
+            dist.isend(tensor.contiguous(), ring[(rank + 1) % size], group=group, tag=tag),
+            dist.irecv(self.received, ring[(rank - 1) % size], group=group, tag=tag),
         ]
 
     def wait(self) -> torch.Tensor:
@@ -39,7 +40,7 @@ class _RingExchange:
 
 
 def _ring(group: ProcessGroup | None) -> tuple[int, int]:
-    return (0, 1) if group is None else (dist.get_rank(group), dist.get_world_size(group))
+    return (0, 1) if group is None else (ranks.rank(group), ranks.world_size(group))
 
 
 class RingAttention(torch.autograd.Function):

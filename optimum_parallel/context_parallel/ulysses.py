@@ -8,6 +8,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
+from ..mesh import ranks
 from .blocks import Attend
 from .ring import ring_attention
 
@@ -21,7 +22,7 @@ def _all_to_all(x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
 
 def _sequence_to_heads(x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
     """(b, h, L, d) holding L tokens -> (b, h / cp, cp L, d) holding every rank's tokens, rank by rank."""
-    cp = dist.get_world_size(group)
+    cp = ranks.world_size(group)
     b, h, length, d = x.shape
     received = _all_to_all(x.view(b, cp, h // cp, length, d).transpose(0, 1), group)
     return received.permute(1, 2, 0, 3, 4).reshape(b, h // cp, cp * length, d)
@@ -29,7 +30,7 @@ def _sequence_to_heads(x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
 
 def _heads_to_sequence(x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
     """The inverse of `_sequence_to_heads`."""
-    cp = dist.get_world_size(group)
+    cp = ranks.world_size(group)
     b, h, total, d = x.shape
     received = _all_to_all(x.view(b, h, cp, total // cp, d).permute(2, 0, 1, 3, 4), group)
     return received.transpose(0, 1).reshape(b, cp * h, total // cp, d)
@@ -69,7 +70,7 @@ def check_heads_divide(query_heads: int, kv_heads: int, cp: int, key: str = "con
 
 def all_to_all_attention(q, k, v, attend: Attend, chunks, group: ProcessGroup) -> torch.Tensor:
     """q (b, h, 2c, d), k, v (b, h_kv, 2c, d) of this rank's chunks -> its output chunks (b, h, 2c, d)."""
-    cp = dist.get_world_size(group)
+    cp = ranks.world_size(group)
     check_heads_divide(q.shape[1], k.shape[1], cp)
     order = tuple(i for rank in range(cp) for i in chunks(rank))  # the chunks as the all-to-all lays them out
     q, k, v = (_SequenceToHeads.apply(t, group) for t in (q, k, v))

@@ -27,7 +27,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ..context_parallel import mark_gradients_reduced
-from ..mesh import ParallelMesh
+from ..mesh import ParallelMesh, ranks
 from ..plan.wrappers import plan_root
 from ..state import find_state, parallel_state
 from .expert_data_parallel import check_expert_data_parallel
@@ -237,7 +237,7 @@ def all_reduce_after_backward(params: list[nn.Parameter], group: dist.ProcessGro
             return
         flat = torch.cat([g.reshape(-1) for g in grads])
         dist.all_reduce(flat, group=group)
-        flat /= dist.get_world_size(group)
+        flat /= ranks.world_size(group)
         for grad, part in zip(grads, flat.split([g.numel() for g in grads]), strict=True):
             grad.copy_(part.view_as(grad))
 

@@ -60,6 +60,15 @@ def world_size(group: dist.ProcessGroup | None = None) -> int:
     return dist.get_world_size(group)
 
 
+def sync_device(device: torch.device | str | None) -> None:
+    """On an XLA device, cut the pending graph here and run it (`torch_xla.sync()`): one per optimizer step, after
+    the step, so the step is one compiled program; elsewhere nothing (eager devices run as they go)."""
+    if device is not None and torch.device(device).type == "xla":
+        import torch_xla  # loaded already: the tensors are on an XLA device
+
+        torch_xla.sync()
+
+
 _DEVICE_DATA: dict[tuple, torch.Tensor] = {}
 
 
@@ -69,6 +78,15 @@ def device_indices(start: int, length: int, device: torch.device) -> torch.Tenso
     key = ("arange", start, length, str(device))
     if key not in _DEVICE_DATA:
         _DEVICE_DATA[key] = torch.arange(start, start + length).to(device)
+    return _DEVICE_DATA[key]
+
+
+def device_vector(values: tuple[float, ...], device: torch.device) -> torch.Tensor:
+    """`values` as a float32 vector on `device`, made on the CPU and moved (cached): a graph input on XLA, so that
+    weights that differ by rank keep one program for every rank."""
+    key = ("vector", values, str(device))
+    if key not in _DEVICE_DATA:
+        _DEVICE_DATA[key] = torch.tensor(values, dtype=torch.float32).to(device)
     return _DEVICE_DATA[key]
 
 

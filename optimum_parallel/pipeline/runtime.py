@@ -1,4 +1,9 @@
-"""Pipeline-parallel training on torch.distributed.pipelining: stages, schedules, run_train / run_eval."""
+"""Pipeline-parallel training on torch.distributed.pipelining: stages, schedules, run_train / run_eval.
+
+No `torch_xla.sync()` here: on XLA devices the mesh refuses pp > 1 (`mesh/xla_mesh.py`: torch-xla runs every send and
+receive as a collective_permute plus a sync of its own, so the step cannot be one graph). `run_train` is forward and
+backward only; the one sync per optimizer step belongs after the step, where the Trainer (or a custom loop) puts it.
+"""
 
 from __future__ import annotations
 
@@ -12,7 +17,7 @@ from torch.distributed.pipelining import PipelineStage
 
 from ..context_parallel import ChunkLayout, check_gradients_reduced, split_batch
 from ..expert_parallel import expert_layout
-from ..mesh import ParallelMesh
+from ..mesh import ParallelMesh, ranks
 from ..mesh.loaded import local_tensor
 from ..state import parallel_state, refuse
 from ..styles import PlanContext
@@ -116,7 +121,7 @@ class Pipeline:
     @property
     def data_parallel_size(self) -> int:
         """The batch replicas whose gradients data parallelism averages (1 without data parallelism)."""
-        return 1 if self.replicas_group is None else dist.get_world_size(self.replicas_group)
+        return 1 if self.replicas_group is None else ranks.world_size(self.replicas_group)
 
     def _divisor(
         self, labels: torch.Tensor, num_items_in_batch: int | torch.Tensor | None, replicas: int
@@ -232,7 +237,7 @@ class Pipeline:
 
     def _forward_through_stages(self, input_ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor | None:
         """Run every stage this rank holds, receiving from / sending to the ranks of the neighbouring stages."""
-        ranks, me = self.mesh.ranks("pp"), self.mesh.rank("pp")
+        pp_ranks, me = self.mesh.ranks("pp"), self.mesh.rank("pp")
         hidden = None
         for index in range(self.num_stages):
             stage = self.stages_by_index.get(index)
@@ -241,13 +246,13 @@ class Pipeline:
             if index > 0 and self.owner(index - 1) != me:
                 shape = (*input_ids.shape, self.model.config.hidden_size)
                 hidden = torch.empty(shape, dtype=next(stage.parameters()).dtype, device=self.device)
-                dist.recv(hidden, src=ranks[self.owner(index - 1)], group=self.pp_group)
+                dist.recv(hidden, src=pp_ranks[self.owner(index - 1)], group=self.pp_group)
             out = stage(input_ids if index == 0 else hidden, mask)
             if index == self.num_stages - 1:
                 return out
             hidden = out[0]
             if self.owner(index + 1) != me:
-                dist.send(hidden.contiguous(), dst=ranks[self.owner(index + 1)], group=self.pp_group)
+                dist.send(hidden.contiguous(), dst=pp_ranks[self.owner(index + 1)], group=self.pp_group)
         return None
 
     def _average_gradients_over_dp(self) -> None:
@@ -263,7 +268,7 @@ class Pipeline:
         ]
         flat = torch._utils._flatten_dense_tensors(grads)
         dist.all_reduce(flat, group=self.dp_group)
-        flat /= dist.get_world_size(self.dp_group)
+        flat /= ranks.world_size(self.dp_group)
         for grad, synced in zip(grads, torch._utils._unflatten_dense_tensors(flat, grads), strict=True):
             grad.copy_(synced)
 
@@ -327,7 +332,7 @@ def apply_pipeline(
     per_rank, placement = SCHEDULES[schedule]
     num_stages = pp * per_rank
     indices = stage_indices(mesh.rank("pp"), pp, per_rank, placement)
-    if dist.get_rank() == 0:
+    if ranks.global_rank() == 0:
         split = ", ".join(f"stage {i}: layers {r.start}-{r.stop - 1}" for i, r in enumerate(ranges))
         print(f"[optimum-parallel] pipeline {pp} ranks x {per_rank} stages ({schedule}): {split}")
 

@@ -25,6 +25,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ..comm.sequence_switch import sequence_switch
+from ..mesh import ranks
 from ..tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
 
 LOGITS_MODES = ("auto", "full", "local")
@@ -157,7 +158,7 @@ def _input_fingerprint(args: tuple, kwargs: Mapping) -> torch.Tensor:
 
 def sync_generation(group: dist.ProcessGroup, args: tuple = (), kwargs: Mapping | None = None) -> None:
     """Before generating: every tp rank must hold the same prompts; all take tp rank 0's generator state."""
-    world = dist.get_world_size(group)
+    world = ranks.world_size(group)
     if world == 1:
         return
     device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(group) == "nccl" else "cpu"
@@ -170,7 +171,7 @@ def sync_generation(group: dist.ProcessGroup, args: tuple = (), kwargs: Mapping 
             f"generate on a tensor-parallel model: tp ranks {differing} hold other prompts than tp rank 0; every "
             "rank of a tp group must call generate with the same inputs (shard the data over dp, not tp)"
         )
-    source = dist.get_global_rank(group, 0)
+    source = ranks.group_ranks(group)[0]
     state = torch.get_rng_state().to(device)
     dist.broadcast(state, src=source, group=group)
     torch.set_rng_state(state.cpu())

@@ -50,6 +50,16 @@ def make_batch(batch: int = 2, seq: int = 16, seed: int = 1) -> dict[str, torch.
     return {"input_ids": input_ids, "attention_mask": attention_mask, "labels": labels}
 
 
+def shard_pieces(tensors: dict, params: dict) -> dict:
+    """Each tensor on the CPU with its parameter's split: (local value, split dim or None, ranges) for `whole`."""
+    found = {}
+    for name, tensor in tensors.items():
+        layout = getattr(params[name], "shard_layout", None)
+        dim = layout.dim if layout is not None else None
+        found[name] = (tensor.detach().cpu().clone(), dim, list(layout.ranges) if dim is not None else None)
+    return found
+
+
 def whole(pieces: list[tuple[torch.Tensor, int | None, list]], shape) -> torch.Tensor:
     """A tensor from every rank's (local value, split dim or None, ranges) (a replicated one: rank 0's)."""
     value, dim, _ = pieces[0]

@@ -43,7 +43,7 @@ def _run(scenario: str, model_dir: str, out: str) -> None:
         import torch
         import torch_xla
         import torch_xla.debug.metrics as met
-        from _common import EPS, LR, STEPS, load_llama, make_batch
+        from _common import EPS, LR, STEPS, load_llama, make_batch, shard_pieces
         from transformers import AutoModelForCausalLM, LlamaForCausalLM, PreTrainedModel  # noqa: F401
 
         import optimum_parallel as op
@@ -71,14 +71,6 @@ def _run(scenario: str, model_dir: str, out: str) -> None:
         sync()
         parallelizer.save_model_checkpoint(model, Path(out) / "ckpt-0")
 
-    def pieces(tensors) -> dict:
-        found = {}
-        for name, tensor in tensors.items():
-            layout = getattr(params[name], "shard_layout", None)
-            dim = layout.dim if layout is not None else None
-            found[name] = (tensor.detach().cpu().clone(), dim, list(layout.ranges) if dim is not None else None)
-        return found
-
     batch = {k: v.to(device) for k, v in make_batch().items()}
     with torch.no_grad():  # inference: the full-vocabulary logits (gathered from the vocab-parallel head)
         logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
@@ -91,7 +83,7 @@ def _run(scenario: str, model_dir: str, out: str) -> None:
         sync()  # the tests look at the gradients; a training loop needs only the sync after the step
         losses.append(loss.detach().cpu().item())
         if step == 0:
-            grads = pieces({n: p.grad for n, p in params.items()})
+            grads = shard_pieces({n: p.grad for n, p in params.items()}, params)
         optimizer.step()
         optimizer.zero_grad()
         sync()
@@ -104,7 +96,7 @@ def _run(scenario: str, model_dir: str, out: str) -> None:
         "losses": losses,
         "logits": logits,
         "grads": grads,
-        "params": pieces(params),
+        "params": shard_pieces(params, params),
         "compiles": compiles[0] if compiles else 0,
     }
     torch.save(result, Path(out) / f"rank{me}.pt")

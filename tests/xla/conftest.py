@@ -1,7 +1,8 @@
 """The XLA lane (`make test-xla`): torch-xla's CPU device (PJRT_DEVICE=CPU) in its own cached environment.
 
-Each scenario runs once per session in a fresh process (`_worker.py`, with a timeout): PJRT fixes the number of
-devices when it starts, and a stuck collective must end the run, not hang it. The CPU reference is the plain
+Each scenario runs once per session in a fresh process (`_worker.py`; `_trainer_worker.py` for the Trainer's, whose
+CPU reference runs there too, with torch-xla switched off), with a timeout: PJRT fixes the number of devices when it
+starts, and a stuck collective must end the run, not hang it. The CPU reference of the tp scenarios is the plain
 transformers model in this process.
 """
 
@@ -66,14 +67,16 @@ class Scenarios:
             out = self.root / scenario
             out.mkdir()
             env = {**os.environ, "PJRT_DEVICE": "CPU", "OMP_NUM_THREADS": "1", "TF_CPP_MIN_LOG_LEVEL": "1"}
-            command = [sys.executable, str(HERE / "_worker.py"), scenario, str(self.model_dir), str(out)]
+            worker = "_trainer_worker.py" if scenario.startswith("trainer") else "_worker.py"
+            command = [sys.executable, str(HERE / worker), scenario, str(self.model_dir), str(out)]
             start = time.monotonic()
             run = subprocess.run(command, env=env, capture_output=True, text=True, timeout=WORKER_TIMEOUT_S)
             seconds = time.monotonic() - start
             output = run.stdout[-4000:] + run.stderr[-8000:]
             assert run.returncode == 0, f"{scenario} failed ({run.returncode}):\n{output}"
             results = [torch.load(path) for path in sorted(out.glob("rank*.pt"))]
-            print(f"\n[xla] {scenario}: {len(results)} rank(s), {seconds:.1f} s, {results[0]['compiles']} compilations")
+            compiles = results[0]["steps"][-1]["compiles"] if "steps" in results[0] else results[0]["compiles"]
+            print(f"\n[xla] {scenario}: {len(results)} rank(s), {seconds:.1f} s, {compiles} compilations")
             self.done[scenario] = (out, results)
         return self.done[scenario][1]
 

@@ -88,3 +88,14 @@ def test_a_checkpoint_saved_from_xla_consolidates_to_the_cpu_weights(scenarios, 
         held = whole([r["params"][name] for r in results], expected.shape)
         assert torch.equal(saved[name], held), f"{name}: the checkpoint is not what the XLA ranks held"
         assert rel_err(saved[name], expected) <= WEIGHT_TOL, name
+
+
+def test_pipeline_parallelism_is_refused_on_xla():
+    """torch-xla runs each pipeline send/recv as a collective_permute plus a sync: refused with the reason, before any
+    group is made."""
+    from datetime import timedelta
+
+    from optimum_parallel.mesh.xla_mesh import XlaParallelMesh
+
+    with pytest.raises(ValueError, match=r"pp=2 is not supported on XLA devices yet; allowed: pp=1 \(.*send/recv"):
+        XlaParallelMesh(None, {"dp": 1, "pp": 2, "cp": 1, "tp": 1}, timedelta(seconds=5))

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import torch.distributed as dist
 
+from ...mesh import ranks
 from ...tensor_parallel.gather import gather_full
 from ...tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
 from ..transformers.internals import transformers_internal
@@ -36,7 +37,7 @@ def install_peft_dispatch() -> None:
             return original(lora_config, adapter_name, target, **kwargs)
         check_lora_target(base, kwargs.get("current_key") or type(base).__name__)
         module = Linear(target, adapter_name, config=lora_config, **kwargs)
-        shard_lora_layer(module, dist.get_rank(base.group), dist.get_world_size(base.group))
+        shard_lora_layer(module, ranks.rank(base.group), ranks.world_size(base.group))
         return module
 
     LoraModel._create_new_module = staticmethod(create_new_module)
@@ -81,7 +82,7 @@ def _install_save() -> None:
         for name, param in self.named_parameters():
             if id(param) in groups and name in state:
                 state[name] = gather_full(param, getattr(param, "shard_layout", None), groups[id(param)])
-        main = is_main_process and (not dist.is_initialized() or dist.get_rank() == 0)
+        main = is_main_process and (not dist.is_initialized() or ranks.global_rank() == 0)
         result = original(self, save_directory, *args, is_main_process=main, state_dict=state, **kwargs)
         if dist.is_initialized():
             dist.barrier()

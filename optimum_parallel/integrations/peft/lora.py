@@ -27,7 +27,6 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
@@ -38,6 +37,7 @@ from ...comm.regions import (
     reduce_scatter_to_sequence_parallel_region,
 )
 from ...comm.sequence_switch import sequence_switch
+from ...mesh import ranks
 from ...tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
 from ...tensor_parallel.packed import PackedColumnParallelLinear
 from ...tensor_parallel.spec import ShardSpec, local_parameter
@@ -231,7 +231,7 @@ def _update_layer(self, adapter_name: str, *args, **kwargs) -> None:
     super(type(self), self).update_layer(adapter_name, *args, **kwargs)
     _check_supported(self)
     group = self.base_layer.group
-    _split_adapters(self, dist.get_rank(group), dist.get_world_size(group))
+    _split_adapters(self, ranks.rank(group), ranks.world_size(group))
 
 
 def _forward(self, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:

@@ -30,7 +30,7 @@ from ...engine.grad_norm import clip_grad_norm_
 from ...engine.grad_norm import grad_norm as global_grad_norm
 from ...engine.validate import TRAINER_KEYS
 from ...frontends.manager import ParallelizersManager
-from ...mesh import ParallelMesh, get_mesh, init_mesh
+from ...mesh import ParallelMesh, get_mesh, init_mesh, ranks
 from ...mesh.parallel_mesh import check_expert_parallel_size
 from ...plan import logits_mode
 from ...plan.wrappers import plan_root
@@ -39,6 +39,7 @@ from ...tensor_parallel.layers import ColumnParallelLinear
 from .internals import InternalsChanged, check_overrides, private_override, transformers_internal
 from .lazy_loading import lazy_load_for_parallelism
 from .training_args import ParallelTrainingArguments
+from .xla import XlaStepCallback, no_token_gather, on_xla_device, plain_loader
 
 SCHEDULER_NAME = transformers_internal("trainer.SCHEDULER_NAME")
 TRAINING_ARGS_NAME = transformers_internal("trainer.TRAINING_ARGS_NAME")
@@ -49,19 +50,19 @@ PIPELINE_COLUMNS = ["input_ids", "attention_mask", "labels", "label", "label_ids
 def _mesh_for(args: ParallelTrainingArguments) -> ParallelMesh:
     """The current mesh if it has the asked sizes, else a new dp x pp x cp x tp one (dp = world / (tp * pp * cp))."""
     tp, pp, cp = args.tensor_parallel_size, args.pipeline_parallel_size, args.context_parallel_size
-    world = dist.get_world_size() if dist.is_initialized() else int(os.environ.get("WORLD_SIZE", "1"))
+    world = ranks.world_size() if dist.is_initialized() else int(os.environ.get("WORLD_SIZE", "1"))
     if world % (tp * pp * cp):
         raise ValueError(
             f"tensor_parallel_size={tp} x pipeline_parallel_size={pp} x context_parallel_size={cp} does not divide "
             f"the world size {world}; allowed: sizes whose product divides the number of processes"
         )
     sizes = {"dp": world // (tp * pp * cp), "pp": pp, "cp": cp, "tp": tp}
-    ranks = sizes["dp"] * cp  # the ranks holding the same parameters
+    replicas = sizes["dp"] * cp  # the ranks holding the same parameters
     ep = check_expert_parallel_size(args.expert_parallel_size, sizes["dp"], cp, "expert_parallel_size")
-    if args.shard_size != -1 and ranks > 1 and ranks % args.shard_size:
-        allowed = [-1] + [d for d in range(1, ranks + 1) if ranks % d == 0]
+    if args.shard_size != -1 and replicas > 1 and replicas % args.shard_size:
+        allowed = [-1] + [d for d in range(1, replicas + 1) if replicas % d == 0]
         raise ValueError(
-            f"shard_size={args.shard_size} does not divide the {ranks} dp x cp ranks; allowed: "
+            f"shard_size={args.shard_size} does not divide the {replicas} dp x cp ranks; allowed: "
             f"{', '.join(map(str, allowed))}"
         )
     with contextlib.suppress(RuntimeError):
@@ -170,6 +171,8 @@ class ParallelTrainer(Trainer):
         self.model_wrapped = self.model
         if self.lr_scheduler is not None:
             self.lr_scheduler.optimizer = self.optimizer  # it was built over the optimizer before parallelism
+        if on_xla_device(args.device):  # one sync per optimizer step; no all-reduce of gradients by accelerate
+            XlaStepCallback.install(self)
 
     # ------------------------------------------------------------------ accelerate: no wrapping, batches per dp rank
 
@@ -202,6 +205,7 @@ class ParallelTrainer(Trainer):
             non_blocking=acc.non_blocking,
             use_stateful_dataloader=acc.use_stateful_dataloader,
         )
+        prepared = plain_loader(prepared)  # on XLA: no device loader (it syncs per batch); see `xla.py`
         _register_data_loader(acc, prepared)
         return prepared
 
@@ -215,10 +219,16 @@ class ParallelTrainer(Trainer):
     def _get_num_items_in_batch(self, batch_samples: list, device: torch.device):
         """Without `average_tokens_across_devices` the Trainer's count is this replica's own, yet it still divides it
         by `get_tp_size` (meant for a count gathered over the world): undo that, or the loss would be the replica's
-        token mean times tp x pp x cp."""
-        count = super()._get_num_items_in_batch(batch_samples, device)
-        if count is not None and not self.args.average_tokens_across_devices:
+        token mean times tp x pp x cp. On XLA the count is this replica's, summed over dp in the graph: accelerate's
+        gather over the world would sync the device a second time per step."""
+        local = not self.args.average_tokens_across_devices
+        xla = not local and on_xla_device(device)
+        with no_token_gather(self.args) if xla else contextlib.nullcontext():
+            count = super()._get_num_items_in_batch(batch_samples, device)
+        if count is not None and (local or xla):
             count = count * self.get_tp_size()
+        if count is not None and xla and self.mesh.size("dp") > 1:  # the global batch's count, summed in the graph
+            dist.all_reduce(count, group=self.mesh.group("dp"))
         return count
 
     @private_override

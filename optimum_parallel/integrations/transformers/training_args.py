@@ -13,7 +13,7 @@ from transformers.utils import is_torch_xla_available
 from ...context_parallel import STRATEGIES as CP_STRATEGIES
 from ...context_parallel import check_strategy
 from ...engine.data_parallel import DataParallelConfig, check_sharding_level
-from ...mesh import check_positive_int
+from ...mesh import check_positive_int, ranks
 from ...pipeline import SCHEDULES, check_schedule
 
 
@@ -119,7 +119,7 @@ class ParallelTrainingArguments(TrainingArguments):
 
 def _launched_world_size() -> int:
     """Processes in the job: the process group's size, else torchrun's WORLD_SIZE."""
-    return dist.get_world_size() if dist.is_initialized() else int(os.environ.get("WORLD_SIZE", "1"))
+    return ranks.world_size() if dist.is_initialized() else int(os.environ.get("WORLD_SIZE", "1"))
 
 
 def _no_accelerator() -> bool:
