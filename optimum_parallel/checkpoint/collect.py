@@ -8,11 +8,11 @@ import math
 from dataclasses import dataclass
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from ..expert_parallel import expert_range, expert_tensors, find_experts
 from ..io.safetensors_io import dtype_name
+from ..mesh import ranks
 from ..mesh.loaded import is_dtensor, is_zero_optimizer
 from ..tensor_parallel.spec import ShardLayout, ShardSpec, split_layout
 
@@ -158,7 +158,7 @@ def _state_by_param(optimizer: torch.optim.Optimizer) -> dict[int, dict]:
     if not is_zero1(optimizer):
         return {id(p): optimizer.state.get(p, {}) for group in optimizer.param_groups for p in group["params"]}
     optimizer.consolidate_state_dict(to=0)
-    if dist.get_rank(optimizer.process_group) != 0:
+    if ranks.rank(optimizer.process_group) != 0:
         return {}
     params = [p for group in optimizer.param_groups for p in group["params"]]
     return {id(params[i]): state for i, state in optimizer.state_dict()["state"].items() if state}

@@ -21,7 +21,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ..expert_parallel import ExpertParallelRuntime, find_experts
-from ..mesh import ParallelMesh
+from ..mesh import ParallelMesh, ranks
 from .expert_optimizer import ExpertSplitOptimizer
 
 
@@ -75,7 +75,7 @@ def reduce_expert_gradients(experts: list[nn.Module], runtime: ExpertParallelRun
     for param in params:
         param.register_hook(lambda grad: grad * scale)
     group = mesh.expert_replica_group
-    replicas = dist.get_world_size(group)
+    replicas = ranks.world_size(group)
 
     def reduce() -> None:
         for param in params:
@@ -133,7 +133,7 @@ def _fully_shard(
         for module in experts:
             fully_shard(module, mesh=mesh.expert_replica_mesh, reshard_after_forward=reshard, mp_policy=policy)
             module.set_gradient_divide_factor(float(mesh.data_parallel_size))
-            if dist.get_world_size(mesh.expert_replica_group) > 1:  # one rank: torch divides once without, twice with
+            if ranks.world_size(mesh.expert_replica_group) > 1:  # one rank: torch divides once without, twice with
                 module.set_force_sum_reduction_for_comms(True)
 
     expert_ids = {id(p) for module in experts for p in module.parameters(recurse=False)}

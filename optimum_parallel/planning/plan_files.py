@@ -34,6 +34,7 @@ from torch import nn
 
 from ..frontends.manager import ParallelizersManager
 from ..frontends.parallelizer import Parallelizer
+from ..mesh import ranks
 from ..styles import ParallelStyle
 from ..tensor_parallel.spec import ShardLayout, ShardSpec
 from .simulate import ResolvedPlan, build_meta_model, resolve_for_tp
@@ -77,8 +78,8 @@ def _param_entry(per_rank: list[ShardLayout | None], shape: tuple[int, ...], nam
     if first is None:
         return ShardSpec(tuple(shape)).to_json()
     spec = {k: v for k, v in first.to_json().items() if k not in RANK_KEYS}
-    ranks = [{k: layout.to_json()[k] for k in RANK_KEYS} for layout in per_rank]
-    return {**spec, "ranks": ranks}
+    rank_docs = [{k: layout.to_json()[k] for k in RANK_KEYS} for layout in per_rank]
+    return {**spec, "ranks": rank_docs}
 
 
 def _v1_split_entry(per_rank: list[ShardLayout | None], shape: tuple[int, ...], name: str) -> dict | None:
@@ -201,12 +202,12 @@ def save_plan(
 
         problem = _check_local_layouts(model_or_config, resolved, get_mesh().tp_rank)
         if dist.is_initialized():
-            problems: list[str | None] = [None] * dist.get_world_size()
+            problems: list[str | None] = [None] * ranks.world_size()
             dist.all_gather_object(problems, problem)
             problem = next((p for p in problems if p), None)
         if problem:
             raise ValueError(problem)
-    if not dist.is_initialized() or not distributed or dist.get_rank() == 0:
+    if not dist.is_initialized() or not distributed or ranks.global_rank() == 0:
         _write_json(doc, path)
     if distributed and dist.is_initialized():
         dist.barrier()
