@@ -10,7 +10,9 @@ internals touched here are named in `internals.py`.
 from __future__ import annotations
 
 import copy
+import functools
 import re
+import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -134,6 +136,7 @@ class _DeferredConversions:
 
 
 def _deferred_conversion_mapping(build):
+    @functools.wraps(build)  # its signature is transformers' (checked by transformers_internal)
     def deferred(*args, **kwargs):
         return _DeferredConversions(build, args, kwargs)
 
@@ -241,24 +244,48 @@ def lazy_load_for_parallelism(
     if tensor_parallel_size == 1 and pipeline_parallel_size == 1 and expert_parallel_size == 1:
         yield
         return
+    with _patched_transformers():
+        yield
+
+
+_PATCH_LOCK = threading.Lock()
+_patch_depth = 0  # contexts open in this process (threads: one rank per thread on XLA devices)
+_originals: dict[str, object] = {}
+
+
+@contextmanager
+def _patched_transformers() -> Iterator[None]:
+    """transformers' loading patched while any lazy context is open: the first to enter patches, the last to leave
+    restores (two threads entering at once must not save each other's patches as the originals)."""
+    global _patch_depth
     from transformers import PreTrainedModel
 
     for name in (
         "PreTrainedModel._load_pretrained_model",
         "PreTrainedModel._from_config",
         "PreTrainedModel._init_weights",
+        "modeling_utils.get_model_conversion_mapping",
     ):
         transformers_internal(name)  # fail loudly here, not halfway through from_pretrained
     import transformers.modeling_utils as modeling_utils
 
-    saved = {name: PreTrainedModel.__dict__[name] for name in ("_load_pretrained_model", "_from_config")}
-    build_conversions = transformers_internal("modeling_utils.get_model_conversion_mapping")
-    PreTrainedModel._load_pretrained_model = staticmethod(_record_instead_of_loading)
-    PreTrainedModel._from_config = _lazy_from_config(saved["_from_config"])
-    modeling_utils.get_model_conversion_mapping = _deferred_conversion_mapping(build_conversions)
+    with _PATCH_LOCK:
+        if _patch_depth == 0:
+            _originals.update(
+                {name: PreTrainedModel.__dict__[name] for name in ("_load_pretrained_model", "_from_config")}
+            )
+            _originals["conversions"] = modeling_utils.get_model_conversion_mapping
+            PreTrainedModel._load_pretrained_model = staticmethod(_record_instead_of_loading)
+            PreTrainedModel._from_config = _lazy_from_config(_originals["_from_config"])
+            modeling_utils.get_model_conversion_mapping = _deferred_conversion_mapping(_originals["conversions"])
+        _patch_depth += 1
     try:
         yield
     finally:
-        for name, value in saved.items():
-            setattr(PreTrainedModel, name, value)
-        modeling_utils.get_model_conversion_mapping = build_conversions
+        with _PATCH_LOCK:
+            _patch_depth -= 1
+            if _patch_depth == 0:
+                for name in ("_load_pretrained_model", "_from_config"):
+                    setattr(PreTrainedModel, name, _originals[name])
+                modeling_utils.get_model_conversion_mapping = _originals["conversions"]
+                _originals.clear()
