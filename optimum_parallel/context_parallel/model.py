@@ -23,9 +23,10 @@ from .layout import ChunkLayout, pad_sequence
 from .loss import ContextParallelLoss
 from .ulysses import check_heads_divide
 
-# families whose every cross-token computation is attention through transformers' AttentionInterface,
-# tested against one device (tests/test_context_parallel.py)
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma2")
+# families whose every cross-token computation is attention through transformers' AttentionInterface, tested against
+# one device (tests/test_context_parallel.py; the MoE ones, whose routing is per token, with ep in
+# tests/test_expert_parallel_cp.py)
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "mixtral", "qwen3_moe")
 IGNORE_INDEX = -100
 
 
@@ -44,11 +45,25 @@ def check_context_parallel(
         )
     if not any(hasattr(m, "num_key_value_groups") for m in model.modules()):
         raise NotImplementedError(f"no attention module found in {type(model).__name__} for context parallelism")
+    check_router_logits(getattr(config, "output_router_logits", False), cp, "output_router_logits")
     if strategy == "all_to_all":
         heads = config.num_attention_heads
         kv_heads = getattr(config, "num_key_value_heads", None) or heads
         # per tp rank: whole heads; fewer kv heads than tp ranks are replicated, one per rank
         check_heads_divide(heads // tp, max(kv_heads // tp, 1), cp, key)
+
+
+def check_router_logits(value: object, cp: int, key: str) -> None:
+    """The router aux loss is a product of two means over the tokens (per-expert routed fraction x mean router
+    probability): a cp rank holds a share of the sequence, and transformers' `load_balancing_loss_func` would compute
+    it on that share (and on the whole sequence's padding mask), not as one device does on the replica's rows; so it
+    is refused (`key`: the config attribute or the forward argument)."""
+    if cp > 1 and value:
+        raise ValueError(
+            f"{key}=True with cp={cp} is not supported (each cp rank routes only its chunks of the sequence, so "
+            "the router aux loss would not be one device's on the replica's rows); allowed with cp > 1: "
+            f"{key}=False"
+        )
 
 
 def apply_context_parallel(model: nn.Module, group, strategy: str = "ring") -> None:
@@ -146,6 +161,10 @@ def _split_inputs(model: nn.Module, args: tuple, kwargs: dict):
     extra = bound.pop("kwargs", {})
     check_gradients_reduced(model)
     state = parallel_state(model)
+    router_logits = extra.get("output_router_logits", bound.get("output_router_logits"))
+    if router_logits is None:
+        router_logits = getattr(model.config, "output_router_logits", False)
+    check_router_logits(router_logits, state.context_parallel.cp, "output_router_logits")
     split, state.sequence_length = split_batch(state.context_parallel, {**bound, **extra})
     return (), split
 
