@@ -4,8 +4,9 @@ A forward pre-hook on the model cuts the batch: labels are shifted first (so the
 the first token of the next as its target), the sequence is padded with masked, ignored tokens up to a multiple
 of 2 cp, then every rank keeps its two chunks of input_ids / inputs_embeds, position_ids (global positions, so
 rotary embeddings follow the split) and labels. The padding mask of the whole sequence goes to the layers as
-the marker the attention function reads. A forward hook gathers the logits over cp when no gradient is being
-taken (evaluation, metrics); a training forward keeps this rank's chunks (the loss is already complete).
+the marker the attention function reads. A forward hook adds the router aux loss of a MoE model over the whole
+rows (router_loss.py) and gathers the logits over cp when no gradient is being taken (evaluation, metrics); a
+training forward keeps this rank's chunks (the loss is already complete).
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from ..state import find_state, parallel_state, refuse
 from .attention import ATTENTION_KEY, ContextParallelAttention, check_strategy, register_attention, sequence_mask
 from .layout import ChunkLayout, pad_sequence
 from .loss import ContextParallelLoss
+from .router_loss import RouterLoss, add_router_loss, install_router_loss, wants_router_logits
 from .ulysses import check_heads_divide
 
 # families whose every cross-token computation is attention through transformers' AttentionInterface, tested against
@@ -45,25 +47,11 @@ def check_context_parallel(
         )
     if not any(hasattr(m, "num_key_value_groups") for m in model.modules()):
         raise NotImplementedError(f"no attention module found in {type(model).__name__} for context parallelism")
-    check_router_logits(getattr(config, "output_router_logits", False), cp, "output_router_logits")
     if strategy == "all_to_all":
         heads = config.num_attention_heads
         kv_heads = getattr(config, "num_key_value_heads", None) or heads
         # per tp rank: whole heads; fewer kv heads than tp ranks are replicated, one per rank
         check_heads_divide(heads // tp, max(kv_heads // tp, 1), cp, key)
-
-
-def check_router_logits(value: object, cp: int, key: str) -> None:
-    """The router aux loss is a product of two means over the tokens (per-expert routed fraction x mean router
-    probability): a cp rank holds a share of the sequence, and transformers' `load_balancing_loss_func` would compute
-    it on that share (and on the whole sequence's padding mask), not as one device does on the replica's rows; so it
-    is refused (`key`: the config attribute or the forward argument)."""
-    if cp > 1 and value:
-        raise ValueError(
-            f"{key}=True with cp={cp} is not supported (each cp rank routes only its chunks of the sequence, so "
-            "the router aux loss would not be one device's on the replica's rows); allowed with cp > 1: "
-            f"{key}=False"
-        )
 
 
 def apply_context_parallel(model: nn.Module, group, strategy: str = "ring") -> None:
@@ -84,8 +72,9 @@ def apply_context_parallel(model: nn.Module, group, strategy: str = "ring") -> N
     config._attn_implementation = ATTENTION_KEY
     model.loss_function = ContextParallelLoss(model.loss_function, group)
     parallel_state(model).context_parallel = settings
-    model.register_forward_pre_hook(_split_inputs, with_kwargs=True)
-    model.register_forward_hook(_gather_logits)
+    router_loss = install_router_loss(model, group)
+    model.register_forward_pre_hook(functools.partial(_split_inputs, router_loss=router_loss), with_kwargs=True)
+    model.register_forward_hook(functools.partial(_after_forward, router_loss=router_loss))
     refuse(model, "generate", NotImplementedError, NO_GENERATE)
 
 
@@ -153,7 +142,7 @@ def _forward_signature(model_class: type) -> inspect.Signature:
     return inspect.signature(model_class.forward)
 
 
-def _split_inputs(model: nn.Module, args: tuple, kwargs: dict):
+def _split_inputs(model: nn.Module, args: tuple, kwargs: dict, router_loss: RouterLoss):
     if kwargs.get("past_key_values") is not None:
         raise NotImplementedError("key/value caches are not supported under context parallelism")
     bound = _forward_signature(type(model)).bind_partial(model, *args, **kwargs).arguments
@@ -161,15 +150,20 @@ def _split_inputs(model: nn.Module, args: tuple, kwargs: dict):
     extra = bound.pop("kwargs", {})
     check_gradients_reduced(model)
     state = parallel_state(model)
-    router_logits = extra.get("output_router_logits", bound.get("output_router_logits"))
-    if router_logits is None:
-        router_logits = getattr(model.config, "output_router_logits", False)
-    check_router_logits(router_logits, state.context_parallel.cp, "output_router_logits")
-    split, state.sequence_length = split_batch(state.context_parallel, {**bound, **extra})
+    settings = state.context_parallel
+    split, state.sequence_length = split_batch(settings, {**bound, **extra})
+    requested = extra.get("output_router_logits", bound.get("output_router_logits"))
+    if wants_router_logits(model, router_loss, requested):
+        split["output_router_logits"] = False  # the aux loss is added after the forward, over the whole rows
+        layout = ChunkLayout.for_sequence(state.sequence_length, settings.cp, settings.layout_rank)
+        router_loss.mask = layout.take(split["attention_mask"][:, 0, 0, :]).reshape(-1)
+        router_loss.labels = split.get("labels") is not None
     return (), split
 
 
-def _gather_logits(model: nn.Module, args: tuple, output):
+def _after_forward(model: nn.Module, args: tuple, output, router_loss: RouterLoss):
+    if router_loss.mask is not None:
+        output = add_router_loss(model, router_loss, output)
     logits = getattr(output, "logits", None)
     if logits is None or torch.is_grad_enabled():
         return output
