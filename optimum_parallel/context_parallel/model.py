@@ -4,8 +4,9 @@ A forward pre-hook on the model cuts the batch: labels are shifted first (so the
 the first token of the next as its target), the sequence is padded with masked, ignored tokens up to a multiple
 of 2 cp, then every rank keeps its two chunks of input_ids / inputs_embeds, position_ids (global positions, so
 rotary embeddings follow the split) and labels. The padding mask of the whole sequence goes to the layers as
-the marker the attention function reads. A forward hook gathers the logits over cp when no gradient is being
-taken (evaluation, metrics); a training forward keeps this rank's chunks (the loss is already complete).
+the marker the attention function reads. A forward hook adds the router aux loss of a MoE model over the whole
+rows (router_loss.py) and gathers the logits over cp when no gradient is being taken (evaluation, metrics); a
+training forward keeps this rank's chunks (the loss is already complete).
 """
 
 from __future__ import annotations
@@ -21,11 +22,13 @@ from ..state import find_state, parallel_state, refuse
 from .attention import ATTENTION_KEY, ContextParallelAttention, check_strategy, register_attention, sequence_mask
 from .layout import ChunkLayout, pad_sequence
 from .loss import ContextParallelLoss
+from .router_loss import RouterLoss, add_router_loss, install_router_loss, wants_router_logits
 from .ulysses import check_heads_divide
 
-# families whose every cross-token computation is attention through transformers' AttentionInterface,
-# tested against one device (tests/test_context_parallel.py)
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma2")
+# families whose every cross-token computation is attention through transformers' AttentionInterface, tested against
+# one device (tests/test_context_parallel.py; the MoE ones, whose routing is per token, with ep in
+# tests/test_expert_parallel_cp.py)
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "mixtral", "qwen3_moe")
 IGNORE_INDEX = -100
 
 
@@ -69,8 +72,9 @@ def apply_context_parallel(model: nn.Module, group, strategy: str = "ring") -> N
     config._attn_implementation = ATTENTION_KEY
     model.loss_function = ContextParallelLoss(model.loss_function, group)
     parallel_state(model).context_parallel = settings
-    model.register_forward_pre_hook(_split_inputs, with_kwargs=True)
-    model.register_forward_hook(_gather_logits)
+    router_loss = install_router_loss(model, group)
+    model.register_forward_pre_hook(functools.partial(_split_inputs, router_loss=router_loss), with_kwargs=True)
+    model.register_forward_hook(functools.partial(_after_forward, router_loss=router_loss))
     refuse(model, "generate", NotImplementedError, NO_GENERATE)
 
 
@@ -138,7 +142,7 @@ def _forward_signature(model_class: type) -> inspect.Signature:
     return inspect.signature(model_class.forward)
 
 
-def _split_inputs(model: nn.Module, args: tuple, kwargs: dict):
+def _split_inputs(model: nn.Module, args: tuple, kwargs: dict, router_loss: RouterLoss):
     if kwargs.get("past_key_values") is not None:
         raise NotImplementedError("key/value caches are not supported under context parallelism")
     bound = _forward_signature(type(model)).bind_partial(model, *args, **kwargs).arguments
@@ -146,11 +150,20 @@ def _split_inputs(model: nn.Module, args: tuple, kwargs: dict):
     extra = bound.pop("kwargs", {})
     check_gradients_reduced(model)
     state = parallel_state(model)
-    split, state.sequence_length = split_batch(state.context_parallel, {**bound, **extra})
+    settings = state.context_parallel
+    split, state.sequence_length = split_batch(settings, {**bound, **extra})
+    requested = extra.get("output_router_logits", bound.get("output_router_logits"))
+    if wants_router_logits(model, router_loss, requested):
+        split["output_router_logits"] = False  # the aux loss is added after the forward, over the whole rows
+        layout = ChunkLayout.for_sequence(state.sequence_length, settings.cp, settings.layout_rank)
+        router_loss.mask = layout.take(split["attention_mask"][:, 0, 0, :]).reshape(-1)
+        router_loss.labels = split.get("labels") is not None
     return (), split
 
 
-def _gather_logits(model: nn.Module, args: tuple, output):
+def _after_forward(model: nn.Module, args: tuple, output, router_loss: RouterLoss):
+    if router_loss.mask is not None:
+        output = add_router_loss(model, router_loss, output)
     logits = getattr(output, "logits", None)
     if logits is None or torch.is_grad_enabled():
         return output
