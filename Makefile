@@ -23,7 +23,7 @@ demo: $(BIN)/.installed
 	$(BIN)/optimum-parallel demo
 
 test: $(BIN)/.installed
-	$(BIN)/python -m pytest --ignore=tests/test_hosts.py
+	$(BIN)/python -m pytest --ignore=tests/test_hosts.py --durations=30
 
 # several hosts: network namespaces joined by a veth pair (root and iproute2's `ip`; skipped with the reason otherwise)
 test-hosts: $(BIN)/.installed

@@ -5,7 +5,7 @@ layout: one process runs all of it, tp=2 runs all of it on both ranks (each hold
 intermediate features), ep=2 (dp=2) gives each rank half the rows (each holds 4 whole experts, tokens reach them by
 all-to-all). Per layout: the median step time (forward, backward, AdamW step; the slowest rank per step) and, per
 rank (the most of any rank), the bytes of the expert weights and of their AdamW state. The experts run through
-transformers' eager experts forward (a loop over the hit experts; no grouped GEMM on CPU).
+transformers' default experts implementation, `grouped_mm` (torch's grouped GEMM, which has a CPU kernel here).
 
 How to run
     OMP_NUM_THREADS=1 python scripts/bench_moe.py [--steps 5] [--hidden 512] [--layers 4] [--seq 128]
