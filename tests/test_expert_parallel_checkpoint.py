@@ -101,15 +101,21 @@ def train_save_resume(model_type: str, sizes: dict, ckpt: str, before: int = 2, 
 
     out = {"saved": saved, "differ": differ, "straight": straight, "resumed": resumed, "only": sorted(loaded)}
     if dist.get_rank() == 0:  # the single model on the global batch, trained alike
-        reference = build_model(tiny_config(model_type, **MOE[model_type]), seed=0)
-        ref_optimizer = torch.optim.AdamW(reference.parameters(), lr=LR, weight_decay=0.1)
-        whole = replica_batch(reference.config, mesh.data_parallel_size)
-        for _ in range(before):
-            train_step(reference, ref_optimizer, whole)
-        out["reference"] = {k: v.detach().clone() for k, v in reference.state_dict().items()}
-        with torch.no_grad():
-            out["reference_logits"] = reference(**whole).logits
+        out.update(single_model_reference(model_type, mesh.data_parallel_size, before))
     return out
+
+
+def single_model_reference(model_type: str, replicas: int, steps: int) -> dict:
+    """The single model trained `steps` AdamW steps on the global batch of `replicas` replicas: its state and
+    logits."""
+    reference = build_model(tiny_config(model_type, **MOE[model_type]), seed=0)
+    ref_optimizer = torch.optim.AdamW(reference.parameters(), lr=LR, weight_decay=0.1)
+    whole = replica_batch(reference.config, replicas)
+    for _ in range(steps):
+        train_step(reference, ref_optimizer, whole)
+    with torch.no_grad():
+        logits = reference(**whole).logits
+    return {"reference": {k: v.detach().clone() for k, v in reference.state_dict().items()}, "reference_logits": logits}
 
 
 def assemble(per_rank: list[dict]) -> dict[str, torch.Tensor]:

@@ -17,7 +17,14 @@ from _checks import train_step
 from _models import build_model, rel_err, tiny_config
 from safetensors.torch import load_file
 from test_expert_parallel import MOE, replica_batch
-from test_expert_parallel_checkpoint import _local_batch, _replica_mean, _where, assemble, expected_local
+from test_expert_parallel_checkpoint import (
+    _local_batch,
+    _replica_mean,
+    _where,
+    assemble,
+    expected_local,
+    single_model_reference,
+)
 from test_pipeline import pipeline_batch
 from transformers import AutoModelForCausalLM
 
@@ -104,14 +111,7 @@ def train_save_resume(model_type: str, sizes: dict, level: int, ckpt: str, befor
     out = {"view": view, "differ": differ, "keys": (sorted(saved), sorted(loaded))}
     out.update(straight=straight, resumed=resumed, elsewhere=elsewhere, optimizer=type(optimizer).__name__)
     if dist.get_rank() == 0:  # the single model on the global batch, trained alike
-        reference = build_model(tiny_config(model_type, **MOE[model_type]), seed=0)
-        ref_optimizer = torch.optim.AdamW(reference.parameters(), lr=LR, weight_decay=0.1)
-        whole = replica_batch(reference.config, mesh.data_parallel_size)
-        for _ in range(before):
-            train_step(reference, ref_optimizer, whole)
-        out["reference"] = {k: v.detach().clone() for k, v in reference.state_dict().items()}
-        with torch.no_grad():
-            out["reference_logits"] = reference(**whole).logits
+        out.update(single_model_reference(model_type, mesh.data_parallel_size, before))
     return out
 
 
