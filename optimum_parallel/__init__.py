@@ -38,6 +38,8 @@ _EXPORTS = {  # public name -> the module defining it
     "ParallelState": ".state",
     "parallel_state": ".state",
     "ColWiseParallel": ".styles",
+    "ExpertParallel": ".styles",
+    "TensorParallelExperts": ".styles",
     "ParallelStyle": ".styles",
     "PrepareLayerInput": ".styles",
     "PrepareLayerOutput": ".styles",

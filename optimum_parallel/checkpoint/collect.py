@@ -10,7 +10,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from ..expert_parallel import expert_range, expert_tensors, find_experts
+from ..expert_parallel import expert_count, expert_range, expert_tensors, find_experts
 from ..io.safetensors_io import dtype_name
 from ..mesh import ranks
 from ..mesh.loaded import is_dtensor, is_zero_optimizer
@@ -66,7 +66,7 @@ def held_experts(model: nn.Module) -> dict[int, tuple[int, int, int]]:
     """{id(expert tensor): (start, end, count)}: the experts each expert tensor of `model` holds along dim 0."""
     held = {}
     for _, module in find_experts(model):
-        count = getattr(module, "global_num_experts", module.num_experts)
+        count = getattr(module, "global_num_experts", None) or expert_count(module)
         for _, param in expert_tensors(module):
             start, end = expert_range(param) or (0, count)
             held[id(param)] = (start, end, count)

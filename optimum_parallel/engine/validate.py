@@ -22,6 +22,7 @@ from ..mesh import ParallelMesh
 from ..pipeline import check_pipeline
 from ..plan import check_plan
 from ..state import find_state
+from ..styles import ExpertParallel
 from .data_parallel import DataParallelConfig, check_data_parallel
 from .expert_data_parallel import check_expert_data_parallel
 
@@ -66,8 +67,7 @@ def validate_request(
     pipeline split and schedule, context-parallel support and strategy (cp > 1, unless the model is already
     context-parallel), and the data-parallel level with its optimizer.
     """
-    if plan:
-        check_plan(model, plan, mesh)
+    targets = check_plan(model, plan, mesh) if plan else {}
     if pipeline is not None:
         check_pipeline(
             model,
@@ -88,7 +88,8 @@ def validate_request(
         check_data_parallel(data_parallel, optimizer, keys.sharding_level, mesh.data_parallel_size)
     ep = mesh.size("ep")
     if ep > 1 and (state is None or state.expert_parallel is None):
-        check_expert_parallel(model, ep)
+        declared = [name for name, styles in targets.items() if any(isinstance(s, ExpertParallel) for s in styles)]
+        check_expert_parallel(model, ep, declared=declared)
         if data_parallel is not None:
             check_expert_data_parallel(data_parallel.shard_size, ep, keys.shard_size)
 

@@ -4,8 +4,11 @@ tokens dispatched to them by all-to-all (dispatch) and the split itself (experts
 from .dispatch import all_to_all_rows, exchange_counts
 from .experts import (
     ExpertParallelRuntime,
+    ExpertsDeclaration,
     apply_expert_parallel,
     check_expert_parallel,
+    declare_experts,
+    expert_count,
     expert_layout,
     expert_range,
     expert_tensors,
@@ -15,9 +18,12 @@ from .experts import (
 
 __all__ = [
     "ExpertParallelRuntime",
+    "ExpertsDeclaration",
     "all_to_all_rows",
     "apply_expert_parallel",
     "check_expert_parallel",
+    "declare_experts",
+    "expert_count",
     "exchange_counts",
     "expert_layout",
     "expert_range",

@@ -13,7 +13,7 @@ rank dispatches its partial sums along with the others and the region's all-redu
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
 
 import torch
@@ -27,8 +27,25 @@ from .dispatch import all_to_all_rows, exchange_counts
 _EXPERT_WEIGHTS = (("gate_up_proj", "down_proj"), ("up_proj", "down_proj"))
 
 
+@dataclass(frozen=True)
+class ExpertsDeclaration:
+    """A custom experts module, declared by the `ExpertParallel` plan style: its tensors holding the experts along
+    dim 0, and the attribute counting them (None: it has none)."""
+
+    tensors: tuple[str, ...]
+    num_experts: str | None = None
+
+
+def declare_experts(module: nn.Module, declaration: ExpertsDeclaration) -> None:
+    """Mark `module` as a stacked-experts module laid out as `declaration` says."""
+    module.experts_declaration = declaration
+
+
 def is_experts_module(module: nn.Module) -> bool:
-    """A transformers stacked-experts module: `num_experts` and 3D expert tensors [num_experts, ...]."""
+    """A stacked-experts module: declared (`ExpertParallel`), or transformers' layout: an int `num_experts` and 3D
+    expert tensors [num_experts, ...]."""
+    if isinstance(getattr(module, "experts_declaration", None), ExpertsDeclaration):
+        return True
     count = getattr(module, "num_experts", None)
     if not isinstance(count, int) or isinstance(count, bool):
         return False
@@ -47,7 +64,11 @@ def find_experts(model: nn.Module) -> list[tuple[str, nn.Module]]:
 
 def expert_tensors(module: nn.Module) -> list[tuple[str, nn.Parameter]]:
     """(leaf, parameter) of the tensors of a stacked-experts module that hold one slice per expert along dim 0
-    (gate_up_proj / down_proj and their biases): what ep splits, and what a checkpoint marks as expert tensors."""
+    (gate_up_proj / down_proj and their biases, or the declared ones): what ep splits, and what a checkpoint marks
+    as expert tensors."""
+    declaration = getattr(module, "experts_declaration", None)
+    if isinstance(declaration, ExpertsDeclaration):
+        return [(n, getattr(module, n)) for n in declaration.tensors]
     count = module.num_experts
     return [(n, p) for n, p in module.named_parameters(recurse=False) if p.dim() > 0 and p.shape[0] == count]
 
@@ -58,16 +79,18 @@ def expert_range(param: torch.Tensor) -> tuple[int, int] | None:
     return None if layout is None else layout.ranges[0]
 
 
-def check_expert_parallel(model: nn.Module, ep: int, key: str = "ep") -> None:
-    """Raise ValueError (naming `key` and the allowed values) unless `model`'s experts can be split over ep ranks."""
-    experts = find_experts(model)
-    if not experts:
+def check_expert_parallel(model: nn.Module, ep: int, key: str = "ep", declared: Collection[str] = ()) -> None:
+    """Raise ValueError (naming `key` and the allowed values) unless `model`'s experts can be split over ep ranks;
+    `declared`: names of modules a plan's `ExpertParallel` style declares (checked by the style itself)."""
+    experts = [(name, module) for name, module in find_experts(model) if name not in declared]
+    if not experts and not declared:
         raise ValueError(
             f"{key}={ep}: {type(model).__name__} has no stacked experts module (num_experts and 3D gate_up_proj or "
-            "up_proj / down_proj), so there is nothing to split over ep; allowed for this model: ep=1"
+            "up_proj / down_proj, or a module declared by the ExpertParallel style in mp_config's "
+            "parallelize_plan), so there is nothing to split over ep; allowed for this model: ep=1"
         )
     for name, module in experts:
-        count = module.num_experts
+        count = expert_count(module)
         if count % ep:
             allowed = [d for d in range(1, count + 1) if count % d == 0]
             raise ValueError(
@@ -109,7 +132,7 @@ def apply_expert_parallel(model: nn.Module, group: ProcessGroup, ep: int, rank: 
     parallel_state(model).expert_parallel = runtime
     mapping: dict[int, nn.Parameter] = {}
     for _, module in find_experts(model):
-        count = module.num_experts
+        count = expert_count(module)
         for leaf, param in expert_tensors(module):
             layout = ShardSpec.split(tuple(param.shape), 0).local(rank, ep)
             new = local_parameter(param, layout, param.requires_grad)
@@ -121,10 +144,19 @@ def apply_expert_parallel(model: nn.Module, group: ProcessGroup, ep: int, rank: 
             new.expert_layout = layout
             setattr(module, leaf, new)
             mapping[id(param)] = new
-        module.global_num_experts, module.num_experts = count, count // ep
+        module.global_num_experts = count
+        declaration = getattr(module, "experts_declaration", None)
+        counter = declaration.num_experts if declaration is not None else "num_experts"
+        if counter is not None:
+            setattr(module, counter, count // ep)
         module.expert_parallel = runtime
         module.forward = _ExpertParallelForward(module)
     return mapping
+
+
+def expert_count(module: nn.Module) -> int:
+    """The number of experts a stacked-experts module holds (dim 0 of its expert tensors)."""
+    return expert_tensors(module)[0][1].shape[0]
 
 
 def expert_layout(param: torch.Tensor) -> ShardLayout | None:
@@ -137,6 +169,7 @@ class _ExpertParallelForward:
 
     def __init__(self, module: nn.Module) -> None:
         self.module = module
+        self.local_experts = expert_count(module)
         self.local_forward = type(module).forward  # transformers' own (experts implementation dispatch included)
 
     def __call__(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor):
@@ -149,7 +182,7 @@ class _ExpertParallelForward:
                 "{'dp_config': {'sharding_level': 0}}), or train with ParallelTrainer; for evaluation run under "
                 "torch.no_grad()"
             )
-        ep, local = runtime.ep, module.num_experts
+        ep, local = runtime.ep, self.local_experts
         top_k = top_k_index.shape[-1]
         experts = top_k_index.reshape(-1)
         order = torch.argsort(experts, stable=True)  # (token, k) rows grouped by expert, so by destination rank

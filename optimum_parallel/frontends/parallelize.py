@@ -83,8 +83,12 @@ def _resolve_mesh(mesh: ParallelMesh | None, config: ParallelConfig) -> Parallel
         mesh = get_mesh()
     if not isinstance(mesh, ParallelMesh):
         raise TypeError(f"mesh must be a ParallelMesh (from optimum_parallel.init_mesh), got {type(mesh).__name__}")
-    # dp_config acts on the ranks holding the same parameters: dp x cp of them
-    needs = {"mp_config": ("tp", mesh.size("tp")), "dp_config": ("dp x cp", mesh.data_parallel_size)}
+    # dp_config acts on the ranks holding the same parameters: dp x cp of them; mp_config's plan splits over tp,
+    # or only declares a custom model's experts for ep (the ExpertParallel style)
+    needs = {
+        "mp_config": ("tp or ep", max(mesh.size("tp"), mesh.size("ep"))),
+        "dp_config": ("dp x cp", mesh.data_parallel_size),
+    }
     needs["pp_config"] = ("pp", mesh.size("pp"))
     for key, (dims, size) in needs.items():
         if getattr(config, key) is not None and size == 1:

@@ -10,7 +10,7 @@ from math import gcd
 
 from torch import nn
 
-from ..expert_parallel import expert_tensors, find_experts
+from ..expert_parallel import expert_count, expert_tensors, find_experts
 
 
 @dataclass(frozen=True)
@@ -25,7 +25,7 @@ class ExpertFacts:
     def of(cls, model: nn.Module) -> ExpertFacts:
         names, counts = set(), []
         for module_name, module in find_experts(model):
-            counts.append(module.num_experts)
+            counts.append(expert_count(module))
             names |= {f"{module_name}.{leaf}" for leaf, _ in expert_tensors(module)}
         config = getattr(model, "config", None)
         text = config.get_text_config() if hasattr(config, "get_text_config") else config

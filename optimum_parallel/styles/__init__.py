@@ -1,6 +1,7 @@
 """Parallel styles: the values of a plan, each saying how one module is parallelized."""
 
 from .base import ParallelStyle, PlanContext, optional
+from .expert_parallel import ExpertParallel
 from .experts import TensorParallelExperts
 from .hooks import PrepareLayerInput, PrepareLayerOutput, ReplicatedWithGradAllReduce
 from .linear import ColWiseParallel, LocalColWiseEmbedding, RowWiseParallel, TiedBiasColWiseParallel
@@ -16,6 +17,7 @@ from .sequence_parallel import (
 __all__ = [
     "ColWiseConv1D",
     "ColWiseParallel",
+    "ExpertParallel",
     "LocalColWiseEmbedding",
     "PackedColWiseParallel",
     "ParallelStyle",
