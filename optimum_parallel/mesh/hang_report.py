@@ -74,14 +74,17 @@ def _report(error: BaseException, trace, grace_s: float) -> str | None:
     ranks = dist.get_process_group_ranks(group)
     name = _names.get(id(group), "world" if len(ranks) == world else "")
     store = dist.distributed_c10d._get_default_store()
-    store.set(f"{_PREFIX}{me}", collective)
+    reported: set[int] = {me}
     deadline = time.monotonic() + grace_s
-    reported: set[int] = set()
-    while True:
-        reported = {r for r in range(world) if store.check([f"{_PREFIX}{r}"])}
-        if len(reported) == world or time.monotonic() > deadline:
-            break
-        time.sleep(0.2)
+    try:
+        store.set(f"{_PREFIX}{me}", collective)
+        while True:
+            reported = {r for r in range(world) if store.check([f"{_PREFIX}{r}"])}
+            if len(reported) == world or time.monotonic() > deadline:
+                break
+            time.sleep(0.2)
+    except Exception:  # the store's host (torchrun's agent) shuts down once a rank exited: report what was seen
+        pass
     missing_here = [r for r in ranks if r not in reported]
     missing = [r for r in range(world) if r not in reported]
     where = f"the {name} group" if name else "a group"
