@@ -3,7 +3,7 @@ loses the previous checkpoint: `find_last_checkpoint` returns a complete one (th
 was renamed into place), every byte of it verifies and equals an uninterrupted save, and the interrupted save is
 ignored with a warning naming it. The crash points are `optimum_parallel.checkpoint.crash.crash_point` calls,
 armed through `OPTIMUM_PARALLEL_CRASH_AT` in the rank that is to die; the other rank is then killed too, as torchrun
-would. Two gloo ranks (tp=2) forked from a server that imported torch and transformers once.
+would. Two gloo ranks (tp=2) forked from the test workers' server (`_pool.forkserver_context`).
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch
-import torch.multiprocessing as mp
+from _pool import forkserver_context
 
 # (crash point "name:n" -> the n-th time a rank reaches it, the rank that dies, where the second save goes)
 NEW, OVERWRITE = "checkpoint-2", "checkpoint-1"
@@ -78,8 +78,7 @@ def _save_twice(rank: int, port: int, out: str, crash: str | None, crash_rank: i
 
 def _run(out: Path, crash: str | None = None, crash_rank: int = 0, target: str = NEW) -> list[int]:
     """Both ranks; once the crashing rank died, the other is killed (as torchrun would). Their exit codes."""
-    ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload(["torch", "transformers", "optimum_parallel", "_models"])
+    ctx = forkserver_context()
     port = _port()
     procs = [ctx.Process(target=_save_twice, args=(r, port, str(out), crash, crash_rank, target)) for r in (0, 1)]
     for p in procs:

@@ -83,15 +83,30 @@ def _resolve_mesh(mesh: ParallelMesh | None, config: ParallelConfig) -> Parallel
         mesh = get_mesh()
     if not isinstance(mesh, ParallelMesh):
         raise TypeError(f"mesh must be a ParallelMesh (from optimum_parallel.init_mesh), got {type(mesh).__name__}")
-    # dp_config acts on the ranks holding the same parameters: dp x cp of them; mp_config's plan splits over tp,
-    # or only declares a custom model's experts for ep (the ExpertParallel style)
+    # dp_config acts on the ranks holding the same parameters: dp x cp of them; mp_config's plan splits over tp, or
+    # only declares a custom model's experts for ep (the ExpertParallel style)
+    declares_only = config.mp_config is not None and _only_expert_declarations(config.mp_config.parallelize_plan)
     needs = {
-        "mp_config": ("tp or ep", max(mesh.size("tp"), mesh.size("ep"))),
-        "dp_config": ("dp x cp", mesh.data_parallel_size),
+        "mp_config": (
+            "tp > 1 (or ep > 1 for a plan of ExpertParallel styles only)",
+            mesh.size("tp") if not declares_only else max(mesh.size("tp"), mesh.size("ep")),
+        ),
+        "dp_config": ("dp x cp > 1", mesh.data_parallel_size),
+        "pp_config": ("pp > 1", mesh.size("pp")),
     }
-    needs["pp_config"] = ("pp", mesh.size("pp"))
     for key, (dims, size) in needs.items():
         if getattr(config, key) is not None and size == 1:
             sizes = ", ".join(f"{d}={s}" for d, s in mesh.sizes.items())
-            raise ValueError(f"{key} needs a mesh with {dims} > 1; the mesh has {sizes}")
+            raise ValueError(f"{key} needs a mesh with {dims}; the mesh has {sizes}")
     return mesh
+
+
+def _only_expert_declarations(plan: Mapping | None) -> bool:
+    """Whether every style of `plan` is `ExpertParallel` (it splits nothing over tp: it declares experts for ep)."""
+    from ..styles import ExpertParallel, optional
+
+    if not isinstance(plan, Mapping) or not plan:
+        return False
+    values = [value.styles if isinstance(value, optional) else value for value in plan.values()]
+    styles = [style for value in values for style in (value if isinstance(value, (list, tuple)) else [value])]
+    return all(isinstance(style, ExpertParallel) for style in styles)
