@@ -305,7 +305,7 @@ def test_long_context_example_runs_under_torchrun():
 
     example = Path(__file__).resolve().parents[1] / "examples" / "long_context.py"
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=4", str(example)]
-    command += ["--cp", "2", "--tp", "2", "--seq", "512", "--steps", "2"]
+    command += ["--cp", "2", "--tp", "2", "--seq", "128", "--steps", "2"]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     result = subprocess.run(command, capture_output=True, text=True, timeout=240, env=env)
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-4000:]
