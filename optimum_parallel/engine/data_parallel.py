@@ -1,7 +1,9 @@
 """Data parallelism over the ranks that hold the same parameters (the mesh's dp x cp ranks), with Paddle's sharding
 levels, on torch's own machinery.
 
-level 0: parameters replicated, gradients all-reduced (composable DDP, `replicate`);
+level 0: parameters replicated, gradients all-reduced (composable DDP, `replicate`; on XLA devices one flat
+         all-reduce queued after each backward, `all_reduce_after_backward`: the only level there, see
+         `check_device_sharding_level`);
 level 1: + optimizer state sharded (ZeRO-1, `ZeroRedundancyOptimizer`);
 level 2: + gradients sharded (FSDP2 `fully_shard`, parameters kept gathered between forward and backward);
 level 3: + parameters sharded (FSDP2, resharded after forward).
@@ -34,6 +36,13 @@ from .expert_data_parallel import check_expert_data_parallel
 from .optimizer import rebuild_optimizer
 
 SHARDING_LEVELS = (0, 1, 2, 3)
+XLA_SHARDING_LEVELS = (0,)
+_XLA_REFUSED = {  # why the other levels do not run on XLA devices
+    1: "torch's ZeroRedundancyOptimizer gives each rank its share of the optimizer state by torch.distributed's "
+    "rank, which is 0 on every device one process drives, and broadcasts each share from its owner",
+    2: "FSDP2 needs a torch DeviceMesh, which the XLA mesh does not build",
+    3: "FSDP2 needs a torch DeviceMesh, which the XLA mesh does not build",
+}
 
 
 def check_sharding_level(level: object, key: str = "sharding_level") -> None:
@@ -42,16 +51,30 @@ def check_sharding_level(level: object, key: str = "sharding_level") -> None:
         raise ValueError(f"{key}={level!r} is not allowed; allowed: {', '.join(map(str, SHARDING_LEVELS))}")
 
 
+def check_device_sharding_level(level: int, device_type: str, data_parallel_size: int, key: str) -> None:
+    """On XLA devices with dp x cp > 1 only `XLA_SHARDING_LEVELS` run: a ValueError naming `key`, the reason and
+    the allowed levels otherwise (at dp x cp = 1 no level does anything, there as elsewhere)."""
+    if device_type == "xla" and data_parallel_size > 1 and level not in XLA_SHARDING_LEVELS:
+        allowed = ", ".join(map(str, XLA_SHARDING_LEVELS))
+        raise ValueError(
+            f"{key}={level} is not supported on XLA devices ({_XLA_REFUSED[level]}); allowed on XLA: {allowed} "
+            "(parameters and optimizer state replicated, gradients averaged over the dp ranks)"
+        )
+
+
 def check_data_parallel(
     config: DataParallelConfig,
     optimizer: torch.optim.Optimizer | None,
     key: str = "sharding_level",
     data_parallel_size: int | None = None,
+    device_type: str = "cpu",
 ) -> None:
-    """What `apply_data_parallel` needs of its request, checked before anything changes: the level, a shard_size
-    dividing the dp x cp ranks, and for ZeRO-1 an optimizer with no state yet (its state cannot be re-partitioned)."""
+    """What `apply_data_parallel` needs of its request, checked before anything changes: the level (on XLA devices
+    level 0 only), a shard_size dividing the dp x cp ranks, and for ZeRO-1 an optimizer with no state yet (its
+    state cannot be re-partitioned)."""
     check_sharding_level(config.sharding_level, key)
     if data_parallel_size is not None:
+        check_device_sharding_level(config.sharding_level, device_type, data_parallel_size, key)
         check_shard_size(config.shard_size, data_parallel_size)
     if config.sharding_level == 1 and optimizer is not None and getattr(optimizer, "state", None):
         raise ValueError(
@@ -110,6 +133,7 @@ def apply_data_parallel(
     Nothing to do when dp x cp is 1."""
     if mesh.data_parallel_size == 1:
         return model, optimizer
+    check_device_sharding_level(config.sharding_level, mesh.device_type, mesh.data_parallel_size, "sharding_level")
     check_shard_size(config.shard_size, mesh.data_parallel_size)
     mark_gradients_reduced(model)
     # Under pp the schedule calls the stage modules, not the model: the stages are the wrapped roots.
@@ -132,6 +156,12 @@ def apply_data_parallel(
             config.reduce_dtype,
             config.threshold,
         )
+    if config.sharding_level == 0 and mesh.device_type == "xla":
+        # composable DDP does not run here: at the first forward it builds its reducer with collectives of its own
+        # (tried with torch-xla 2.9 on two devices of one process: their all-gathers never meet and XLA ends the
+        # process); one flat all-reduce per backward instead, in the step's graph, the same graph on every rank
+        all_reduce_after_backward(list(model.parameters()), mesh.data_parallel_group)
+        return model, optimizer
     if config.sharding_level <= 1:
         if pipeline is None:
             from torch.distributed._composable import replicate  # loaded here: importing the package stays light
@@ -224,22 +254,29 @@ def below_threshold(model: nn.Module, threshold_kb: float) -> list[nn.Parameter]
 
 
 def all_reduce_after_backward(params: list[nn.Parameter], group: dist.ProcessGroup) -> None:
-    """Average the gradients of `params` (FSDP2 ignores them) over `group` once per backward, in one bucket: the
-    first gradient to arrive queues a callback that runs when the whole backward is done. Linear, so it stays right
-    when gradients accumulate over micro-batches (it then runs once per micro-batch)."""
+    """Average the gradients of `params` (those FSDP2 ignores; every parameter at level 0 on XLA devices) over
+    `group` once per backward, in one bucket: the first gradient to arrive queues a callback that runs when the
+    whole backward is done. Linear, so it stays right when gradients accumulate over micro-batches (it then runs
+    once per micro-batch). No value is read on the host and the divisor is the group's size, the same on every rank:
+    on XLA the reduction is part of the step's graph, one program for every rank."""
     ordered = list(params)  # one bucket layout on every rank
     queued = [False]
 
     def reduce() -> None:
         queued[0] = False
-        grads = [p.grad for p in ordered if p.grad is not None]
-        if not grads:
+        present = [p for p in ordered if p.grad is not None]
+        if not present:
             return
-        flat = torch.cat([g.reshape(-1) for g in grads])
+        flat = torch.cat([p.grad.reshape(-1) for p in present])
         dist.all_reduce(flat, group=group)
         flat /= ranks.world_size(group)
-        for grad, part in zip(grads, flat.split([g.numel() for g in grads]), strict=True):
-            grad.copy_(part.view_as(grad))
+        for param, part in zip(present, flat.split([p.grad.numel() for p in present]), strict=True):
+            if part.device.type == "xla":
+                # a gradient of its own: copied into autograd's (often a transposed view of a buffer), the average
+                # would be re-derived from that buffer, by a small graph of its own, at every read after a sync
+                param.grad = part.view_as(param.grad).clone()
+            else:
+                param.grad.copy_(part.view_as(param.grad))
 
     def on_gradient(_param: torch.Tensor) -> None:
         if not queued[0]:

@@ -85,7 +85,8 @@ def validate_request(
         tp = mesh.size("tp") if plan else 1  # q/k/v are split over tp by the plan: all_to_all sees local heads
         check_context_parallel(model, cp, context_parallel, tp, keys.context_parallel)
     if data_parallel is not None:
-        check_data_parallel(data_parallel, optimizer, keys.sharding_level, mesh.data_parallel_size)
+        size = mesh.data_parallel_size
+        check_data_parallel(data_parallel, optimizer, keys.sharding_level, size, mesh.device_type)
     ep = mesh.size("ep")
     if ep > 1 and (state is None or state.expert_parallel is None):
         declared = [name for name, styles in targets.items() if any(isinstance(s, ExpertParallel) for s in styles)]

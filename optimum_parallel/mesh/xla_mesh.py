@@ -19,8 +19,8 @@ from . import ranks
 from .parallel_mesh import MESH_DIMS, ParallelMesh, _canonical_dim
 
 _NO_DEVICE_MESH = (
-    "{what} needs a torch DeviceMesh, which the XLA mesh does not build; allowed on XLA: sharding_level 0 "
-    "(DDP) or 1 (ZeRO-1), shard_size -1"
+    "{what} needs a torch DeviceMesh, which the XLA mesh does not build; allowed on XLA: sharding_level 0, "
+    "shard_size -1"
 )
 
 

@@ -37,17 +37,25 @@ def load_llama(directory):
     return model
 
 
-def make_batch(batch: int = 2, seq: int = 16, seed: int = 1) -> dict[str, torch.Tensor]:
-    """input_ids with left padding (the pad id), its attention mask, labels with -100 on padding and more."""
+def make_batch(batch: int = 2, seq: int = 16, seed: int = 1, replicas: int = 1) -> dict[str, torch.Tensor]:
+    """input_ids with left padding (the pad id), its attention mask, labels with -100 on padding and more.
+    `replicas` x `batch` rows: the first row of every replica's `batch` is padded, so every replica holds as many
+    labelled tokens and the mean of the replicas' losses is the whole batch's (`replica_rows` gives one's share)."""
     gen = torch.Generator().manual_seed(seed)
-    input_ids = torch.randint(1, TINY["vocab_size"], (batch, seq), generator=gen)
-    attention_mask = torch.ones(batch, seq, dtype=torch.long)
-    attention_mask[0, :3] = 0
+    input_ids = torch.randint(1, TINY["vocab_size"], (batch * replicas, seq), generator=gen)
+    attention_mask = torch.ones(batch * replicas, seq, dtype=torch.long)
+    attention_mask[0::batch, :3] = 0
     input_ids[attention_mask == 0] = TINY["pad_token_id"]
     labels = input_ids.clone()
     labels[attention_mask == 0] = -100
     labels[:, seq // 2] = -100
     return {"input_ids": input_ids, "attention_mask": attention_mask, "labels": labels}
+
+
+def replica_rows(batch: dict[str, torch.Tensor], replica: int, replicas: int) -> dict[str, torch.Tensor]:
+    """The rows of `batch` that data-parallel replica `replica` of `replicas` trains on (contiguous, in order)."""
+    rows = next(iter(batch.values())).shape[0] // replicas
+    return {k: v[replica * rows : (replica + 1) * rows] for k, v in batch.items()}
 
 
 def shard_pieces(tensors: dict, params: dict) -> dict:
@@ -73,6 +81,13 @@ def whole(pieces: list[tuple[torch.Tensor, int | None, list]], shape) -> torch.T
             offset += end - start
     assert not full.isnan().any(), "the ranks' shards do not cover the tensor"
     return full
+
+
+def check_world(results: list[dict], world: int) -> None:
+    """Every one of `world` ranks reported, each in a world of that size (a run that fell back to one rank fails)."""
+    assert len(results) == world, f"{len(results)} ranks reported, expected {world}"
+    assert sorted(r["ordinal"] for r in results) == list(range(world))
+    assert all(r["world"] == world for r in results), [r["world"] for r in results]
 
 
 def rel_err(actual: torch.Tensor, expected: torch.Tensor) -> float:

@@ -3,7 +3,7 @@
 Each scenario runs once per session in a fresh process (`_worker.py`; `_trainer_worker.py` for the Trainer's, whose
 CPU reference runs there too, with torch-xla switched off), with a timeout: PJRT fixes the number of devices when it
 starts, and a stuck collective must end the run, not hang it. The CPU reference of the tp scenarios is the plain
-transformers model in this process.
+transformers model in this process, on the whole batch (at dp=2 the global batch of both replicas).
 """
 
 from __future__ import annotations
@@ -34,13 +34,11 @@ def model_dir(tmp_path_factory) -> Path:
     return directory
 
 
-@pytest.fixture(scope="session")
-def cpu_reference(model_dir) -> dict:
+def train_on_cpu(model_dir: Path, batch: dict[str, torch.Tensor]) -> dict:
     """One CPU process, the whole batch: the first logits, the loss of every step, the first step's gradients, the
     weights after."""
     model = load_llama(model_dir)
     optimizer = torch.optim.AdamW(model.parameters(), lr=LR, eps=EPS)
-    batch = make_batch()
     with torch.no_grad():
         logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
     losses, grads = [], None
@@ -54,6 +52,18 @@ def cpu_reference(model_dir) -> dict:
         optimizer.zero_grad()
     params = {n: p.detach().clone() for n, p in model.named_parameters()}
     return {"logits": logits, "losses": losses, "grads": grads, "params": params}
+
+
+@pytest.fixture(scope="session")
+def cpu_reference(model_dir) -> dict:
+    """The tp scenarios' reference: their batch (every tp rank holds all of it)."""
+    return train_on_cpu(model_dir, make_batch())
+
+
+@pytest.fixture(scope="session")
+def cpu_reference_dp2(model_dir) -> dict:
+    """The dp=2 scenario's reference: the global batch of both replicas, in one process."""
+    return train_on_cpu(model_dir, make_batch(replicas=2))
 
 
 class Scenarios:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from _common import rel_err, whole
+from _common import check_world, rel_err, whole
 
 from optimum_parallel.checkpoint import consolidate_checkpoint
 
@@ -18,12 +18,6 @@ TOL = 1e-5  # fp32, relative to the largest value of the tensor
 # AdamW divides by sqrt(v): a gradient at float-noise level (1e-8) moves its weight by up to lr, so the weights
 # after the steps are held to a looser bound than the gradients and losses they come from
 WEIGHT_TOL = 2e-3
-
-
-def _check_world(results: list[dict], world: int) -> None:
-    assert len(results) == world, f"{len(results)} ranks reported, expected {world}"
-    assert sorted(r["ordinal"] for r in results) == list(range(world))
-    assert all(r["world"] == world for r in results)
 
 
 def _compare(results: list[dict], reference: dict) -> dict[str, float]:
@@ -49,14 +43,14 @@ def _compare(results: list[dict], reference: dict) -> dict[str, float]:
 
 def test_tp1_on_one_xla_device_equals_cpu(scenarios, cpu_reference):
     results = scenarios("tp1")
-    _check_world(results, 1)
+    check_world(results, 1)
     _compare(results, cpu_reference)
 
 
 @pytest.mark.parametrize("scenario", ["tp2", "tp2-sp"])
 def test_tp2_on_two_xla_devices_equals_one_cpu_process(scenarios, cpu_reference, scenario):
     results = scenarios(scenario)
-    _check_world(results, 2)
+    check_world(results, 2)
     for name, (_, dim, _) in results[0]["grads"].items():  # really split: the big matrices differ by rank
         if name.endswith(("q_proj.weight", "down_proj.weight", "embed_tokens.weight", "lm_head.weight")):
             assert dim is not None, f"{name} is not split at tp=2"
@@ -74,7 +68,7 @@ def test_a_checkpoint_saved_from_xla_consolidates_to_the_cpu_weights(scenarios, 
     from safetensors.torch import load_file
 
     results = scenarios("tp2")
-    _check_world(results, 2)
+    check_world(results, 2)
     runs = scenarios.directory("tp2")
     original = load_file(model_dir / "model.safetensors")
     before = consolidate_checkpoint(runs / "ckpt-0", tmp_path / "ckpt-0", progress=False)

@@ -1,0 +1,66 @@
+"""Data parallelism on XLA devices: dp=2 over two XLA devices of one process (sharding level 0, Paddle's front door)
+equals one CPU process on the global batch: each step's loss, the logits, every gradient, 3 AdamW steps; sharding
+levels 1-3 are refused before anything changes.
+
+Each replica trains on its own rows of the global batch (padded, -100 labels, as many labelled tokens per replica),
+so its own loss and gradient differ from the global ones: only gradients averaged over the dp ranks match the CPU.
+Every check asserts a world of 2 first, so a run that fell back to one rank cannot pass.
+"""
+
+from __future__ import annotations
+
+import re
+
+import torch
+from _common import STEPS, check_world, rel_err
+
+TOL = 1e-5  # fp32, relative to the largest value of the tensor (as in the tp tests)
+WEIGHT_TOL = 2e-3  # AdamW divides by sqrt(v): float-noise gradients move weights by up to lr (see the tp tests)
+
+
+def test_dp2_on_two_xla_devices_equals_one_cpu_process_on_the_global_batch(scenarios, cpu_reference_dp2):
+    results = scenarios("dp2")
+    check_world(results, 2)
+    reference, worst = cpu_reference_dp2, {}
+    first = [r["losses"][0] for r in results]
+    assert abs(first[0] - first[1]) > 1e-3, first  # the replicas really train on different rows
+    means = [sum(r["losses"][step] for r in results) / len(results) for step in range(STEPS)]
+    worst["loss"] = max(
+        rel_err(torch.tensor(a), torch.tensor(b)) for a, b in zip(means, reference["losses"], strict=True)
+    )
+    worst["logits"] = rel_err(torch.cat([r["logits"] for r in results]), reference["logits"])  # rows in rank order
+    assert worst["loss"] <= TOL and worst["logits"] <= TOL, worst
+    assert set(results[0]["grads"]) == set(reference["grads"])
+    for key, tol in (("grads", TOL), ("params", WEIGHT_TOL)):
+        errors = {}
+        for r in results:  # every replica holds the whole averaged gradient and the same weights
+            for name, expected in reference[key].items():
+                value, dim, _ = r[key][name]
+                assert dim is None, f"{name} is split at dp=2"
+                errors[(r["ordinal"], name)] = rel_err(value, expected)
+        where = max(errors, key=errors.get)
+        worst[key] = errors[where]
+        assert errors[where] <= tol, f"{key} of {where[1]} on rank {where[0]}: relative error {errors[where]:.2e}"
+    print(f"\n[xla] dp2 worst relative errors: {worst}")
+
+
+def test_both_replicas_run_the_compiled_graphs_of_one_device(scenarios):
+    """The gradient all-reduce holds no rank: the two devices together compile what one device running the same loop
+    compiles (a graph with a rank in it would be compiled once per device)."""
+    assert scenarios("dp2")[0]["compiles"] == scenarios("dp1")[0]["compiles"]
+
+
+def test_sharding_levels_1_to_3_are_refused_on_xla_before_anything_changes(scenarios):
+    """Each rank's `parallelize` at levels 1-3 raised, naming the key and the one level XLA allows, and the worker
+    checked that the model's parameters, gradients, hooks and class and the optimizer were left as they were."""
+    results = scenarios("dp2")
+    check_world(results, 2)
+    for r in results:
+        assert sorted(r["refusals"]) == [1, 2, 3], r["refusals"]
+        for level, message in r["refusals"].items():
+            expected = (
+                rf"dp_config\['sharding_level'\]={level} is not supported on XLA devices \(.*\); allowed on XLA: 0 "
+            )
+            assert re.match(expected, message), message
+        assert "ZeroRedundancyOptimizer" in r["refusals"][1]
+        assert "DeviceMesh" in r["refusals"][2] and "DeviceMesh" in r["refusals"][3]
