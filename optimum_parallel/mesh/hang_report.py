@@ -14,6 +14,7 @@ before the usual traceback. A rank that is stuck outside any collective, or dead
 
 from __future__ import annotations
 
+import os
 import signal
 import sys
 import time
@@ -43,7 +44,7 @@ def install(group_names: dict[dist.ProcessGroup, str], grace: timedelta) -> None
         try:
             line = _report(error, trace, grace.total_seconds())
             if line:
-                print(line, file=sys.stderr, flush=True)
+                _write_line(line)
         except Exception:  # the report is best effort: the original error is what matters
             pass
         finally:
@@ -51,6 +52,16 @@ def install(group_names: dict[dist.ProcessGroup, str], grace: timedelta) -> None
         previous(kind, error, trace)
 
     sys.excepthook = hook
+
+
+def _write_line(line: str) -> None:
+    """`line` and its newline in one write: the ranks share torchrun's stderr pipe, where a write under 4 KiB is
+    atomic (print's two writes let another rank's line land between a line and its newline)."""
+    try:
+        sys.stderr.flush()
+        os.write(sys.stderr.fileno(), (line + "\n").encode())
+    except (AttributeError, OSError, ValueError):  # a stderr without a file descriptor (replaced, captured)
+        print(line, file=sys.stderr, flush=True)
 
 
 def _failed_collective(error: BaseException, trace) -> tuple[str, dist.ProcessGroup | None] | None:
