@@ -28,7 +28,17 @@ from .ulysses import check_heads_divide
 # families whose every cross-token computation is attention through transformers' AttentionInterface, tested against
 # one device (tests/test_context_parallel.py; the MoE ones, whose routing is per token, with ep in
 # tests/test_expert_parallel_cp.py)
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "mixtral", "qwen3_moe")
+SUPPORTED_MODEL_TYPES = (
+    "llama",
+    "mistral",
+    "qwen2",
+    "qwen3",
+    "gemma2",
+    "mixtral",
+    "qwen3_moe",
+    "qwen2_moe",
+    "olmoe",
+)
 IGNORE_INDEX = -100
 
 
