@@ -196,6 +196,6 @@ def test_refusals_name_the_style_and_the_allowed_values(pool):
         assert "disagree on the number of experts" in result["mixed_counts"][1]
         assert (
             "ep=4 does not divide the 6 experts" in result["indivisible"][1]
-            and "allowed: 1, 2, 3, 6" in (result["indivisible"][1])
+            and "allowed: divisors of 6 that divide dp x cp (1, 2, 3, 6)" in (result["indivisible"][1])
         )
         assert "non-empty sequence" in result["string"]

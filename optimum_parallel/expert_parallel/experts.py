@@ -90,13 +90,17 @@ def check_expert_parallel(model: nn.Module, ep: int, key: str = "ep", declared: 
             "parallelize_plan), so there is nothing to split over ep; allowed for this model: ep=1"
         )
     for name, module in experts:
-        count = expert_count(module)
-        if count % ep:
-            allowed = [d for d in range(1, count + 1) if count % d == 0]
-            raise ValueError(
-                f"{key}={ep} does not divide the {count} experts of {name!r}; allowed: divisors of {count} that "
-                f"divide dp x cp ({', '.join(map(str, allowed))})"
-            )
+        check_experts_divide(expert_count(module), ep, name, key)
+
+
+def check_experts_divide(count: int, ep: int, name: str, key: str = "ep") -> None:
+    """Raise ValueError (naming `key` and the allowed sizes) unless ep divides the `count` experts of module `name`."""
+    if count % ep:
+        allowed = [d for d in range(1, count + 1) if count % d == 0]
+        raise ValueError(
+            f"{key}={ep} does not divide the {count} experts of {name!r}; allowed: divisors of {count} that "
+            f"divide dp x cp ({', '.join(map(str, allowed))})"
+        )
 
 
 @dataclass

@@ -8,7 +8,7 @@ from collections.abc import Sequence
 
 from torch import nn
 
-from ..expert_parallel import ExpertsDeclaration, declare_experts
+from ..expert_parallel import ExpertsDeclaration, check_experts_divide, declare_experts
 from .base import ParallelStyle
 
 
@@ -51,10 +51,7 @@ class ExpertParallel(ParallelStyle):
                 f"ExpertParallel on {name!r}: num_experts={self.num_experts!r} names no attribute equal to the "
                 f"{count} experts of {self.tensors}; allowed: an int attribute of the module, or None"
             )
-        ep = ctx.mesh.size("ep")
-        if count % ep:
-            allowed = ", ".join(str(d) for d in range(1, count + 1) if count % d == 0)
-            raise ValueError(f"ep={ep} does not divide the {count} experts of {name!r}; allowed: {allowed}")
+        check_experts_divide(count, ctx.mesh.size("ep"), name)
         try:
             positional = [
                 p
