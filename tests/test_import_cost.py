@@ -15,6 +15,7 @@ HEAVY = (
     "torch.distributed.fsdp",
     "torch.distributed.optim",
     "peft",
+    "accelerate",  # ~0.1 s: lazy loading imports it when a model is first built under it
     "torch_xla",  # only where the mesh runs on XLA devices
 )
 SURFACE = "[getattr(op, name) for name in op.__all__ if name not in LATER]"

@@ -18,7 +18,6 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import torch
-from accelerate import init_empty_weights
 from safetensors import safe_open
 from torch import nn
 
@@ -222,6 +221,8 @@ def _record_instead_of_loading(model, state_dict, checkpoint_files, load_config,
 
 def _lazy_from_config(original):
     def from_config(cls, config, **kwargs):
+        from accelerate import init_empty_weights  # here, not at import: accelerate costs ~0.1 s to import
+
         with init_empty_weights(include_buffers=False):  # real buffers (rotary inv_freq) computed as usual
             model = original.__func__(cls, config, **kwargs)
         _record_init(model)
