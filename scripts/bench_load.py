@@ -214,15 +214,20 @@ def _same_page_cache(directory: Path) -> None:
     _warm_page_cache(directory)
 
 
+def _env() -> dict[str, str]:
+    """The children's environment: one thread per rank, and byte-compiled modules cached as in a user's interpreter
+    (a PYTHONDONTWRITEBYTECODE=1 environment would compile the modules a first load imports inside the timer)."""
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONDONTWRITEBYTECODE"}
+    return {**env, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(Path(__file__).resolve().parent.parent)}
+
+
 def _torchrun(tp: int, *args: str) -> None:
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={tp}", __file__]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(Path(__file__).resolve().parent.parent)}
-    subprocess.run([*command, *args], check=True, env=env)
+    subprocess.run([*command, *args], check=True, env=_env())
 
 
 def _child(*args: str) -> None:
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(Path(__file__).resolve().parent.parent)}
-    subprocess.run([sys.executable, __file__, *args], check=True, env=env)
+    subprocess.run([sys.executable, __file__, *args], check=True, env=_env())
 
 
 GB = 1 << 30

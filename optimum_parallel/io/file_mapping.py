@@ -12,43 +12,28 @@ from __future__ import annotations
 
 import ctypes
 import mmap
-import sys
 import weakref
 
 import torch
 
+from .libc import libc
+
 _PAGE = mmap.PAGESIZE
-
-
-def _load_libc():
-    if not sys.platform.startswith("linux"):
-        return None
-    try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.mmap.restype = ctypes.c_void_p
-        libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
-        libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
-    except (OSError, AttributeError):
-        return None
-    return libc
-
-
-_libc = _load_libc()
 _MAP_FAILED = ctypes.c_void_p(-1).value
 
 
 def can_map() -> bool:
-    return _libc is not None
+    return libc is not None
 
 
 def map_bytes(fd: int, start: int, end: int, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
     """Bytes [start, end) of the file open as `fd`, as a tensor of `shape` and `dtype` that maps them privately
     (copy-on-write). The mapping lives as long as the tensor's storage; `fd` may be closed right away."""
-    if _libc is None:
+    if libc is None:
         raise OSError("file mappings need Linux")
     offset = start // _PAGE * _PAGE
     length = end - offset
-    address = _libc.mmap(None, length, mmap.PROT_READ | mmap.PROT_WRITE, mmap.MAP_PRIVATE, fd, offset)
+    address = libc.mmap(None, length, mmap.PROT_READ | mmap.PROT_WRITE, mmap.MAP_PRIVATE, fd, offset)
     if address in (None, _MAP_FAILED):
         errno = ctypes.get_errno()
         raise OSError(errno, f"mmap of {length} bytes at offset {offset} failed")
@@ -65,7 +50,7 @@ _MAPPED: set[int] = set()  # addresses of the live mappings
 
 def _unmap(address: int, length: int) -> None:
     _MAPPED.discard(address)
-    _libc.munmap(address, length)
+    libc.munmap(address, length)
 
 
 def is_file_mapping(tensor: torch.Tensor) -> bool:
