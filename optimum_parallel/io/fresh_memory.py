@@ -2,8 +2,9 @@
 
 A fresh allocation's pages fault one at a time as the copy first writes them: one trap per 4 KiB page, which on
 a VM was most of the cost of reading a row-parallel slice. `madvise(MADV_POPULATE_WRITE)` (Linux 5.14+) faults
-them in one call: a median 0.36 s -> 0.31 s for the 264 MiB of a 0.49B fp32 model's row-parallel slices at tp=2
-(six runs each, scripts/bench_load.py's checkpoint). It allocates nothing the copy would not write anyway.
+them in one call. Reading the 264 MiB of a 0.49B fp32 model's row-parallel slices at tp=2 (scripts/bench_load.py's
+checkpoint, fresh processes, alternating) took a median 0.34 s -> 0.32 s (8 pairs; 0.36 -> 0.31 s in an earlier 6).
+It allocates nothing the copy would not write anyway. (Transparent huge pages on top were slower here: 0.46-0.62 s.)
 """
 
 from __future__ import annotations
