@@ -8,10 +8,10 @@ from __future__ import annotations
 
 import threading
 import warnings
-from importlib.metadata import entry_points
 
 from torch import nn
 
+from ..plugins import plugin_entry_points
 from .auto_plan import auto_parallelizer, auto_plan_model_types
 from .parallelizer import Parallelizer
 
@@ -46,7 +46,7 @@ class ParallelizersManager:
         with _DISCOVERY_LOCK:
             if cls._discovered:
                 return
-            for entry in entry_points(group=ENTRY_POINT_GROUP):
+            for entry in plugin_entry_points(ENTRY_POINT_GROUP):
                 if entry.name in cls._registry:  # registered by hand: keep it
                     continue
                 try:

@@ -91,15 +91,16 @@ def apply_plan(model: nn.Module, plan: Mapping[str, object], mesh: ParallelMesh)
     ctx = PlanContext(mesh)
 
     original = dict(model.named_parameters(remove_duplicate=False))
+    modules = dict(model.named_modules())  # kept in step with the swaps (get_submodule was a third of the time)
     for swapping in (True, False):
         for name, styles in targets.items():
-            wrapper = model.get_submodule(name)
+            wrapper = modules[name]
             module = style_target(wrapper)
             for style in styles:
                 if style.swaps_module == swapping:
                     module = style.apply(module, name, ctx)
             if module is wrapper or wrapper is style_target(wrapper):
-                _replace_submodule(model, name, module)
+                _replace_submodule(model, modules, name, module)
             elif wrapper.base_layer is not module:  # a wrapper (LoRA) around the swapped layer: its own
                 wrapper.base_layer = module  # parameters are split to follow the layer's split
                 handler_for(wrapper).parallelize(wrapper, ctx)
@@ -118,11 +119,17 @@ def apply_plan(model: nn.Module, plan: Mapping[str, object], mesh: ParallelMesh)
     return {id(param): current[name] for name, param in original.items()}
 
 
-def _replace_submodule(model: nn.Module, name: str, module: nn.Module) -> None:
+def _replace_submodule(model: nn.Module, modules: dict[str, nn.Module], name: str, module: nn.Module) -> None:
+    """Put `module` at `name`, and keep `modules` (model.named_modules()) up to date."""
+    replaced = modules[name]
+    if replaced is module:
+        return
     parent_name, _, child = name.rpartition(".")
-    parent = model.get_submodule(parent_name)
-    if getattr(parent, child) is not module:
-        setattr(parent, child, module)
+    setattr(modules[parent_name], child, module)
+    modules[name] = module
+    if next(replaced.children(), None) is not None:  # a swapped container: its descendants' names changed
+        modules.clear()
+        modules.update(model.named_modules())
 
 
 def parallel_layouts(model: nn.Module) -> dict[str, ShardLayout]:

@@ -11,9 +11,10 @@ from __future__ import annotations
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
-from importlib.metadata import entry_points
 
 from torch import nn
+
+from ..plugins import plugin_entry_points
 
 
 @dataclass(frozen=True)
@@ -45,7 +46,7 @@ def wrapper_handlers() -> list[WrapperHandler]:
     global _discovered
     if not _discovered:
         _discovered = True
-        for entry in entry_points(group=ENTRY_POINT_GROUP):
+        for entry in plugin_entry_points(ENTRY_POINT_GROUP):
             try:
                 entry.load()()
             except Exception as err:  # a broken third-party plugin must not break the others
