@@ -20,6 +20,7 @@ from ..mesh import ParallelMesh
 from ..pipeline.split import SplitPoint
 from ..plan import apply_plan
 from ..state import find_state
+from ..styles import ParallelStyle
 from .data_parallel import DataParallelConfig, apply_data_parallel
 from .lazy_optimizer import build_lazy_optimizer, is_lazy_optimizer
 from .materialize import materialize_lazy_model, move_to_device
@@ -53,25 +54,25 @@ def compose_model(
     """Make `model` tensor/sequence- and pipeline-parallel in place; return the parameter map for the optimizer.
     A bad request raises before anything changes (`keys`: what the caller's errors call its settings)."""
     # 0. Validate: every check that can run before anything changes (engine/validate.py).
-    validate_request(model, mesh, plan, pipeline=pipeline, context_parallel=context_parallel, keys=keys)
-    return _compose_model(model, mesh, plan, after_plan, pipeline, context_parallel, device, read_checkpoint)
+    checked = validate_request(model, mesh, plan, pipeline=pipeline, context_parallel=context_parallel, keys=keys)
+    return _compose_model(model, mesh, checked, after_plan, pipeline, context_parallel, device, read_checkpoint)
 
 
 def _compose_model(
     model: nn.Module,
     mesh: ParallelMesh,
-    plan: Mapping[str, object] | None,
+    checked_plan: dict[str, list[ParallelStyle]] | None,
     after_plan: Callable[[nn.Module, ParallelMesh], None] | None,
     pipeline: PipelineRequest | None,
     context_parallel: str,
     device: torch.device | str | None,
     read_checkpoint: bool,
 ) -> ParamMap:
-    """Steps 1-4 of a validated request."""
+    """Steps 1-4 of a validated request (`checked_plan`: the plan as step 0 resolved and checked it)."""
     mapping: ParamMap = {id(p): p for p in model.parameters()}
     # 1. TP/SP on the whole model first: every rank resolves and checks the same plan, tied weights stay tied.
-    if plan:
-        mapping.update(apply_plan(model, plan, mesh))
+    if checked_plan is not None:
+        mapping.update(apply_plan(model, checked_plan, mesh, checked=True))
     if after_plan is not None:  # family fix-ups of module attributes (local head counts, config views)
         after_plan(model, mesh)
     # 1b. Expert parallelism: the experts split along the expert dim over the ep ranks sharing the dense weights,
@@ -131,7 +132,7 @@ def compose(
     keys: RequestKeys = PARALLELIZER_KEYS,
 ) -> tuple[nn.Module, torch.optim.Optimizer | None, ParamMap]:
     """Every step in order, the request validated first as a whole; returns (model, optimizer, parameter map)."""
-    validate_request(
+    checked = validate_request(
         model,
         mesh,
         plan,
@@ -141,7 +142,7 @@ def compose(
         optimizer=optimizer,
         keys=keys,
     )
-    mapping = _compose_model(model, mesh, plan, after_plan, pipeline, context_parallel, device, read_checkpoint)
+    mapping = _compose_model(model, mesh, checked, after_plan, pipeline, context_parallel, device, read_checkpoint)
     model, optimizer = compose_training(model, optimizer, mesh, mapping, data_parallel)
     return model, optimizer, mapping
 

@@ -22,7 +22,7 @@ from ..mesh import ParallelMesh
 from ..pipeline import check_pipeline
 from ..plan import check_plan
 from ..state import find_state
-from ..styles import ExpertParallel
+from ..styles import ExpertParallel, ParallelStyle
 from .data_parallel import DataParallelConfig, check_data_parallel
 from .expert_data_parallel import check_expert_data_parallel
 
@@ -60,14 +60,15 @@ def validate_request(
     data_parallel: DataParallelConfig | None = None,
     optimizer: torch.optim.Optimizer | None = None,
     keys: RequestKeys = PARALLELIZER_KEYS,
-) -> None:
-    """Raise if any step of `compose` would refuse this request; change nothing.
+) -> dict[str, list[ParallelStyle]] | None:
+    """Raise if any step of `compose` would refuse this request; change nothing. Return the plan as checked
+    ({module name: styles}, what `apply_plan` then applies without checking it again; None without a plan).
 
     The plan (keys resolve, every style fits its module, adapters around planned layers can follow the split), the
     pipeline split and schedule, context-parallel support and strategy (cp > 1, unless the model is already
     context-parallel), and the data-parallel level with its optimizer.
     """
-    targets = check_plan(model, plan, mesh) if plan else {}
+    targets = check_plan(model, plan, mesh) if plan else None
     if pipeline is not None:
         check_pipeline(
             model,
@@ -89,10 +90,13 @@ def validate_request(
         check_data_parallel(data_parallel, optimizer, keys.sharding_level, size, mesh.device_type)
     ep = mesh.size("ep")
     if ep > 1 and (state is None or state.expert_parallel is None):
-        declared = [name for name, styles in targets.items() if any(isinstance(s, ExpertParallel) for s in styles)]
+        declared = [
+            name for name, styles in (targets or {}).items() if any(isinstance(s, ExpertParallel) for s in styles)
+        ]
         check_expert_parallel(model, ep, declared=declared)
         if data_parallel is not None:
             check_expert_data_parallel(data_parallel.shard_size, ep, keys.shard_size)
+    return targets
 
 
 def check_router_logits(model: nn.Module, pp: int) -> None:

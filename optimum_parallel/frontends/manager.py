@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import threading
 import warnings
+from importlib.metadata import EntryPoint
 
 from torch import nn
 
@@ -18,7 +19,7 @@ from .parallelizer import Parallelizer
 ENTRY_POINT_GROUP = "optimum_parallel.parallelizers"
 
 
-_DISCOVERY_LOCK = threading.Lock()
+_DISCOVERY_LOCK = threading.RLock()
 
 
 class UnsupportedModelError(ValueError):
@@ -27,6 +28,7 @@ class UnsupportedModelError(ValueError):
 
 class ParallelizersManager:
     _registry: dict[str, type[Parallelizer]] = {}
+    _entries: dict[str, EntryPoint] = {}  # model type -> its entry point, not loaded yet
     _discovered = False
 
     @classmethod
@@ -39,21 +41,29 @@ class ParallelizersManager:
 
     @classmethod
     def _discover(cls) -> None:
-        """Load the entry points once; under a lock, and marked done only after: on XLA one process may run
-        several ranks (one thread each), and a rank that saw a half-filled registry would pick another plan."""
+        """Read the entry points' names once; each family's module is imported when its model type is first asked
+        for. Under a lock, and marked done only after: on XLA one process may run several ranks (one thread
+        each), and a rank that saw a half-filled registry would pick another plan."""
         if cls._discovered:
             return
         with _DISCOVERY_LOCK:
-            if cls._discovered:
-                return
-            for entry in plugin_entry_points(ENTRY_POINT_GROUP):
-                if entry.name in cls._registry:  # registered by hand: keep it
-                    continue
+            if not cls._discovered:
+                for entry in plugin_entry_points(ENTRY_POINT_GROUP):
+                    cls._entries.setdefault(entry.name, entry)  # the first of two with one name, as before
+                cls._discovered = True
+
+    @classmethod
+    def _registered(cls, model_type: str) -> type[Parallelizer] | None:
+        """The parallelizer registered for `model_type` (by hand, which wins, or by its entry point, loaded now)."""
+        cls._discover()
+        with _DISCOVERY_LOCK:
+            entry = cls._entries.pop(model_type, None)
+            if entry is not None and model_type not in cls._registry:
                 try:
-                    cls.register(entry.name, entry.load())
+                    cls.register(model_type, entry.load())
                 except Exception as err:  # a broken third-party plugin must not break the others
-                    warnings.warn(f"could not load parallelizer {entry.name!r} ({entry.value}): {err}", stacklevel=2)
-            cls._discovered = True
+                    warnings.warn(f"could not load parallelizer {entry.name!r} ({entry.value}): {err}", stacklevel=3)
+            return cls._registry.get(model_type)
 
     @staticmethod
     def _model_type(model_type_or_model: str | nn.Module) -> str:
@@ -70,25 +80,24 @@ class ParallelizersManager:
         """Model types with a registered parallelizer and, with `include_auto`, those served by an
         automatic plan from `base_model_tp_plan` (finding those imports every transformers config class)."""
         cls._discover()
-        types = set(cls._registry)
+        types = {model_type for model_type in [*cls._registry, *cls._entries] if cls._registered(model_type)}
         if include_auto:
             types.update(auto_plan_model_types())
         return sorted(types)
 
     @classmethod
     def is_model_supported(cls, model_type_or_model: str | nn.Module) -> bool:
-        cls._discover()
-        if cls._model_type(model_type_or_model) in cls._registry:
+        if cls._registered(cls._model_type(model_type_or_model)) is not None:
             return True
         return auto_parallelizer(model_type_or_model) is not None
 
     @classmethod
     def parallelizer_for_model(cls, model_type_or_model: str | nn.Module) -> type[Parallelizer]:
         """The registered parallelizer of the model type, else one built from its `base_model_tp_plan`."""
-        cls._discover()
         model_type = cls._model_type(model_type_or_model)
-        if model_type in cls._registry:
-            return cls._registry[model_type]
+        registered = cls._registered(model_type)
+        if registered is not None:
+            return registered
         automatic = auto_parallelizer(model_type_or_model)
         if automatic is None:
             raise UnsupportedModelError(

@@ -81,13 +81,16 @@ def check_plan(model: nn.Module, plan: Mapping[str, object], mesh: ParallelMesh)
     return targets
 
 
-def apply_plan(model: nn.Module, plan: Mapping[str, object], mesh: ParallelMesh) -> dict[int, nn.Parameter]:
+def apply_plan(
+    model: nn.Module, plan: Mapping[str, object], mesh: ParallelMesh, *, checked: bool = False
+) -> dict[int, nn.Parameter]:
     """Parallelize `model` in place by `plan`; return {id(original parameter): parallel parameter}.
 
     Module-swapping styles (ColWise/RowWise) run first, then the hooks and markers, so a marker on
-    a module sees its children already swapped whatever the order of the plan's keys.
+    a module sees its children already swapped whatever the order of the plan's keys. `checked`: `plan` is
+    what `check_plan` returned for this model, unchanged since (the composition's validation step).
     """
-    targets = check_plan(model, plan, mesh)
+    targets = plan if checked else check_plan(model, plan, mesh)
     ctx = PlanContext(mesh)
 
     original = dict(model.named_parameters(remove_duplicate=False))
