@@ -20,6 +20,7 @@ import argparse
 import json
 import os
 import shutil
+import statistics
 import subprocess
 import sys
 import time
@@ -282,17 +283,19 @@ def _bench_loads(args, hf_dir: Path, kind: str, results: Path, sharded: Path | N
     )
     print("  (goal = after imports + 1.15 x shard; NNx = (peak - after imports) / shard; a weight left as a view")
     print("   of the file mapping is read when first used, so 'once used' touches every page of every weight)")
-    print("  (table: the last run; times below: the fastest run of each)")
+    print("  (table: the last run; times below: the fastest run of each, then the medians)")
     peaks = {
         impl: max(json.loads((results / f"{impl}-{r}.json").read_text())["peak_touched"] for r in range(args.tp))
         for impl in IMPLS
     }
     for column, what in ((0, "load"), (1, "load + first use")):
         best = {impl: min(t[column] for t in history[impl]) for impl in IMPLS}
+        middle = {impl: statistics.median(t[column] for t in history[impl]) for impl in IMPLS}
         op_s, hf_s = best["optimum-parallel"], best["transformers"]
         print(
             f"{kind} {what} time: optimum-parallel {op_s:.2f} s, transformers {hf_s:.2f} s "
-            f"(ours / transformers {op_s / hf_s:.2f}x, goal <= 0.6x)"
+            f"(ours / transformers {op_s / hf_s:.2f}x, goal <= 0.6x; medians {middle['optimum-parallel']:.2f} s, "
+            f"{middle['transformers']:.2f} s, {middle['optimum-parallel'] / middle['transformers']:.2f}x)"
         )
     print(
         f"{kind} peak once used: optimum-parallel / transformers "
