@@ -114,6 +114,36 @@ def test_optional_keys_and_tied_weights_stay_tied(pool):
     assert all(r["tied"] for r in pool.run(check_optional_key_and_tied_weights))
 
 
+def check_a_swapped_container_is_looked_up_anew() -> dict:
+    """A swapping style that replaces a module with children: a plan key under it names the new child."""
+    import optimum_parallel as op
+    from optimum_parallel.tensor_parallel import ColumnParallelLinear
+
+    class NewMlp(op.ParallelStyle):
+        swaps_module = True
+
+        def apply(self, module, name, ctx):
+            replacement = copy.deepcopy(module)
+            replacement.replaced = True
+            with torch.no_grad():
+                replacement.up_proj.weight.zero_()  # tells the new child from the old one
+            return replacement
+
+    mesh = op.init_mesh(tp=2)
+    model = build_model(tiny_config("llama"))
+    op.apply_plan(model, {"model.layers.0.mlp": NewMlp(), "model.layers.0.mlp.up_proj": op.ColWiseParallel()}, mesh)
+    mlp = model.model.layers[0].mlp
+    return {
+        "replaced": getattr(mlp, "replaced", False),
+        "new_child_split": isinstance(mlp.up_proj, ColumnParallelLinear) and not mlp.up_proj.weight.any().item(),
+    }
+
+
+def test_a_key_under_a_swapped_container_names_its_new_child(pool):
+    for result in pool.run(check_a_swapped_container_is_looked_up_anew):
+        assert result == {"replaced": True, "new_child_split": True}, result
+
+
 def check_optimizer_for_mp_keeps_groups_and_state() -> dict:
     import optimum_parallel as op
 

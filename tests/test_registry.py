@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
 from importlib.metadata import entry_points
 
 import pytest
@@ -40,3 +42,25 @@ def test_register_a_custom_parallelizer():
             op.ParallelizersManager.register("bad", object)
     finally:
         op.ParallelizersManager._registry.pop("my-model")
+
+
+def test_a_lookup_imports_only_its_family_and_a_hand_registration_wins():
+    """Each family's module is imported when its model type is first asked for (fresh interpreter)."""
+    probe = """
+import sys
+import optimum_parallel as op
+class Custom(op.Parallelizer):
+    pass
+op.ParallelizersManager.register("t5", Custom)  # before the entry points are read: still wins
+chosen = op.ParallelizersManager.parallelizer_for_model("llama").__name__
+custom = op.ParallelizersManager.parallelizer_for_model("t5") is Custom
+families = sorted(m for m in sys.modules if m.startswith("optimum_parallel.families."))
+print("RESULT", chosen, custom, ",".join(families))
+"""
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True).stdout
+    line = next(line for line in out.splitlines() if line.startswith("RESULT"))
+    assert line.split()[1:] == [
+        "LlamaParallelizer",
+        "True",
+        "optimum_parallel.families._common,optimum_parallel.families.llama",
+    ]
