@@ -6,6 +6,8 @@
     python _worker.py dp2 MODEL_DIR OUT       # dp=2 over two XLA devices (`parallelize` with dp_config level 0),
                                               # each on its replica's rows of the global batch
     python _worker.py dp1 MODEL_DIR OUT       # the same loop on one XLA device (the compilations of one device)
+    python _worker.py dp2tp2 MODEL_DIR OUT    # dp=2 x tp=2 over four XLA devices: the Parallelizer's tp, then
+                                              # `parallelize` with dp_config level 0
 
 PJRT's CPU client has only in-process collectives, so several ranks means several devices of one process, one
 thread each. Compilation is serialized (`SYNC_LOCK` around every `torch_xla.sync()`): two threads compiling at
@@ -27,6 +29,7 @@ SCENARIOS = {
     "tp2-sp": (1, 2, True, "parallelizer"),
     "dp1": (1, 1, False, "parallelize"),
     "dp2": (2, 1, False, "parallelize"),
+    "dp2tp2": (2, 2, False, "parallelizer"),
 }
 SYNC_LOCK = threading.Lock()
 
@@ -66,7 +69,8 @@ def _run(scenario: str, model_dir: str, out: str) -> None:
     me = ranks.global_rank()
     assert ranks.world_size() == dp * tp and mesh.device_type == "xla", (ranks.world_size(), dp, tp)
     assert (mesh.size("dp"), mesh.size("tp"), mesh.data_parallel_size) == (dp, tp, dp)
-    assert mesh.rank("dp" if dp > 1 else "tp") == me == ranks.rank(mesh.group("dp" if dp > 1 else "tp"))
+    assert mesh.rank("dp") * tp + mesh.rank("tp") == me  # tp ranks are neighbours
+    assert (mesh.rank("dp"), mesh.rank("tp")) == (ranks.rank(mesh.group("dp")), ranks.rank(mesh.group("tp")))
 
     refusals = {}
     if door == "parallelizer":
@@ -76,6 +80,8 @@ def _run(scenario: str, model_dir: str, out: str) -> None:
         assert parallelizer.__name__ == "LlamaParallelizer", parallelizer  # the family plan on every rank
         model = parallelizer.parallelize(model, device=device, sequence_parallel_enabled=sequence_parallel)
         optimizer = torch.optim.AdamW(model.parameters(), lr=LR, eps=EPS)
+        if dp > 1:  # then data parallelism over the tp-split model (gradients averaged over each shard's replicas)
+            model, optimizer = op.parallelize(model, optimizer, mesh, {"dp_config": {"sharding_level": 0}})
     else:  # Paddle's front door, data parallelism only: the model on the device first, then its optimizer
         model = load_llama(model_dir).to(device)
         optimizer = torch.optim.AdamW(model.parameters(), lr=LR, eps=EPS)
@@ -112,6 +118,7 @@ def _run(scenario: str, model_dir: str, out: str) -> None:
     compiles = met.metric_data("CompileTime")
     result = {
         "ordinal": me,
+        "dp_rank": mesh.rank("dp"),
         "world": ranks.world_size(),
         "losses": losses,
         "logits": logits,

@@ -1,6 +1,6 @@
 """Data parallelism on XLA devices: dp=2 over two XLA devices of one process (sharding level 0, Paddle's front door)
 equals one CPU process on the global batch: each step's loss, the logits, every gradient, 3 AdamW steps; sharding
-levels 1-3 are refused before anything changes.
+levels 1-3 are refused before anything changes. dp=2 x tp=2 over four devices equals it too.
 
 Each replica trains on its own rows of the global batch (padded, -100 labels, as many labelled tokens per replica),
 so its own loss and gradient differ from the global ones: only gradients averaged over the dp ranks match the CPU.
@@ -12,7 +12,7 @@ from __future__ import annotations
 import re
 
 import torch
-from _common import STEPS, check_world, rel_err
+from _common import STEPS, check_world, rel_err, whole
 
 TOL = 1e-5  # fp32, relative to the largest value of the tensor (as in the tp tests)
 
@@ -65,3 +65,35 @@ def test_sharding_levels_1_to_3_are_refused_on_xla_before_anything_changes(scena
             assert re.match(expected, message), message
         assert "ZeroRedundancyOptimizer" in r["refusals"][1]
         assert "DeviceMesh" in r["refusals"][2] and "DeviceMesh" in r["refusals"][3]
+
+
+def test_dp2_x_tp2_on_four_xla_devices_equals_one_cpu_process_on_the_global_batch(
+    scenarios, cpu_reference_dp2, weight_tolerance
+):
+    """The Parallelizer's tp=2, then `parallelize` with dp_config level 0: each tp shard's gradient is averaged over
+    its two replicas. Each replica's tp shards make the whole tensor, and both replicas hold the same values."""
+    results = scenarios("dp2tp2")
+    check_world(results, 4)
+    reference, worst = cpu_reference_dp2, {}
+    replicas = [[r for r in results if r["dp_rank"] == d] for d in (0, 1)]
+    assert [len(r) for r in replicas] == [2, 2], [r["dp_rank"] for r in results]
+    first = [replica[0]["losses"][0] for replica in replicas]
+    assert abs(first[0] - first[1]) > 1e-3, first  # the replicas really train on different rows
+    means = [sum(replica[0]["losses"][step] for replica in replicas) / 2 for step in range(STEPS)]
+    worst["loss"] = max(
+        rel_err(torch.tensor(a), torch.tensor(b)) for a, b in zip(means, reference["losses"], strict=True)
+    )
+    worst["logits"] = rel_err(torch.cat([replica[0]["logits"] for replica in replicas]), reference["logits"])
+    assert worst["loss"] <= TOL and worst["logits"] <= TOL, worst
+    for name, (_, dim, _) in results[0]["grads"].items():  # really split over tp
+        if name.endswith(("q_proj.weight", "down_proj.weight", "embed_tokens.weight", "lm_head.weight")):
+            assert dim is not None, f"{name} is not split at tp=2"
+    for key, tol in (("grads", TOL), ("params", weight_tolerance)):
+        errors = {}
+        for d, replica in enumerate(replicas):
+            for name, expected in reference[key].items():
+                errors[(d, name)] = rel_err(whole([r[key][name] for r in replica], expected.shape), expected)
+        where = max(errors, key=errors.get)
+        worst[key] = errors[where]
+        assert errors[where] <= tol, f"{key} of {where[1]} on replica {where[0]}: relative error {errors[where]:.2e}"
+    print(f"\n[xla] dp2 x tp2 worst relative errors: {worst}")
