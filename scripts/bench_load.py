@@ -7,11 +7,12 @@ fp32 in one file), then, in fresh torchrun process groups, loads each at tp=2 wi
   transformers:      from_pretrained(..., distributed_config=DistributedConfig(tp_size=2))
 
 and prints per-rank peak RSS (VmHWM), the process's RSS after imports, the rank's shard bytes and the load
-time, and the floor (reading the rank's bytes from the page cache). Goals: load time <= 0.6x transformers', peak
+time (fastest run and medians), and the floor (faulting in fresh memory for the rank's bytes, then reading them from
+the page cache into it). Goals: load time <= 0.6x transformers', peak
 <= 0.7x transformers' and <= after-imports + 1.15 x shard bytes. It then times
 `consolidate` of a tp=2 sharded checkpoint against a plain copy of the same bytes, with consolidate's peak RSS.
 
-    python scripts/bench_load.py [--workdir /tmp/op-bench-load] [--tp 2]
+    python scripts/bench_load.py [--workdir /tmp/op-bench-load] [--tp 2] [--repeats 2] [--checkpoints fp32-one-file]
 """
 
 from __future__ import annotations
