@@ -97,3 +97,10 @@ def test_dp2_x_tp2_on_four_xla_devices_equals_one_cpu_process_on_the_global_batc
         worst[key] = errors[where]
         assert errors[where] <= tol, f"{key} of {where[1]} on replica {where[0]}: relative error {errors[where]:.2e}"
     print(f"\n[xla] dp2 x tp2 worst relative errors: {worst}")
+
+
+def test_dp2_x_tp2_ranks_run_the_compiled_graphs_of_one_device(scenarios):
+    """No graph holds a rank at dp x tp either: each of the four devices compiles what one device running the
+    Parallelizer's loop compiles."""
+    one_device = scenarios("tp1")[0]["compiles"]
+    assert [r["compiles"] for r in scenarios("dp2tp2")] == [one_device] * 4
