@@ -83,6 +83,16 @@ def whole(pieces: list[tuple[torch.Tensor, int | None, list]], shape) -> torch.T
     return full
 
 
+SPLIT_AT_TP = ("q_proj.weight", "down_proj.weight", "embed_tokens.weight", "lm_head.weight")
+
+
+def check_split_over_tp(result: dict) -> None:
+    """The big matrices are really split (a run that left them whole could not tell tp from one device)."""
+    for name, (_, dim, _) in result["grads"].items():
+        if name.endswith(SPLIT_AT_TP):
+            assert dim is not None, f"{name} is not split over tp"
+
+
 def check_world(results: list[dict], world: int) -> None:
     """Every one of `world` ranks reported, each in a world of that size (a run that fell back to one rank fails)."""
     assert len(results) == world, f"{len(results)} ranks reported, expected {world}"

@@ -12,9 +12,36 @@ from __future__ import annotations
 import re
 
 import torch
-from _common import STEPS, check_world, rel_err, whole
+from _common import STEPS, check_split_over_tp, check_world, rel_err, whole
 
 TOL = 1e-5  # fp32, relative to the largest value of the tensor (as in the tp tests)
+
+
+def _compare_replicas(results: list[dict], reference: dict, weight_tolerance: float) -> dict[str, float]:
+    """The two replicas (each its tp ranks) against one CPU process on the global batch: the replicas' mean loss of
+    every step, the logits (rows in replica order), and each replica's every gradient and weight, whole from its tp
+    shards (every replica holds the same averaged gradient and the same weights)."""
+    replicas = [[r for r in results if r["dp_rank"] == d] for d in (0, 1)]
+    assert len(replicas[0]) == len(replicas[1]) == len(results) // 2, [r["dp_rank"] for r in results]
+    worst = {}
+    first = [replica[0]["losses"][0] for replica in replicas]
+    assert abs(first[0] - first[1]) > 1e-3, first  # the replicas really train on different rows
+    means = [sum(replica[0]["losses"][step] for replica in replicas) / 2 for step in range(STEPS)]
+    worst["loss"] = max(
+        rel_err(torch.tensor(a), torch.tensor(b)) for a, b in zip(means, reference["losses"], strict=True)
+    )
+    worst["logits"] = rel_err(torch.cat([replica[0]["logits"] for replica in replicas]), reference["logits"])
+    assert worst["loss"] <= TOL and worst["logits"] <= TOL, worst
+    assert set(results[0]["grads"]) == set(reference["grads"])
+    for key, tol in (("grads", TOL), ("params", weight_tolerance)):
+        errors = {}
+        for d, replica in enumerate(replicas):
+            for name, expected in reference[key].items():
+                errors[(d, name)] = rel_err(whole([r[key][name] for r in replica], expected.shape), expected)
+        where = max(errors, key=errors.get)
+        worst[key] = errors[where]
+        assert errors[where] <= tol, f"{key} of {where[1]} on replica {where[0]}: relative error {errors[where]:.2e}"
+    return worst
 
 
 def test_dp2_on_two_xla_devices_equals_one_cpu_process_on_the_global_batch(
@@ -22,26 +49,10 @@ def test_dp2_on_two_xla_devices_equals_one_cpu_process_on_the_global_batch(
 ):
     results = scenarios("dp2")
     check_world(results, 2)
-    reference, worst = cpu_reference_dp2, {}
-    first = [r["losses"][0] for r in results]
-    assert abs(first[0] - first[1]) > 1e-3, first  # the replicas really train on different rows
-    means = [sum(r["losses"][step] for r in results) / len(results) for step in range(STEPS)]
-    worst["loss"] = max(
-        rel_err(torch.tensor(a), torch.tensor(b)) for a, b in zip(means, reference["losses"], strict=True)
-    )
-    worst["logits"] = rel_err(torch.cat([r["logits"] for r in results]), reference["logits"])  # rows in rank order
-    assert worst["loss"] <= TOL and worst["logits"] <= TOL, worst
-    assert set(results[0]["grads"]) == set(reference["grads"])
-    for key, tol in (("grads", TOL), ("params", weight_tolerance)):
-        errors = {}
-        for r in results:  # every replica holds the whole averaged gradient and the same weights
-            for name, expected in reference[key].items():
-                value, dim, _ = r[key][name]
-                assert dim is None, f"{name} is split at dp=2"
-                errors[(r["ordinal"], name)] = rel_err(value, expected)
-        where = max(errors, key=errors.get)
-        worst[key] = errors[where]
-        assert errors[where] <= tol, f"{key} of {where[1]} on rank {where[0]}: relative error {errors[where]:.2e}"
+    for r in results:  # every replica holds whole gradients and weights
+        split = [(key, name) for key in ("grads", "params") for name, (_, dim, _) in r[key].items() if dim is not None]
+        assert not split, f"{split} are split at dp=2"
+    worst = _compare_replicas(results, cpu_reference_dp2, weight_tolerance)
     print(f"\n[xla] dp2 worst relative errors: {worst}")
 
 
@@ -71,31 +82,11 @@ def test_dp2_x_tp2_on_four_xla_devices_equals_one_cpu_process_on_the_global_batc
     scenarios, cpu_reference_dp2, weight_tolerance
 ):
     """The Parallelizer's tp=2, then `parallelize` with dp_config level 0: each tp shard's gradient is averaged over
-    its two replicas. Each replica's tp shards make the whole tensor, and both replicas hold the same values."""
+    its two replicas."""
     results = scenarios("dp2tp2")
     check_world(results, 4)
-    reference, worst = cpu_reference_dp2, {}
-    replicas = [[r for r in results if r["dp_rank"] == d] for d in (0, 1)]
-    assert [len(r) for r in replicas] == [2, 2], [r["dp_rank"] for r in results]
-    first = [replica[0]["losses"][0] for replica in replicas]
-    assert abs(first[0] - first[1]) > 1e-3, first  # the replicas really train on different rows
-    means = [sum(replica[0]["losses"][step] for replica in replicas) / 2 for step in range(STEPS)]
-    worst["loss"] = max(
-        rel_err(torch.tensor(a), torch.tensor(b)) for a, b in zip(means, reference["losses"], strict=True)
-    )
-    worst["logits"] = rel_err(torch.cat([replica[0]["logits"] for replica in replicas]), reference["logits"])
-    assert worst["loss"] <= TOL and worst["logits"] <= TOL, worst
-    for name, (_, dim, _) in results[0]["grads"].items():  # really split over tp
-        if name.endswith(("q_proj.weight", "down_proj.weight", "embed_tokens.weight", "lm_head.weight")):
-            assert dim is not None, f"{name} is not split at tp=2"
-    for key, tol in (("grads", TOL), ("params", weight_tolerance)):
-        errors = {}
-        for d, replica in enumerate(replicas):
-            for name, expected in reference[key].items():
-                errors[(d, name)] = rel_err(whole([r[key][name] for r in replica], expected.shape), expected)
-        where = max(errors, key=errors.get)
-        worst[key] = errors[where]
-        assert errors[where] <= tol, f"{key} of {where[1]} on replica {where[0]}: relative error {errors[where]:.2e}"
+    check_split_over_tp(results[0])
+    worst = _compare_replicas(results, cpu_reference_dp2, weight_tolerance)
     print(f"\n[xla] dp2 x tp2 worst relative errors: {worst}")
 
 
