@@ -3,7 +3,7 @@
 
 import peft  # noqa: F401
 import torch.distributed.fsdp  # noqa: F401
-import torch.distributed.optim  # noqa: F401  (before any process group: see mesh/parallel_mesh.py)
+import torch.distributed.optim  # noqa: F401  (before any process group: see mesh/init.py)
 import torch.distributed.pipelining  # noqa: F401
 import torch.distributed.tensor  # noqa: F401
 

@@ -66,10 +66,10 @@ def test_expert_mesh_groups_and_errors(pool):
 
 @pytest.mark.parametrize("bad", [4, 0])
 def test_expert_parallel_size_check_alone(bad):
-    from optimum_parallel.mesh.parallel_mesh import check_expert_parallel_size
+    from optimum_parallel.mesh import check_expert_parallel_size
 
     with pytest.raises(ValueError, match=r"ep=.*allowed: 1, 2, 3, 6"):
-        check_expert_parallel_size(bad, 3, 2)
+        check_expert_parallel_size(bad, 3 * 2)
 
 
 # Tiny MoE configs: 4 experts, top-2 (hidden 64, 2 layers, vocab 128 from _models.TINY)

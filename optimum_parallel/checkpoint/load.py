@@ -15,6 +15,7 @@ from torch import nn
 from ..expert_parallel import expert_range
 from ..io.errors import CheckpointError
 from ..io.file_mapping import is_file_mapping
+from ..mesh import device as devices
 from ..tensor_parallel.spec import ShardLayout, replace_tensor
 from .collect import is_dtensor, optimizer_class, parameter_names, source_param_groups
 from .metadata import INDEX_NAME, CheckpointIndex, TensorEntry, read_index
@@ -89,7 +90,7 @@ def _read_into(files: ShardFiles, name: str, entry: TensorEntry, shard, module: 
         replace_tensor(module, leaf, files.read_shard(name, entry, shard).to(tensor.dtype))
     elif isinstance(tensor, nn.Parameter) and is_file_mapping(tensor) and str(tensor.dtype) == f"torch.{entry.dtype}":
         tensor.data = files.mapped_shard(entry, shard)  # a lazily loaded weight: mapped in turn, no page copied
-    elif tensor.device.type == "cpu" and tensor.is_contiguous() and str(tensor.dtype) == f"torch.{entry.dtype}":
+    elif devices.is_host(tensor) and tensor.is_contiguous() and str(tensor.dtype) == f"torch.{entry.dtype}":
         files.read_shard(name, entry, shard, out=tensor.data)
     else:
         tensor.data.copy_(files.read_shard(name, entry, shard))

@@ -15,6 +15,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed import ProcessGroup, ReduceOp
 
+from ..mesh import device as devices
 from ..mesh import ranks
 from .shared_memory import shared_memory_group
 
@@ -65,7 +66,7 @@ def _split(x: torch.Tensor, dim: int, group: ProcessGroup, sizes: list[int] | No
         length = x.shape[dim]
         sizes = [length // world + (r < length % world) for r in range(world)]
     start = sum(sizes[:rank])
-    if x.device.type == "xla":  # the offset as data: the same graph on every rank
+    if devices.is_graph_device(x):  # the offset as data: the same graph on every rank
         return x.index_select(dim, ranks.device_indices(start, sizes[rank], x.device))
     return x.narrow(dim, start, sizes[rank]).contiguous()
 

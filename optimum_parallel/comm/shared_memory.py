@@ -37,6 +37,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed import ProcessGroup, ReduceOp
 
+from ..mesh import device as devices
 from ..mesh import ranks
 
 CAPACITY = 4 << 20  # bytes per rank and slot set; larger all-reduces go through in chunks of this size
@@ -206,7 +207,7 @@ def shared_memory_group(group: ProcessGroup, tensor: torch.Tensor) -> SharedMemo
 
     Made (collectively) on the group's first CPU collective; every rank takes the same decision.
     """
-    if tensor.device.type != "cpu" or tensor.dtype not in _SUPPORTED_DTYPES:
+    if not devices.is_host(tensor) or tensor.dtype not in _SUPPORTED_DTYPES:
         return None
     if group not in _groups:
         _groups[group] = _connect(group)

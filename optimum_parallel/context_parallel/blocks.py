@@ -18,6 +18,8 @@ from dataclasses import dataclass
 
 import torch
 
+from ..mesh import device as devices
+
 NEG_INF = float("-inf")
 _QUERY_TILE = 1024  # rows of the plain-tensor path's score tile
 
@@ -97,7 +99,7 @@ def _fused(attend: Attend) -> bool:
 
 def pair_forward(q, k, v, kind: str, visible, attend: Attend, use_fused: bool):
     """(out, lse) of queries q (b, h, c, d) over keys k, v (b, h, c, d); lse is -inf on rows that see nothing."""
-    if use_fused and q.device.type == "cpu":
+    if use_fused and devices.is_host(q):
         out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
             q, k, v, 0.0, kind == "causal", attn_mask=_additive(visible, q.dtype), scale=attend.scale
         )
@@ -113,7 +115,7 @@ def pair_backward(dout, q, k, v, out, lse, kind: str, visible, attend: Attend, u
     """(dq, dk, dv) of one pair given the MERGED output and log-sum-exp of its query rows (rows that see
     nothing anywhere carry lse = -inf and get zero gradients)."""
     safe_lse = lse.masked_fill(lse == NEG_INF, 0.0)
-    if use_fused and q.device.type == "cpu":
+    if use_fused and devices.is_host(q):
         return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
             dout, q, k, v, out, safe_lse.to(lse.dtype), 0.0, kind == "causal",
             attn_mask=_additive(visible, q.dtype), scale=attend.scale,

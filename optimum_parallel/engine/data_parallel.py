@@ -30,6 +30,7 @@ from torch import nn
 
 from ..context_parallel import mark_gradients_reduced
 from ..mesh import ParallelMesh, ranks
+from ..mesh import device as devices
 from ..plan.wrappers import plan_root
 from ..state import find_state, parallel_state
 from .expert_data_parallel import check_expert_data_parallel
@@ -54,7 +55,7 @@ def check_sharding_level(level: object, key: str = "sharding_level") -> None:
 def check_device_sharding_level(level: int, device_type: str, data_parallel_size: int, key: str) -> None:
     """On XLA devices with dp x cp > 1 only `XLA_SHARDING_LEVELS` run: a ValueError naming `key`, the reason and
     the allowed levels otherwise (at dp x cp = 1 no level does anything, there as elsewhere)."""
-    if device_type == "xla" and data_parallel_size > 1 and level not in XLA_SHARDING_LEVELS:
+    if devices.is_graph_device(device_type) and data_parallel_size > 1 and level not in XLA_SHARDING_LEVELS:
         allowed = ", ".join(map(str, XLA_SHARDING_LEVELS))
         raise ValueError(
             f"{key}={level} is not supported on XLA devices ({_XLA_REFUSED[level]}); allowed on XLA: {allowed} "
@@ -156,7 +157,7 @@ def apply_data_parallel(
             config.reduce_dtype,
             config.threshold,
         )
-    if config.sharding_level == 0 and mesh.device_type == "xla":
+    if config.sharding_level == 0 and devices.is_graph_device(mesh.device_type):
         # composable DDP does not run here: at the first forward it builds its reducer with collectives of its own
         # (tried with torch-xla 2.9 on two devices of one process: their all-gathers never meet and XLA ends the
         # process); one flat all-reduce per backward instead, in the step's graph, the same graph on every rank
@@ -271,7 +272,7 @@ def all_reduce_after_backward(params: list[nn.Parameter], group: dist.ProcessGro
         dist.all_reduce(flat, group=group)
         flat /= ranks.world_size(group)
         for param, part in zip(present, flat.split([p.grad.numel() for p in present]), strict=True):
-            if part.device.type == "xla":
+            if devices.is_graph_device(part):
                 # a gradient of its own: copied into autograd's (often a transposed view of a buffer), the average
                 # would be re-derived from that buffer, by a small graph of its own, at every read after a sync
                 param.grad = part.view_as(param.grad).clone()

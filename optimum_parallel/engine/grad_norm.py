@@ -20,6 +20,7 @@ from torch import nn
 
 from ..expert_parallel import expert_layout
 from ..mesh import ParallelMesh, get_mesh, ranks
+from ..mesh import device as devices
 from ..mesh.loaded import is_dtensor, local_tensor
 from ..plan.wrappers import plan_root
 from ..state import find_state
@@ -31,7 +32,7 @@ def grad_norm(model: nn.Module, norm_type: float = 2.0, mesh: ParallelMesh | Non
     norm_type = _check_norm_type(norm_type)
     mesh = mesh if mesh is not None else _current_mesh()
     pieces = list(_counted_pieces(model, mesh))
-    on_xla = any(piece.device.type == "xla" for piece, _ in pieces)
+    on_xla = any(devices.is_graph_device(piece) for piece, _ in pieces)
     if not on_xla:  # on XLA every rank computes every piece: those another rank counts are weighted 0 below
         pieces = [(piece, True) for piece, counted in pieces if counted]
     if not pieces:
@@ -126,7 +127,7 @@ def _tp_share(grad: torch.Tensor, layout, tp: int, tp_rank: int) -> tuple[torch.
     spec = getattr(layout, "spec", None)
     segments = spec.replicated_segments(tp_rank, tp) if spec is not None else []
     copies = [s for s in segments if tp_rank % (tp // s.heads) != 0]
-    if not copies and not (segments and grad.device.type == "xla"):  # on XLA every rank masks: one graph
+    if not copies and not (segments and devices.is_graph_device(grad)):  # on XLA every rank masks: one graph
         return local_tensor(grad).float(), True
     keep = torch.ones(grad.shape[layout.dim], dtype=torch.float32)
     for segment in copies:

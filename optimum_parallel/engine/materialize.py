@@ -18,6 +18,7 @@ from ..expert_parallel import expert_range
 from ..io.safetensors_io import SLICE_BUFFER, SafetensorsReader
 from ..io.slices import read_slice
 from ..io.stacked_experts import StackedExpertsSource, read_stacked_experts
+from ..mesh import device as devices
 from ..mesh import ranks
 from ..tensor_parallel.spec import replace_tensor, split_layout
 
@@ -97,16 +98,16 @@ def move_to_device(model: nn.Module, device: torch.device | str) -> None:
     each shard carries: torch's `Module.to` makes new Parameters where the device's tensors are of another kind
     than the CPU's (XLA devices)."""
     device = torch.device(device)
-    if device.type != "xla":
+    if not devices.is_graph_device(device):
         model.to(device)
         return
     moved: dict[int, torch.Tensor] = {}  # buffers shared between modules move once
     for module in model.modules():
         for leaf, tensor in list(module._parameters.items()):
-            if tensor is not None and tensor.device.type != "xla":
+            if tensor is not None and not devices.is_graph_device(tensor):
                 replace_tensor(module, leaf, tensor.detach().to(device))  # in place: every holder sees it
         for leaf, tensor in list(module._buffers.items()):
-            if tensor is not None and tensor.device.type != "xla":
+            if tensor is not None and not devices.is_graph_device(tensor):
                 if id(tensor) not in moved:
                     moved[id(tensor)] = tensor.to(device)
                 module._buffers[leaf] = moved[id(tensor)]

@@ -16,6 +16,7 @@ import weakref
 
 import torch
 
+from ..mesh import device as devices
 from .libc import libc
 
 _PAGE = mmap.PAGESIZE
@@ -56,6 +57,6 @@ def _unmap(address: int, length: int) -> None:
 def is_file_mapping(tensor: torch.Tensor) -> bool:
     """Whether `tensor`'s memory is one of `map_bytes`' file mappings (a lazily loaded weight): loading other
     values into it is better done by mapping them than by writing each page, which copies it first."""
-    if tensor.device.type != "cpu" or tensor.untyped_storage().nbytes() == 0:
+    if not devices.is_host(tensor) or tensor.untyped_storage().nbytes() == 0:
         return False
     return tensor.untyped_storage().data_ptr() // _PAGE * _PAGE in _MAPPED

@@ -1,14 +1,22 @@
-"""The process grid: named dp/pp/cp/tp dims over a DeviceMesh (`ParallelMesh`); a one-process stand-in for plans."""
+"""The process grid: a table of dims (`layout`), one protocol (`ParallelMesh`) over a torch DeviceMesh (`TorchMesh`)
+or torch-xla's replica groups (`XlaParallelMesh`), the device module (`device`), and a sizes-only mesh for planning."""
 
-from .parallel_mesh import DEFAULT_TIMEOUT, MESH_DIMS, ParallelMesh, check_positive_int, get_mesh, init_mesh, set_mesh
+from .init import DEFAULT_TIMEOUT, get_mesh, init_mesh, set_mesh
+from .layout import GRID_DIMS, MeshLayout, check_expert_parallel_size, check_positive_int
+from .protocol import ParallelMesh
 from .simulated import SimulatedMesh
+
+MESH_DIMS = GRID_DIMS
 
 __all__ = [
     "DEFAULT_TIMEOUT",
+    "GRID_DIMS",
     "MESH_DIMS",
+    "MeshLayout",
     "ParallelMesh",
-    "check_positive_int",
     "SimulatedMesh",
+    "check_expert_parallel_size",
+    "check_positive_int",
     "get_mesh",
     "init_mesh",
     "set_mesh",

@@ -19,7 +19,9 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-XLA_BACKEND = "xla"
+from . import device as devices
+
+XLA_BACKEND = devices.XLA
 LINES_ATTR = "_op_lines"  # on an XLA group made by the mesh: the rank lists of every group of its dim
 
 
@@ -60,15 +62,6 @@ def world_size(group: dist.ProcessGroup | None = None) -> int:
     return dist.get_world_size(group)
 
 
-def sync_device(device: torch.device | str | None) -> None:
-    """On an XLA device, cut the pending graph here and run it (`torch_xla.sync()`): one per optimizer step, after
-    the step, so the step is one compiled program; elsewhere nothing (eager devices run as they go)."""
-    if device is not None and torch.device(device).type == "xla":
-        import torch_xla  # loaded already: the tensors are on an XLA device
-
-        torch_xla.sync()
-
-
 _DEVICE_DATA: dict[tuple, torch.Tensor] = {}
 
 
@@ -93,7 +86,7 @@ def device_vector(values: tuple[float, ...], device: torch.device) -> torch.Tens
 def device_scalar(value: int, device: torch.device) -> torch.Tensor | int:
     """`value` as a one-element tensor on an XLA `device` (a graph input, see `device_indices`; not 0-d: torch-xla
     turns a 0-d 0 or 1 into a constant of the graph, so rank 0's graph would differ); elsewhere the int itself."""
-    if torch.device(device).type != "xla":
+    if not devices.is_graph_device(device):
         return value
     key = ("scalar", value, str(device))
     if key not in _DEVICE_DATA:

@@ -1,27 +1,38 @@
-"""The dp x pp x cp x tp grid on XLA devices (Neuron; torch-xla's CPU device in the tests), without a DeviceMesh.
+"""The grid on XLA devices (Neuron with torch-neuronx <= 2.9; torch-xla's CPU device in the tests), without a
+DeviceMesh.
 
 An XLA collective names its replica groups: all the groups of a dim at once (`[[0, 1], [2, 3]]`), given to every
 group of the dim as torch-xla's `xla_pg_options` mesh. torch-xla keys collectives by those groups alone, not by
 the group object, so where one process drives several devices (one thread each, torch.distributed's rank 0 on
 all) each dim's one group that holds torch's rank serves every device, and `ranks.rank(group)` finds a device's
 place from the lines recorded on it (`ranks.LINES_ATTR`). This rank's coordinates always come from torch-xla's
-runtime (`ranks.global_rank()`), asked at each call, so one mesh object serves every thread.
+runtime (`ranks.global_rank()`), asked at each call, so one mesh object serves every thread. The lines are the
+layout's (`MeshLayout.lines`), as on every mesh.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from datetime import timedelta
 
-import torch
 import torch.distributed as dist
 
+from . import device as devices
 from . import ranks
-from .parallel_mesh import MESH_DIMS, ParallelMesh, _canonical_dim
+from .layout import DATA_PARALLEL, EXPERT_DIM, GRID_DIMS, MeshLayout, canonical_dim
+from .protocol import ParallelMesh
 
 _NO_DEVICE_MESH = (
     "{what} needs a torch DeviceMesh, which the XLA mesh does not build; allowed on XLA: sharding_level 0, "
     "shard_size -1"
 )
+
+# tried with torch-xla 2.9 on its CPU device: besides, the first receive fails (the stages' buffers are made on the CPU)
+_NO_PIPELINE = (
+    "pipeline stages exchange activations by send/recv, which torch-xla runs as a collective_permute plus a "
+    "torch_xla.sync() per tensor: a graph cut at every stage boundary of every micro-batch, not one per step"
+)
+_REFUSED = {"cp": "cp=1", EXPERT_DIM: "ep=1", "pp": f"pp=1 ({_NO_PIPELINE})"}
 
 
 def make_xla_groups(lines: list[list[int]], timeout) -> dist.ProcessGroup:
@@ -35,59 +46,42 @@ def make_xla_groups(lines: list[list[int]], timeout) -> dist.ProcessGroup:
     return group
 
 
-# tried with torch-xla 2.9 on its CPU device: besides, the first receive fails (the stages' buffers are made on the CPU)
-_NO_PIPELINE = (
-    "pipeline stages exchange activations by send/recv, which torch-xla runs as a collective_permute plus a "
-    "torch_xla.sync() per tensor: a graph cut at every stage boundary of every micro-batch, not one per step"
-)
-
-
 @dataclass
 class XlaParallelMesh(ParallelMesh):
     """A `ParallelMesh` over the "xla" backend: the same names and sizes, groups made with torch-xla's replica
     groups. Context and expert parallelism, FSDP2 and hybrid sharding are refused (they need a DeviceMesh or
     all-to-all patterns not built here), and pipeline parallelism (`_NO_PIPELINE`)."""
 
-    _groups: dict[str, dist.ProcessGroup] = field(default_factory=dict, repr=False)
+    layout: MeshLayout
+    timeout: timedelta
+    device_type: str = devices.XLA
+    _groups: dict[str, dist.ProcessGroup] = field(default_factory=dict, init=False, repr=False)
+    _extra_groups: dict[tuple, dist.ProcessGroup] = field(default_factory=dict, init=False, repr=False)
 
     def __post_init__(self) -> None:
-        for dim, allowed in (("cp", "cp=1"), ("ep", "ep=1"), ("pp", f"pp=1 ({_NO_PIPELINE})")):
-            size = self.expert_parallel_size if dim == "ep" else self.sizes[dim]
-            if size != 1:
+        for dim, allowed in _REFUSED.items():
+            if self.layout.size(dim) != 1:
+                size = self.layout.size(dim)
                 raise ValueError(f"{dim}={size} is not supported on XLA devices yet; allowed: {allowed}")
-        for dim in MESH_DIMS:
-            self._groups[dim] = make_xla_groups(self._lines(dim), self.timeout)
-
-    @property
-    def _grid(self) -> torch.Tensor:
-        world = self.sizes["dp"] * self.sizes["pp"] * self.sizes["cp"] * self.sizes["tp"]
-        return torch.arange(world).reshape([self.sizes[d] for d in MESH_DIMS])
-
-    def _lines(self, dim: str) -> list[list[int]]:
-        """Every group of `dim`: the ranks that differ only in their `dim` coordinate, in coordinate order."""
-        return self._grid.movedim(MESH_DIMS.index(dim), -1).reshape(-1, self.sizes[dim]).tolist()
-
-    def size(self, dim: str) -> int:
-        return 1 if dim == "ep" else self.sizes[_canonical_dim(dim)]
+        for dim in GRID_DIMS:
+            self._groups[dim] = make_xla_groups(self.layout.lines(dim), self.timeout)
 
     def rank(self, dim: str) -> int:
-        if dim == "ep":
+        if canonical_dim(dim) == EXPERT_DIM:
             return 0
-        dim = _canonical_dim(dim)
         return self.ranks(dim).index(ranks.global_rank())
 
     def group(self, dim: str) -> dist.ProcessGroup:
-        if dim == "ep":
-            return self.expert_group  # raises: ep=1
-        return self._groups[_canonical_dim(dim)]
+        dim = canonical_dim(dim)
+        if dim == DATA_PARALLEL:  # cp=1 on XLA: the data-parallel ranks are dp's
+            dim = "dp"
+        if dim not in self._groups:
+            raise ValueError(f"{dim}: this mesh has no expert parallelism on XLA devices; allowed: ep=1")
+        return self._groups[dim]
 
     def ranks(self, dim: str) -> list[int]:
         me = ranks.global_rank()
-        return next(line for line in self._lines(_canonical_dim(dim)) if me in line)
-
-    @property
-    def device_type(self) -> str:
-        return "xla"
+        return next(line for line in self.layout.lines(dim) if me in line)
 
     @property
     def data_parallel_mesh(self):
@@ -96,6 +90,10 @@ class XlaParallelMesh(ParallelMesh):
     @property
     def data_parallel_group(self) -> dist.ProcessGroup:
         return self.group("dp")
+
+    @property
+    def expert_replica_mesh(self):
+        raise NotImplementedError(_NO_DEVICE_MESH.format(what="expert parallelism"))
 
     def sharding_mesh(self, shard_size: int = -1):
         raise NotImplementedError(_NO_DEVICE_MESH.format(what="FSDP2 and hybrid sharding"))
@@ -108,11 +106,11 @@ class XlaParallelMesh(ParallelMesh):
     def subgroups(self, dim: str, parts: int) -> dist.ProcessGroup:
         """Every group along `dim` cut into `parts` contiguous blocks (e.g. the tp ranks holding the same replicated
         kv head): this rank's block's group, all the blocks its XLA replica groups."""
-        dim = _canonical_dim(dim)
-        key = ("xla", dim, parts)
+        dim = canonical_dim(dim)
+        key = (dim, parts)
         if key not in self._extra_groups:
-            block = self.sizes[dim] // parts
-            lines = [line[i : i + block] for line in self._lines(dim) for i in range(0, len(line), block)]
+            block = self.size(dim) // parts
+            lines = [line[i : i + block] for line in self.layout.lines(dim) for i in range(0, len(line), block)]
             self._extra_groups[key] = make_xla_groups(lines, self.timeout)
         return self._extra_groups[key]
 

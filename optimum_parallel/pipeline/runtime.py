@@ -18,6 +18,7 @@ from torch.distributed.pipelining import PipelineStage
 from ..context_parallel import ChunkLayout, check_gradients_reduced, split_batch
 from ..expert_parallel import expert_layout
 from ..mesh import ParallelMesh, ranks
+from ..mesh import device as devices
 from ..mesh.loaded import local_tensor
 from ..state import parallel_state, refuse
 from ..styles import PlanContext
@@ -66,8 +67,7 @@ class Pipeline:
         schedule_cls = schedule_class(schedule)
         num_stages = self.num_stages = mesh.size("pp") * per_rank
         self.stages_by_index = {stage.stage_index: stage for stage in stages}
-        cuda = torch.cuda.is_available()
-        self.device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
+        self.device = devices.current_device(mesh.device_type)
         self.pipeline_stages = [
             PipelineStage(stage, stage.stage_index, num_stages, self.device, group=self.pp_group) for stage in stages
         ]

@@ -25,6 +25,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ..comm.sequence_switch import sequence_switch
+from ..mesh import device as devices
 from ..mesh import ranks
 from ..tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
 
@@ -161,7 +162,7 @@ def sync_generation(group: dist.ProcessGroup, args: tuple = (), kwargs: Mapping 
     world = ranks.world_size(group)
     if world == 1:
         return
-    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(group) == "nccl" else "cpu"
+    device = devices.collective_device(group)
     mine = _input_fingerprint(args, kwargs or {}).to(device)
     prints = [torch.empty_like(mine) for _ in range(world)]
     dist.all_gather(prints, mine, group=group)
@@ -172,13 +173,12 @@ def sync_generation(group: dist.ProcessGroup, args: tuple = (), kwargs: Mapping 
             "rank of a tp group must call generate with the same inputs (shard the data over dp, not tp)"
         )
     source = ranks.group_ranks(group)[0]
-    state = torch.get_rng_state().to(device)
-    dist.broadcast(state, src=source, group=group)
-    torch.set_rng_state(state.cpu())
-    if torch.cuda.is_available() and device != "cpu":
-        cuda_state = torch.cuda.get_rng_state().to(device)
-        dist.broadcast(cuda_state, src=source, group=group)
-        torch.cuda.set_rng_state(cuda_state.cpu())
+    states = devices.rng_states()
+    for kind, state in states.items():
+        on_wire = state.to(device)
+        dist.broadcast(on_wire, src=source, group=group)
+        states[kind] = on_wire.cpu()
+    devices.set_rng_states(states)
 
 
 def _generate_on_tp(self: nn.Module, *args, **kwargs):

@@ -20,6 +20,7 @@ from ..comm.regions import (
     scatter_to_tensor_parallel_region,
 )
 from ..comm.sequence_switch import sequence_switch
+from ..mesh import device as devices
 from ..mesh import ranks
 from .spec import ShardLayout, ShardSpec, local_parameter, shard_sizes
 
@@ -219,7 +220,7 @@ class VocabParallelEmbedding(_ShardedModule):
         return layer
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-        if input_ids.device.type == "xla":
+        if devices.is_graph_device(input_ids):
             return self._xla_forward(input_ids)
         outside = (input_ids < self.vocab_start) | (input_ids >= self.vocab_end)
         local_ids = (input_ids - self.vocab_start).masked_fill(outside, 0)

@@ -18,6 +18,8 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from ..mesh import device as devices
+
 Part = tuple[int, int | None]  # (size along the split dim, heads it is cut in; None: rows, uneven split allowed)
 
 
@@ -216,11 +218,11 @@ def split_layout(tensor: torch.Tensor) -> ShardLayout | None:
 def local_parameter(source: torch.Tensor, layout: ShardLayout, requires_grad: bool) -> nn.Parameter:
     """This rank's slice of `source` as a new Parameter carrying its `shard_layout` (meta stays meta). An XLA
     tensor is sliced on the CPU and moved back: slicing on the device would compile one graph per rank."""
-    if source.device.type == "xla":
+    if devices.is_graph_device(source):
         local = layout.slice(source.detach().cpu()).clone().to(source.device)
     else:
         local = layout.slice(source.detach())
-    if local.device.type not in ("meta", "xla"):
+    if not (local.is_meta or devices.is_graph_device(local)):
         local = local.clone()
     param = nn.Parameter(local.contiguous(), requires_grad=requires_grad)
     param.shard_layout = layout

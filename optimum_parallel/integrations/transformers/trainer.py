@@ -30,8 +30,7 @@ from ...engine.grad_norm import clip_grad_norm_
 from ...engine.grad_norm import grad_norm as global_grad_norm
 from ...engine.validate import TRAINER_KEYS
 from ...frontends.manager import ParallelizersManager
-from ...mesh import ParallelMesh, get_mesh, init_mesh, ranks
-from ...mesh.parallel_mesh import check_expert_parallel_size
+from ...mesh import ParallelMesh, check_expert_parallel_size, get_mesh, init_mesh, ranks
 from ...plan import logits_mode
 from ...plan.wrappers import plan_root
 from ...state import parallel_state
@@ -58,7 +57,9 @@ def _mesh_for(args: ParallelTrainingArguments) -> ParallelMesh:
         )
     sizes = {"dp": world // (tp * pp * cp), "pp": pp, "cp": cp, "tp": tp}
     replicas = sizes["dp"] * cp  # the ranks holding the same parameters
-    ep = check_expert_parallel_size(args.expert_parallel_size, sizes["dp"], cp, "expert_parallel_size")
+    ep = check_expert_parallel_size(
+        args.expert_parallel_size, replicas, "expert_parallel_size", f"dp x cp = {sizes['dp']} x {cp}"
+    )
     if args.shard_size != -1 and replicas > 1 and replicas % args.shard_size:
         allowed = [-1] + [d for d in range(1, replicas + 1) if replicas % d == 0]
         raise ValueError(

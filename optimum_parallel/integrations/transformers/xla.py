@@ -17,11 +17,11 @@ import torch
 from accelerate import data_loader as accelerate_loaders
 from transformers import TrainerCallback
 
-from ...mesh import ranks
+from ...mesh import device as devices
 
 
 def on_xla_device(device: torch.device | str) -> bool:
-    return torch.device(device).type == "xla"
+    return devices.is_graph_device(device)
 
 
 def plain_loader(prepared):
@@ -42,7 +42,7 @@ class XlaStepCallback(TrainerCallback):
         self.gradient_state.is_xla_gradients_synced = True
 
     def on_optimizer_step(self, args, state, control, **kwargs):
-        ranks.sync_device(self.device)
+        devices.sync_graph(self.device)
 
     @classmethod
     def install(cls, trainer) -> None:

@@ -1,0 +1,232 @@
+"""Everything device-specific, in one module: which accelerator, which process-group backend, and the few device
+calls the package makes (set the device, synchronize, memory, random state, autocast, pinned memory).
+
+The accelerator is torch's (`torch.accelerator.current_accelerator()`: CUDA, Trainium's native backend `neuron`
+(TorchNeuron, a PrivateUse1 device), Ascend `npu`, Intel `xpu`, ...) or one named by the caller; the backend is what
+the device's package registered (`torch.distributed.get_default_backend_for_device`: nccl, neuron, hccl, xccl, gloo
+on the CPU). XLA devices (torch-neuronx <= 2.9, torch-xla) are the one exception torch's registry does not cover:
+their tensors compile into a graph per program, so ranks must never appear in them as constants
+(`is_graph_device`), and the "xla" backend starts from torch-xla's runtime. Nothing outside this module names a
+device type or calls `torch.cuda`; `tests/test_architecture.py` greps for it.
+"""
+
+from __future__ import annotations
+
+import os
+import types
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+XLA = "xla"  # torch-xla's device type and backend name
+HOST = "cpu"
+
+
+def is_graph_device(device: torch.device | str | torch.Tensor | None) -> bool:
+    """Whether tensors on `device` are traced into compiled graphs (XLA): what differs by rank must be data."""
+    return _type(device) == XLA
+
+
+def is_host(device: torch.device | str | torch.Tensor | None) -> bool:
+    """Whether `device` is the host CPU (host memory, host kernels)."""
+    return _type(device) == HOST
+
+
+def _type(device: torch.device | str | torch.Tensor | None) -> str | None:
+    if device is None:
+        return None
+    if isinstance(device, torch.Tensor):
+        return device.device.type
+    return torch.device(device).type if not isinstance(device, torch.device) else device.type
+
+
+def xla_requested() -> bool:
+    """torch-xla's runtime is configured (`PJRT_DEVICE`) or the process group already runs on the "xla" backend."""
+    return bool(os.environ.get("PJRT_DEVICE")) or (dist.is_initialized() and dist.get_backend() == XLA)
+
+
+def available_device_types() -> list[str]:
+    """The device types this process can run on: the CPU, and the accelerator torch reports (if any)."""
+    accelerator = torch.accelerator.current_accelerator()
+    return [HOST] + ([accelerator.type] if accelerator is not None else [])
+
+
+def resolve_device_type(device: torch.device | str | None = None) -> str:
+    """The device the mesh runs on: `device` (any device type torch knows, available here), else XLA where
+    torch-xla is configured, else torch's current accelerator, else the CPU."""
+    if device is None:
+        if xla_requested():
+            return XLA
+        accelerator = torch.accelerator.current_accelerator()
+        return accelerator.type if accelerator is not None else HOST
+    try:
+        kind = torch.device(device).type
+    except (RuntimeError, TypeError) as err:
+        raise ValueError(
+            f"device={device!r} is not a device torch knows ({err}); available here: "
+            f"{', '.join(available_device_types() + [XLA])}"
+        ) from None
+    if kind in (HOST, XLA):
+        return kind
+    available = available_device_types()
+    if kind not in available:
+        raise ValueError(
+            f"device={device!r} is not available in this process; available here: {', '.join(available)} "
+            "(an accelerator is available once its torch package is installed and imported, e.g. torch_neuronx, "
+            "torch_npu)"
+        )
+    return kind
+
+
+def backend_for(device_type: str) -> str:
+    """The process-group backend of `device_type`: the one its package registered with torch.distributed."""
+    if device_type == XLA:
+        return XLA
+    try:
+        return dist.get_default_backend_for_device(device_type)
+    except ValueError:
+        known = ", ".join(f"{d}: {b}" for d, b in sorted(dist.Backend.default_device_backend_map.items()))
+        raise ValueError(
+            f"no torch.distributed backend is registered for device {device_type!r}; registered: {known}"
+        ) from None
+
+
+def backend_options(backend: str, timeout: timedelta):
+    """Options carrying `timeout` for process groups of `backend` (DeviceMesh's sub-groups otherwise get torch's
+    30-minute default): gloo's and NCCL's own option types; for another registered backend an object carrying the
+    timeout, which is what DeviceMesh reads from it."""
+    if backend == "gloo":
+        options = dist.ProcessGroupGloo._Options()
+    elif backend == "nccl":
+        options = dist.ProcessGroupNCCL.Options()
+    else:
+        return types.SimpleNamespace(_timeout=timeout)
+    options._timeout = timeout
+    return options
+
+
+def local_device_index() -> int:
+    """This process's device: `LOCAL_RANK` when it sees several devices, else 0 (one visible device per process)."""
+    count = torch.accelerator.device_count()
+    return int(os.environ.get("LOCAL_RANK", "0")) % count if count > 1 else 0
+
+
+def set_process_device(device_type: str) -> None:
+    """Make this process's device current (before the process group exists: NCCL-like backends bind to it)."""
+    if device_type not in (HOST, XLA):
+        torch.accelerator.set_device_index(local_device_index())
+
+
+def current_device(device_type: str | None = None) -> torch.device:
+    """The device this process computes on: its current accelerator device, or the CPU."""
+    if device_type is None:
+        accelerator = torch.accelerator.current_accelerator()
+        device_type = accelerator.type if accelerator is not None else HOST
+    if device_type in (HOST, XLA):
+        return torch.device(HOST) if device_type == HOST else _xla_device()
+    return torch.device(device_type, torch.accelerator.current_device_index())
+
+
+def _xla_device() -> torch.device:
+    import torch_xla  # loaded already wherever an XLA mesh exists
+
+    return torch_xla.device()
+
+
+def collective_device(group: dist.ProcessGroup | None = None) -> torch.device:
+    """Where small tensors for a collective on `group` must live: the device of its backend (the CPU for gloo)."""
+    backend = dist.get_backend(group)
+    if backend == "gloo":
+        return torch.device(HOST)
+    accelerator = torch.accelerator.current_accelerator()
+    if accelerator is not None and backend_for(accelerator.type) == backend:
+        return current_device(accelerator.type)
+    return torch.device(HOST)
+
+
+def synchronize(device: torch.device | str | None) -> None:
+    """Wait for the work queued on `device` (nothing on the CPU; XLA cuts and runs its graph, see `sync_graph`)."""
+    if device is None or is_host(device):
+        return
+    if is_graph_device(device):
+        sync_graph(device)
+        return
+    torch.accelerator.synchronize(torch.device(device))
+
+
+def sync_graph(device: torch.device | str | None) -> None:
+    """On an XLA device, cut the pending graph here and run it (`torch_xla.sync()`): one per optimizer step, after
+    the step, so the step is one compiled program; elsewhere nothing (eager devices run as they go)."""
+    if device is not None and is_graph_device(device):
+        import torch_xla  # loaded already: the tensors are on an XLA device
+
+        torch_xla.sync()
+
+
+def memory_allocated(device: torch.device | str) -> int:
+    """Bytes of device memory tensors hold now (0 on the CPU and XLA: not tracked there)."""
+    if is_host(device) or is_graph_device(device):
+        return 0
+    return torch.accelerator.memory_allocated(torch.device(device))
+
+
+def max_memory_allocated(device: torch.device | str) -> int:
+    if is_host(device) or is_graph_device(device):
+        return 0
+    return torch.accelerator.max_memory_allocated(torch.device(device))
+
+
+def reset_peak_memory(device: torch.device | str) -> None:
+    if not (is_host(device) or is_graph_device(device)):
+        torch.accelerator.reset_peak_memory_stats(torch.device(device))
+
+
+def empty_cache(device: torch.device | str) -> None:
+    if not (is_host(device) or is_graph_device(device)):
+        torch.accelerator.empty_cache()
+
+
+def rng_states() -> dict[str, torch.Tensor]:
+    """The random states a checkpoint keeps: the CPU's, and the current accelerator's (every device of its type)."""
+    states = {HOST: torch.get_rng_state()}
+    accelerator = torch.accelerator.current_accelerator()
+    if accelerator is not None:
+        module = torch.get_device_module(accelerator.type)
+        if hasattr(module, "get_rng_state"):
+            states[accelerator.type] = module.get_rng_state()
+    return states
+
+
+def set_rng_states(states: dict[str, torch.Tensor]) -> None:
+    """Restore what `rng_states` returned (an accelerator this process does not have is skipped)."""
+    for kind, state in states.items():
+        if kind == HOST:
+            torch.set_rng_state(state.cpu())
+            continue
+        accelerator = torch.accelerator.current_accelerator()
+        if accelerator is not None and accelerator.type == kind:
+            module = torch.get_device_module(kind)
+            if hasattr(module, "set_rng_state"):
+                module.set_rng_state(state.cpu())
+
+
+def autocast_device_type(device: torch.device | str | None) -> str:
+    """The device type `torch.autocast` takes for `device` (its own type on accelerators; XLA autocasts as "xla")."""
+    return _type(device) or HOST
+
+
+def pin(tensor: torch.Tensor) -> torch.Tensor:
+    """`tensor` in pinned host memory when the accelerator has pinned memory (faster, asynchronous copies), else
+    the tensor itself."""
+    if torch.accelerator.current_accelerator() is None or not is_host(tensor):
+        return tensor
+    try:
+        return tensor.pin_memory()
+    except (RuntimeError, NotImplementedError):  # a device without pinned memory
+        return tensor
+
+
+def copies_asynchronously(device: torch.device | str | None) -> bool:
+    """Whether host <-> `device` copies may be `non_blocking` (accelerators; not the CPU itself, not XLA)."""
+    return device is not None and not is_host(device) and not is_graph_device(device)

@@ -1,0 +1,111 @@
+"""`init_mesh`: start torch.distributed on the accelerator torch reports (or the one named) with the backend its
+package registered, and build the grid; `set_mesh` / `get_mesh`: the mesh the front doors use when none is passed."""
+
+from __future__ import annotations
+
+import os
+import threading
+from datetime import timedelta
+
+import torch.distributed as dist
+
+from . import device as devices
+from .layout import ALIASES, EXPERT_DIM, GRID_DIMS, MeshLayout
+from .protocol import ParallelMesh
+
+DEFAULT_TIMEOUT = timedelta(seconds=60)
+_INIT_LOCK = threading.Lock()  # on XLA one process may drive several devices, one thread each: one group for all
+_CURRENT_MESH: ParallelMesh | None = None
+
+
+def init_mesh(
+    dp: int = 1,
+    tp: int | None = None,
+    pp: int = 1,
+    cp: int = 1,
+    *,
+    ep: int = 1,
+    timeout: timedelta | float = DEFAULT_TIMEOUT,
+    device: str | None = None,
+    **aliases: int,
+) -> ParallelMesh:
+    """Build (and set as current) the dp x pp x cp x tp mesh; `tp` (alias `mp`) defaults to world / (dp * pp * cp).
+
+    cp is context parallelism: each cp rank holds a share of every sequence and the same parameters.
+    ep is expert parallelism: blocks of `ep` consecutive dp x cp ranks split the experts between them (ep divides
+    dp x cp; dense weights stay replicated over dp x cp).
+
+    `device`: any device type torch knows ("cuda", "neuron", "npu", "xpu", "cpu", or "xla" for torch-xla); by default
+    torch's current accelerator (the CPU without one; XLA where `PJRT_DEVICE` is set). Starts torch.distributed from
+    the torchrun environment if needed, with the backend the device's package registered (gloo on the CPU, nccl on
+    CUDA, neuron on Trainium, ...); every process group of the mesh gets `timeout` (seconds or a timedelta), so a
+    lost rank fails the run instead of hanging it.
+    """
+    sizes: dict[str, int | None] = {"dp": dp, "pp": pp, "cp": cp, "tp": tp}
+    for name, value in aliases.items():
+        if ALIASES.get(name) != "tp":
+            allowed = ", ".join(GRID_DIMS + tuple(ALIASES) + (EXPERT_DIM,))
+            raise ValueError(f"unknown mesh dim {name!r}; allowed: {allowed}")
+        if tp is not None and tp != value:
+            raise ValueError(f"tp={tp} and its alias {name}={value} disagree; pass one of them")
+        sizes["tp"] = tp = value
+    if not isinstance(timeout, timedelta):
+        timeout = timedelta(seconds=float(timeout))
+    device_type = devices.resolve_device_type(device)
+    _init_process_group(timeout, device_type)
+    layout = MeshLayout.for_world(dist.get_world_size(), sizes, ep)
+    if device_type == devices.XLA:
+        from .xla_mesh import XlaParallelMesh  # torch-xla's replica groups, no DeviceMesh
+
+        return set_mesh(XlaParallelMesh(layout, timeout))
+    from .torch_mesh import TorchMesh
+
+    return set_mesh(TorchMesh(layout, device_type, timeout))
+
+
+def _init_process_group(timeout: timedelta, device_type: str) -> None:
+    """Start torch.distributed from torchrun's environment (or a single local process) on `device_type`'s backend;
+    on XLA from torch-xla's runtime (`init_method="xla://"`), once per process however many devices it drives."""
+    with _INIT_LOCK:
+        if dist.is_initialized():
+            return
+        # torch.distributed.optim (ZeRO-1) imports torch.distributed.rpc; imported after a process group exists, it
+        # made the process abort at exit ("terminate called without an active exception", 1 run in 3 of a 4-rank
+        # job): import it before the group is made (0.2 s, only in processes that start torch.distributed)
+        import torch.distributed.optim  # noqa: F401
+
+        if device_type == devices.XLA:
+            try:
+                import torch_xla.distributed.xla_backend  # noqa: F401  (registers the "xla" backend and "xla://")
+            except ImportError as err:
+                raise ImportError(
+                    f"the mesh runs on XLA devices (device='xla' or PJRT_DEVICE={os.environ.get('PJRT_DEVICE')!r}) "
+                    "but torch-xla does not import; install torch-xla (torch-neuronx on Neuron), or leave PJRT_DEVICE "
+                    f"unset for the native backends ({err})"
+                ) from err
+
+            dist.init_process_group(backend=devices.XLA, init_method="xla://", timeout=timeout)
+            return
+        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+        os.environ.setdefault("MASTER_PORT", "29500")
+        os.environ.setdefault("RANK", "0")
+        os.environ.setdefault("WORLD_SIZE", "1")
+        devices.set_process_device(device_type)
+        dist.init_process_group(backend=devices.backend_for(device_type), timeout=timeout)
+
+
+def set_mesh(mesh: ParallelMesh) -> ParallelMesh:
+    """Make `mesh` the one `get_mesh()` and the front doors use when none is passed."""
+    global _CURRENT_MESH
+    if not isinstance(mesh, ParallelMesh):
+        raise TypeError(f"set_mesh expects a ParallelMesh (from init_mesh), got {type(mesh).__name__}")
+    _CURRENT_MESH = mesh
+    return mesh
+
+
+def get_mesh() -> ParallelMesh:
+    if _CURRENT_MESH is None:
+        raise RuntimeError(
+            "no parallel mesh is set: call optimum_parallel.init_mesh(dp=..., tp=..., pp=..., cp=...) first"
+        )
+    return _CURRENT_MESH

@@ -1,0 +1,180 @@
+"""The mesh as a table of dimensions: which dims the grid has, what ranks along each hold, and the rank lists of
+every group, derived from the table alone (no process groups: planning, checkpoints and the XLA mesh read it too).
+
+A grid dim is one row of `GRID`, outermost first. Its `role` says what the ranks that differ only along it hold:
+
+    replica   the same weights, other rows of the batch (dp)
+    stage     other layers (pp)
+    sequence  the same weights, another share of every sequence (cp)
+    shard     another slice of the same weights (tp)
+
+The data-parallel ranks are the dims whose role keeps the weights whole ("replica" and "sequence", in grid order):
+gradients are averaged over them and one of them writes a checkpoint. `ep` is not a grid dim: it cuts the
+data-parallel ranks into blocks of `ep` consecutive ranks (an unflattening, `ep_replicate` x `ep`) that split the
+experts between them. A new dim is a new row here; every other room asks the table by role.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+
+@dataclass(frozen=True)
+class MeshDim:
+    name: str
+    role: str  # "replica", "stage", "sequence" or "shard" (see the module docstring)
+    aliases: tuple[str, ...] = ()
+
+
+GRID = (  # outermost to innermost: tp ranks are neighbours (fastest links), then cp (ring attention every layer)
+    MeshDim("dp", "replica"),
+    MeshDim("pp", "stage"),
+    MeshDim("cp", "sequence"),
+    MeshDim("tp", "shard", aliases=("mp",)),
+)
+GRID_DIMS = tuple(d.name for d in GRID)
+ROLES = {d.name: d.role for d in GRID}
+ALIASES = {alias: d.name for d in GRID for alias in d.aliases}
+WEIGHT_REPLICA_ROLES = ("replica", "sequence")
+DATA_PARALLEL_DIMS = tuple(d.name for d in GRID if d.role in WEIGHT_REPLICA_ROLES)  # ranks holding the same weights
+EXPERT_DIM, EXPERT_REPLICA_DIM = "ep", "ep_replicate"  # the data-parallel ranks unflattened (replicas, ep)
+DATA_PARALLEL = "dp_cp"  # the name of the flattened data-parallel dims (torch's `_flatten`)
+DERIVED_DIMS = (DATA_PARALLEL, EXPERT_DIM, EXPERT_REPLICA_DIM)
+
+
+def canonical_dim(dim: str, derived: bool = True) -> str:
+    """`dim` with aliases resolved (mp -> tp); ValueError naming the allowed dims if the table has no such dim."""
+    name = ALIASES.get(dim, dim)
+    if name in GRID_DIMS or (derived and name in DERIVED_DIMS):
+        return name
+    allowed = ", ".join(GRID_DIMS + tuple(ALIASES) + ((EXPERT_DIM,) if derived else ()))
+    raise ValueError(f"unknown mesh dim {dim!r}; allowed: {allowed}")
+
+
+def check_positive_int(name: str, value: object, what: str = "it") -> int:
+    """`value` if it is a positive int (not a bool); else ValueError naming `name` and the value."""
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise ValueError(f"{name}={value!r} is not allowed; {what} must be a positive integer")
+    return value
+
+
+def check_expert_parallel_size(ep: object, replicas: int, key: str = "ep", sizes: str = "") -> int:
+    """`ep` if it is a positive int dividing the `replicas` data-parallel ranks; else ValueError naming `key` and the
+    allowed values (`sizes` says what they are made of, e.g. "dp x cp = 2 x 2")."""
+    allowed = [d for d in range(1, replicas + 1) if replicas % d == 0]
+    if isinstance(ep, bool) or not isinstance(ep, int) or ep not in allowed:
+        raise ValueError(
+            f"{key}={ep!r} is not allowed; expert parallelism splits the experts over ranks that share the dense "
+            f"weights, so it must divide {sizes or f'the {replicas} data-parallel ranks'}; allowed: "
+            f"{', '.join(map(str, allowed))}"
+        )
+    return ep
+
+
+@dataclass(frozen=True)
+class MeshLayout:
+    """Sizes of every grid dim (in `GRID` order) and of ep: every group's ranks and every rank's coordinates."""
+
+    sizes: dict[str, int]
+    ep: int = 1
+    grid: torch.Tensor = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        sizes = {dim: self.sizes.get(dim, 1) for dim in GRID_DIMS}
+        unknown = [dim for dim in self.sizes if dim not in GRID_DIMS]
+        if unknown:
+            canonical_dim(unknown[0], derived=False)  # raises, naming the allowed dims
+        for dim, size in sizes.items():
+            check_positive_int(dim, size, "a mesh size")
+        object.__setattr__(self, "sizes", sizes)
+        check_expert_parallel_size(self.ep, self.data_parallel_size, sizes=self.data_parallel_text)
+        object.__setattr__(self, "grid", torch.arange(self.world).reshape([sizes[d] for d in GRID_DIMS]))
+
+    @classmethod
+    def for_world(cls, world: int, sizes: dict[str, int | None], ep: int = 1) -> MeshLayout:
+        """The layout of `world` ranks; a dim given as None takes what the others leave (world / their product)."""
+        open_dims = [dim for dim, size in sizes.items() if size is None]
+        given = {dim: size for dim, size in sizes.items() if size is not None}
+        for dim, size in given.items():
+            check_positive_int(dim, size, "a mesh size")
+        product = 1
+        for size in given.values():
+            product *= size
+        for dim in open_dims:
+            given[dim] = world // product
+        layout = cls(given, ep)
+        if layout.world != world:
+            shape = " x ".join(f"{d}={s}" for d, s in layout.sizes.items())
+            raise ValueError(f"mesh {shape} = {layout.world} ranks, but the world size is {world}")
+        return layout
+
+    @property
+    def world(self) -> int:
+        out = 1
+        for size in self.sizes.values():
+            out *= size
+        return out
+
+    @property
+    def data_parallel_size(self) -> int:
+        """Ranks holding the same parameters (the dims of `DATA_PARALLEL_DIMS`: dp x cp)."""
+        out = 1
+        for dim in DATA_PARALLEL_DIMS:
+            out *= self.sizes[dim]
+        return out
+
+    @property
+    def data_parallel_text(self) -> str:
+        """ "dp x cp = 2 x 1": what the data-parallel ranks are made of, for messages."""
+        return " x ".join(DATA_PARALLEL_DIMS) + " = " + " x ".join(str(self.sizes[d]) for d in DATA_PARALLEL_DIMS)
+
+    def size(self, dim: str) -> int:
+        dim = canonical_dim(dim)
+        if dim == DATA_PARALLEL:
+            return self.data_parallel_size
+        if dim == EXPERT_DIM:
+            return self.ep
+        if dim == EXPERT_REPLICA_DIM:
+            return self.data_parallel_size // self.ep
+        return self.sizes[dim]
+
+    def lines(self, dim: str) -> list[list[int]]:
+        """Every group of `dim`: the global ranks that differ only in that dim's coordinate, in coordinate order.
+        For the derived dims: the data-parallel ranks flattened (dp-major), and their (ep_replicate, ep) blocks."""
+        dim = canonical_dim(dim)
+        if dim in GRID_DIMS:
+            return self.grid.movedim(GRID_DIMS.index(dim), -1).reshape(-1, self.sizes[dim]).tolist()
+        data = [GRID_DIMS.index(d) for d in DATA_PARALLEL_DIMS]
+        others = [i for i in range(len(GRID_DIMS)) if i not in data]
+        flat = self.grid.permute(*others, *data).reshape(-1, self.data_parallel_size)
+        if dim == DATA_PARALLEL:
+            return flat.tolist()
+        blocks = flat.reshape(flat.shape[0], -1, self.ep)  # [line, replica, ep]
+        if dim == EXPERT_DIM:
+            return blocks.reshape(-1, self.ep).tolist()
+        return blocks.transpose(1, 2).reshape(-1, self.data_parallel_size // self.ep).tolist()
+
+    def coordinates(self, rank: int) -> dict[str, int]:
+        """`rank`'s coordinate along every grid dim."""
+        where = (self.grid == rank).nonzero()[0].tolist()
+        return dict(zip(GRID_DIMS, where, strict=True))
+
+    def data_parallel_rank(self, coordinates: dict[str, int]) -> int:
+        """The place among the data-parallel ranks (dp-major, as torch flattens them) of these coordinates."""
+        place = 0
+        for dim in DATA_PARALLEL_DIMS:
+            place = place * self.sizes[dim] + coordinates[dim]
+        return place
+
+    def weight_shards(self) -> dict[str, int]:
+        """The sizes a checkpoint's files depend on: the dims that cut the weights (pp, tp, and ep when > 1), with
+        the replica dim's size for the record; dims that keep weights whole (cp) do not change the files."""
+        sizes = {d.name: self.sizes[d.name] for d in GRID if d.role != "sequence"}
+        if self.ep > 1:
+            sizes[EXPERT_DIM] = self.ep
+        return sizes
+
+    def describe(self) -> str:
+        return ", ".join(f"{d}={s}" for d, s in self.sizes.items())

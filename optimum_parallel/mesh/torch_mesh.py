@@ -1,0 +1,150 @@
+"""The grid over a torch DeviceMesh: one process group per grid dim, the data-parallel dims flattened (torch's
+`_flatten`), and ep as the data-parallel ranks unflattened into (ep_replicate, ep) (torch's `_unflatten`), every
+group with the mesh's timeout. Which ranks each group holds is the layout's (`layout.MeshLayout.lines`)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from datetime import timedelta
+
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+from . import device as devices
+from . import hang_report
+from .layout import (
+    DATA_PARALLEL,
+    DATA_PARALLEL_DIMS,
+    EXPERT_DIM,
+    EXPERT_REPLICA_DIM,
+    GRID_DIMS,
+    MeshLayout,
+    canonical_dim,
+)
+from .protocol import NO_EXPERT_PARALLELISM, ParallelMesh
+
+_GRACE = timedelta(seconds=3)  # how long a failed rank waits for the other survivors' reports (see hang_report)
+
+
+@dataclass
+class TorchMesh(ParallelMesh):
+    """A `ParallelMesh` on a torch DeviceMesh over the device's own backend (gloo, nccl, neuron, hccl, xccl)."""
+
+    layout: MeshLayout
+    device_type: str
+    timeout: timedelta
+    device_mesh: DeviceMesh = field(init=False, repr=False)
+    _data_mesh: DeviceMesh = field(init=False, repr=False)
+    _expert_mesh: DeviceMesh | None = field(default=None, init=False, repr=False)
+    _sharding_meshes: dict[int, DeviceMesh] = field(default_factory=dict, init=False, repr=False)
+    _extra_groups: dict[tuple[int, ...], dist.ProcessGroup] = field(default_factory=dict, init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        """Every group is made here, on every rank at once, as torch requires."""
+        override = {dim: self._backend() for dim in GRID_DIMS}
+        shape = tuple(self.layout.sizes[dim] for dim in GRID_DIMS)
+        self.device_mesh = init_device_mesh(
+            self.device_type, shape, mesh_dim_names=GRID_DIMS, backend_override=override
+        )
+        split = [dim for dim in DATA_PARALLEL_DIMS if self.layout.sizes[dim] > 1]
+        if len(split) > 1:  # not adjacent in the grid: torch flattens them into one 1-D mesh with its own group
+            self._data_mesh = self.device_mesh[DATA_PARALLEL_DIMS]._flatten(DATA_PARALLEL, self._backend())
+        else:
+            self._data_mesh = self.device_mesh[split[0] if split else DATA_PARALLEL_DIMS[0]]
+        if self.layout.ep > 1:
+            self._expert_mesh = self._unflatten(self.layout.ep, (EXPERT_REPLICA_DIM, EXPERT_DIM))
+        # a collective that fails because a rank never came says which one, on which group, and who is missing
+        grace = min(max(self.timeout / 2, _GRACE), _GRACE * 3)
+        hang_report.install({self.device_mesh.get_group(dim): dim for dim in GRID_DIMS}, grace)
+
+    def _backend(self) -> tuple[str, object]:
+        backend = devices.backend_for(self.device_type)
+        return backend, devices.backend_options(backend, self.timeout)
+
+    def _unflatten(self, inner: int, names: tuple[str, str]) -> DeviceMesh:
+        """The data-parallel ranks as a 2-D mesh (size / inner, inner): blocks of `inner` consecutive ranks."""
+        size = self.layout.data_parallel_size
+        backend = self._backend()
+        return self._data_mesh._unflatten(
+            0, (size // inner, inner), names, backend_override={name: backend for name in names}
+        )
+
+    def rank(self, dim: str) -> int:
+        dim = canonical_dim(dim)
+        if dim in GRID_DIMS:
+            return self.device_mesh.get_local_rank(dim) if self.layout.sizes[dim] > 1 else 0
+        if dim == DATA_PARALLEL:
+            return self.data_parallel_rank
+        place = self.data_parallel_rank
+        return place % self.layout.ep if dim == EXPERT_DIM else place // self.layout.ep
+
+    def group(self, dim: str) -> dist.ProcessGroup:
+        dim = canonical_dim(dim)
+        if dim in GRID_DIMS:
+            return self.device_mesh.get_group(dim)
+        if dim == DATA_PARALLEL:
+            return self._data_mesh.get_group()
+        if self._expert_mesh is None:
+            raise ValueError(NO_EXPERT_PARALLELISM)
+        return self._expert_mesh.get_group(dim)
+
+    def ranks(self, dim: str) -> list[int]:
+        return dist.get_process_group_ranks(self.group(dim))
+
+    @property
+    def data_parallel_group(self) -> dist.ProcessGroup:
+        return self.group(DATA_PARALLEL)
+
+    @property
+    def data_parallel_mesh(self) -> DeviceMesh:
+        """The 1-D mesh of the ranks holding the same parameters (dp x cp at this pp and tp coordinate), which
+        FSDP2 shards over; with cp=1 it is the dp sub-mesh."""
+        return self._data_mesh
+
+    @property
+    def expert_replica_mesh(self) -> DeviceMesh:
+        if self._expert_mesh is None:
+            raise ValueError(NO_EXPERT_PARALLELISM)
+        return self._expert_mesh[EXPERT_REPLICA_DIM]
+
+    def sharding_mesh(self, shard_size: int = -1) -> DeviceMesh:
+        """The mesh FSDP2 shards over: the 1-D `data_parallel_mesh` when `shard_size` is -1 or all dp x cp ranks;
+        else the 2-D ("dp_replicate", "dp_shard") mesh of those ranks (HSDP): groups of `shard_size` consecutive
+        ranks (in `data_parallel_rank` order) shard, and the ranks at the same place in every group replicate.
+        Collective on every rank the first time (its groups are created, with the mesh timeout); cached."""
+        size = self.layout.data_parallel_size
+        if shard_size in (-1, size):
+            return self._data_mesh
+        if shard_size < 1 or size % shard_size:
+            raise ValueError(f"shard_size={shard_size} does not divide the dp x cp ranks ({size})")
+        if shard_size not in self._sharding_meshes:
+            self._sharding_meshes[shard_size] = self._unflatten(shard_size, ("dp_replicate", "dp_shard"))
+        return self._sharding_meshes[shard_size]
+
+    def sharding_group(self, shard_size: int = -1) -> dist.ProcessGroup:
+        """This rank's sharding group (ZeRO-1's and FSDP2's): `shard_size` ranks of dp x cp; -1: all of them."""
+        mesh = self.sharding_mesh(shard_size)
+        return mesh.get_group("dp_shard") if mesh.ndim == 2 else mesh.get_group()
+
+    def subgroups(self, dim: str, parts: int) -> dist.ProcessGroup:
+        """Split every group along `dim` into `parts` contiguous blocks; return this rank's block's group.
+
+        Used e.g. for the tp ranks that hold the same replicated kv head.
+        """
+        size = self.size(dim)
+        block = size // parts
+        mine = [self.group_of(dim, range(start, start + block)) for start in range(0, size, block)]
+        return next(group for group in mine if group is not None)
+
+    def group_of(self, dim: str, positions) -> dist.ProcessGroup | None:
+        """The group of the ranks at `positions` along `dim` (in every line of the mesh); None if this rank
+        is not among them. Every rank takes part in creating every group (torch requires it); cached."""
+        mine = None
+        backend = devices.backend_for(self.device_type)
+        for line in self.layout.lines(dim):
+            ranks = tuple(line[p] for p in positions)
+            if ranks not in self._extra_groups:
+                self._extra_groups[ranks] = dist.new_group(list(ranks), timeout=self.timeout, backend=backend)
+            if dist.get_rank() in ranks:
+                mine = self._extra_groups[ranks]
+        return mine
