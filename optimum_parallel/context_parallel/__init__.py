@@ -13,6 +13,7 @@ from .model import (
     check_context_parallel,
     check_gradients_reduced,
     mark_gradients_reduced,
+    pipeline_functions,
     split_batch,
 )
 
@@ -25,6 +26,7 @@ __all__ = [
     "check_gradients_reduced",
     "check_strategy",
     "mark_gradients_reduced",
+    "pipeline_functions",
     "sequence_mask",
     "split_batch",
 ]

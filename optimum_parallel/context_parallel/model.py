@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+from collections.abc import Callable
 
 import torch
 from torch import nn
@@ -189,3 +190,29 @@ NO_GENERATE = (
     "ring attention does not keep. Generate with the model parallelized without cp (e.g. op.init_mesh(tp=N)); "
     "checkpoints do not depend on cp"
 )
+
+
+def pipeline_functions(model: nn.Module) -> tuple[Callable, Callable, Callable]:
+    """For a pipeline over a context-parallel `model`: (split, gather_logits, stage_inputs) -- this rank's chunks of
+    a whole batch (input_ids and the shifted labels; the padding mask of the whole padded sequence travels with the
+    activations), the whole sequence's logits back from the cp ranks' chunks, and the layers' mask and positions
+    (they follow the split) from the travelling mask."""
+    settings = parallel_state(model).context_parallel
+
+    def split(input_ids, labels, attention_mask):
+        check_gradients_reduced(model)
+        parts, length = split_batch(
+            settings, {"input_ids": input_ids, "labels": labels, "attention_mask": attention_mask}
+        )
+        return parts["input_ids"], parts.get("labels"), parts["attention_mask"][:, 0, 0, :].long(), length
+
+    def gather_logits(logits: torch.Tensor, length: int) -> torch.Tensor:
+        layout = ChunkLayout.for_sequence(length, settings.cp, settings.layout_rank)
+        return layout.gather(logits, settings.group)[:, :length]
+
+    def stage_inputs(attention_mask: torch.Tensor) -> dict:
+        layout = ChunkLayout(settings.cp, settings.layout_rank, attention_mask.shape[1])
+        positions = layout.positions(attention_mask.device).expand(attention_mask.shape[0], -1)
+        return {"attention_mask": sequence_mask(attention_mask), "position_ids": positions}
+
+    return split, gather_logits, stage_inputs

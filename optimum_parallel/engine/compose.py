@@ -14,13 +14,16 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from ..context_parallel import apply_context_parallel
+from ..context_parallel import apply_context_parallel, pipeline_functions
 from ..expert_parallel import apply_expert_parallel
 from ..mesh import ParallelMesh
+from ..pipeline import SPLIT_BACKWARD
+from ..pipeline.batches import PipelineBatches
 from ..pipeline.split import SplitPoint
-from ..plan import apply_plan
+from ..plan.apply import apply_checked_plan
 from ..state import find_state
 from ..styles import ParallelStyle
+from ..styles.sequence_parallel import enter_sequence_region_at
 from .data_parallel import DataParallelConfig, apply_data_parallel
 from .lazy_optimizer import build_lazy_optimizer, is_lazy_optimizer
 from .materialize import materialize_lazy_model, move_to_device
@@ -70,9 +73,14 @@ def _compose_model(
 ) -> ParamMap:
     """Steps 1-4 of a validated request (`checked_plan`: the plan as step 0 resolved and checked it)."""
     mapping: ParamMap = {id(p): p for p in model.parameters()}
-    # 1. TP/SP on the whole model first: every rank resolves and checks the same plan, tied weights stay tied.
+    # 1. TP/SP on the whole model first: every rank resolves and checks the same plan, tied weights stay tied. The
+    #    layers' modes follow from the whole request (schedules that defer weight gradients turn the overlap off).
+    sequence = None
     if checked_plan is not None:
-        mapping.update(apply_plan(model, checked_plan, mesh, checked=True))
+        overlap = pipeline is None or pipeline.schedule not in SPLIT_BACKWARD
+        applied = apply_checked_plan(model, checked_plan, mesh, overlap=overlap)
+        mapping.update(applied.param_map)
+        sequence = applied.sequence
     if after_plan is not None:  # family fix-ups of module attributes (local head counts, config views)
         after_plan(model, mesh)
     # 1b. Expert parallelism: the experts split along the expert dim over the ep ranks sharing the dense weights,
@@ -89,7 +97,20 @@ def _compose_model(
     if pipeline is not None:
         from ..pipeline.runtime import apply_pipeline  # torch's pipelining (and torch._dynamo) load only here
 
-        apply_pipeline(model, mesh, pipeline.split_spec, pipeline.num_microbatches, pipeline.schedule)
+        batches = PipelineBatches(*pipeline_functions(model)) if mesh.size("cp") > 1 else None
+        stages = apply_pipeline(
+            model,
+            mesh,
+            pipeline.split_spec,
+            pipeline.num_microbatches,
+            pipeline.schedule,
+            batches=batches,
+            sequence=sequence,
+        ).stages
+        if sequence is not None:  # each stage receives the whole sequence: its first layer splits it again
+            for stage in stages:
+                if not stage.is_first:  # stage 0's first layer splits already (the plan's SequenceParallelBegin)
+                    enter_sequence_region_at(stage.layers[0], sequence)
         present = {id(p) for p in model.parameters()}
         mapping = {k: (v if id(v) in present else None) for k, v in mapping.items()}
     # 4. Materialise only now, so a lazily built model reads only this rank's slices of its own stages

@@ -2,7 +2,7 @@
 levels, on torch's own machinery.
 
 level 0: parameters replicated, gradients all-reduced (composable DDP, `replicate`; on XLA devices one flat
-         all-reduce queued after each backward, `all_reduce_after_backward`: the only level there, see
+         all-reduce queued after each backward, `gradient_sync.average_after_backward`: the only level there, see
          `check_device_sharding_level`);
 level 1: + optimizer state sharded (ZeRO-1, `ZeroRedundancyOptimizer`);
 level 2: + gradients sharded (FSDP2 `fully_shard`, parameters kept gathered between forward and backward);
@@ -20,21 +20,20 @@ dp x cp reduction and get their own over their replica group, at every level (`e
 
 from __future__ import annotations
 
-import inspect
-from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from ..context_parallel import mark_gradients_reduced
-from ..mesh import ParallelMesh, ranks
+from ..expert_parallel import expert_layout
+from ..mesh import ParallelMesh
 from ..mesh import device as devices
 from ..plan.wrappers import plan_root
 from ..state import find_state, parallel_state
 from .expert_data_parallel import check_expert_data_parallel
-from .optimizer import rebuild_optimizer
+from .gradient_sync import average_after_backward, stage_gradient_averager
+from .sharding import below_threshold, fully_shard_model, zero1
 
 SHARDING_LEVELS = (0, 1, 2, 3)
 XLA_SHARDING_LEVELS = (0,)
@@ -116,14 +115,6 @@ class DataParallelConfig:
             raise ValueError(f"dp_config['reduce_dtype'] = {self.reduce_dtype!r} is not a torch.dtype")
 
 
-def blocks(model: nn.Module) -> list[nn.Module]:
-    """The repeated blocks (decoder layers) FSDP wraps one by one, so one block is gathered at a time."""
-    for module in model.modules():
-        if isinstance(module, nn.ModuleList) and len(module) > 1:
-            return list(module)
-    return []
-
-
 def apply_data_parallel(
     model: nn.Module,
     optimizer: torch.optim.Optimizer | None,
@@ -140,8 +131,11 @@ def apply_data_parallel(
     # Under pp the schedule calls the stage modules, not the model: the stages are the wrapped roots.
     pipeline = parallel_state(plan_root(model)).pipeline
     roots = list(pipeline.stages) if pipeline is not None else [model]
-    if pipeline is not None:
-        pipeline.use_data_parallelism(mesh, all_reduce_gradients=config.sharding_level <= 1)
+    if pipeline is not None:  # the loss counts every dp replica's tokens; levels 0-1: the pipeline averages itself
+        pipeline.replicas_group = mesh.group("dp") if mesh.size("dp") > 1 else None
+        if config.sharding_level <= 1:  # experts: over their replica group (expert_data_parallel.py)
+            dense = lambda p: expert_layout(p) is None  # noqa: E731
+            pipeline.reduce_gradients = stage_gradient_averager(mesh.data_parallel_group, dense)
     state = find_state(model)
     if state is not None and state.expert_parallel is not None:  # experts reduce over their replica group only
         from .expert_data_parallel import apply_expert_data_parallel
@@ -161,7 +155,7 @@ def apply_data_parallel(
         # composable DDP does not run here: at the first forward it builds its reducer with collectives of its own
         # (tried with torch-xla 2.9 on two devices of one process: their all-gathers never meet and XLA ends the
         # process); one flat all-reduce per backward instead, in the step's graph, the same graph on every rank
-        all_reduce_after_backward(list(model.parameters()), mesh.data_parallel_group)
+        average_after_backward(list(model.parameters()), mesh.data_parallel_group)
         return model, optimizer
     if config.sharding_level <= 1:
         if pipeline is None:
@@ -179,62 +173,6 @@ def apply_data_parallel(
     )
 
 
-def fully_shard_model(
-    model: nn.Module,
-    optimizer: torch.optim.Optimizer | None,
-    roots: list[nn.Module],
-    dp_mesh,
-    level: int,
-    reduce_dtype: torch.dtype | None,
-    small: list[nn.Parameter],
-    small_group: dist.ProcessGroup,
-    shard_first: Callable[[bool, object], None] | None = None,
-) -> tuple[nn.Module, torch.optim.Optimizer | None]:
-    """Levels 2-3 with FSDP2: `shard_first(reshard_after_forward, policy)` makes its own units first (the experts on
-    their replica mesh), then every block of each root and each root becomes a unit on `dp_mesh`. The `small`
-    parameters stay whole and are all-reduced over `small_group` after the backward. FSDP2 makes new parameters:
-    they keep the old ones' layouts, and the optimizer is rebuilt on them."""
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-
-    before = dict(model.named_parameters(remove_duplicate=False))
-    policy = MixedPrecisionPolicy(reduce_dtype=reduce_dtype)
-    reshard = level == 3
-    if shard_first is not None:
-        shard_first(reshard, policy)
-    ignored = set(small)
-    for root in roots:
-        for block in blocks(root):
-            fully_shard(block, mesh=dp_mesh, reshard_after_forward=reshard, mp_policy=policy, ignored_params=ignored)
-        fully_shard(root, mesh=dp_mesh, reshard_after_forward=reshard, mp_policy=policy, ignored_params=ignored)
-    if small:
-        all_reduce_after_backward(small, small_group)
-    after = dict(model.named_parameters(remove_duplicate=False))
-    for name, param in before.items():
-        for attribute in ("shard_layout", "expert_layout"):
-            if hasattr(param, attribute):
-                setattr(after[name], attribute, getattr(param, attribute))
-    if optimizer is not None:
-        optimizer = rebuild_optimizer(optimizer, {id(p): after[name] for name, p in before.items()})
-        if not reshard:
-            reshard_before_step(optimizer, roots)
-    return model, optimizer
-
-
-def reshard_before_step(optimizer: torch.optim.Optimizer, roots: list[nn.Module]) -> None:
-    """Level 2 keeps the weights gathered after a forward until a backward frees them: a no-grad forward between
-    backward and step (metrics, evaluation) would leave them gathered, and the forward after the step would use
-    the weights from before it. Dropping them before every step is free otherwise (the backward dropped them)."""
-    from torch.distributed.fsdp import FSDPModule
-
-    sharded = [m for root in roots for m in root.modules() if isinstance(m, FSDPModule)]
-
-    def reshard(*_) -> None:
-        for module in sharded:
-            module.reshard()
-
-    optimizer.register_step_pre_hook(reshard)
-
-
 def check_shard_size(shard_size: int, data_parallel_size: int) -> None:
     """ValueError naming dp_config['shard_size'] and the allowed values unless it is -1 or divides dp x cp."""
     if shard_size != -1 and data_parallel_size % shard_size:
@@ -243,61 +181,3 @@ def check_shard_size(shard_size: int, data_parallel_size: int) -> None:
             f"dp_config['shard_size'] = {shard_size} does not divide the dp x cp ranks ({data_parallel_size}); "
             f"allowed: {', '.join(map(str, allowed))}"
         )
-
-
-def below_threshold(model: nn.Module, threshold_kb: float) -> list[nn.Parameter]:
-    """The parameters smaller than `threshold_kb` KB (this rank's piece), in model order (the same on every rank):
-    FSDP2 leaves them whole (replicated)."""
-    if threshold_kb <= 0:
-        return []
-    limit = threshold_kb * 1024
-    return [p for p in model.parameters() if p.numel() * p.element_size() < limit]
-
-
-def all_reduce_after_backward(params: list[nn.Parameter], group: dist.ProcessGroup) -> None:
-    """Average the gradients of `params` (those FSDP2 ignores; every parameter at level 0 on XLA devices) over
-    `group` once per backward, in one bucket: the first gradient to arrive queues a callback that runs when the
-    whole backward is done. Linear, so it stays right when gradients accumulate over micro-batches (it then runs
-    once per micro-batch). No value is read on the host and the divisor is the group's size, the same on every rank:
-    on XLA the reduction is part of the step's graph, one program for every rank."""
-    ordered = list(params)  # one bucket layout on every rank
-    queued = [False]
-
-    def reduce() -> None:
-        queued[0] = False
-        present = [p for p in ordered if p.grad is not None]
-        if not present:
-            return
-        flat = torch.cat([p.grad.reshape(-1) for p in present])
-        dist.all_reduce(flat, group=group)
-        flat /= ranks.world_size(group)
-        for param, part in zip(present, flat.split([p.grad.numel() for p in present]), strict=True):
-            if devices.is_graph_device(part):
-                # a gradient of its own: copied into autograd's (often a transposed view of a buffer), the average
-                # would be re-derived from that buffer, by a small graph of its own, at every read after a sync
-                param.grad = part.view_as(param.grad).clone()
-            else:
-                param.grad.copy_(part.view_as(param.grad))
-
-    def on_gradient(_param: torch.Tensor) -> None:
-        if not queued[0]:
-            queued[0] = True
-            torch.autograd.Variable._execution_engine.queue_callback(reduce)
-
-    for param in ordered:
-        if param.requires_grad:
-            param.register_post_accumulate_grad_hook(on_gradient)
-
-
-def zero1(
-    optimizer: torch.optim.Optimizer, group: dist.ProcessGroup, param_groups: list[dict] | None = None
-) -> torch.optim.Optimizer:
-    """The same optimizer with its state sharded over `group` (param groups and hyper-parameters kept; or, given,
-    `param_groups`: a part of them)."""
-    check_data_parallel(DataParallelConfig(sharding_level=1), optimizer)
-    groups = [dict(group) for group in (optimizer.param_groups if param_groups is None else param_groups)]
-    accepted = inspect.signature(type(optimizer)).parameters
-    defaults = {k: v for k, v in optimizer.defaults.items() if k in accepted and k != "params"}
-    from torch.distributed.optim import ZeroRedundancyOptimizer
-
-    return ZeroRedundancyOptimizer(groups, optimizer_class=type(optimizer), process_group=group, **defaults)

@@ -17,12 +17,13 @@ Hybrid sharding (`shard_size`) is refused with ep by `check_expert_data_parallel
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from ..expert_parallel import ExpertParallelRuntime, find_experts
 from ..mesh import ParallelMesh, ranks
 from .expert_optimizer import ExpertSplitOptimizer
+from .gradient_sync import average_flat
+from .sharding import below_threshold, fully_shard_model, zero1
 
 
 def check_expert_data_parallel(shard_size: int, ep: int, key: str = "dp_config['shard_size']") -> None:
@@ -75,29 +76,13 @@ def reduce_expert_gradients(experts: list[nn.Module], runtime: ExpertParallelRun
     for param in params:
         param.register_hook(lambda grad: grad * scale)
     group = mesh.expert_replica_group
-    replicas = ranks.world_size(group)
-
-    def reduce() -> None:
-        for param in params:
-            if param.grad is None:
-                param.grad = torch.zeros_like(param)
-        if replicas == 1 or not params:
-            return
-        flat = torch.cat([p.grad.reshape(-1) for p in params])
-        dist.all_reduce(flat, group=group)
-        flat /= replicas
-        for param, part in zip(params, flat.split([p.numel() for p in params]), strict=True):
-            param.grad.copy_(part.view_as(param.grad))
-
-    runtime.after_backward.append(reduce)
+    runtime.after_backward.append(lambda: average_flat(params, group, fill_missing=True))
     runtime.gradients_reduced = True
 
 
 def _split_zero1(
     optimizer: torch.optim.Optimizer, experts: list[nn.Module], mesh: ParallelMesh
 ) -> torch.optim.Optimizer:
-    from .data_parallel import zero1
-
     expert_ids = {id(p) for module in experts for p in module.parameters(recurse=False)}
     dense, local = [], []
     for group in optimizer.param_groups:
@@ -126,8 +111,6 @@ def _fully_shard(
 ) -> tuple[nn.Module, torch.optim.Optimizer | None]:
     """FSDP2: the experts modules first (on the replica sub-mesh), then each block and each root on dp x cp."""
     from torch.distributed.fsdp import fully_shard
-
-    from .data_parallel import below_threshold, fully_shard_model
 
     def shard_experts(reshard: bool, policy) -> None:
         for module in experts:

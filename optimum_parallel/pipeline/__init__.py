@@ -3,7 +3,7 @@
 The runtime (`Pipeline`, `apply_pipeline`) loads on first use: torch's pipelining imports `torch._dynamo`.
 """
 
-from .schedules import SCHEDULES, check_pipeline, check_schedule
+from .schedules import SCHEDULES, SPLIT_BACKWARD, check_pipeline, check_schedule
 from .split import SplitPoint
 
 _RUNTIME = ("Pipeline", "PipelineOutput", "apply_pipeline")
@@ -17,4 +17,4 @@ def __getattr__(name: str):
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
-__all__ = ["SCHEDULES", "SplitPoint", "check_pipeline", "check_schedule", *_RUNTIME]
+__all__ = ["SCHEDULES", "SPLIT_BACKWARD", "SplitPoint", "check_pipeline", "check_schedule", *_RUNTIME]

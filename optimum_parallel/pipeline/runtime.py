@@ -1,5 +1,10 @@
 """Pipeline-parallel training on torch.distributed.pipelining: stages, schedules, run_train / run_eval.
 
+The pipeline is a stage runner: the engine hands it the stage modules, how a whole batch becomes this rank's
+(`PipelineBatches`: context parallelism cuts it there), the sequence-parallel region its stages enter and leave, and,
+with data parallelism, the group whose replicas' tokens the loss counts and the gradient averaging to run after the
+batch. It imports no other parallelism.
+
 No `torch_xla.sync()` here: on XLA devices the mesh refuses pp > 1 (`mesh/xla_mesh.py`: torch-xla runs every send and
 receive as a collective_permute plus a sync of its own, so the step cannot be one graph). `run_train` is forward and
 backward only; the one sync per optimizer step belongs after the step, where the Trainer (or a custom loop) puts it.
@@ -7,7 +12,7 @@ backward only; the one sync per optimizer step belongs after the step, where the
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 import torch
@@ -15,18 +20,14 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.pipelining import PipelineStage
 
-from ..context_parallel import ChunkLayout, check_gradients_reduced, split_batch
-from ..expert_parallel import expert_layout
+from ..comm.sequence_region import SequenceRegion
 from ..mesh import ParallelMesh, ranks
 from ..mesh import device as devices
 from ..mesh.loaded import local_tensor
 from ..state import parallel_state, refuse
-from ..styles import PlanContext
-from ..styles.sequence_parallel import SequenceParallelBegin
-from ..tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
+from .batches import PipelineBatches
 from .schedules import (
     SCHEDULES,
-    SPLIT_BACKWARD,
     check_pipeline,
     decoder_parts,
     schedule_class,
@@ -56,11 +57,9 @@ class Pipeline:
         schedule: str,
         num_microbatches: int,
         tied: bool,
+        batches: PipelineBatches,
     ) -> None:
-        self.model, self.stages, self.mesh = model, stages, mesh
-        if schedule in SPLIT_BACKWARD:  # they defer weight gradients themselves: the tp entry must not as well
-            for layer in (m for stage in stages for m in stage.modules() if isinstance(m, ColumnParallelLinear)):
-                layer.overlap_weight_grads = False
+        self.model, self.stages, self.mesh, self.batches = model, stages, mesh, batches
         self.num_microbatches = num_microbatches
         self.pp_group = mesh.group("pp")
         per_rank, self.placement = SCHEDULES[schedule]
@@ -86,22 +85,15 @@ class Pipeline:
         # the module holding this rank's side of a tied embedding / LM head, read anew each time: FSDP2 replaces it
         ends = [s.embed_tokens if s.is_first else s.lm_head for s in stages if s.is_first or s.is_last]
         self._tied_holder = ends[0] if tied and ends else None
-        self.dp_group: dist.ProcessGroup | None = None  # dp x cp: the all-reduce of gradients (sharding levels 0-1)
-        self.replicas_group: dist.ProcessGroup | None = None  # dp: the batch replicas whose tokens the loss counts
+        # set by data parallelism: the averaging of the gradients after the batch (sharding levels 0-1), and the dp
+        # group: the batch replicas whose tokens the loss counts
+        self.reduce_gradients: Callable[[list[nn.Module]], None] | None = None
+        self.replicas_group: dist.ProcessGroup | None = None
         self._num_items: torch.Tensor | None = None  # the divisor of the step running now (see `_loss`)
         first, last = self.owner(0), self.owner(num_stages - 1)
         self.last_rank = mesh.ranks("pp")[last]
         # tied embedding / LM head on two ranks: their gradients are summed (one rank holding both needs nothing)
         self.tied_group = mesh.group_of("pp", (first, last)) if tied and first != last else None
-
-    def use_data_parallelism(self, mesh: ParallelMesh, all_reduce_gradients: bool) -> None:
-        """Data parallelism over dp x cp (called by the engine): the loss counts every dp replica's tokens, and at
-        sharding levels 0-1 the pipeline itself all-reduces the gradients after the last micro-batch (DDP's reducer
-        cannot follow a schedule's interleaved micro-batches; FSDP2 reduces its own at levels 2-3)."""
-        if mesh.size("dp") > 1:
-            self.replicas_group = mesh.group("dp")
-        if all_reduce_gradients:
-            self.dp_group = mesh.data_parallel_group
 
     @property
     def tied(self) -> nn.Parameter | None:
@@ -146,18 +138,6 @@ class Pipeline:
             attention_mask = torch.ones_like(input_ids)
         return (input_ids, attention_mask) if self.holds_first else ()
 
-    def _split_context(self, input_ids, labels, attention_mask):
-        """Under context parallelism: this rank's chunks of input_ids and of the shifted labels; the padding mask
-        of the whole (padded) sequence travels with the activations. Returns the whole length too (or None)."""
-        settings = parallel_state(self.model).context_parallel
-        if settings is None:
-            return input_ids, labels, attention_mask, None
-        check_gradients_reduced(self.model)
-        split, length = split_batch(
-            settings, {"input_ids": input_ids, "labels": labels, "attention_mask": attention_mask}
-        )
-        return split["input_ids"], split.get("labels"), split["attention_mask"][:, 0, 0, :].long(), length
-
     def _batch_loss(self, losses: list[torch.Tensor], replicas: int) -> torch.Tensor:
         """The global batch loss on every rank: the micro-batch shares added on the last stage, sent to the other
         stages, and added over the `replicas` (each share was divided by count / replicas)."""
@@ -187,7 +167,7 @@ class Pipeline:
         _reject(unused)
         replicas = self.data_parallel_size
         self._num_items = self._divisor(labels, num_items_in_batch, replicas)
-        input_ids, labels, attention_mask, _ = self._split_context(input_ids, labels, attention_mask)
+        input_ids, labels, attention_mask, _ = self.batches.split(input_ids, labels, attention_mask)
         losses: list[torch.Tensor] = []
         target = labels if self.holds_last else None
         tied_before = self._tied_gradient()
@@ -198,7 +178,8 @@ class Pipeline:
         finally:
             self._num_items = None
         self._sync_tied_gradients(tied_before)
-        self._average_gradients_over_dp()
+        if self.reduce_gradients is not None:
+            self.reduce_gradients(self.stages)
         return self._batch_loss(losses, replicas)
 
     @torch.no_grad()
@@ -215,7 +196,7 @@ class Pipeline:
         _reject(unused)
         if labels is not None:
             self._num_items = self._divisor(labels, None, 1)
-        input_ids, labels, attention_mask, length = self._split_context(input_ids, labels, attention_mask)
+        input_ids, labels, attention_mask, length = self.batches.split(input_ids, labels, attention_mask)
         self._inputs(input_ids, attention_mask)
         mask = torch.ones_like(input_ids) if attention_mask is None else attention_mask
         chunks = zip(input_ids.chunk(self.num_microbatches), mask.chunk(self.num_microbatches), strict=True)
@@ -229,10 +210,8 @@ class Pipeline:
         self._num_items = None
         loss = self._batch_loss(losses, 1) if labels is not None else None
         logits = torch.cat(logits) if logits else None
-        if logits is not None and length is not None:  # the whole sequence from the cp ranks' chunks
-            settings = parallel_state(self.model).context_parallel
-            layout = ChunkLayout.for_sequence(length, settings.cp, settings.layout_rank)
-            logits = layout.gather(logits, settings.group)[:, :length]
+        if logits is not None and length is not None:  # the whole sequence, from the ranks' shares of it
+            logits = self.batches.gather_logits(logits, length)
         return PipelineOutput(loss=loss, logits=logits)
 
     def _forward_through_stages(self, input_ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor | None:
@@ -254,23 +233,6 @@ class Pipeline:
             if self.owner(index + 1) != me:
                 dist.send(hidden.contiguous(), dst=pp_ranks[self.owner(index + 1)], group=self.pp_group)
         return None
-
-    def _average_gradients_over_dp(self) -> None:
-        """Replicated data parallelism under pp: one flat all-reduce of every gradient after the whole batch, averaged
-        over `dp_group` (the dp x cp ranks holding the same stages: cp ranks' losses are scaled by cp already)."""
-        if self.dp_group is None:
-            return
-        grads = [  # experts (ep > 1) are averaged over the ranks holding the same experts (the engine's hook)
-            p.grad
-            for stage in self.stages
-            for p in stage.parameters()
-            if p.grad is not None and expert_layout(p) is None
-        ]
-        flat = torch._utils._flatten_dense_tensors(grads)
-        dist.all_reduce(flat, group=self.dp_group)
-        flat /= ranks.world_size(self.dp_group)
-        for grad, synced in zip(grads, torch._utils._unflatten_dense_tensors(flat, grads), strict=True):
-            grad.copy_(synced)
 
     def _tied_gradient(self) -> torch.Tensor | None:
         """This rank's part of the tied weight's gradient before a step (already summed over both stages), when
@@ -299,11 +261,6 @@ def _reject(unused: Mapping) -> None:
         raise TypeError(f"pipeline batches take input_ids, labels and attention_mask; got also {sorted(unused)}")
 
 
-def _sequence_parallel(model: nn.Module) -> bool:
-    """Sequence parallelism is on when the plan switched row-parallel layers to reduce-scatter."""
-    return any(isinstance(m, RowParallelLinear) and m.sequence_parallel for m in model.modules())
-
-
 NO_FORWARD = (
     "this model is pipeline-parallel: call model.run_train(**batch) (forward + backward, returns the loss) "
     "or model.run_eval(**batch) instead of model(**batch)"
@@ -323,8 +280,13 @@ def apply_pipeline(
     split_spec: str | Mapping[str, SplitPoint],
     num_microbatches: int,
     schedule: str = "1f1b",
+    *,
+    batches: PipelineBatches | None = None,
+    sequence: SequenceRegion | None = None,
 ) -> Pipeline:
     """Split `model` into stages for this rank's pp position, prune the rest, and attach run_train/run_eval.
+    `batches`: how a whole batch becomes this rank's (default: as it is); `sequence`: the model's sequence-parallel
+    region (stages exchange whole sequences; the engine enters the region again at each stage's first layer).
     A bad request raises (`check_pipeline`) before anything changes."""
     pp = mesh.size("pp")
     ranges = check_pipeline(model, pp, split_spec, num_microbatches, schedule)
@@ -337,17 +299,13 @@ def apply_pipeline(
         print(f"[optimum-parallel] pipeline {pp} ranks x {per_rank} stages ({schedule}): {split}")
 
     tied = model.lm_head.weight is base.embed_tokens.weight
-    stages = [DecoderStage(model, base, ranges[index], index, num_stages) for index in indices]
-    if _sequence_parallel(model):
-        for stage in stages:
-            stage.sequence_group = mesh.tp_group
-            if not stage.is_first:  # stage 0's first layer already splits (the plan's SequenceParallelBegin)
-                SequenceParallelBegin(on="input").apply(
-                    stage.layers[0], f"stage {stage.stage_index}", PlanContext(mesh)
-                )
+    batches = batches or PipelineBatches()
+    stages = [
+        DecoderStage(model, base, ranges[index], index, num_stages, batches.stage_inputs, sequence) for index in indices
+    ]
     keep = {i for index in indices for i in ranges[index]}
     prune_to_stages(model, base, keep, 0 in indices, num_stages - 1 in indices)
-    pipeline = Pipeline(model, stages, mesh, schedule, num_microbatches, tied)
+    pipeline = Pipeline(model, stages, mesh, schedule, num_microbatches, tied, batches)
     parallel_state(model).pipeline = pipeline
     model.run_train = pipeline.run_train
     model.run_eval = pipeline.run_eval

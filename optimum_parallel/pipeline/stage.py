@@ -9,15 +9,13 @@ parallelism a stage sends the whole sequence and the next one splits it again at
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from contextlib import contextmanager
 
 import torch
 from torch import nn
 
-from ..comm.sequence_switch import sequence_switch
-from ..context_parallel import ChunkLayout, sequence_mask
-from ..state import parallel_state
-from ..styles.sequence_parallel import gather_sequence
+from ..comm.sequence_region import SequenceRegion
 
 
 class _Placeholder(nn.Identity):
@@ -35,7 +33,16 @@ class DecoderStage(nn.Module):
     last stage:   (hidden_states, attention_mask) -> logits
     """
 
-    def __init__(self, model: nn.Module, base: nn.Module, layers: range, stage_index: int, num_stages: int) -> None:
+    def __init__(
+        self,
+        model: nn.Module,
+        base: nn.Module,
+        layers: range,
+        stage_index: int,
+        num_stages: int,
+        inputs: Callable[[torch.Tensor], dict] | None = None,
+        sequence: SequenceRegion | None = None,
+    ) -> None:
         super().__init__()
         is_first, is_last = stage_index == 0, stage_index == num_stages - 1
         self.stage_index = stage_index
@@ -46,7 +53,9 @@ class DecoderStage(nn.Module):
         self.norm = base.norm if is_last else None
         self.lm_head = model.lm_head if is_last else None
         self.is_first, self.is_last = is_first, is_last
-        self.sequence_group = None  # set under sequence parallelism: stages exchange whole sequences
+        # the layers' mask (and position) arguments from the padding mask that travels with the activations
+        self.inputs = inputs or (lambda attention_mask: {"attention_mask": attention_mask})
+        self.sequence = sequence  # under sequence parallelism: stages exchange whole sequences
 
     @contextmanager
     def _stage_view(self):
@@ -61,25 +70,15 @@ class DecoderStage(nn.Module):
         finally:
             modules["layers"], modules["norm"] = saved
 
-    def _masks(self, attention_mask: torch.Tensor) -> dict:
-        """The padding mask as the layers take it; under context parallelism the stage holds this rank's chunks
-        of the sequence and `attention_mask` covers the whole (padded) sequence: positions follow the split."""
-        settings = parallel_state(self._model).context_parallel
-        if settings is None:
-            return {"attention_mask": attention_mask}
-        layout = ChunkLayout(settings.cp, settings.layout_rank, attention_mask.shape[1])
-        positions = layout.positions(attention_mask.device).expand(attention_mask.shape[0], -1)
-        return {"attention_mask": sequence_mask(attention_mask), "position_ids": positions}
-
     def forward(self, x: torch.Tensor, attention_mask: torch.Tensor):
         inputs = {"input_ids": x} if self.is_first else {"inputs_embeds": x}
-        masks = self._masks(attention_mask)
+        masks = self.inputs(attention_mask)
         with self._stage_view():
             if self.is_last:  # the model's own head code (soft-capping and the like), no loss
                 return type(self._model).forward(self._model, use_cache=False, **masks, **inputs).logits
             hidden = self._base(use_cache=False, **masks, **inputs).last_hidden_state
-        if self.sequence_group is not None and sequence_switch.on:  # the next stage derives positions from the length
-            hidden = gather_sequence(hidden, self.sequence_group)
+        if self.sequence is not None:  # the next stage derives positions from the length
+            hidden = self.sequence.gather(hidden)
         return hidden, attention_mask
 
 

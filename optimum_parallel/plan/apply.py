@@ -10,16 +10,17 @@ from __future__ import annotations
 
 import re
 from collections.abc import Mapping
+from dataclasses import dataclass
 
 from torch import nn
 
-from ..comm.overlapped_entry import link_entry_siblings
+from ..comm.sequence_region import SequenceRegion
 from ..mesh import ParallelMesh
 from ..styles import ParallelStyle, PlanContext, optional
-from ..tensor_parallel.layers import ColumnParallelLinear
 from ..tensor_parallel.spec import ShardLayout
 from .fixups import install_vocab_parallel_loss, localize_attention_heads, retie_shared_parameters
-from .inference import install_full_logits, install_generation_sync, install_sequence_switch
+from .inference import install_full_logits, install_generation_sync, install_sequence_region
+from .modes import plan_context
 from .wrappers import handler_for, style_target, wrapper_handlers
 
 
@@ -66,7 +67,7 @@ def resolve_plan(model: nn.Module, plan: Mapping[str, object]) -> dict[str, list
 def check_plan(model: nn.Module, plan: Mapping[str, object], mesh: ParallelMesh) -> dict[str, list[ParallelStyle]]:
     """Resolve every key and check every style against its module, and every wrapper (LoRA) around one against
     what the styles make of its layer; raise before anything is modified."""
-    ctx = PlanContext(mesh)
+    ctx = PlanContext(mesh)  # checks read the mesh only
     targets = resolve_plan(model, plan)
     get_head = getattr(model, "get_output_embeddings", None)
     head = get_head() if callable(get_head) else None
@@ -81,17 +82,31 @@ def check_plan(model: nn.Module, plan: Mapping[str, object], mesh: ParallelMesh)
     return targets
 
 
-def apply_plan(
-    model: nn.Module, plan: Mapping[str, object], mesh: ParallelMesh, *, checked: bool = False
-) -> dict[int, nn.Parameter]:
-    """Parallelize `model` in place by `plan`; return {id(original parameter): parallel parameter}.
+@dataclass
+class AppliedPlan:
+    """What applying a plan made: {id(original parameter): parallel parameter}, and the model's sequence-parallel
+    region (None without sequence-parallel styles), which a pipeline's stages enter again."""
 
-    Module-swapping styles (ColWise/RowWise) run first, then the hooks and markers, so a marker on
-    a module sees its children already swapped whatever the order of the plan's keys. `checked`: `plan` is
-    what `check_plan` returned for this model, unchanged since (the composition's validation step).
+    param_map: dict[int, nn.Parameter]
+    sequence: SequenceRegion | None
+
+
+def apply_plan(model: nn.Module, plan: Mapping[str, object], mesh: ParallelMesh) -> dict[int, nn.Parameter]:
+    """Parallelize `model` in place by `plan`; return {id(original parameter): parallel parameter}."""
+    return apply_checked_plan(model, check_plan(model, plan, mesh), mesh).param_map
+
+
+def apply_checked_plan(
+    model: nn.Module, targets: dict[str, list[ParallelStyle]], mesh: ParallelMesh, *, overlap: bool = True
+) -> AppliedPlan:
+    """Parallelize `model` in place by `targets` (what `check_plan` returned for it, unchanged since).
+
+    Every layer's mode is decided first, from the whole plan (`modes.py`); then module-swapping styles
+    (ColWise/RowWise) run, then the hooks and markers, so a marker on a module sees its children already swapped
+    whatever the order of the plan's keys. `overlap`: weight gradients may be computed during the entry's backward
+    collective (off under pipeline schedules that defer them themselves).
     """
-    targets = plan if checked else check_plan(model, plan, mesh)
-    ctx = PlanContext(mesh)
+    ctx = plan_context(model, targets, mesh, overlap)
 
     original = dict(model.named_parameters(remove_duplicate=False))
     modules = dict(model.named_modules())  # kept in step with the swaps (get_submodule was a quarter of the time)
@@ -113,13 +128,13 @@ def apply_plan(
     retie_shared_parameters(model, original)
     install_vocab_parallel_loss(model)
     install_full_logits(model)  # callers see full-vocabulary logits (see plan/inference.py)
-    install_sequence_switch(model)
+    if ctx.sequence is not None:
+        install_sequence_region(model, ctx.sequence)
     install_generation_sync(model)
     localize_attention_heads(model)
-    link_entry_siblings(model, ColumnParallelLinear)
 
     current = dict(model.named_parameters(remove_duplicate=False))
-    return {id(param): current[name] for name, param in original.items()}
+    return AppliedPlan({id(param): current[name] for name, param in original.items()}, ctx.sequence)
 
 
 def _replace_submodule(model: nn.Module, modules: dict[str, nn.Module], name: str, module: nn.Module) -> None:

@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..comm.sequence_switch import sequence_switch
+from ..comm.sequence_region import SequenceRegion
 from ..mesh import device as devices
 from ..mesh import ranks
 from ..tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
@@ -103,34 +103,30 @@ def install_full_logits(model: nn.Module) -> None:
 
 # ---------------------------------------------------------------------------------------------- sequence parallel
 
-_forced: list[bool] = []  # one entry per running forward of a sequence-parallel model (they nest)
-
 
 def _keeps_last_logits(kwargs: Mapping) -> bool:
     keep = kwargs.get("logits_to_keep", 0)
     return torch.is_tensor(keep) or (isinstance(keep, int) and keep != 0)
 
 
-def _sequence_pre_hook(model: nn.Module, args, kwargs):
-    """Only the last positions' logits are kept (generate): the LM head would see sequence slices, so the
-    forward leaves the sequence whole."""
-    force = _keeps_last_logits(kwargs)
-    if force:
-        sequence_switch.force_off()
-    _forced.append(force)
+def install_sequence_region(model: nn.Module, region: SequenceRegion) -> None:
+    """On a sequence-parallel model, a forward keeping only the last logits (generate) runs the plain
+    tensor-parallel path: the LM head would otherwise see sequence slices."""
+    kept: list[bool] = []  # one entry per running forward (they nest)
 
+    def before(module, args, kwargs):
+        keep = _keeps_last_logits(kwargs)
+        if keep:
+            region.keep_whole()
+        kept.append(keep)
 
-def _sequence_post_hook(model: nn.Module, args, kwargs, output):
-    if _forced and _forced.pop():
-        sequence_switch.release()
-    return output
+    def after(module, args, kwargs, output):
+        if kept and kept.pop():
+            region.release()
+        return output
 
-
-def install_sequence_switch(model: nn.Module) -> None:
-    """On a sequence-parallel model, a forward keeping only the last logits runs the plain tensor-parallel path."""
-    if any(getattr(m, "sequence_parallel", False) is True for m in model.modules()):
-        model.register_forward_pre_hook(_sequence_pre_hook, with_kwargs=True)
-        model.register_forward_hook(_sequence_post_hook, with_kwargs=True, always_call=True)
+    model.register_forward_pre_hook(before, with_kwargs=True)
+    model.register_forward_hook(after, with_kwargs=True, always_call=True)
 
 
 # ---------------------------------------------------------------------------------------------- generation

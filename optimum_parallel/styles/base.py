@@ -7,19 +7,31 @@ hooks the module (`apply`). Styles know the engine's layers, never a model famil
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from torch import nn
 
+from ..comm.region_entry import RegionEntry
+from ..comm.sequence_region import SequenceRegion
 from ..mesh import ParallelMesh, ranks
+from ..tensor_parallel.mode import LayerMode
 from ..tensor_parallel.spec import ShardSpec, check_heads
 
 
 @dataclass
 class PlanContext:
-    """What a style needs to know while it is applied."""
+    """What a style needs to know while it is applied: the mesh, the model's tp region entry and sequence-parallel
+    region, and every layer's mode, decided from the whole plan before any module is built (`plan/modes.py`)."""
 
     mesh: ParallelMesh
+    entry: RegionEntry = field(default_factory=RegionEntry)
+    sequence: SequenceRegion | None = None  # set when the plan has sequence-parallel styles
+    modes: dict[str, LayerMode] = field(default_factory=dict)  # module name -> its layer's mode
+    gathering_blocks: frozenset[str] = frozenset()  # SequenceParallelDisable'd blocks with parallel layers inside
+
+    def mode(self, name: str) -> LayerMode:
+        """The mode of the layer the style builds at `name` (the plain one outside any sequence region)."""
+        return self.modes.get(name) or LayerMode(entry=self.entry)
 
     @property
     def tp_rank_world(self) -> tuple[int, int]:
@@ -27,11 +39,15 @@ class PlanContext:
         return ranks.rank(group), ranks.world_size(group)
 
 
+COLUMN, ROW = "column", "row"  # the layers a swapping style builds: entering the tp region, or leaving it
+
+
 class ParallelStyle:
     """One way of parallelizing a module. `check` raises before anything moves; `apply` may swap the module."""
 
     allowed_modules: tuple[type, ...] = (nn.Module,)
     swaps_module = False  # True for styles that replace the module (applied before hooks and markers)
+    builds: str | None = None  # COLUMN or ROW: the kind of tp layer it builds (its mode is decided with the plan)
 
     def check(self, module: nn.Module, name: str, ctx: PlanContext) -> None:
         if not isinstance(module, self.allowed_modules):

@@ -73,7 +73,7 @@ class TensorParallelExperts(ParallelStyle):
         rank, world = ctx.tp_rank_world
         layouts = {leaf: spec.local(rank, world) for leaf, spec in self.param_specs(module).items()}
         add_once = [bias for bias in (bias_of(module, p) for p in self.row) if bias is not None]
-        shard_experts(module, layouts, ctx.mesh.tp_group, add_once)
+        shard_experts(module, layouts, ctx.mesh.tp_group, add_once, ctx.entry)
         if self.row and hasattr(module, "intermediate_dim"):
             row = layouts[self.row[0]]
             module.intermediate_dim = row.local_shape[row.dim]

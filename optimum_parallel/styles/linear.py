@@ -6,7 +6,7 @@ from torch import nn
 
 from ..tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
 from ..tensor_parallel.spec import ShardSpec, shard_parameter
-from .base import HeadSplitStyle, ParallelStyle
+from .base import COLUMN, ROW, HeadSplitStyle, ParallelStyle
 
 
 class ColWiseParallel(HeadSplitStyle):
@@ -18,6 +18,7 @@ class ColWiseParallel(HeadSplitStyle):
 
     allowed_modules = (nn.Linear,)
     swaps_module = True
+    builds = COLUMN
     replicates_heads = True
 
     def __init__(self, gather_output: bool = False, units: int | None = None) -> None:
@@ -35,7 +36,7 @@ class ColWiseParallel(HeadSplitStyle):
         if self.units is not None and self.units < tp:
             replica_group = ctx.mesh.subgroups("tp", self.units)
         return ColumnParallelLinear.from_linear(
-            module, ctx.mesh.tp_group, self.units, self.gather_output, replica_group=replica_group
+            module, ctx.mesh.tp_group, self.units, self.gather_output, ctx.mode(name), replica_group=replica_group
         )
 
 
@@ -44,6 +45,7 @@ class RowWiseParallel(HeadSplitStyle):
 
     allowed_modules = (nn.Linear, nn.Embedding)
     swaps_module = True
+    builds = ROW
 
     def __init__(self, input_is_parallel: bool = True, units: int | None = None) -> None:
         self.input_is_parallel, self.units = input_is_parallel, units
@@ -58,8 +60,10 @@ class RowWiseParallel(HeadSplitStyle):
 
     def apply(self, module, name, ctx):
         if isinstance(module, nn.Embedding):
-            return VocabParallelEmbedding.from_embedding(module, ctx.mesh.tp_group)
-        return RowParallelLinear.from_linear(module, ctx.mesh.tp_group, self.units, self.input_is_parallel)
+            return VocabParallelEmbedding.from_embedding(module, ctx.mesh.tp_group, ctx.mode(name))
+        return RowParallelLinear.from_linear(
+            module, ctx.mesh.tp_group, self.units, self.input_is_parallel, ctx.mode(name)
+        )
 
 
 class LocalColWiseEmbedding(HeadSplitStyle):
@@ -89,6 +93,7 @@ class TiedBiasColWiseParallel(ParallelStyle):
     because those models compute their loss on full logits."""
 
     swaps_module = True
+    builds = COLUMN
 
     def __init__(self, child: str = "decoder", bias: str = "bias", gather_output: bool = True) -> None:
         self.child, self.bias, self.gather_output = child, bias, gather_output
@@ -110,7 +115,7 @@ class TiedBiasColWiseParallel(ParallelStyle):
     def apply(self, module, name, ctx):
         linear = getattr(module, self.child)
         tied = linear.bias is not None and getattr(module, self.bias, None) is linear.bias
-        new = ColumnParallelLinear.from_linear(linear, ctx.mesh.tp_group, None, self.gather_output)
+        new = ColumnParallelLinear.from_linear(linear, ctx.mesh.tp_group, None, self.gather_output, ctx.mode(name))
         setattr(module, self.child, new)
         if tied:
             setattr(module, self.bias, new.bias)

@@ -9,7 +9,7 @@ from torch import nn
 from ..tensor_parallel.conv1d import CONV1D_TYPES, ColumnParallelConv1D, RowParallelConv1D
 from ..tensor_parallel.packed import PackedColumnParallelLinear
 from ..tensor_parallel.spec import ShardSpec, local_parameter
-from .base import HeadSplitStyle, ParallelStyle, check_style_heads
+from .base import COLUMN, ROW, HeadSplitStyle, ParallelStyle, check_style_heads
 
 
 def _is_conv1d(module: nn.Module) -> bool:
@@ -25,6 +25,7 @@ class PackedColWiseParallel(ParallelStyle):
     """
 
     swaps_module = True
+    builds = COLUMN
 
     allowed_modules = (nn.Linear, *CONV1D_TYPES)
 
@@ -79,8 +80,8 @@ class PackedColWiseParallel(ParallelStyle):
         groups = [(segment, ctx.mesh.subgroups("tp", segment.heads)) for segment in segments]
         weight, bias, group = params["weight"], params.get("bias"), ctx.mesh.tp_group
         if _is_conv1d(module):
-            return ColumnParallelConv1D(weight, bias, group, groups)
-        return PackedColumnParallelLinear(weight, bias, group, groups)
+            return ColumnParallelConv1D(weight, bias, group, groups, ctx.mode(name))
+        return PackedColumnParallelLinear(weight, bias, group, groups, ctx.mode(name))
 
 
 class ColWiseConv1D(PackedColWiseParallel):
@@ -96,6 +97,7 @@ class RowWiseConv1D(HeadSplitStyle):
     """Row split of a transformers `Conv1D` (weight [in, out]: split dim 0); the output is all-reduced."""
 
     swaps_module = True
+    builds = ROW
 
     allowed_modules = CONV1D_TYPES
 
@@ -111,4 +113,4 @@ class RowWiseConv1D(HeadSplitStyle):
             leaf: local_parameter(getattr(module, leaf), spec.local(rank, world), getattr(module, leaf).requires_grad)
             for leaf, spec in self.param_specs(module).items()
         }
-        return RowParallelConv1D(local["weight"], local.get("bias"), ctx.mesh.tp_group)
+        return RowParallelConv1D(local["weight"], local.get("bias"), ctx.mesh.tp_group, ctx.mode(name))

@@ -10,56 +10,21 @@ embedding output's length, so the embedding output stays whole (Megatron reduce-
 `need_transpose` is accepted for Paddle compatibility; batch-first activations need no transpose.
 
 A forward whose sequence length tp does not divide (a one-token decode step) or that keeps only the last
-positions' logits (`logits_to_keep`, as `generate` does) leaves the sequence whole: the region's entry
-decides once per forward (`comm.sequence_switch`), and every style below then takes the plain
-tensor-parallel path (norm gradients are whole on every rank, so they are not summed).
+positions' logits (`logits_to_keep`, as `generate` does) leaves the sequence whole: the region's entry decides
+once per forward (`comm.sequence_region`), and every layer and hook of the region then takes the plain
+tensor-parallel path (norm gradients are whole on every rank, so they are not summed). The layers' part (which
+column layers gather the sequence, which row layers reduce-scatter it) is decided from these styles with the plan
+(`plan/modes.py`) and passed to the layers when they are built; the styles below only add the hooks.
 """
 
 from __future__ import annotations
 
 import torch
-from torch.distributed import ProcessGroup
 
-from ..comm.regions import (
-    SEQ_DIM,
-    copy_to_tensor_parallel_region,
-    gather_from_sequence_parallel_region,
-    gather_from_tensor_parallel_region,
-    scatter_to_sequence_parallel_region,
-)
-from ..comm.sequence_switch import sequence_switch
-from ..mesh import ranks
-from ..tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
+from ..comm.regions import SEQ_DIM, copy_to_tensor_parallel_region, gather_from_sequence_parallel_region
+from ..comm.sequence_region import SequenceRegion
 from ..tensor_parallel.replicated import sum_parameter_gradients
 from .base import ParallelStyle, PlanContext
-
-
-def split_sequence(x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
-    """This rank's slice of the sequence (all-gather of the gradient backward)."""
-    tp = ranks.world_size(group)
-    if x.shape[SEQ_DIM] % tp:
-        raise ValueError(
-            f"sequence length {x.shape[SEQ_DIM]} is not divisible by the tensor-parallel size {tp} "
-            "(sequence parallelism); pad the batch to a multiple of tp"
-        )
-    return scatter_to_sequence_parallel_region(x, group, dim=SEQ_DIM)
-
-
-def _split_if_divisible(x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
-    """The region's entry: split the sequence when this forward can (see `sequence_switch`), else keep it whole."""
-    if sequence_switch.decide(x.shape[SEQ_DIM], ranks.world_size(group)):
-        return split_sequence(x, group)
-    return x
-
-
-def _when_split(fn):
-    """`fn` inside the region while the sequence is split; the identity on a forward that keeps it whole."""
-    return lambda x: fn(x) if sequence_switch.on else x
-
-
-def gather_sequence(x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
-    """The whole sequence for replicated work (this rank's slice of the gradient backward)."""
-    return gather_from_tensor_parallel_region(x, group, dim=SEQ_DIM)
 
 
 def _map_first(value, fn):
@@ -86,6 +51,15 @@ def _output_hook(fn):
     return lambda module, args, output: _map_first(output, fn)
 
 
+def enter_sequence_region_at(module, region: SequenceRegion, on: str = "input") -> None:
+    """Split the sequence at `module`'s first input (or its output): the region's entry (a pipeline stage's first
+    layer is one too, its input arriving whole from the previous stage)."""
+    if on == "input":
+        module.register_forward_pre_hook(_first_input_hook(region.enter), with_kwargs=True)
+    else:
+        module.register_forward_hook(_output_hook(region.enter))
+
+
 class SequenceParallelBegin(ParallelStyle):
     """Enter the region: split the module's output (or, with on="input", its first input) along the sequence."""
 
@@ -95,27 +69,20 @@ class SequenceParallelBegin(ParallelStyle):
         self.need_transpose, self.on = need_transpose, on
 
     def apply(self, module, name, ctx: PlanContext):
-        split = lambda x: _split_if_divisible(x, ctx.mesh.tp_group)  # noqa: E731
-        if self.on == "input":
-            module.register_forward_pre_hook(_first_input_hook(split), with_kwargs=True)
-        else:
-            module.register_forward_hook(_output_hook(split))
+        enter_sequence_region_at(module, ctx.sequence, self.on)
         return module
 
 
 class SequenceParallelEnd(ParallelStyle):
-    """Leave the region before the module: a column-parallel layer all-gathers its input itself
-    (reduce-scatter backward); any other module gets the whole sequence (split backward)."""
+    """Leave the region before the module: a column-parallel layer all-gathers its input itself (its mode, decided
+    with the plan; reduce-scatter backward); any other module gets the whole sequence (split backward)."""
 
     def __init__(self, need_transpose: bool = True) -> None:
         self.need_transpose = need_transpose
 
     def apply(self, module, name, ctx: PlanContext):
-        if isinstance(module, ColumnParallelLinear):
-            module.sequence_parallel = True
-        else:
-            gather = _when_split(lambda x: gather_sequence(x, ctx.mesh.tp_group))
-            module.register_forward_pre_hook(_first_input_hook(gather), with_kwargs=True)
+        if name not in ctx.modes:  # not a parallel layer: gather before it
+            module.register_forward_pre_hook(_first_input_hook(ctx.sequence.gather), with_kwargs=True)
         return module
 
 
@@ -124,7 +91,8 @@ class SequenceParallelEnable(ParallelStyle):
 
     def apply(self, module, name, ctx: PlanContext):
         if any(p.requires_grad for p in module.parameters(recurse=False)):
-            sum_parameter_gradients(module, ctx.mesh.tp_group, when=lambda: sequence_switch.on)
+            region = ctx.sequence
+            sum_parameter_gradients(module, ctx.mesh.tp_group, when=lambda: region.split)
         return module
 
 
@@ -132,33 +100,26 @@ class SequenceParallelDisable(ParallelStyle):
     """Run the module on the whole sequence: its input is all-gathered at the module boundary (HF attention
     reads the sequence length from its input). Column-parallel layers inside then skip their own entry
     (the gather's backward reduce-scatters their partial gradients) and row-parallel layers reduce-scatter
-    their output; a module without them is replicated work: gather in (split backward), split out.
-    `replicate=True` makes any module replicated work, its column/row layers then plain tensor parallelism on the
-    whole sequence (a MoE block whose shared expert sits beside the routed experts' own tp region: both must
-    produce whole-sequence outputs to be added)."""
+    their output (their modes, decided with the plan); a module without them is replicated work: gather in (split
+    backward), split out. `replicate=True` makes any module replicated work, its column/row layers then plain
+    tensor parallelism on the whole sequence (a MoE block whose shared expert sits beside the routed experts' own tp
+    region: both must produce whole-sequence outputs to be added)."""
 
     def __init__(self, need_transpose: bool = True, replicate: bool = False) -> None:
         self.need_transpose = need_transpose
         self.replicate = replicate
 
     def apply(self, module, name, ctx: PlanContext):
-        group = ctx.mesh.tp_group
-        columns = [m for m in module.modules() if isinstance(m, ColumnParallelLinear)]
-        rows = [m for m in module.modules() if isinstance(m, RowParallelLinear)]
-        if (columns or rows) and not self.replicate:
+        group, region = ctx.mesh.tp_group, ctx.sequence
+        if name in ctx.gathering_blocks:
 
             def enter(x):  # the whole sequence enters the region; a forward that kept it whole: the plain entry
-                if sequence_switch.on:
+                if region.split:
                     return gather_from_sequence_parallel_region(x, group, dim=SEQ_DIM)
                 return copy_to_tensor_parallel_region(x, group)
 
             module.register_forward_pre_hook(_first_input_hook(enter), with_kwargs=True)
-            for layer in columns:
-                layer.enter_region = False
-            for layer in rows:
-                layer.sequence_parallel = True
         else:
-            gather = _when_split(lambda x: gather_sequence(x, group))
-            module.register_forward_pre_hook(_first_input_hook(gather), with_kwargs=True)
-            module.register_forward_hook(_output_hook(_when_split(lambda x: split_sequence(x, group))))
+            module.register_forward_pre_hook(_first_input_hook(region.gather), with_kwargs=True)
+            module.register_forward_hook(_output_hook(region.scatter))
         return module

@@ -12,9 +12,8 @@ import torch
 from torch import nn
 from torch.distributed import ProcessGroup
 
-from ..comm.overlapped_entry import enter_region
-from ..comm.sequence_switch import sequence_switch
 from .layers import _exit_region, _ShardedModule
+from .mode import LayerMode
 from .packed import ReplicatedSegment, sum_segment_grads
 
 try:  # transformers is a dependency; keep the engine importable without it all the same
@@ -35,19 +34,19 @@ class ColumnParallelConv1D(_ShardedModule):
         bias: nn.Parameter | None,
         group: ProcessGroup,
         segments: Sequence[tuple[ReplicatedSegment, ProcessGroup]] = (),
+        mode: LayerMode | None = None,
     ) -> None:
         super().__init__()
         self.weight, self.bias = weight, bias
         self.group = group
         self.segments = tuple(segments)
-        self.sequence_parallel = False  # entry all-gathers the sequence (set by sequence-parallel styles)
-        self.enter_region = True
+        self.mode = mode or LayerMode()
         self.nx = weight.shape[0]
         self.nf = weight.shape[1]  # local output features, as HF's Conv1D names them
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.enter_region:
-            x = enter_region(x, self.group, sequence_switch(self.sequence_parallel))
+        if self.mode.entry is not None:
+            x = self.mode.entry(x, self.group, self.mode.splits_sequence())
         weight = sum_segment_grads(self.weight, 1, self.segments)
         bias = sum_segment_grads(self.bias, 0, self.segments) if self.bias is not None else None
         size_out = x.shape[:-1] + (self.nf,)
@@ -62,18 +61,20 @@ class ColumnParallelConv1D(_ShardedModule):
 class RowParallelConv1D(_ShardedModule):
     """y = sum_ranks x_local W[local, :] + b: the input features are split; the output is all-reduced."""
 
-    def __init__(self, weight: nn.Parameter, bias: nn.Parameter | None, group: ProcessGroup) -> None:
+    def __init__(
+        self, weight: nn.Parameter, bias: nn.Parameter | None, group: ProcessGroup, mode: LayerMode | None = None
+    ) -> None:
         super().__init__()
         self.weight, self.bias = weight, bias
         self.group = group
-        self.sequence_parallel = False  # reduce-scatter the sequence instead of all-reducing
+        self.mode = mode or LayerMode()
         self.nx = weight.shape[0]  # local input features
         self.nf = weight.shape[1]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         size_out = x.shape[:-1] + (self.nf,)
         y = (x.reshape(-1, x.shape[-1]) @ self.weight).view(size_out)
-        return _exit_region(y, self.group, self.sequence_parallel, self.bias)
+        return _exit_region(y, self.group, self.mode.splits_sequence(), self.bias)
 
     def extra_repr(self) -> str:
         return f"nx={self.weight.shard_layout.global_shape[0]} (local {self.nx}), nf={self.nf}"

@@ -21,7 +21,7 @@ import torch
 from torch import nn
 from torch.distributed import ProcessGroup
 
-from ..comm.overlapped_entry import enter_region
+from ..comm.region_entry import RegionEntry
 from ..comm.regions import copy_to_tensor_parallel_region, reduce_from_tensor_parallel_region
 from ..mesh import ranks
 from .spec import ShardLayout, ShardSpec, local_parameter
@@ -62,14 +62,20 @@ def expert_specs(module: nn.Module, packed: Sequence[str], row: Sequence[str]) -
 
 
 def shard_experts(
-    module: nn.Module, layouts: dict[str, ShardLayout], group: ProcessGroup, add_once: Sequence[str] = ()
+    module: nn.Module,
+    layouts: dict[str, ShardLayout],
+    group: ProcessGroup,
+    add_once: Sequence[str] = (),
+    entry: RegionEntry | None = None,
 ) -> nn.Module:
-    """Replace the expert tensors of `module` by their local shards and make the module one tp region; the
-    whole biases named in `add_once` (those of row tensors, added after the partial sums) count once."""
+    """Replace the expert tensors of `module` by their local shards and make the module one tp region, entered
+    through `entry` (the model's: a shared expert reading the same input shares it); the whole biases named in
+    `add_once` (those of row tensors, added after the partial sums) count once."""
     for name, layout in layouts.items():
         param = getattr(module, name)
         setattr(module, name, local_parameter(param, layout, param.requires_grad))
     module.tp_group = group
+    module.tp_entry = entry or RegionEntry()
     if add_once:
         _add_biases_once(module, tuple(add_once))
     module.register_forward_pre_hook(_enter_experts_region, with_kwargs=True)
@@ -111,9 +117,9 @@ def _enter_experts_region(module: nn.Module, args: tuple, kwargs: dict):
     group = module.tp_group
     args = list(args)
     if args:
-        args[0] = enter_region(args[0], group, False)
+        args[0] = module.tp_entry(args[0], group, False)
     elif "hidden_states" in kwargs:
-        kwargs["hidden_states"] = enter_region(kwargs["hidden_states"], group, False)
+        kwargs["hidden_states"] = module.tp_entry(kwargs["hidden_states"], group, False)
     if len(args) >= 3 and torch.is_tensor(args[2]) and args[2].is_floating_point():
         args[2] = copy_to_tensor_parallel_region(args[2], group)
     for name in _ROUTING_WEIGHT_NAMES:

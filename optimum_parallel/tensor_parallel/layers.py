@@ -1,7 +1,8 @@
 """Column/row-parallel Linear and vocab-parallel Embedding on local tensors (Megatron style).
 
 Each layer holds only this rank's shard; every parameter carries its `ShardLayout` as
-`param.shard_layout`, so checkpoints, lazy loading and resharding never have to guess.
+`param.shard_layout`, so checkpoints, lazy loading and resharding never have to guess. How a layer meets its
+neighbours (its region entry, sequence parallelism, overlap) is its `mode`, decided with the plan (`mode.py`).
 """
 
 from __future__ import annotations
@@ -11,7 +12,6 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed import ProcessGroup
 
-from ..comm.overlapped_entry import enter_region
 from ..comm.regions import (
     copy_to_tensor_parallel_region,
     gather_from_tensor_parallel_region,
@@ -19,9 +19,9 @@ from ..comm.regions import (
     reduce_scatter_to_sequence_parallel_region,
     scatter_to_tensor_parallel_region,
 )
-from ..comm.sequence_switch import sequence_switch
 from ..mesh import device as devices
 from ..mesh import ranks
+from .mode import LayerMode
 from .spec import ShardLayout, ShardSpec, local_parameter, shard_sizes
 
 
@@ -31,7 +31,7 @@ def _exit_region(
     """The partial sums `y` all-reduced (reduce-scattered over the sequence under sequence parallelism), plus the
     whole `bias`, added once. On a slice of the sequence each rank's bias gradient holds only its positions: the bias
     then enters through an identity whose backward sums it over tp."""
-    if sequence_switch(sequence_parallel):  # a forward that leaves the sequence whole all-reduces
+    if sequence_parallel:  # inside a split sequence: reduce-scatter (a forward that keeps it whole all-reduces)
         y = reduce_scatter_to_sequence_parallel_region(y, group)
         return y if bias is None else y + copy_to_tensor_parallel_region(bias, group)
     y = reduce_from_tensor_parallel_region(y, group)
@@ -61,8 +61,11 @@ class ColumnParallelLinear(_ShardedModule):
     """y_local = x W_local^T + b_local: the output features are split over the tp group.
 
     `gather_output` all-gathers the output features; otherwise the output stays split (the next
-    layer is row-parallel, or the loss is vocab-parallel).
+    layer is row-parallel, or the loss is vocab-parallel). The input enters the tp region through `mode.entry`
+    (shared with the sibling layers reading the same input), unless the caller entered it already.
     """
+
+    defers_weight_grads = True  # its weight gradient may be computed during the entry's backward collective
 
     def __init__(
         self,
@@ -70,16 +73,16 @@ class ColumnParallelLinear(_ShardedModule):
         bias: nn.Parameter | None,
         group: ProcessGroup,
         gather_output: bool = False,
-        sequence_parallel: bool = False,
+        mode: LayerMode | None = None,
         replica_group: ProcessGroup | None = None,
     ) -> None:
         super().__init__()
         self.weight, self.bias = weight, bias
         self.group = group
         self.gather_output = gather_output
-        self.sequence_parallel = sequence_parallel  # entry all-gathers the sequence (reduce-scatter backward)
-        self.enter_region = True  # False: the caller already entered the region (e.g. gathered the sequence)
-        self.overlap_weight_grads = True  # weight gradients computed during the entry's backward collective
+        self.mode = mode or LayerMode()
+        if self.mode.siblings is not None:
+            self.mode.siblings.layers.append(self)
         self.replica_group = replica_group  # tp ranks holding this same shard: their gradients are summed
         self.in_features = weight.shape[1]
         self.out_features = weight.shard_layout.global_shape[0]
@@ -91,7 +94,7 @@ class ColumnParallelLinear(_ShardedModule):
         group: ProcessGroup,
         units: int | None = None,
         gather_output: bool = False,
-        sequence_parallel: bool = False,
+        mode: LayerMode | None = None,
         replica_group: ProcessGroup | None = None,
     ) -> ColumnParallelLinear:
         rank, world = ranks.rank(group), ranks.world_size(group)
@@ -103,9 +106,7 @@ class ColumnParallelLinear(_ShardedModule):
         if linear.bias is not None:
             bias_layout = ShardSpec.split(linear.bias.shape, 0, units).local(rank, world)
             bias = local_parameter(linear.bias, bias_layout, linear.bias.requires_grad)
-        return cls(
-            weight, bias, group, gather_output, sequence_parallel, replica_group if layout.replicas > 1 else None
-        )
+        return cls(weight, bias, group, gather_output, mode, replica_group if layout.replicas > 1 else None)
 
     @property
     def output_sizes(self) -> list[int]:
@@ -120,7 +121,8 @@ class ColumnParallelLinear(_ShardedModule):
         if self.replica_group is not None:  # identity forward, gradient summed over the replicas backward
             weight = copy_to_tensor_parallel_region(weight, self.replica_group)
             bias = copy_to_tensor_parallel_region(bias, self.replica_group) if bias is not None else None
-        y = enter_region.linear(self, x, weight, bias) if self.enter_region else F.linear(x, weight, bias)
+        entry = self.mode.entry
+        y = entry.linear(self, x, weight, bias) if entry is not None else F.linear(x, weight, bias)
         return self.gather(y) if self.gather_output else y
 
     def extra_repr(self) -> str:
@@ -140,13 +142,13 @@ class RowParallelLinear(_ShardedModule):
         bias: nn.Parameter | None,
         group: ProcessGroup,
         input_is_parallel: bool = True,
-        sequence_parallel: bool = False,
+        mode: LayerMode | None = None,
     ) -> None:
         super().__init__()
         self.weight, self.bias = weight, bias
         self.group = group
         self.input_is_parallel = input_is_parallel
-        self.sequence_parallel = sequence_parallel
+        self.mode = mode or LayerMode()
         self.in_features = weight.shard_layout.global_shape[1]
         self.out_features = weight.shape[0]
 
@@ -157,7 +159,7 @@ class RowParallelLinear(_ShardedModule):
         group: ProcessGroup,
         units: int | None = None,
         input_is_parallel: bool = True,
-        sequence_parallel: bool = False,
+        mode: LayerMode | None = None,
     ) -> RowParallelLinear:
         rank, world = ranks.rank(group), ranks.world_size(group)
         layout = ShardSpec.split(linear.weight.shape, 1, units).local(rank, world)
@@ -169,14 +171,14 @@ class RowParallelLinear(_ShardedModule):
             bias = local_parameter(
                 linear.bias, ShardSpec(linear.bias.shape).local(rank, world), linear.bias.requires_grad
             )
-        return cls(weight, bias, group, input_is_parallel, sequence_parallel)
+        return cls(weight, bias, group, input_is_parallel, mode)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.input_is_parallel:
             x = scatter_to_tensor_parallel_region(
                 x, self.group, dim=-1, sizes=shard_sizes(self.in_features, ranks.world_size(self.group))
             )
-        return _exit_region(F.linear(x, self.weight), self.group, self.sequence_parallel, self.bias)
+        return _exit_region(F.linear(x, self.weight), self.group, self.mode.splits_sequence(), self.bias)
 
     def extra_repr(self) -> str:
         return (
@@ -193,12 +195,12 @@ class VocabParallelEmbedding(_ShardedModule):
     """
 
     def __init__(
-        self, weight: nn.Parameter, group: ProcessGroup, padding_idx: int | None = None, sequence_parallel: bool = False
+        self, weight: nn.Parameter, group: ProcessGroup, padding_idx: int | None = None, mode: LayerMode | None = None
     ) -> None:
         super().__init__()
         self.weight = weight
         self.group = group
-        self.sequence_parallel = sequence_parallel
+        self.mode = mode or LayerMode()
         self.num_embeddings, self.embedding_dim = weight.shard_layout.global_shape
         self.vocab_start, self.vocab_end = weight.shard_layout.ranges[0]
         self.padding_idx = padding_idx
@@ -207,14 +209,14 @@ class VocabParallelEmbedding(_ShardedModule):
 
     @classmethod
     def from_embedding(
-        cls, embedding: nn.Embedding, group: ProcessGroup, sequence_parallel: bool = False
+        cls, embedding: nn.Embedding, group: ProcessGroup, mode: LayerMode | None = None
     ) -> VocabParallelEmbedding:
         if embedding.max_norm is not None or embedding.sparse:
             raise ValueError("VocabParallelEmbedding does not support max_norm or sparse embeddings")
         rank, world = ranks.rank(group), ranks.world_size(group)
         layout = ShardSpec.split(embedding.weight.shape, 0).local(rank, world)
         weight = local_parameter(embedding.weight, layout, embedding.weight.requires_grad)
-        layer = cls(weight, group, embedding.padding_idx, sequence_parallel)
+        layer = cls(weight, group, embedding.padding_idx, mode)
         if hasattr(embedding, "embed_scale"):  # scaled word embeddings (Gemma and friends)
             layer.embed_scale = embedding.embed_scale
         return layer
@@ -242,7 +244,7 @@ class VocabParallelEmbedding(_ShardedModule):
     def _finish(self, out: torch.Tensor) -> torch.Tensor:
         if hasattr(self, "embed_scale"):
             out = out * self.embed_scale.to(out.dtype)
-        return _exit_region(out, self.group, self.sequence_parallel)
+        return _exit_region(out, self.group, self.mode.splits_sequence())
 
     def extra_repr(self) -> str:
         return (

@@ -16,9 +16,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.distributed import ProcessGroup
 
-from ..comm.overlapped_entry import enter_region
-from ..comm.sequence_switch import sequence_switch
 from .layers import ColumnParallelLinear
+from .mode import LayerMode
 from .spec import ReplicatedSegment
 
 
@@ -55,16 +54,24 @@ def sum_segment_grads(
 class PackedColumnParallelLinear(ColumnParallelLinear):
     """A column-parallel Linear over a packed layout; replicated parts have their gradients summed."""
 
-    def __init__(self, weight, bias, group, segments: Sequence[tuple[ReplicatedSegment, ProcessGroup]] = ()) -> None:
-        super().__init__(weight, bias, group)
+    defers_weight_grads = False  # its weight goes through the segment sums: no alias to defer
+
+    def __init__(
+        self,
+        weight,
+        bias,
+        group,
+        segments: Sequence[tuple[ReplicatedSegment, ProcessGroup]] = (),
+        mode: LayerMode | None = None,
+    ) -> None:
+        super().__init__(weight, bias, group, mode=mode)
         self.segments = tuple(segments)
-        self.overlap_weight_grads = False  # its weight goes through the segment sums: no alias to defer
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.gather_output:
             raise ValueError("a packed column-parallel layer cannot gather its output (the parts are interleaved)")
-        if self.enter_region:
-            x = enter_region(x, self.group, sequence_switch(self.sequence_parallel))
+        if self.mode.entry is not None:
+            x = self.mode.entry(x, self.group, self.mode.splits_sequence())
         weight = sum_segment_grads(self.weight, 0, self.segments)
         bias = sum_segment_grads(self.bias, 0, self.segments) if self.bias is not None else None
         return F.linear(x, weight, bias)

@@ -30,13 +30,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ...comm.overlapped_entry import enter_region
 from ...comm.regions import (
     copy_to_tensor_parallel_region,
     reduce_from_tensor_parallel_region,
     reduce_scatter_to_sequence_parallel_region,
 )
-from ...comm.sequence_switch import sequence_switch
 from ...mesh import ranks
 from ...tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
 from ...tensor_parallel.packed import PackedColumnParallelLinear
@@ -260,13 +258,11 @@ class _JoinedEntry:
     adapters: dict[tuple[int, str], torch.Tensor]  # (id(layer), adapter) -> its u inside the region
 
 
-_last_joined: _JoinedEntry | None = None
-
-
 def _joined_entry(self, x: torch.Tensor, active: list[str]) -> _JoinedEntry:
-    """The block's entry of `x` with the u of every active adapter of this layer and its siblings."""
-    global _last_joined
-    last = _last_joined
+    """The block's entry of `x` with the u of every active adapter of this layer and its siblings (the last one is
+    kept on the model's region entry, beside its own last entry)."""
+    entry = self.base_layer.mode.entry
+    last = entry.joined
     if (
         last is not None
         and last.source() is x
@@ -275,7 +271,7 @@ def _joined_entry(self, x: torch.Tensor, active: list[str]) -> _JoinedEntry:
     ):
         return last
     base = self.base_layer
-    sequence_parallel = sequence_switch(base.sequence_parallel)  # a decode step leaves the sequence whole
+    sequence_parallel = base.mode.splits_sequence()  # a decode step leaves the sequence whole
     layers = [self] + [s for s in _siblings(self) if s is not self]
     keys, parts = [], [x]
     for layer in layers:
@@ -285,21 +281,21 @@ def _joined_entry(self, x: torch.Tensor, active: list[str]) -> _JoinedEntry:
                 a = copy_to_tensor_parallel_region(a, base.group)
             keys.append(((id(layer), name), a.shape[0]))
             parts.append(F.linear(layer.lora_dropout[name](x.to(a.dtype)), a).to(x.dtype))
-    joined = enter_region(torch.cat(parts, dim=-1), base.group, sequence_parallel)
+    joined = entry(torch.cat(parts, dim=-1), base.group, sequence_parallel)
     hidden = x.shape[-1]
     entered, adapters, offset = joined[..., :hidden], {}, hidden
     for key, rank in keys:
         adapters[key] = joined[..., offset : offset + rank]
         offset += rank
-    enter_region.remember(x, base.group, sequence_parallel, entered)  # plain siblings reuse the entry
+    entry.remember(x, base.group, sequence_parallel, entered)  # plain siblings reuse the entry
     joined = _JoinedEntry(weakref.ref(x), x._version, entered, adapters)
-    _last_joined = joined if entered.requires_grad else None
+    entry.joined = joined if entered.requires_grad else None
     return joined
 
 
 def _column_forward(self, x: torch.Tensor, active: list[str]) -> torch.Tensor:
     base = self.base_layer
-    if base.enter_region:
+    if base.mode.entry is not None:
         joined = _joined_entry(self, x, active)
         entered, adapters = joined.entered, joined.adapters
     else:  # the block gathered the whole sequence already (sequence parallelism): A's gradient is summed over tp
@@ -325,8 +321,9 @@ def _siblings(layer: nn.Module) -> list[nn.Module]:
     """The column-parallel LoRA layers that may read the same input as `layer` (itself included)."""
     refs = layer.__dict__.get("_lora_siblings")
     if refs is None:  # adapters added after the split: the base layers know their siblings
-        bases = [layer.base_layer] + [ref() for ref in layer.base_layer.__dict__.get("_entry_siblings", ())]
-        refs = [w for b in bases if b is not None and (w := b.__dict__.get("_lora_wrapper")) is not None]
+        base = layer.base_layer
+        bases = [base] + [b for b in (base.mode.siblings.layers if base.mode.siblings else ()) if b is not base]
+        refs = [w for b in bases if (w := b.__dict__.get("_lora_wrapper")) is not None]
     return [s for ref in refs if (s := ref()) is not None]
 
 
@@ -351,7 +348,7 @@ def _row_forward(self, x: torch.Tensor, active: list[str]) -> torch.Tensor:
         a = self.lora_A[name].weight
         partial.append(F.linear(self.lora_dropout[name](x.to(a.dtype)), a).to(partial[0].dtype))
     joined = torch.cat(partial, dim=-1)  # the adapters' A x join the base layer's one collective
-    sequence_parallel = sequence_switch(base.sequence_parallel)
+    sequence_parallel = base.mode.splits_sequence()
     if sequence_parallel:
         joined = reduce_scatter_to_sequence_parallel_region(joined, base.group)
     else:

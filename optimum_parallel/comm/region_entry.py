@@ -10,21 +10,22 @@ column layers' backward computes only their input gradient and leaves (grad_outp
 entry's backward starts the collective on the summed input gradient, computes the weight gradients while it
 runs, then waits. The weights go through the entry op as aliases, so their gradients still arrive through
 autograd's AccumulateGrad and DDP, FSDP2 and gradient hooks see nothing unusual. The entry aliases the
-weights of the layer that makes it and of its siblings (`link_entry_siblings`: column-parallel children of the
-same module, the layers that may read the same input); a sibling that reads another input (cross-attention)
-leaves its alias unused and makes its own entry. The entry's make-up is fixed, so a forward recomputed under
-activation checkpointing saves exactly what the first one did.
+weights of the layer that makes it and of its siblings (`mode.siblings`, decided with the plan: the column-parallel
+children of the same module, the layers that may read the same input); a sibling that reads another input
+(cross-attention) leaves its alias unused and makes its own entry. The entry's make-up is fixed, so a forward
+recomputed under activation checkpointing saves exactly what the first one did.
+
+One `RegionEntry` serves a whole model (made with its plan): it holds the last entry, so any layer of the tp region
+reading the same tensor next (q, k, v; an MoE block's experts and its shared expert) reuses it.
 """
 
 from __future__ import annotations
 
-import threading
 import weakref
 from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
-from torch import nn
 from torch.distributed import ProcessGroup
 
 from .regions import (
@@ -35,7 +36,6 @@ from .regions import (
     start_all_reduce,
     start_reduce_scatter,
 )
-from .sequence_switch import sequence_switch
 
 
 class _PendingWeightGrads:
@@ -125,7 +125,8 @@ class _Entry:
 def _overlappable(layer) -> bool:
     weight = getattr(layer, "weight", None)
     return (
-        getattr(layer, "overlap_weight_grads", False)
+        layer.mode.overlap
+        and getattr(layer, "defers_weight_grads", False)
         and weight is not None
         and weight.requires_grad
         and getattr(layer, "replica_group", None) is None
@@ -134,19 +135,12 @@ def _overlappable(layer) -> bool:
 
 class RegionEntry:
     """Enter the tp region once per input tensor (the last entry is held until the next one: a view of an
-    activation that is alive anyway, plus weight aliases). The last entry is per thread: on XLA one process may
-    run several ranks, one thread each, and a rank must never see another's entry (its graph would differ)."""
+    activation that is alive anyway, plus weight aliases). One per model: on XLA, where one process may run several
+    ranks (one thread each), each rank builds its own model and so its own entry."""
 
     def __init__(self) -> None:
-        self._local = threading.local()
-
-    @property
-    def _last(self) -> _Entry | None:
-        return getattr(self._local, "last", None)
-
-    @_last.setter
-    def _last(self, entry: _Entry | None) -> None:
-        self._local.last = entry
+        self._last: _Entry | None = None
+        self.joined = None  # an adapter library's own entry of the last input (see integrations/peft/lora.py)
 
     def __call__(self, x: torch.Tensor, group: ProcessGroup, sequence_parallel: bool) -> torch.Tensor:
         """The entered input for a layer that computes its own output (no overlap)."""
@@ -157,7 +151,7 @@ class RegionEntry:
 
     def linear(self, layer, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         """`F.linear(entered x, weight, bias)` for a column-parallel `layer`, overlapped where it can be."""
-        sequence_parallel = sequence_switch(layer.sequence_parallel)
+        sequence_parallel = layer.mode.splits_sequence()
         if not sequence_parallel and not torch.is_grad_enabled():  # inference: entering is the identity
             return F.linear(x, weight, bias)
         entry = self._entry(x, layer.group, sequence_parallel, layer)
@@ -183,8 +177,8 @@ class RegionEntry:
     def _new_entry(self, x: torch.Tensor, group: ProcessGroup, sequence_parallel: bool, layer) -> _Entry:
         layers = []
         if layer is not None and torch.is_grad_enabled() and not torch.is_autocast_enabled(x.device.type):
-            siblings = [ref() for ref in layer.__dict__.get("_entry_siblings", ())]
-            layers = [m for m in [layer, *siblings] if m is not None and _overlappable(m)]
+            siblings = layer.mode.siblings.layers if layer.mode.siblings is not None else ()
+            layers = [m for m in [layer, *(s for s in siblings if s is not layer)] if _overlappable(m)]
         if not layers:
             if sequence_parallel:
                 entered = gather_from_sequence_parallel_region(x, group, dim=SEQ_DIM)
@@ -203,15 +197,3 @@ class RegionEntry:
             pending,
             {id(m): (w, a, i) for i, (m, w, a) in enumerate(zip(layers, weights, aliases, strict=True))},
         )
-
-
-enter_region = RegionEntry()
-
-
-def link_entry_siblings(model: nn.Module, layer_type: type) -> None:
-    """Tell every `layer_type` (column-parallel) module of `model` its siblings: the modules of that type with
-    the same parent, whose weights its entry aliases (see the module docstring)."""
-    for parent in model.modules():
-        columns = [c for c in parent.children() if isinstance(c, layer_type)]
-        for column in columns:
-            column.__dict__["_entry_siblings"] = tuple(weakref.ref(c) for c in columns if c is not column)

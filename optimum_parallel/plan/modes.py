@@ -1,0 +1,64 @@
+"""Every tensor-parallel layer's mode, decided from the whole plan before any module is built.
+
+The sequence-parallel styles say where the sequence is split; from them follows, for each layer a swapping style
+builds, how it enters or leaves the tp region (`tensor_parallel.mode.LayerMode`):
+
+- a column layer inside a `SequenceParallelDisable`d block that gathers the whole sequence at its boundary does not
+  enter the region itself; a row layer there reduce-scatters the sequence;
+- a column layer marked `SequenceParallelEnd` (the LM head) gathers the sequence itself;
+- column layers of one parent module (q/k/v, gate/up) are siblings: one entry serves them and aliases their weights;
+- `overlap` is off where a pipeline schedule defers weight gradients itself.
+"""
+
+from __future__ import annotations
+
+from torch import nn
+
+from ..comm.sequence_region import SequenceRegion
+from ..styles import ParallelStyle, PlanContext, SequenceParallelBegin, SequenceParallelDisable, SequenceParallelEnd
+from ..styles.base import COLUMN, ROW
+from ..styles.sequence_parallel import SequenceParallelEnable
+from ..tensor_parallel.mode import LayerMode, Siblings
+from .wrappers import style_target
+
+SEQUENCE_STYLES = (SequenceParallelBegin, SequenceParallelEnd, SequenceParallelEnable, SequenceParallelDisable)
+
+
+def _builds(styles: list[ParallelStyle]) -> str | None:
+    """COLUMN or ROW when one of `styles` builds such a layer, else None."""
+    return next((s.builds for s in styles if s.swaps_module and s.builds is not None), None)
+
+
+def plan_context(model: nn.Module, targets: dict[str, list[ParallelStyle]], mesh, overlap: bool = True) -> PlanContext:
+    """The context every style of `targets` (a checked plan) is applied with: the model's entry, its sequence
+    region (when the plan has sequence-parallel styles) and every layer's mode."""
+    ctx = PlanContext(mesh)
+    if any(isinstance(s, SEQUENCE_STYLES) for styles in targets.values() for s in styles):
+        ctx.sequence = SequenceRegion(mesh.tp_group)
+    kinds = {name: _builds(styles) for name, styles in targets.items()}
+    gathering = [
+        name
+        for name, styles in targets.items()
+        if any(isinstance(s, SequenceParallelDisable) and not s.replicate for s in styles)
+        and any(kind is not None and other.startswith(name + ".") for other, kind in kinds.items())
+    ]
+    ends = {name for name, styles in targets.items() if any(isinstance(s, SequenceParallelEnd) for s in styles)}
+    modules = dict(model.named_modules())
+    siblings: dict[str, Siblings] = {}
+    for name, kind in kinds.items():
+        if kind is None:
+            continue
+        inside = any(name.startswith(block + ".") for block in gathering)
+        wrapped = style_target(modules[name]) is not modules[name]  # its layer's parent is the wrapper
+        family = None
+        if kind == COLUMN:
+            family = Siblings() if wrapped else siblings.setdefault(name.rpartition(".")[0], Siblings())
+        splits = inside if kind == ROW else (name in ends and not inside)
+        ctx.modes[name] = LayerMode(
+            entry=None if (inside and kind == COLUMN) else ctx.entry,
+            sequence=ctx.sequence if splits else None,
+            siblings=family,
+            overlap=overlap,
+        )
+    ctx.gathering_blocks = frozenset(gathering)
+    return ctx
