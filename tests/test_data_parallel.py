@@ -103,13 +103,15 @@ def test_sequence_parallel_composes_with_fsdp(pool):
 
 @pytest.mark.parametrize("level", [1, 2, 3])
 def test_xla_devices_allow_sharding_level_0_only(level):
-    """The check `validate_request` runs on an XLA mesh (the XLA lane, `make test-xla`, runs it on devices): levels
+    """The check `validate` runs on an XLA mesh (the XLA lane, `make test-xla`, runs it on devices): levels
     1-3 are refused at dp x cp > 1, naming the caller's key and the level XLA allows; at dp x cp = 1 no level acts."""
-    from optimum_parallel.engine.data_parallel import DataParallelConfig, check_data_parallel
+    from optimum_parallel.engine.data_parallel import DataParallelConfig
+    from optimum_parallel.engine.request import PARALLELIZER_KEYS as keys
+    from optimum_parallel.engine.validate import check_data_parallel
 
     config = DataParallelConfig(sharding_level=level)
     with pytest.raises(ValueError, match=rf"^sharding_level={level} is not supported on XLA .*; allowed on XLA: 0 "):
-        check_data_parallel(config, None, "sharding_level", 2, "xla")
-    check_data_parallel(config, None, "sharding_level", 1, "xla")
-    check_data_parallel(config, None, "sharding_level", 2, "cpu")
-    check_data_parallel(DataParallelConfig(sharding_level=0), None, "sharding_level", 2, "xla")
+        check_data_parallel(config, None, keys, 2, "xla")
+    check_data_parallel(config, None, keys, 1, "xla")
+    check_data_parallel(config, None, keys, 2, "cpu")
+    check_data_parallel(DataParallelConfig(sharding_level=0), None, keys, 2, "xla")

@@ -300,10 +300,10 @@ def test_refusals(pool):
 def test_trainer_argument_checks_ep_against_the_mesh():
     """ParallelTrainingArguments.expert_parallel_size: a positive int, dividing dp x cp (one process here: only 1)."""
     from optimum_parallel.integrations.transformers.trainer import _mesh_for
-    from optimum_parallel.integrations.transformers.training_args import ParallelTrainingArguments
+    from optimum_parallel.integrations.transformers.training_args import ParallelTrainingArguments, trainer_request
 
     with pytest.raises(ValueError, match="expert_parallel_size=0"):
         ParallelTrainingArguments(output_dir="/tmp/unused", use_cpu=True, expert_parallel_size=0)
     args = ParallelTrainingArguments(output_dir="/tmp/unused", use_cpu=True, expert_parallel_size=2)
     with pytest.raises(ValueError, match=r"expert_parallel_size=2 .* dp x cp = 1 x 1; allowed: 1"):
-        _mesh_for(args)
+        _mesh_for(trainer_request(args), timeout=60)

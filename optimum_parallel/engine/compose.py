@@ -2,14 +2,15 @@
 pipeline split -> materialise -> optimizer -> data parallel.
 
 Both front doors (`Parallelizer.parallelize`, `parallelize(model, optimizer, mesh, config)`) and the Trainer
-end here. `compose` runs every step; the Trainer runs the model half (`compose_model`) before transformers'
-Trainer exists and the training half (`compose_training`) once it has built its optimizer, in the same order.
+translate their arguments into one `ParallelRequest`, which `validate` checks whole (`validate.py`); the steps below
+take the `CheckedRequest` it returns. `compose` runs every step; the Trainer runs the model half (`compose_model`)
+before transformers' Trainer exists and the training half (`compose_training`) once it has built its optimizer, in the
+same order.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from collections.abc import Mapping
 
 import torch
 from torch import nn
@@ -19,59 +20,22 @@ from ..expert_parallel import apply_expert_parallel
 from ..mesh import ParallelMesh
 from ..pipeline import SPLIT_BACKWARD
 from ..pipeline.batches import PipelineBatches
-from ..pipeline.split import SplitPoint
 from ..plan.apply import apply_checked_plan
 from ..state import find_state
-from ..styles import ParallelStyle
 from ..styles.sequence_parallel import enter_sequence_region_at
 from .data_parallel import DataParallelConfig, apply_data_parallel
 from .lazy_optimizer import build_lazy_optimizer, is_lazy_optimizer
 from .materialize import materialize_lazy_model, move_to_device
 from .optimizer import rebuild_optimizer
-from .validate import PARALLELIZER_KEYS, RequestKeys, validate_request
+from .request import CheckedRequest
 
 ParamMap = dict[int, nn.Parameter | None]  # {id(original parameter): parallel parameter, or None on another stage}
 
 
-@dataclass(frozen=True)
-class PipelineRequest:
-    """How to split the model into pipeline stages (see `pipeline.apply_pipeline`)."""
-
-    split_spec: str | Mapping[str, SplitPoint]
-    num_microbatches: int
-    schedule: str = "1f1b"
-
-
-def compose_model(
-    model: nn.Module,
-    mesh: ParallelMesh,
-    plan: Mapping[str, object] | None,
-    *,
-    after_plan: Callable[[nn.Module, ParallelMesh], None] | None = None,
-    pipeline: PipelineRequest | None = None,
-    context_parallel: str = "ring",
-    device: torch.device | str | None = None,
-    read_checkpoint: bool = True,
-    keys: RequestKeys = PARALLELIZER_KEYS,
-) -> ParamMap:
-    """Make `model` tensor/sequence- and pipeline-parallel in place; return the parameter map for the optimizer.
-    A bad request raises before anything changes (`keys`: what the caller's errors call its settings)."""
-    # 0. Validate: every check that can run before anything changes (engine/validate.py).
-    checked = validate_request(model, mesh, plan, pipeline=pipeline, context_parallel=context_parallel, keys=keys)
-    return _compose_model(model, mesh, checked, after_plan, pipeline, context_parallel, device, read_checkpoint)
-
-
-def _compose_model(
-    model: nn.Module,
-    mesh: ParallelMesh,
-    checked_plan: dict[str, list[ParallelStyle]] | None,
-    after_plan: Callable[[nn.Module, ParallelMesh], None] | None,
-    pipeline: PipelineRequest | None,
-    context_parallel: str,
-    device: torch.device | str | None,
-    read_checkpoint: bool,
-) -> ParamMap:
-    """Steps 1-4 of a validated request (`checked_plan`: the plan as step 0 resolved and checked it)."""
+def compose_model(model: nn.Module, mesh: ParallelMesh, checked: CheckedRequest) -> ParamMap:
+    """Steps 1-4 of a validated request: make `model` tensor/sequence-, expert-, context- and pipeline-parallel in
+    place; return {id(original parameter): parallel parameter, or None on another stage} for the optimizer."""
+    request, pipeline, checked_plan = checked.request, checked.pipeline, checked.targets
     mapping: ParamMap = {id(p): p for p in model.parameters()}
     # 1. TP/SP on the whole model first: every rank resolves and checks the same plan, tied weights stay tied. The
     #    layers' modes follow from the whole request (schedules that defer weight gradients turn the overlap off).
@@ -81,8 +45,8 @@ def _compose_model(
         applied = apply_checked_plan(model, checked_plan, mesh, overlap=overlap)
         mapping.update(applied.param_map)
         sequence = applied.sequence
-    if after_plan is not None:  # family fix-ups of module attributes (local head counts, config views)
-        after_plan(model, mesh)
+    if checked.after_plan is not None:  # family fix-ups of module attributes (local head counts, config views)
+        checked.after_plan(model, mesh)
     # 1b. Expert parallelism: the experts split along the expert dim over the ep ranks sharing the dense weights,
     #     tokens dispatched to them by all-to-all (after the plan, so under tp each rank splits its tp slices).
     ep, state = mesh.size("ep"), find_state(model)
@@ -92,7 +56,7 @@ def _compose_model(
     # 2. Context parallelism: attention over the cp ring, each rank's forward cut to its chunks of the sequence
     #    (after the plan, so the loss it wraps is the vocab-parallel one; weights are not touched).
     if mesh.size("cp") > 1:
-        apply_context_parallel(model, mesh.group("cp"), context_parallel)
+        apply_context_parallel(model, mesh.group("cp"), request.context_parallel)
     # 3. Pipeline split: the rank keeps its stages; the parameters of other stages map to None.
     if pipeline is not None:
         from ..pipeline.runtime import apply_pipeline  # torch's pipelining (and torch._dynamo) load only here
@@ -115,9 +79,9 @@ def _compose_model(
         mapping = {k: (v if id(v) in present else None) for k, v in mapping.items()}
     # 4. Materialise only now, so a lazily built model reads only this rank's slices of its own stages
     #    (no-op for a model built normally; read_checkpoint=False when a sharded checkpoint will overwrite it).
-    materialize_lazy_model(model, device, read_checkpoint=read_checkpoint)
-    if device is not None:
-        move_to_device(model, device)
+    materialize_lazy_model(model, request.device, read_checkpoint=request.read_checkpoint)
+    if request.device is not None:
+        move_to_device(model, request.device)
     return mapping
 
 
@@ -139,32 +103,11 @@ def compose_training(
 
 
 def compose(
-    model: nn.Module,
-    mesh: ParallelMesh,
-    plan: Mapping[str, object] | None = None,
-    *,
-    after_plan: Callable[[nn.Module, ParallelMesh], None] | None = None,
-    pipeline: PipelineRequest | None = None,
-    context_parallel: str = "ring",
-    optimizer: torch.optim.Optimizer | None = None,
-    data_parallel: DataParallelConfig | None = None,
-    device: torch.device | str | None = None,
-    read_checkpoint: bool = True,
-    keys: RequestKeys = PARALLELIZER_KEYS,
+    model: nn.Module, optimizer: torch.optim.Optimizer | None, mesh: ParallelMesh, checked: CheckedRequest
 ) -> tuple[nn.Module, torch.optim.Optimizer | None, ParamMap]:
-    """Every step in order, the request validated first as a whole; returns (model, optimizer, parameter map)."""
-    checked = validate_request(
-        model,
-        mesh,
-        plan,
-        pipeline=pipeline,
-        context_parallel=context_parallel,
-        data_parallel=data_parallel,
-        optimizer=optimizer,
-        keys=keys,
-    )
-    mapping = _compose_model(model, mesh, checked, after_plan, pipeline, context_parallel, device, read_checkpoint)
-    model, optimizer = compose_training(model, optimizer, mesh, mapping, data_parallel)
+    """Every step in order, for a request `validate` accepted; returns (model, optimizer, parameter map)."""
+    mapping = compose_model(model, mesh, checked)
+    model, optimizer = compose_training(model, optimizer, mesh, mapping, checked.data_parallel)
     return model, optimizer, mapping
 
 

@@ -3,7 +3,7 @@ levels, on torch's own machinery.
 
 level 0: parameters replicated, gradients all-reduced (composable DDP, `replicate`; on XLA devices one flat
          all-reduce queued after each backward, `gradient_sync.average_after_backward`: the only level there, see
-         `check_device_sharding_level`);
+         `validate.check_data_parallel`);
 level 1: + optimizer state sharded (ZeRO-1, `ZeroRedundancyOptimizer`);
 level 2: + gradients sharded (FSDP2 `fully_shard`, parameters kept gathered between forward and backward);
 level 3: + parameters sharded (FSDP2, resharded after forward).
@@ -31,56 +31,8 @@ from ..mesh import ParallelMesh
 from ..mesh import device as devices
 from ..plan.wrappers import plan_root
 from ..state import find_state, parallel_state
-from .expert_data_parallel import check_expert_data_parallel
 from .gradient_sync import average_after_backward, stage_gradient_averager
 from .sharding import below_threshold, fully_shard_model, zero1
-
-SHARDING_LEVELS = (0, 1, 2, 3)
-XLA_SHARDING_LEVELS = (0,)
-_XLA_REFUSED = {  # why the other levels do not run on XLA devices
-    1: "torch's ZeroRedundancyOptimizer gives each rank its share of the optimizer state by torch.distributed's "
-    "rank, which is 0 on every device one process drives, and broadcasts each share from its owner",
-    2: "FSDP2 needs a torch DeviceMesh, which the XLA mesh does not build",
-    3: "FSDP2 needs a torch DeviceMesh, which the XLA mesh does not build",
-}
-
-
-def check_sharding_level(level: object, key: str = "sharding_level") -> None:
-    """`level` is one of `SHARDING_LEVELS`; the error names `key` (the caller's name for it) and the allowed ones."""
-    if isinstance(level, bool) or level not in SHARDING_LEVELS:
-        raise ValueError(f"{key}={level!r} is not allowed; allowed: {', '.join(map(str, SHARDING_LEVELS))}")
-
-
-def check_device_sharding_level(level: int, device_type: str, data_parallel_size: int, key: str) -> None:
-    """On XLA devices with dp x cp > 1 only `XLA_SHARDING_LEVELS` run: a ValueError naming `key`, the reason and
-    the allowed levels otherwise (at dp x cp = 1 no level does anything, there as elsewhere)."""
-    if devices.is_graph_device(device_type) and data_parallel_size > 1 and level not in XLA_SHARDING_LEVELS:
-        allowed = ", ".join(map(str, XLA_SHARDING_LEVELS))
-        raise ValueError(
-            f"{key}={level} is not supported on XLA devices ({_XLA_REFUSED[level]}); allowed on XLA: {allowed} "
-            "(parameters and optimizer state replicated, gradients averaged over the dp ranks)"
-        )
-
-
-def check_data_parallel(
-    config: DataParallelConfig,
-    optimizer: torch.optim.Optimizer | None,
-    key: str = "sharding_level",
-    data_parallel_size: int | None = None,
-    device_type: str = "cpu",
-) -> None:
-    """What `apply_data_parallel` needs of its request, checked before anything changes: the level (on XLA devices
-    level 0 only), a shard_size dividing the dp x cp ranks, and for ZeRO-1 an optimizer with no state yet (its
-    state cannot be re-partitioned)."""
-    check_sharding_level(config.sharding_level, key)
-    if data_parallel_size is not None:
-        check_device_sharding_level(config.sharding_level, device_type, data_parallel_size, key)
-        check_shard_size(config.shard_size, data_parallel_size)
-    if config.sharding_level == 1 and optimizer is not None and getattr(optimizer, "state", None):
-        raise ValueError(
-            f"{key}=1 (ZeRO-1) needs a fresh optimizer: this one already holds state, which cannot be re-partitioned "
-            "here; allowed: an optimizer that has not stepped yet, or sharding_level 0, 2, 3"
-        )
 
 
 @dataclass
@@ -88,31 +40,13 @@ class DataParallelConfig:
     """`dp_config`: sharding_level 0-3; reduce_dtype e.g. torch.float32 to reduce bf16 gradients in fp32 (FSDP);
     shard_size: ranks per sharding group (-1: all dp x cp ranks), replicated across groups (HSDP, levels 1-3);
     threshold: KB below which a parameter (this rank's tensor-parallel piece) stays whole on every rank (levels 2-3;
-    ZeRO-1 at level 1 never cuts a tensor: it places each parameter's whole state on one rank of the group)."""
+    ZeRO-1 at level 1 never cuts a tensor: it places each parameter's whole state on one rank of the group).
+    Plain data: the request's validation checks it (`validate.check_data_parallel_config`)."""
 
     sharding_level: int = 0
     reduce_dtype: torch.dtype | None = None
     shard_size: int = -1
     threshold: float = 0
-
-    def __post_init__(self) -> None:
-        check_sharding_level(self.sharding_level, "dp_config['sharding_level']")
-        size = self.shard_size
-        if isinstance(size, bool) or not isinstance(size, int) or (size < 1 and size != -1):
-            raise ValueError(
-                f"dp_config['shard_size'] = {size!r} is not allowed; allowed: -1 (all dp x cp ranks) or a positive "
-                "integer dividing dp x cp"
-            )
-        if size != -1 and self.sharding_level == 0:
-            raise ValueError(
-                f"dp_config['shard_size'] = {size} needs sharding; allowed with sharding_level 0: -1 "
-                "(or set sharding_level to 1, 2 or 3)"
-            )
-        kb = self.threshold
-        if isinstance(kb, bool) or not isinstance(kb, (int, float)) or not kb >= 0 or kb == float("inf"):
-            raise ValueError(f"dp_config['threshold'] = {kb!r} is not allowed; allowed: a number of KB >= 0")
-        if self.reduce_dtype is not None and not isinstance(self.reduce_dtype, torch.dtype):
-            raise ValueError(f"dp_config['reduce_dtype'] = {self.reduce_dtype!r} is not a torch.dtype")
 
 
 def apply_data_parallel(
@@ -125,8 +59,6 @@ def apply_data_parallel(
     Nothing to do when dp x cp is 1."""
     if mesh.data_parallel_size == 1:
         return model, optimizer
-    check_device_sharding_level(config.sharding_level, mesh.device_type, mesh.data_parallel_size, "sharding_level")
-    check_shard_size(config.shard_size, mesh.data_parallel_size)
     mark_gradients_reduced(model)
     # Under pp the schedule calls the stage modules, not the model: the stages are the wrapped roots.
     pipeline = parallel_state(plan_root(model)).pipeline
@@ -140,7 +72,6 @@ def apply_data_parallel(
     if state is not None and state.expert_parallel is not None:  # experts reduce over their replica group only
         from .expert_data_parallel import apply_expert_data_parallel
 
-        check_expert_data_parallel(config.shard_size, mesh.size("ep"))
         return apply_expert_data_parallel(
             model,
             optimizer,
@@ -171,13 +102,3 @@ def apply_data_parallel(
     return fully_shard_model(
         model, optimizer, roots, dp_mesh, config.sharding_level, config.reduce_dtype, small, mesh.data_parallel_group
     )
-
-
-def check_shard_size(shard_size: int, data_parallel_size: int) -> None:
-    """ValueError naming dp_config['shard_size'] and the allowed values unless it is -1 or divides dp x cp."""
-    if shard_size != -1 and data_parallel_size % shard_size:
-        allowed = [-1] + [d for d in range(1, data_parallel_size + 1) if data_parallel_size % d == 0]
-        raise ValueError(
-            f"dp_config['shard_size'] = {shard_size} does not divide the dp x cp ranks ({data_parallel_size}); "
-            f"allowed: {', '.join(map(str, allowed))}"
-        )

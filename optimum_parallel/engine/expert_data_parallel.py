@@ -11,7 +11,7 @@ level 1: the same gradients, and two ZeRO-1 optimizers stepped as one (`ExpertSp
          the dense state sharded over dp x cp, the experts' over their replica group;
 level 2-3: FSDP2 units: each experts module on the replica sub-mesh with its gradient divided by dp x cp (a SUM
          reduce-scatter, then the division: gloo has no PREMUL_SUM), the blocks and the root on the dp x cp mesh.
-Hybrid sharding (`shard_size`) is refused with ep by `check_expert_data_parallel`.
+Hybrid sharding (`shard_size`) is refused with ep by the request's validation (`validate.check_expert_data_parallel`).
 """
 
 from __future__ import annotations
@@ -24,14 +24,6 @@ from ..mesh import ParallelMesh, ranks
 from .expert_optimizer import ExpertSplitOptimizer
 from .gradient_sync import average_flat
 from .sharding import below_threshold, fully_shard_model, zero1
-
-
-def check_expert_data_parallel(shard_size: int, ep: int, key: str = "dp_config['shard_size']") -> None:
-    """ValueError naming `key` unless the request's data parallelism composes with ep (no hybrid sharding yet)."""
-    if ep > 1 and shard_size != -1:
-        raise ValueError(
-            f"{key}={shard_size} (hybrid sharding) with ep={ep} is not supported yet; allowed with ep > 1: -1"
-        )
 
 
 def apply_expert_data_parallel(

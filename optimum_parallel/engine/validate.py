@@ -1,102 +1,248 @@
-"""Step 0 of the composition: every check that can run before anything changes, in one place.
+"""Every check of a parallelization request, in one place: `validate(request, model, mesh) -> CheckedRequest`.
 
 A bad request raises ONE error, naming the key the caller used (`pp_config['schedule']` for `parallelize`,
-`pipeline_parallel_schedule` for the Parallelizer, `pipeline_schedule` for the Trainer) and the allowed values, on
-every rank (the checks read only what every rank holds alike), before any module or parameter is touched. The checks
-themselves live with the steps they guard (`check_plan`, `check_pipeline`, `check_context_parallel`,
-`check_data_parallel`), which also run them when called on their own: one check and one message each.
+`pipeline_parallel_schedule` for the Parallelizer, `pipeline_schedule` for the Trainer: `request.keys`) and the allowed
+values, on every rank (the checks read only what every rank holds alike), before any module or parameter is touched.
+`check_settings` is the part that needs neither model nor mesh (the Trainer's arguments run it when they are made).
+The checks of one room's own request (a plan's keys and styles, a pipeline split, context-parallel support, experts
+dividing ep) are functions of that room, called from here.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 
-from ..context_parallel import check_context_parallel
+from ..context_parallel import check_context_parallel, check_strategy
 from ..expert_parallel import check_expert_parallel
-from ..mesh import ParallelMesh
-from ..pipeline import check_pipeline
+from ..mesh import MeshLayout, ParallelMesh, check_expert_parallel_size, check_positive_int
+from ..mesh import device as devices
+from ..pipeline import SCHEDULES, check_pipeline, check_schedule
+from ..pipeline.split import SplitPoint
 from ..plan import check_plan
 from ..state import find_state
-from ..styles import ExpertParallel, ParallelStyle
-from .data_parallel import DataParallelConfig, check_data_parallel
-from .expert_data_parallel import check_expert_data_parallel
+from ..styles import ExpertParallel, optional
+from .data_parallel import DataParallelConfig
+from .request import CheckedRequest, ParallelRequest, PipelineRequest, RequestKeys
 
-if TYPE_CHECKING:
-    from .compose import PipelineRequest
-
-
-@dataclass(frozen=True)
-class RequestKeys:
-    """What each front door calls the settings the checks name in their errors (default: the Parallelizer's)."""
-
-    schedule: str = "pipeline_parallel_schedule"
-    num_microbatches: str = "pipeline_parallel_num_microbatches"
-    context_parallel: str = "context_parallel_strategy"
-    sharding_level: str = "sharding_level"
-    shard_size: str = "dp_config['shard_size']"
+SHARDING_LEVELS = (0, 1, 2, 3)
+XLA_SHARDING_LEVELS = (0,)
+_XLA_REFUSED = {  # why the other levels do not run on XLA devices
+    1: "torch's ZeroRedundancyOptimizer gives each rank its share of the optimizer state by torch.distributed's "
+    "rank, which is 0 on every device one process drives, and broadcasts each share from its owner",
+    2: "FSDP2 needs a torch DeviceMesh, which the XLA mesh does not build",
+    3: "FSDP2 needs a torch DeviceMesh, which the XLA mesh does not build",
+}
+PIPELINE_INPUTS = ("input_ids", "attention_mask", "labels")
 
 
-PARALLELIZER_KEYS = RequestKeys()
-CONFIG_KEYS = RequestKeys(  # parallelize(model, optimizer, mesh, config)
-    schedule="pp_config['schedule']",
-    num_microbatches="pp_config['num_microbatches']",
-    sharding_level="dp_config['sharding_level']",
-)
-TRAINER_KEYS = RequestKeys(schedule="pipeline_schedule", shard_size="shard_size")  # ParallelTrainingArguments
-
-
-def validate_request(
-    model: nn.Module,
-    mesh: ParallelMesh,
-    plan: Mapping[str, object] | None = None,
-    *,
-    pipeline: PipelineRequest | None = None,
-    context_parallel: str = "ring",
-    data_parallel: DataParallelConfig | None = None,
-    optimizer: torch.optim.Optimizer | None = None,
-    keys: RequestKeys = PARALLELIZER_KEYS,
-) -> dict[str, list[ParallelStyle]] | None:
-    """Raise if any step of `compose` would refuse this request; change nothing. Return the plan as checked
-    ({module name: styles}, what `apply_plan` then applies without checking it again; None without a plan).
-
-    The plan (keys resolve, every style fits its module, adapters around planned layers can follow the split), the
-    pipeline split and schedule, context-parallel support and strategy (cp > 1, unless the model is already
-    context-parallel), and the data-parallel level with its optimizer.
-    """
+def validate(request: ParallelRequest, model: nn.Module, mesh: ParallelMesh) -> CheckedRequest:
+    """Raise if any step of `compose` would refuse `request` on `model` over `mesh`; change nothing. Returns what
+    the steps apply: the plan as checked, the pipeline with its defaults, the data parallelism."""
+    keys = request.keys
+    check_settings(request)
+    if not isinstance(mesh, ParallelMesh):
+        raise TypeError(f"mesh must be a ParallelMesh (from optimum_parallel.init_mesh), got {type(mesh).__name__}")
+    _check_sections_act(request, mesh)
+    plan, pipeline, after_plan = request.plan, _pipeline(request, model, mesh), None
+    if request.family is not None:  # the family's own checks, then its plan
+        plan = _family_plan(request, model, mesh, pipeline)
+        after_plan = request.family.after_plan
     targets = check_plan(model, plan, mesh) if plan else None
     if pipeline is not None:
+        pp = mesh.size("pp")
+        if request.family is None and pipeline.global_spec is not None:
+            _check_global_spec(model, pipeline.global_spec, keys.global_spec)
         check_pipeline(
             model,
-            mesh.size("pp"),
+            pp,
             pipeline.split_spec,
             pipeline.num_microbatches,
             pipeline.schedule,
             schedule_key=keys.schedule,
             microbatches_key=keys.num_microbatches,
         )
-        check_router_logits(model, mesh.size("pp"))
-    cp = mesh.size("cp")
+        check_router_logits(model, pp)
     state = find_state(model)  # a read that records nothing: validation changes nothing
+    cp = mesh.size("cp")
     if cp > 1 and (state is None or state.context_parallel is None):
         tp = mesh.size("tp") if plan else 1  # q/k/v are split over tp by the plan: all_to_all sees local heads
-        check_context_parallel(model, cp, context_parallel, tp, keys.context_parallel)
+        check_context_parallel(model, cp, request.context_parallel, tp, keys.context_parallel)
+    data_parallel = request.data_parallel
+    if data_parallel is None and request.sections and (cp > 1 or mesh.size("ep") > 1):
+        # cp ranks' gradients are partial (each saw a share of the sequence), and ep ranks' expert gradients hold
+        # other ranks' tokens: without data parallelism every rank would train on its own
+        data_parallel = DataParallelConfig()
     if data_parallel is not None:
-        size = mesh.data_parallel_size
-        check_data_parallel(data_parallel, optimizer, keys.sharding_level, size, mesh.device_type)
+        check_data_parallel(data_parallel, request.optimizer, keys, mesh.data_parallel_size, mesh.device_type)
     ep = mesh.size("ep")
     if ep > 1 and (state is None or state.expert_parallel is None):
-        declared = [
-            name for name, styles in (targets or {}).items() if any(isinstance(s, ExpertParallel) for s in styles)
-        ]
+        declared = [n for n, styles in (targets or {}).items() if any(isinstance(s, ExpertParallel) for s in styles)]
         check_expert_parallel(model, ep, declared=declared)
         if data_parallel is not None:
             check_expert_data_parallel(data_parallel.shard_size, ep, keys.shard_size)
-    return targets
+    return CheckedRequest(request, targets, pipeline, data_parallel, after_plan)
+
+
+# ---------------------------------------------------------------------------------------------- without model or mesh
+
+
+def check_settings(request: ParallelRequest) -> None:
+    """The checks that need neither model nor mesh: types, names and ranges of every setting."""
+    keys = request.keys
+    for dim, size in request.mesh_sizes.items():
+        check_positive_int(keys.sizes.get(dim, dim), size)
+    if request.plan is not None and not isinstance(request.plan, Mapping):
+        raise TypeError(f"{keys.plan} must be a dict of name regex -> style, got {type(request.plan).__name__}")
+    if request.sequence_parallel not in (True, False):
+        raise ValueError(f"{keys.sequence_parallel}={request.sequence_parallel!r} is not allowed; allowed: True, False")
+    check_strategy(request.context_parallel, keys.context_parallel)
+    if request.pipeline is not None:
+        _check_pipeline_settings(request.pipeline, keys)
+        microbatches, pp = request.pipeline.num_microbatches, request.mesh_sizes.get("pp")
+        if pp == 1 and microbatches not in (None, 1):
+            raise ValueError(
+                f"{keys.num_microbatches}={microbatches} needs {keys.sizes['pp']} > 1; allowed with "
+                f"{keys.sizes['pp']}=1: 1"
+            )
+        for name, size in request.batch_sizes.items():
+            if isinstance(microbatches, int) and microbatches > 1 and size % microbatches:
+                raise ValueError(
+                    f"{name}={size} is not allowed: it must be a multiple of {keys.num_microbatches}={microbatches}"
+                )
+        if request.gradient_accumulation_steps != 1 and request.mesh_sizes.get("pp", 1) != 1:
+            # the pipeline accumulates over its micro-batches: accumulation outside it would scale wrongly
+            raise ValueError(
+                f"gradient_accumulation_steps={request.gradient_accumulation_steps} is not allowed with "
+                f"{keys.sizes['pp']} > 1; allowed: 1 (raise {keys.num_microbatches} instead)"
+            )
+        if isinstance(pp, int) and pp > 1 and isinstance(microbatches, int) and microbatches < pp:
+            raise ValueError(
+                f"{keys.num_microbatches}={microbatches} is not allowed; it must be >= {keys.sizes['pp']}={pp}"
+            )
+    if request.data_parallel is not None:
+        check_data_parallel_config(request.data_parallel, keys)
+
+
+def _check_pipeline_settings(pipeline: PipelineRequest, keys: RequestKeys) -> None:
+    spec = pipeline.split_spec
+    if isinstance(spec, Mapping):
+        for name, point in spec.items():
+            if not isinstance(point, SplitPoint):
+                raise ValueError(
+                    f"{keys.split_spec}[{name!r}] = {point!r}; allowed: SplitPoint.BEGINNING, SplitPoint.END"
+                )
+    elif spec is not None and not isinstance(spec, str):
+        raise TypeError(f"{keys.split_spec} must be a str or a dict, got {type(spec).__name__}")
+    if pipeline.global_spec is not None and not isinstance(pipeline.global_spec, str):
+        raise TypeError(f"{keys.global_spec} must be a str, got {type(pipeline.global_spec).__name__}")
+    check_schedule(pipeline.schedule, keys.schedule)
+    count = pipeline.num_microbatches
+    if count is not None and (isinstance(count, bool) or not isinstance(count, int)):
+        raise TypeError(f"{keys.num_microbatches} must be an int, got {count!r}")
+    if isinstance(count, int) and count < 1:
+        check_positive_int(keys.num_microbatches, count)
+    unknown = [name for name in pipeline.input_names or () if name not in PIPELINE_INPUTS]
+    if unknown:
+        raise ValueError(f"{keys.input_names} {unknown} not supported; allowed: {', '.join(PIPELINE_INPUTS)}")
+
+
+def check_sharding_level(level: object, key: str) -> None:
+    """`level` is one of `SHARDING_LEVELS`; the error names `key` (the caller's name for it) and the allowed ones."""
+    if isinstance(level, bool) or level not in SHARDING_LEVELS:
+        raise ValueError(f"{key}={level!r} is not allowed; allowed: {', '.join(map(str, SHARDING_LEVELS))}")
+
+
+def check_data_parallel_config(config: DataParallelConfig, keys: RequestKeys) -> None:
+    """The level, shard_size, threshold and reduce_dtype of a data-parallel request, each error naming its key."""
+    if not isinstance(config, DataParallelConfig):
+        raise TypeError(f"data parallelism needs a DataParallelConfig, got {type(config).__name__}")
+    check_sharding_level(config.sharding_level, keys.sharding_level)
+    size = config.shard_size
+    if isinstance(size, bool) or not isinstance(size, int) or (size < 1 and size != -1):
+        raise ValueError(
+            f"{keys.shard_size}={size!r} is not allowed; allowed: -1 (all dp x cp ranks) or a positive integer "
+            "dividing dp x cp"
+        )
+    if size != -1 and config.sharding_level == 0:
+        raise ValueError(
+            f"{keys.shard_size}={size} needs sharding; allowed with sharding_level 0: -1 "
+            f"(or set {keys.sharding_level} to 1, 2 or 3)"
+        )
+    kb = config.threshold
+    if isinstance(kb, bool) or not isinstance(kb, (int, float)) or not kb >= 0 or kb == float("inf"):
+        raise ValueError(f"{keys.threshold}={kb!r} is not allowed; allowed: a number of KB >= 0")
+    if config.reduce_dtype is not None and not isinstance(config.reduce_dtype, torch.dtype):
+        raise ValueError(f"{keys.reduce_dtype}={config.reduce_dtype!r} is not a torch.dtype")
+
+
+# ---------------------------------------------------------------------------------------------- against the mesh
+
+
+def mesh_layout(request: ParallelRequest, world: int) -> MeshLayout:
+    """The dp x pp x cp x tp (and ep) layout a request's mesh sizes ask for over `world` ranks (dp takes what the
+    others leave), checked: the sizes divide the world, ep divides dp x cp, a shard_size divides dp x cp."""
+    keys, asked = request.keys, request.mesh_sizes
+    tp, pp, cp, ep = (asked.get(dim, 1) for dim in ("tp", "pp", "cp", "ep"))
+    for dim, size in (("tp", tp), ("pp", pp), ("cp", cp), ("ep", ep)):
+        check_positive_int(keys.sizes[dim], size)
+    if world % (tp * pp * cp):
+        raise ValueError(
+            f"{keys.sizes['tp']}={tp} x {keys.sizes['pp']}={pp} x {keys.sizes['cp']}={cp} does not divide the world "
+            f"size {world}; allowed: sizes whose product divides the number of processes"
+        )
+    dp = world // (tp * pp * cp)
+    check_expert_parallel_size(ep, dp * cp, keys.sizes["ep"], f"dp x cp = {dp} x {cp}")
+    config = request.data_parallel
+    if config is not None and dp * cp > 1:
+        check_shard_size(config.shard_size, dp * cp, keys.shard_size)
+    return MeshLayout({"dp": dp, "pp": pp, "cp": cp, "tp": tp}, ep)
+
+
+def check_data_parallel(
+    config: DataParallelConfig,
+    optimizer: torch.optim.Optimizer | None,
+    keys: RequestKeys,
+    data_parallel_size: int,
+    device_type: str,
+) -> None:
+    """What data parallelism needs of its request on this mesh: the level (on XLA devices with dp x cp > 1 level 0
+    only), a shard_size dividing the dp x cp ranks, and for ZeRO-1 an optimizer with no state yet (its state cannot
+    be re-partitioned)."""
+    check_data_parallel_config(config, keys)
+    level, key = config.sharding_level, keys.sharding_level
+    if devices.is_graph_device(device_type) and data_parallel_size > 1 and level not in XLA_SHARDING_LEVELS:
+        allowed = ", ".join(map(str, XLA_SHARDING_LEVELS))
+        raise ValueError(
+            f"{key}={level} is not supported on XLA devices ({_XLA_REFUSED[level]}); allowed on XLA: {allowed} "
+            "(parameters and optimizer state replicated, gradients averaged over the dp ranks)"
+        )
+    check_shard_size(config.shard_size, data_parallel_size, keys.shard_size)
+    if level == 1 and optimizer is not None and getattr(optimizer, "state", None):
+        raise ValueError(
+            f"{key}=1 (ZeRO-1) needs a fresh optimizer: this one already holds state, which cannot be re-partitioned "
+            "here; allowed: an optimizer that has not stepped yet, or sharding_level 0, 2, 3"
+        )
+
+
+def check_shard_size(shard_size: int, data_parallel_size: int, key: str) -> None:
+    """ValueError naming `key` and the allowed values unless `shard_size` is -1 or divides the dp x cp ranks."""
+    if shard_size != -1 and data_parallel_size % shard_size:
+        allowed = [-1] + [d for d in range(1, data_parallel_size + 1) if data_parallel_size % d == 0]
+        raise ValueError(
+            f"{key}={shard_size} does not divide the dp x cp ranks ({data_parallel_size}); "
+            f"allowed: {', '.join(map(str, allowed))}"
+        )
+
+
+def check_expert_data_parallel(shard_size: int, ep: int, key: str) -> None:
+    """ValueError naming `key` unless the request's data parallelism composes with ep (no hybrid sharding yet)."""
+    if ep > 1 and shard_size != -1:
+        raise ValueError(
+            f"{key}={shard_size} (hybrid sharding) with ep={ep} is not supported yet; allowed with ep > 1: -1"
+        )
 
 
 def check_router_logits(model: nn.Module, pp: int) -> None:
@@ -108,3 +254,80 @@ def check_router_logits(model: nn.Module, pp: int) -> None:
             f"output_router_logits=True with pp={pp} is not supported (the pipeline's loss has no router aux loss: "
             "the stages pass hidden states only); allowed with pp > 1: output_router_logits=False"
         )
+
+
+def _check_sections_act(request: ParallelRequest, mesh: ParallelMesh) -> None:
+    """Each config section a caller named needs a mesh dim to act on (Paddle's door): dp_config dp x cp > 1,
+    mp_config tp > 1 (or ep > 1 for a plan of ExpertParallel styles only), pp_config pp > 1."""
+    declares_only = "mp_config" in request.sections and _only_expert_declarations(request.plan)
+    needs = {
+        "mp_config": (
+            "tp > 1 (or ep > 1 for a plan of ExpertParallel styles only)",
+            mesh.size("tp") if not declares_only else max(mesh.size("tp"), mesh.size("ep")),
+        ),
+        "dp_config": ("dp x cp > 1", mesh.data_parallel_size),
+        "pp_config": ("pp > 1", mesh.size("pp")),
+    }
+    for key in request.sections:
+        dims, size = needs[key]
+        if size == 1:
+            sizes = ", ".join(f"{d}={s}" for d, s in mesh.sizes.items())
+            raise ValueError(f"{key} needs a mesh with {dims}; the mesh has {sizes}")
+
+
+def _only_expert_declarations(plan: Mapping | None) -> bool:
+    """Whether every style of `plan` is `ExpertParallel` (it splits nothing over tp: it declares experts for ep)."""
+    if not isinstance(plan, Mapping) or not plan:
+        return False
+    values = [value.styles if isinstance(value, optional) else value for value in plan.values()]
+    styles = [style for value in values for style in (value if isinstance(value, (list, tuple)) else [value])]
+    return all(isinstance(style, ExpertParallel) for style in styles)
+
+
+def _check_global_spec(model: nn.Module, global_spec: str, key: str) -> None:
+    """Every stage recomputes the module `global_spec` names (the decoder's rotary embedding): it must exist."""
+    if global_spec not in dict(model.named_modules()):
+        raise ValueError(
+            f"{key} = {global_spec!r} names no module of {type(model).__name__}; allowed: a module name such as "
+            "'model.rotary_emb'"
+        )
+
+
+def _pipeline(request: ParallelRequest, model: nn.Module, mesh: ParallelMesh) -> PipelineRequest | None:
+    """The pipeline to build, its defaults filled (micro-batches: pp; split: the family's decoder layers); None at
+    pp=1, where a family door's micro-batch count must be 1."""
+    pipeline, keys, pp = request.pipeline, request.keys, mesh.size("pp")
+    if pipeline is None:
+        return None
+    if pp == 1:
+        if request.family is not None and pipeline.num_microbatches not in (None, 1):
+            raise ValueError(
+                f"{keys.num_microbatches}={pipeline.num_microbatches} needs a mesh with pp > 1; allowed with pp=1: 1"
+            )
+        return None
+    split = pipeline.split_spec
+    if split is None and request.family is not None:
+        split = request.family.pipeline_split_spec(model)
+    count = pipeline.num_microbatches if pipeline.num_microbatches is not None else pp
+    return PipelineRequest(split, count, pipeline.schedule, pipeline.global_spec, pipeline.input_names)
+
+
+def _family_plan(
+    request: ParallelRequest, model: nn.Module, mesh: ParallelMesh, pipeline: PipelineRequest | None
+) -> Mapping | None:
+    """The family's capabilities checked against the request, its own model check, then its plan."""
+    family, keys = request.family, request.keys
+    if request.sequence_parallel and not family.supports_sequence_parallel:
+        raise NotImplementedError(
+            f"{keys.sequence_parallel}=True: {family.__name__} does not support sequence parallelism; allowed for "
+            "this family: False"
+        )
+    if pipeline is not None and not family.supports_pipeline_parallel:
+        raise NotImplementedError(
+            f"{family.__name__} does not support pipeline parallelism (pp > 1); allowed for this family: pp=1"
+        )
+    family.check(model, mesh)
+    return family.plan(model, mesh, request.parallelize_embeddings, request.sequence_parallel)
+
+
+__all__ = ["SCHEDULES", "SHARDING_LEVELS", "check_settings", "validate"]

@@ -1,4 +1,5 @@
-"""Parallelizer: the per-model-family front door (optimum-neuron's API) over `apply_plan`."""
+"""Parallelizer: the per-model-family front door (optimum-neuron's API). Its methods translate their arguments into
+one `ParallelRequest` (this door's key names) and hand it to the engine's `validate` and `compose`."""
 
 from __future__ import annotations
 
@@ -9,9 +10,10 @@ import torch
 from torch import nn
 
 from ..checkpoint import load_model_checkpoint, save_model_checkpoint
-from ..engine.compose import PipelineRequest, compose_model, optimizer_for_parallel_model
+from ..engine.compose import compose_model, optimizer_for_parallel_model
 from ..engine.data_parallel import DataParallelConfig
-from ..engine.validate import PARALLELIZER_KEYS, RequestKeys, validate_request
+from ..engine.request import PARALLELIZER_KEYS, ParallelRequest, PipelineRequest, RequestKeys
+from ..engine.validate import validate
 from ..mesh import ParallelMesh, get_mesh
 from ..plan.wrappers import plan_root
 from ..state import parallel_state
@@ -53,53 +55,8 @@ class Parallelizer:
         return cls.base_model_prefix(model) + "layers"
 
     @classmethod
-    def _check_pipeline(cls, input_names: list[str] | None) -> None:
-        if not cls.supports_pipeline_parallel:
-            raise NotImplementedError(
-                f"{cls.__name__} does not support pipeline parallelism (pp > 1); allowed for this family: pp=1"
-            )
-        allowed = ("input_ids", "attention_mask", "labels")
-        unknown = [name for name in input_names or () if name not in allowed]
-        if unknown:
-            raise ValueError(f"pipeline_parallel_input_names {unknown} not supported; allowed: {', '.join(allowed)}")
-
-    @classmethod
-    def _request(
+    def request(
         cls,
-        model: nn.Module,
-        mesh: ParallelMesh,
-        parallelize_embeddings: bool,
-        sequence_parallel_enabled: bool,
-        pipeline_parallel_input_names: list[str] | None,
-        pipeline_parallel_num_microbatches: int,
-        pipeline_parallel_schedule: str,
-    ) -> tuple[dict, PipelineRequest | None]:
-        """The family's own checks (what it supports, `check()`), then its plan and pipeline request."""
-        if sequence_parallel_enabled and not cls.supports_sequence_parallel:
-            raise NotImplementedError(
-                f"sequence_parallel_enabled=True: {cls.__name__} does not support sequence parallelism; allowed for "
-                "this family: False"
-            )
-        pipelined = mesh.size("pp") > 1
-        if pipelined:
-            cls._check_pipeline(pipeline_parallel_input_names)
-        elif pipeline_parallel_num_microbatches != 1:
-            raise ValueError(
-                f"pipeline_parallel_num_microbatches={pipeline_parallel_num_microbatches} needs a mesh with pp > 1; "
-                "allowed with pp=1: 1"
-            )
-        cls.check(model, mesh)
-        plan = cls.plan(model, mesh, parallelize_embeddings, sequence_parallel_enabled)
-        pipeline = None
-        if pipelined:
-            split = cls.pipeline_split_spec(model)
-            pipeline = PipelineRequest(split, pipeline_parallel_num_microbatches, pipeline_parallel_schedule)
-        return plan, pipeline
-
-    @classmethod
-    def validate(
-        cls,
-        model: nn.Module,
         parallelize_embeddings: bool = True,
         sequence_parallel_enabled: bool = False,
         pipeline_parallel_input_names: list[str] | None = None,
@@ -107,33 +64,35 @@ class Parallelizer:
         pipeline_parallel_schedule: str = "1f1b",
         context_parallel_strategy: str = "ring",
         *,
+        device: torch.device | str | None = None,
+        read_checkpoint: bool = True,
         data_parallel: DataParallelConfig | None = None,
         optimizer: torch.optim.Optimizer | None = None,
         keys: RequestKeys = PARALLELIZER_KEYS,
-    ) -> None:
-        """Raise, changing nothing, if `parallelize` with these arguments (and data parallelism at `data_parallel`
-        over `optimizer`) would refuse; `keys` names the settings as the caller calls them (the Trainer's args)."""
-        mesh = get_mesh()
-        inner = plan_root(model)
-        plan, pipeline = cls._request(
-            inner,
-            mesh,
-            parallelize_embeddings,
-            sequence_parallel_enabled,
-            pipeline_parallel_input_names,
-            pipeline_parallel_num_microbatches,
-            pipeline_parallel_schedule,
-        )
-        validate_request(
-            inner,
-            mesh,
-            plan,
+        **settings,
+    ) -> ParallelRequest:
+        """This door's arguments as one request (`keys`: what the caller calls them; the Trainer passes its own)."""
+        names = tuple(pipeline_parallel_input_names) if pipeline_parallel_input_names is not None else None
+        pipeline = PipelineRequest(None, pipeline_parallel_num_microbatches, pipeline_parallel_schedule, None, names)
+        return ParallelRequest(
+            family=cls,
+            parallelize_embeddings=parallelize_embeddings,
+            sequence_parallel=sequence_parallel_enabled,
             pipeline=pipeline,
             context_parallel=context_parallel_strategy,
             data_parallel=data_parallel,
             optimizer=optimizer,
+            device=device,
+            read_checkpoint=read_checkpoint,
             keys=keys,
+            **settings,
         )
+
+    @classmethod
+    def validate(cls, model: nn.Module, *args, **kwargs) -> None:
+        """Raise, changing nothing, if `parallelize` with these arguments (`request`'s: data parallelism at
+        `data_parallel` over `optimizer` included) would refuse."""
+        validate(cls.request(*args, **kwargs), plan_root(model), get_mesh())
 
     @classmethod
     def parallelize(
@@ -159,29 +118,20 @@ class Parallelizer:
         over cp and attention runs as `context_parallel_strategy`: "ring" or "all_to_all" (heads must divide by cp).
         A bad request raises on every rank before anything changes (`validate`).
         """
-        mesh = get_mesh()
         inner = plan_root(model)  # the transformers model inside a PeftModel: plans name its modules
-        plan, pipeline = cls._request(
-            inner,
-            mesh,
+        # a sharded checkpoint about to be loaded replaces the HF weights: allocate instead of reading them
+        request = cls.request(
             parallelize_embeddings,
             sequence_parallel_enabled,
             pipeline_parallel_input_names,
             pipeline_parallel_num_microbatches,
             pipeline_parallel_schedule,
-        )
-        # compose_model validates the plan, pipeline and cp request first (step 0), then changes the model;
-        # a sharded checkpoint about to be loaded replaces the HF weights: allocate instead of reading them
-        mapping = compose_model(
-            inner,
-            mesh,
-            plan,
-            after_plan=cls.after_plan,
-            pipeline=pipeline,
-            context_parallel=context_parallel_strategy,
+            context_parallel_strategy,
             device=device,
             read_checkpoint=checkpoint_dir is None,
         )
+        mesh = get_mesh()
+        mapping = compose_model(inner, mesh, validate(request, inner, mesh))  # validated whole, then composed
         parallel_state(inner).param_map = mapping
         model.orig_param_to_parallel_param = mapping  # optimum-neuron's public name, for `optimizer_for_mp`
         if checkpoint_dir is not None:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import os
 import shutil
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -24,20 +25,20 @@ from transformers import AutoModelForCausalLM, PreTrainedModel, Trainer
 
 from ...checkpoint import find_last_checkpoint, read_index, reshard_checkpoint
 from ...checkpoint.ranks import current_rank
-from ...engine.compose import compose_training, optimizer_for_parallel_model
-from ...engine.data_parallel import DataParallelConfig
+from ...engine.compose import compose_model, compose_training, optimizer_for_parallel_model
 from ...engine.grad_norm import clip_grad_norm_
 from ...engine.grad_norm import grad_norm as global_grad_norm
-from ...engine.validate import TRAINER_KEYS
+from ...engine.request import ParallelRequest
+from ...engine.validate import mesh_layout, validate
 from ...frontends.manager import ParallelizersManager
-from ...mesh import ParallelMesh, check_expert_parallel_size, get_mesh, init_mesh, ranks
+from ...mesh import ParallelMesh, get_mesh, init_mesh, ranks
 from ...plan import logits_mode
 from ...plan.wrappers import plan_root
 from ...state import parallel_state
 from ...tensor_parallel.layers import ColumnParallelLinear
 from .internals import InternalsChanged, check_overrides, private_override, transformers_internal
 from .lazy_loading import lazy_load_for_parallelism
-from .training_args import ParallelTrainingArguments
+from .training_args import ParallelTrainingArguments, trainer_request
 from .xla import XlaStepCallback, no_token_gather, on_xla_device, plain_loader
 
 SCHEDULER_NAME = transformers_internal("trainer.SCHEDULER_NAME")
@@ -46,30 +47,14 @@ TRAINER_STATE_NAME = transformers_internal("trainer.TRAINER_STATE_NAME")
 PIPELINE_COLUMNS = ["input_ids", "attention_mask", "labels", "label", "label_ids"]
 
 
-def _mesh_for(args: ParallelTrainingArguments) -> ParallelMesh:
+def _mesh_for(request: ParallelRequest, timeout: float) -> ParallelMesh:
     """The current mesh if it has the asked sizes, else a new dp x pp x cp x tp one (dp = world / (tp * pp * cp))."""
-    tp, pp, cp = args.tensor_parallel_size, args.pipeline_parallel_size, args.context_parallel_size
     world = ranks.world_size() if dist.is_initialized() else int(os.environ.get("WORLD_SIZE", "1"))
-    if world % (tp * pp * cp):
-        raise ValueError(
-            f"tensor_parallel_size={tp} x pipeline_parallel_size={pp} x context_parallel_size={cp} does not divide "
-            f"the world size {world}; allowed: sizes whose product divides the number of processes"
-        )
-    sizes = {"dp": world // (tp * pp * cp), "pp": pp, "cp": cp, "tp": tp}
-    replicas = sizes["dp"] * cp  # the ranks holding the same parameters
-    ep = check_expert_parallel_size(
-        args.expert_parallel_size, replicas, "expert_parallel_size", f"dp x cp = {sizes['dp']} x {cp}"
-    )
-    if args.shard_size != -1 and replicas > 1 and replicas % args.shard_size:
-        allowed = [-1] + [d for d in range(1, replicas + 1) if replicas % d == 0]
-        raise ValueError(
-            f"shard_size={args.shard_size} does not divide the {replicas} dp x cp ranks; allowed: "
-            f"{', '.join(map(str, allowed))}"
-        )
+    layout = mesh_layout(request, world)
     with contextlib.suppress(RuntimeError):
-        if get_mesh().sizes == sizes and get_mesh().size("ep") == ep:
+        if get_mesh().layout == layout:
             return get_mesh()
-    return init_mesh(**sizes, ep=ep, timeout=args.ddp_timeout)
+    return init_mesh(**layout.sizes, ep=layout.ep, timeout=timeout)
 
 
 def _register_data_loader(accelerator, data_loader) -> None:
@@ -116,40 +101,23 @@ class ParallelTrainer(Trainer):
             raise TypeError(f"ParallelTrainer needs ParallelTrainingArguments, got {type(args).__name__}")
         if kwargs.get("model_init") is not None:
             raise ValueError("model_init is not supported by ParallelTrainer; pass the model or its path")
-        self.mesh = _mesh_for(args)
+        request = trainer_request(args, optimizer=optimizers[0], device=args.device)
+        self.mesh = _mesh_for(request, args.ddp_timeout)
         if isinstance(model, (str, os.PathLike)):
             sizes = args.tensor_parallel_size, args.pipeline_parallel_size, args.expert_parallel_size
             with lazy_load_for_parallelism(*sizes):
                 model = model_class.from_pretrained(model, **(model_kwargs or {}))
         self.parallelizer = ParallelizersManager.parallelizer_for_model(model)
-        config = DataParallelConfig(
-            sharding_level=args.sharding_level, shard_size=args.shard_size, threshold=args.sharding_threshold_kb
-        )
         # the whole request, data parallelism and the optimizer passed in included, before anything changes
-        self.parallelizer.validate(
-            model,
-            sequence_parallel_enabled=args.sequence_parallel,
-            pipeline_parallel_num_microbatches=args.pipeline_parallel_num_microbatches,
-            pipeline_parallel_schedule=args.pipeline_schedule,
-            context_parallel_strategy=args.context_parallel_strategy,
-            data_parallel=config,
-            optimizer=optimizers[0],
-            keys=TRAINER_KEYS,
-        )
+        inner = plan_root(model)
+        checked = validate(replace(request, family=self.parallelizer), inner, self.mesh)
         if peft_config is not None:  # the adapters come after the split: their targets are checked against the plan
             from ..peft.lora import check_adapter_targets
 
-            inner = plan_root(model)
-            plan = self.parallelizer.plan(inner, self.mesh, True, args.sequence_parallel)
-            check_adapter_targets(inner, plan, peft_config)
-        model = self.parallelizer.parallelize(
-            model,
-            device=args.device,
-            sequence_parallel_enabled=args.sequence_parallel,
-            pipeline_parallel_num_microbatches=args.pipeline_parallel_num_microbatches,
-            pipeline_parallel_schedule=args.pipeline_schedule,
-            context_parallel_strategy=args.context_parallel_strategy,
-        )
+            check_adapter_targets(inner, checked.targets or {}, peft_config)
+        mapping = compose_model(inner, self.mesh, checked)  # the model half of the composition
+        parallel_state(inner).param_map = mapping
+        model.orig_param_to_parallel_param = mapping
         if peft_config is not None:  # adapters on the parallel model (its frozen base may have been loaded lazily)
             from peft import get_peft_model
 
@@ -168,7 +136,7 @@ class ParallelTrainer(Trainer):
             self.create_optimizer()
         # step 4 ran above for an optimizer passed in, and the Trainer's own is built over the parallel parameters:
         # no parameter map here (its keys are ids of replaced parameters, which new ones, e.g. adapters, may reuse)
-        self.model, self.optimizer = compose_training(self.model, self.optimizer, self.mesh, {}, config)
+        self.model, self.optimizer = compose_training(self.model, self.optimizer, self.mesh, {}, checked.data_parallel)
         self.model_wrapped = self.model
         if self.lr_scheduler is not None:
             self.lr_scheduler.optimizer = self.optimizer  # it was built over the optimizer before parallelism

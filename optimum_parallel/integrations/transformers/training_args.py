@@ -11,10 +11,11 @@ from transformers import TrainingArguments
 from transformers.utils import is_torch_xla_available
 
 from ...context_parallel import STRATEGIES as CP_STRATEGIES
-from ...context_parallel import check_strategy
-from ...engine.data_parallel import DataParallelConfig, check_sharding_level
-from ...mesh import check_positive_int, ranks
-from ...pipeline import SCHEDULES, check_schedule
+from ...engine.data_parallel import DataParallelConfig
+from ...engine.request import TRAINER_KEYS, ParallelRequest, PipelineRequest
+from ...engine.validate import check_settings
+from ...mesh import ranks
+from ...pipeline import SCHEDULES
 
 
 @dataclass
@@ -82,39 +83,41 @@ class ParallelTrainingArguments(TrainingArguments):
                 "losses and batches wrongly. Add use_cpu=True (--use_cpu) to train on CPU with gloo, or run on an "
                 "accelerator accelerate distributes over"
             )
-        check_positive_int("tensor_parallel_size", self.tensor_parallel_size)
-        check_positive_int("pipeline_parallel_size", self.pipeline_parallel_size)
-        check_positive_int("context_parallel_size", self.context_parallel_size)
-        check_positive_int("expert_parallel_size", self.expert_parallel_size)
-        check_positive_int("pipeline_parallel_num_microbatches", self.pipeline_parallel_num_microbatches)
-        check_sharding_level(self.sharding_level, "sharding_level")
-        _check_hybrid_sharding(self)
-        check_strategy(self.context_parallel_strategy, "context_parallel_strategy")
-        check_schedule(self.pipeline_schedule, "pipeline_schedule")
-        if self.pipeline_parallel_size == 1:
-            if self.pipeline_parallel_num_microbatches != 1:
-                raise ValueError(
-                    f"pipeline_parallel_num_microbatches={self.pipeline_parallel_num_microbatches} needs "
-                    "pipeline_parallel_size > 1; allowed with pipeline_parallel_size=1: 1"
-                )
-            return
-        # the pipeline accumulates over its micro-batches: Trainer-side accumulation would scale wrongly
-        if self.gradient_accumulation_steps != 1:
-            raise ValueError(
-                f"gradient_accumulation_steps={self.gradient_accumulation_steps} is not allowed with "
-                "pipeline_parallel_size > 1; allowed: 1 (raise pipeline_parallel_num_microbatches instead)"
-            )
-        if self.pipeline_parallel_num_microbatches < self.pipeline_parallel_size:
-            raise ValueError(
-                f"pipeline_parallel_num_microbatches={self.pipeline_parallel_num_microbatches} is not allowed; "
-                f"it must be >= pipeline_parallel_size={self.pipeline_parallel_size}"
-            )
-        for name in ("per_device_train_batch_size", "per_device_eval_batch_size"):
-            if getattr(self, name) % self.pipeline_parallel_num_microbatches:
-                raise ValueError(
-                    f"{name}={getattr(self, name)} is not allowed: it must be a multiple of "
-                    f"pipeline_parallel_num_microbatches={self.pipeline_parallel_num_microbatches}"
-                )
+        check_settings(trainer_request(self))  # the request these arguments make, checked before any model exists
+
+
+def trainer_request(
+    args: ParallelTrainingArguments,
+    family: type | None = None,
+    optimizer: torch.optim.Optimizer | None = None,
+    device: torch.device | str | None = None,
+) -> ParallelRequest:
+    """The Trainer's arguments as one request, named as the Trainer names them (`family`: the model's Parallelizer,
+    which makes the plan)."""
+    pipeline = PipelineRequest(None, args.pipeline_parallel_num_microbatches, args.pipeline_schedule)
+    data_parallel = DataParallelConfig(
+        args.sharding_level, shard_size=args.shard_size, threshold=args.sharding_threshold_kb
+    )
+    return ParallelRequest(
+        family=family,
+        sequence_parallel=args.sequence_parallel,
+        pipeline=pipeline,
+        context_parallel=args.context_parallel_strategy,
+        data_parallel=data_parallel,
+        optimizer=optimizer,
+        device=device,
+        mesh_sizes={
+            "tp": args.tensor_parallel_size,
+            "pp": args.pipeline_parallel_size,
+            "cp": args.context_parallel_size,
+            "ep": args.expert_parallel_size,
+        },
+        batch_sizes={
+            name: getattr(args, name) for name in ("per_device_train_batch_size", "per_device_eval_batch_size")
+        },
+        gradient_accumulation_steps=args.gradient_accumulation_steps,
+        keys=TRAINER_KEYS,
+    )
 
 
 def _launched_world_size() -> int:
@@ -125,14 +128,3 @@ def _launched_world_size() -> int:
 def _no_accelerator() -> bool:
     """No device accelerate could distribute over (CUDA, XPU, NPU, HPU, MPS, ..., or XLA): a CPU-only machine."""
     return torch.accelerator.current_accelerator() is None and not is_torch_xla_available()
-
-
-def _check_hybrid_sharding(args: ParallelTrainingArguments) -> None:
-    """shard_size and sharding_threshold_kb, checked by `DataParallelConfig` (its errors renamed to these keys);
-    whether shard_size divides dp x cp is checked once the mesh exists."""
-    try:
-        DataParallelConfig(args.sharding_level, shard_size=args.shard_size, threshold=args.sharding_threshold_kb)
-    except ValueError as err:
-        message = str(err).replace("dp_config['shard_size'] = ", "shard_size=")
-        message = message.replace("dp_config['threshold'] = ", "sharding_threshold_kb=")
-        raise ValueError(message) from None

@@ -1,0 +1,117 @@
+"""A parallelization request as one value, whatever front door it came through.
+
+The doors (Paddle's `parallelize(model, optimizer, mesh, config)`, `Parallelizer.parallelize(model, ...)`,
+`ParallelTrainingArguments` / `ParallelTrainer`) only translate their arguments into a `ParallelRequest`; its `keys`
+remember what the caller called each setting, so every error names the key the caller wrote. `validate.validate`
+checks the whole request against the model and the mesh and returns a `CheckedRequest`, the only thing
+`compose.compose` takes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from ..pipeline.split import SplitPoint
+from ..styles import ParallelStyle
+from .data_parallel import DataParallelConfig
+
+
+@dataclass(frozen=True)
+class RequestKeys:
+    """What the caller calls each setting (the default: the Parallelizer's arguments)."""
+
+    plan: str = "parallelize_plan"
+    sequence_parallel: str = "sequence_parallel_enabled"
+    split_spec: str = "split_spec"
+    global_spec: str = "global_spec"
+    schedule: str = "pipeline_parallel_schedule"
+    num_microbatches: str = "pipeline_parallel_num_microbatches"
+    input_names: str = "pipeline_parallel_input_names"
+    context_parallel: str = "context_parallel_strategy"
+    sharding_level: str = "sharding_level"
+    shard_size: str = "dp_config['shard_size']"
+    threshold: str = "dp_config['threshold']"
+    reduce_dtype: str = "dp_config['reduce_dtype']"
+    sizes: Mapping[str, str] = field(
+        default_factory=lambda: {
+            "tp": "tensor_parallel_size",
+            "pp": "pipeline_parallel_size",
+            "cp": "context_parallel_size",
+            "ep": "expert_parallel_size",
+        }
+    )
+
+
+PARALLELIZER_KEYS = RequestKeys()
+CONFIG_KEYS = RequestKeys(  # parallelize(model, optimizer, mesh, config)
+    plan="mp_config['parallelize_plan']",
+    split_spec="pp_config['split_spec']",
+    global_spec="pp_config['global_spec']",
+    schedule="pp_config['schedule']",
+    num_microbatches="pp_config['num_microbatches']",
+    sharding_level="dp_config['sharding_level']",
+)
+TRAINER_KEYS = RequestKeys(  # ParallelTrainingArguments
+    sequence_parallel="sequence_parallel",
+    schedule="pipeline_schedule",
+    shard_size="shard_size",
+    threshold="sharding_threshold_kb",
+)
+
+
+@dataclass(frozen=True)
+class PipelineRequest:
+    """How to split the model into pipeline stages: `split_spec` (a layer-list prefix split evenly, or exact cuts);
+    `num_microbatches` (None: pp); `schedule`; `global_spec` (a module every stage recomputes); `input_names`."""
+
+    split_spec: str | Mapping[str, SplitPoint] | None = None  # None: the family's decoder layers
+    num_microbatches: int | None = 1
+    schedule: str = "1f1b"
+    global_spec: str | None = None
+    input_names: tuple[str, ...] | None = None
+
+
+@dataclass(frozen=True)
+class ParallelRequest:
+    """Everything a caller asks of one parallelization (see the module docstring). `family` (a Parallelizer class)
+    makes the plan when `plan` is None, after its own capability checks; `sections` are the config sections a caller
+    named (Paddle's door: each needs a mesh dim to act on); `batch_sizes` and `gradient_accumulation_steps` are the
+    Trainer's (micro-batches must divide the batches)."""
+
+    plan: Mapping[str, Any] | None = None
+    family: type | None = None
+    parallelize_embeddings: bool = True
+    sequence_parallel: bool = False
+    pipeline: PipelineRequest | None = None
+    context_parallel: str = "ring"
+    data_parallel: DataParallelConfig | None = None
+    optimizer: torch.optim.Optimizer | None = None
+    device: torch.device | str | None = None
+    read_checkpoint: bool = True
+    sections: tuple[str, ...] = ()
+    mesh_sizes: Mapping[str, object] = field(default_factory=dict)
+    batch_sizes: Mapping[str, int] = field(default_factory=dict)
+    gradient_accumulation_steps: int = 1
+    keys: RequestKeys = PARALLELIZER_KEYS
+
+
+@dataclass(frozen=True)
+class CheckedRequest:
+    """A request `validate` accepted for one model and mesh: the plan as checked ({module name: styles}), the
+    pipeline with its defaults filled (None without pp), the data parallelism to apply (None: none), the family's
+    fix-up after the plan."""
+
+    request: ParallelRequest
+    targets: dict[str, list[ParallelStyle]] | None
+    pipeline: PipelineRequest | None
+    data_parallel: DataParallelConfig | None
+    after_plan: Callable[[nn.Module, object], None] | None = None
+
+    @property
+    def optimizer(self) -> torch.optim.Optimizer | None:
+        return self.request.optimizer
