@@ -14,6 +14,8 @@ _EXPORTS = {  # public name -> the module defining it
     "consolidate_checkpoint": ".checkpoint",
     "reshard_checkpoint": ".checkpoint",
     "find_last_checkpoint": ".checkpoint",
+    "Capabilities": ".engine.capabilities",
+    "LLAMA_ACTIVATIONS": ".engine.capabilities",
     "DataParallelConfig": ".engine.data_parallel",
     "clip_grad_norm_": ".engine.grad_norm",
     "grad_norm": ".engine.grad_norm",

@@ -56,6 +56,6 @@ def test_only_verified_automatic_plans_take_sequence_parallelism():
     import optimum_parallel as op
 
     for model_type in ("olmoe", "granitemoe", "deepseek_v3"):
-        assert op.ParallelizersManager.parallelizer_for_model(model_type).supports_sequence_parallel, model_type
+        assert op.ParallelizersManager.parallelizer_for_model(model_type).capabilities.sequence_parallel, model_type
     for model_type in ("olmo2", "phimoe", "jamba"):
-        assert not op.ParallelizersManager.parallelizer_for_model(model_type).supports_sequence_parallel, model_type
+        assert not op.ParallelizersManager.parallelizer_for_model(model_type).capabilities.sequence_parallel, model_type

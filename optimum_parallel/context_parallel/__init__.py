@@ -8,7 +8,6 @@ ring / ulysses (the two strategies), attention (the function transformers calls)
 from .attention import STRATEGIES, check_strategy, sequence_mask
 from .layout import ChunkLayout
 from .model import (
-    SUPPORTED_MODEL_TYPES,
     apply_context_parallel,
     check_context_parallel,
     check_gradients_reduced,
@@ -19,7 +18,6 @@ from .model import (
 
 __all__ = [
     "STRATEGIES",
-    "SUPPORTED_MODEL_TYPES",
     "ChunkLayout",
     "apply_context_parallel",
     "check_context_parallel",

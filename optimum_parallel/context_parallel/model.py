@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import functools
 import inspect
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import torch
 from torch import nn
@@ -26,35 +26,29 @@ from .loss import ContextParallelLoss
 from .router_loss import RouterLoss, add_router_loss, install_router_loss, wants_router_logits
 from .ulysses import check_heads_divide
 
-# families whose every cross-token computation is attention through transformers' AttentionInterface, tested against
-# one device (tests/test_context_parallel.py; the MoE ones, whose routing is per token, with ep in
-# tests/test_expert_parallel_cp.py)
-SUPPORTED_MODEL_TYPES = (
-    "llama",
-    "mistral",
-    "qwen2",
-    "qwen3",
-    "gemma2",
-    "mixtral",
-    "qwen3_moe",
-    "qwen2_moe",
-    "olmoe",
-)
 IGNORE_INDEX = -100
 
 
 def check_context_parallel(
-    model: nn.Module, cp: int, strategy: str, tp: int = 1, key: str = "context_parallel_strategy"
+    model: nn.Module,
+    cp: int,
+    strategy: str,
+    tp: int = 1,
+    key: str = "context_parallel_strategy",
+    *,
+    supported: bool,
+    supported_types: Sequence[str] = (),
 ) -> None:
     """Whether `model` can be made context-parallel over `cp` ranks with `strategy` (its q/k/v split over `tp`
-    ranks first); raises before anything changes, naming `key` (the caller's name for the strategy)."""
+    ranks first); raises before anything changes, naming `key` (the caller's name for the strategy). `supported`:
+    the model's family declares context parallelism (`Capabilities.context_parallel`), as `supported_types` do."""
     check_strategy(strategy, key)
     config = getattr(model, "config", None)
     model_type = getattr(config, "model_type", None)
-    if model_type not in SUPPORTED_MODEL_TYPES or not hasattr(model, "lm_head"):
+    if not supported or not hasattr(model, "lm_head"):
         raise NotImplementedError(
             f"context parallelism (cp={cp}) is not supported for {type(model).__name__} (model_type {model_type!r}); "
-            f"supported: causal LMs of model_type {', '.join(SUPPORTED_MODEL_TYPES)}"
+            f"supported: causal LMs of model_type {', '.join(supported_types)}"
         )
     if not any(hasattr(m, "num_key_value_groups") for m in model.modules()):
         raise NotImplementedError(f"no attention module found in {type(model).__name__} for context parallelism")
@@ -73,9 +67,6 @@ def apply_context_parallel(model: nn.Module, group, strategy: str = "ring") -> N
     config = model.config
     attention = [m for m in model.modules() if hasattr(m, "num_key_value_groups")]
     cp, rank = ranks.world_size(group), ranks.rank(group)
-    # the engine's validation checked the heads per tp rank; here tp is not known: the attention checks the heads
-    # as they arrive
-    check_context_parallel(model, cp, strategy)
     settings = ContextParallelAttention(group, rank, cp, strategy)
     for module in attention:
         parallel_state(module).context_parallel = settings

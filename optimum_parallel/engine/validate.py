@@ -24,6 +24,7 @@ from ..pipeline.split import SplitPoint
 from ..plan import check_plan
 from ..state import find_state
 from ..styles import ExpertParallel, optional
+from .capabilities import capabilities_of, model_types_with
 from .data_parallel import DataParallelConfig
 from .request import CheckedRequest, ParallelRequest, PipelineRequest, RequestKeys
 
@@ -69,7 +70,13 @@ def validate(request: ParallelRequest, model: nn.Module, mesh: ParallelMesh) -> 
     cp = mesh.size("cp")
     if cp > 1 and (state is None or state.context_parallel is None):
         tp = mesh.size("tp") if plan else 1  # q/k/v are split over tp by the plan: all_to_all sees local heads
-        check_context_parallel(model, cp, request.context_parallel, tp, keys.context_parallel)
+        supported = (
+            request.family.capabilities if request.family is not None else capabilities_of(model)
+        ).context_parallel
+        listed = model_types_with(lambda c: c.context_parallel) if not supported else ()
+        check_context_parallel(
+            model, cp, request.context_parallel, tp, keys.context_parallel, supported=supported, supported_types=listed
+        )
     data_parallel = request.data_parallel
     if data_parallel is None and request.sections and (cp > 1 or mesh.size("ep") > 1):
         # cp ranks' gradients are partial (each saw a share of the sequence), and ep ranks' expert gradients hold
@@ -317,12 +324,12 @@ def _family_plan(
 ) -> Mapping | None:
     """The family's capabilities checked against the request, its own model check, then its plan."""
     family, keys = request.family, request.keys
-    if request.sequence_parallel and not family.supports_sequence_parallel:
+    if request.sequence_parallel and not family.capabilities.sequence_parallel:
         raise NotImplementedError(
             f"{keys.sequence_parallel}=True: {family.__name__} does not support sequence parallelism; allowed for "
             "this family: False"
         )
-    if pipeline is not None and not family.supports_pipeline_parallel:
+    if pipeline is not None and not family.capabilities.pipeline_parallel:
         raise NotImplementedError(
             f"{family.__name__} does not support pipeline parallelism (pp > 1); allowed for this family: pp=1"
         )

@@ -25,7 +25,6 @@ class HeadSplitParallelizer(Parallelizer):
     """A family whose attention splits by whole heads, all counted by one config attribute (`heads_attribute`;
     no separate kv heads): `check()` says whether tp divides them."""
 
-    supports_sequence_parallel = False
     heads_attribute = "num_attention_heads"
 
     @classmethod

@@ -7,14 +7,18 @@ logit soft-capping is element-wise on the vocab-parallel logits (the loss sees t
 
 from __future__ import annotations
 
+from optimum_parallel import Capabilities
+
 from .llama import LlamaParallelizer
 
 
 class GemmaParallelizer(LlamaParallelizer):
-    supports_sequence_parallel = True  # the Llama sequence-parallel plan fits Gemma's layer layout
+    # the Llama sequence-parallel plan fits Gemma's layer layout; its activations are not the planner's Llama count
+    capabilities = Capabilities(sequence_parallel=True, pipeline_parallel=True)
 
 
 class Gemma2Parallelizer(GemmaParallelizer):
-    """Gemma 2 adds pre/post feed-forward norms the Llama sequence-parallel plan does not mark: TP only."""
+    """Gemma 2 adds pre/post feed-forward norms the Llama sequence-parallel plan does not mark: TP only (and its
+    attention, soft-capping included, runs under context parallelism: tests/test_context_parallel.py)."""
 
-    supports_sequence_parallel = False
+    capabilities = Capabilities(pipeline_parallel=True, context_parallel=True)

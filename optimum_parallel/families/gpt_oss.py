@@ -8,6 +8,7 @@ split like `gate_up_proj` (whole interleaved gate/up pairs), `down_proj_bias` st
 
 from __future__ import annotations
 
+from optimum_parallel import Capabilities
 from optimum_parallel.styles import SplitParameter
 
 from ._common import prefix
@@ -15,7 +16,8 @@ from .moe import MoEParallelizer
 
 
 class GptOssParallelizer(MoEParallelizer):
-    supports_pipeline_parallel = False  # not run against one process yet (the automatic plan refused it too)
+    # pp and cp not run against one process yet (the automatic plan refused them too)
+    capabilities = Capabilities(sequence_parallel=True)
 
     @classmethod
     def plan(cls, model, mesh, parallelize_embeddings, sequence_parallel_enabled):

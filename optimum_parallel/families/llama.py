@@ -6,6 +6,8 @@ from __future__ import annotations
 from torch import nn
 
 from optimum_parallel import (
+    LLAMA_ACTIVATIONS,
+    Capabilities,
     ColWiseParallel,
     Parallelizer,
     ParallelMesh,
@@ -21,8 +23,9 @@ from ._common import check_heads
 
 
 class LlamaParallelizer(Parallelizer):
-    supports_sequence_parallel = True
-    supports_pipeline_parallel = True
+    capabilities = Capabilities(
+        sequence_parallel=True, pipeline_parallel=True, context_parallel=True, activations=LLAMA_ACTIVATIONS
+    )
 
     @staticmethod
     def _heads(model: nn.Module) -> tuple[int, int]:

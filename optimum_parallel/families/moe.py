@@ -8,7 +8,7 @@ and its gradients need no extra reduction. Qwen2-MoE's shared expert is an ordin
 
 from __future__ import annotations
 
-from optimum_parallel import ColWiseParallel, RowWiseParallel, optional
+from optimum_parallel import Capabilities, ColWiseParallel, RowWiseParallel, optional
 from optimum_parallel.styles import ReplicatedWithGradAllReduce, SequenceParallelDisable, TensorParallelExperts
 
 from ._common import prefix
@@ -18,8 +18,8 @@ from .llama import LlamaParallelizer
 class MoEParallelizer(LlamaParallelizer):
     # under sequence parallelism the MoE block is replicated work on the whole sequence (`SequenceParallelDisable`
     # without column/row layers inside: gather in, split out); the experts stay one tp region inside it
-    supports_sequence_parallel = True
-    supports_pipeline_parallel = True  # tests/test_expert_parallel_pipeline.py (mixtral, qwen3_moe, qwen2_moe)
+    # pp: tests/test_expert_parallel_pipeline.py; cp (with ep): tests/test_expert_parallel_cp.py
+    capabilities = Capabilities(sequence_parallel=True, pipeline_parallel=True, context_parallel=True)
 
     @classmethod
     def plan(cls, model, mesh, parallelize_embeddings, sequence_parallel_enabled):

@@ -16,8 +16,6 @@ from ._common import LocalConfig, check_heads, local_heads, prefix
 
 
 class Phi3Parallelizer(Parallelizer):
-    supports_sequence_parallel = False
-
     @staticmethod
     def _heads(model: nn.Module) -> tuple[int, int, int]:
         config = model.config

@@ -6,6 +6,7 @@ replicated and their gradients are summed over tp.
 
 from __future__ import annotations
 
+from optimum_parallel import LLAMA_ACTIVATIONS, Capabilities
 from optimum_parallel.styles import ReplicatedWithGradAllReduce
 
 from ._common import prefix
@@ -13,7 +14,10 @@ from .llama import LlamaParallelizer
 
 
 class Qwen3Parallelizer(LlamaParallelizer):
-    supports_sequence_parallel = True  # the norms act inside self_attn, which sees the whole sequence
+    # the norms act inside self_attn, which sees the whole sequence
+    capabilities = Capabilities(
+        sequence_parallel=True, pipeline_parallel=True, context_parallel=True, activations=LLAMA_ACTIVATIONS
+    )
 
     @classmethod
     def plan(cls, model, mesh, parallelize_embeddings, sequence_parallel_enabled):
@@ -25,4 +29,4 @@ class Qwen3Parallelizer(LlamaParallelizer):
 class Gemma3TextParallelizer(Qwen3Parallelizer):
     """Gemma 3 adds pre/post feed-forward norms the Llama sequence-parallel plan does not mark: TP only."""
 
-    supports_sequence_parallel = False
+    capabilities = Capabilities(pipeline_parallel=True)

@@ -12,8 +12,9 @@ from importlib.metadata import EntryPoint
 
 from torch import nn
 
+from ..engine.capabilities import Capabilities, register_family_lookup
 from ..plugins import plugin_entry_points
-from .auto_plan import auto_parallelizer, auto_plan_model_types
+from .auto_plan import CONTEXT_PARALLEL_TYPES, SEQUENCE_PARALLEL_TYPES, auto_parallelizer, auto_plan_model_types
 from .parallelizer import Parallelizer
 
 ENTRY_POINT_GROUP = "optimum_parallel.parallelizers"
@@ -29,6 +30,7 @@ class UnsupportedModelError(ValueError):
 class ParallelizersManager:
     _registry: dict[str, type[Parallelizer]] = {}
     _entries: dict[str, EntryPoint] = {}  # model type -> its entry point, not loaded yet
+    _order: list[str] = []  # model types in the order they became known (entry points first)
     _discovered = False
 
     @classmethod
@@ -37,6 +39,8 @@ class ParallelizersManager:
         if not (isinstance(parallelizer, type) and issubclass(parallelizer, Parallelizer)):
             raise TypeError(f"register({model_type!r}, ...) needs a Parallelizer subclass, got {parallelizer!r}")
         cls._registry[model_type] = parallelizer
+        if model_type not in cls._order:
+            cls._order.append(model_type)
         return parallelizer
 
     @classmethod
@@ -50,6 +54,8 @@ class ParallelizersManager:
             if not cls._discovered:
                 for entry in plugin_entry_points(ENTRY_POINT_GROUP):
                     cls._entries.setdefault(entry.name, entry)  # the first of two with one name, as before
+                    if entry.name not in cls._order:
+                        cls._order.append(entry.name)
                 cls._discovered = True
 
     @classmethod
@@ -106,3 +112,30 @@ class ParallelizersManager:
                 "carries a base_model_tp_plan made of colwise/rowwise/packed/MoE-expert/replicated styles"
             )
         return automatic
+
+    @classmethod
+    def capabilities_of(cls, model: nn.Module) -> Capabilities | None:
+        """What `model`'s family supports (None: no family serves it)."""
+        try:
+            return cls.parallelizer_for_model(model).capabilities
+        except (UnsupportedModelError, TypeError):
+            return None
+
+    @classmethod
+    def model_types_with(cls, predicate) -> list[str]:
+        """Model types whose family's capabilities satisfy `predicate`: the registered ones, base families first
+        (Llama's before those derived from it), then the automatic plans that declare more than tensor parallelism."""
+        cls._discover()
+        families = {t: p for t in list(cls._order) if (p := cls._registered(t)) is not None}
+        found = sorted(
+            (t for t, p in families.items() if predicate(p.capabilities)), key=lambda t: (len(families[t].__mro__), t)
+        )
+        for model_type in sorted(SEQUENCE_PARALLEL_TYPES | CONTEXT_PARALLEL_TYPES):
+            automatic = auto_parallelizer(model_type)
+            if model_type not in found and automatic is not None and predicate(automatic.capabilities):
+                found.append(model_type)
+        return found
+
+
+# the engine asks the families what they support through this registry (engine/capabilities.py)
+register_family_lookup(ParallelizersManager.capabilities_of, ParallelizersManager.model_types_with)

@@ -4,12 +4,14 @@ one `ParallelRequest` (this door's key names) and hand it to the engine's `valid
 from __future__ import annotations
 
 from collections.abc import Mapping
+from dataclasses import replace
 from pathlib import Path
 
 import torch
 from torch import nn
 
 from ..checkpoint import load_model_checkpoint, save_model_checkpoint
+from ..engine.capabilities import Capabilities
 from ..engine.compose import compose_model, optimizer_for_parallel_model
 from ..engine.data_parallel import DataParallelConfig
 from ..engine.request import PARALLELIZER_KEYS, ParallelRequest, PipelineRequest, RequestKeys
@@ -22,12 +24,23 @@ from ..state import parallel_state
 class Parallelizer:
     """Base class of the model-family parallelizers.
 
-    A family supplies `plan()` (regex -> style) and, where it needs them, `check()` (raise before
-    any weight moves) and `after_plan()` (fix module attributes such as local head counts).
+    A family supplies `plan()` (regex -> style), what it supports (`capabilities`) and, where it needs them,
+    `check()` (raise before any weight moves) and `after_plan()` (fix module attributes such as local head counts).
     """
 
-    supports_sequence_parallel = False  # the family's plan honours sequence_parallel_enabled
-    supports_pipeline_parallel = False
+    capabilities = Capabilities()
+
+    def __init_subclass__(cls, **kwargs) -> None:
+        """A family written for an earlier release sets `supports_sequence_parallel` / `supports_pipeline_parallel`:
+        they still count, folded into its capabilities."""
+        super().__init_subclass__(**kwargs)
+        legacy = {
+            name: cls.__dict__[f"supports_{name}"]
+            for name in ("sequence_parallel", "pipeline_parallel")
+            if f"supports_{name}" in cls.__dict__
+        }
+        if legacy:
+            cls.capabilities = replace(cls.capabilities, **legacy)
 
     @classmethod
     def plan(

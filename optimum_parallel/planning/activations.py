@@ -17,8 +17,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-LLAMA_STYLE = ("llama", "mistral", "qwen2", "qwen3")  # RMSNorm, SwiGLU, no dropout: the Llama count applies
-
 
 @dataclass(frozen=True)
 class Dims:

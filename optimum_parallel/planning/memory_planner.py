@@ -44,9 +44,9 @@ from functools import cached_property
 
 from torch import nn
 
+from ..engine.capabilities import LLAMA_ACTIVATIONS
 from ..pipeline.split import stage_layers
 from .activations import (
-    LLAMA_STYLE,
     Dims,
     activation_bytes,
     llama_layer_bytes,
@@ -124,7 +124,7 @@ class MemoryPlanner:
 
     @property
     def llama_style(self) -> bool:
-        return getattr(self.config, "model_type", None) in LLAMA_STYLE
+        return self.parallelizer.capabilities.activations == LLAMA_ACTIVATIONS
 
     @cached_property
     def experts(self) -> ExpertFacts:
@@ -139,11 +139,11 @@ class MemoryPlanner:
 
     @property
     def supports_pipeline(self) -> bool:
-        return bool(self.parallelizer.supports_pipeline_parallel) and self._layer_prefix is not None
+        return self.parallelizer.capabilities.pipeline_parallel and self._layer_prefix is not None
 
     @property
     def supports_sequence_parallel(self) -> bool:
-        return bool(self.parallelizer.supports_sequence_parallel)
+        return self.parallelizer.capabilities.sequence_parallel
 
     # ---- parameters
 
@@ -233,8 +233,11 @@ class MemoryPlanner:
 
     def activation_method(self, workload: Workload) -> str:
         if workload.activations == "llama" and not self.llama_style:
+            from ..frontends.manager import ParallelizersManager
+
+            llama = ParallelizersManager.model_types_with(lambda c: c.activations == LLAMA_ACTIVATIONS)
             raise ValueError(
-                f"the Llama activation count covers model types {', '.join(LLAMA_STYLE)}, not "
+                f"the Llama activation count covers model types {', '.join(llama)}, not "
                 f"{self.config.model_type!r}; use activations='paper' or 'auto'"
             )
         if workload.activations == "auto":

@@ -27,6 +27,7 @@ import os
 import re
 import warnings
 from collections.abc import Mapping
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -376,7 +377,7 @@ def plan_file_parallelizer(path_or_doc: str | Path | Mapping) -> type[Paralleliz
     attrs = {
         "plan": plan,
         "parallelize": parallelize,
-        "supports_sequence_parallel": bool(options.get("sequence_parallel")),
+        "capabilities": replace(family.capabilities, sequence_parallel=bool(options.get("sequence_parallel"))),
         "__doc__": f"{family.__name__} with the plan of a plan file.",
     }
     return type(f"PlanFile[{family.__name__}]", (family,), attrs)
