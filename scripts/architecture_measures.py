@@ -99,39 +99,36 @@ def circles(edges: dict[str, set[str]]) -> list[list[str]]:
     return out
 
 
-LAYER_ATTRIBUTES = r"\.(sequence_parallel|enter_region|overlap_weight_grads|gather_output|_entry_siblings)\s*=[^=]"
+LAYER_ATTRIBUTES = r"\.(sequence_parallel|enter_region|overlap_weight_grads|_entry_siblings)\s*=[^=]"
+DECIDES = r"(?<![A-Za-z_])LayerMode\((?!\))"  # a mode made with arguments: a decision, not a constructor default
+SUPPORT = {"comm.shared_memory", "tensor_parallel.spec"}  # a transport (same results as torch's) and shape bookkeeping
+
+
+def _path(module: str) -> Path:
+    return ROOT.parent.joinpath(*module.split(".")).with_suffix(".py")
 
 
 def column_linear_reading(edges: dict[str, set[str]]) -> tuple[list[str], int]:
-    """The files one reads to know what a column-parallel linear does: the one defining it, the package modules it
-    runs (its imports, transitively, inside comm/ and tensor_parallel/), and every other module that sets one of its
-    mode attributes after it is built or builds it (the styles)."""
-    start = next(
-        m for m, p in ((module_name(p), p) for p in ROOT.rglob("*.py")) if "class ColumnParallelLinear" in p.read_text()
-    )
+    """The files one reads to know what a column-parallel linear does in a forward and backward: the one defining it,
+    the package modules it runs (its imports, transitively, inside comm/ and tensor_parallel/; not `SUPPORT`), and
+    every other module that decides its mode (makes a `LayerMode` with arguments) or sets one of its mode attributes
+    after it is built."""
+    modules = {module_name(p): p for p in ROOT.rglob("*.py")}
+    start = next(m for m, p in modules.items() if "class ColumnParallelLinear" in p.read_text())
     seen, todo = {start}, [start]
     while todo:
         for w in edges.get(todo.pop(), ()):
             room = w.split(".")[1] if "." in w else ""
-            if room in ("comm", "tensor_parallel") and w not in seen and not w.endswith("__init__"):
+            support = {f"{ROOT.name}.{m}" for m in SUPPORT}
+            if room in ("comm", "tensor_parallel") and w not in seen | support and not w.endswith("__init__"):
                 seen.add(w)
                 todo.append(w)
-    for path in ROOT.rglob("*.py"):
+    for name, path in modules.items():
         text = path.read_text()
-        name = module_name(path)
-        builds = "ColumnParallelLinear.from_linear(" in text or "ColumnParallelLinear(" in text.replace(
-            "class ColumnParallelLinear(", ""
-        )
-        if re.search(LAYER_ATTRIBUTES, text) and "ColumnParallelLinear" in text or builds and ".styles." in name:
+        if re.search(DECIDES, text) or (re.search(LAYER_ATTRIBUTES, text) and "ColumnParallelLinear" in text):
             seen.add(name)
     files = sorted(seen)
-    lines = sum(
-        len(ROOT.parent.joinpath(*m.split(".")).with_suffix(".py").read_text().splitlines())
-        if ROOT.parent.joinpath(*m.split(".")).with_suffix(".py").exists()
-        else 0
-        for m in files
-    )
-    return files, lines
+    return files, sum(len(_path(m).read_text().splitlines()) for m in files if _path(m).exists())
 
 
 if __name__ == "__main__":

@@ -13,7 +13,7 @@ from typing import TypeVar
 
 import torch.distributed as dist
 
-from ..mesh import get_mesh, ranks
+from ..mesh import MeshLayout, get_mesh, ranks
 from .crash import crash_point
 
 T = TypeVar("T")
@@ -40,7 +40,7 @@ class RankInfo:
     @property
     def writes_replica(self) -> bool:
         """Whether this rank writes its (pp, tp) shards: the first rank of the dp x cp ranks that hold them."""
-        return self.dp == 0 and self.cp == 0
+        return self.replica == 0
 
     @property
     def writes_experts(self) -> bool:
@@ -75,21 +75,18 @@ class RankInfo:
         return [o[1] for o in outcomes]
 
 
-FILE_DIMS = ("dp", "pp", "tp")  # the mesh sizes a checkpoint records (and "ep" where it is > 1)
-
-
 def current_rank() -> RankInfo:
+    """This rank for checkpointing, from the mesh's layout: the sizes the files depend on are the dims that cut the
+    weights (`MeshLayout.weight_shards`: pp, tp, ep; dp for the record), and the writer of a shard is the first of
+    the ranks holding the same weights (the data-parallel dims, whatever the table holds)."""
     if not (dist.is_available() and dist.is_initialized()):
-        return RankInfo(0, 0, 0, dict.fromkeys(FILE_DIMS, 1), False)
+        return RankInfo(0, 0, 0, MeshLayout({}).weight_shards(), False)
     mesh = get_mesh()
-    sizes = {dim: mesh.size(dim) for dim in FILE_DIMS}
-    if mesh.size("ep") > 1:
-        sizes["ep"] = mesh.size("ep")
     return RankInfo(
         mesh.rank("dp"),
         mesh.rank("pp"),
         mesh.rank("tp"),
-        sizes,
+        mesh.layout.weight_shards(),
         True,
         cp=mesh.rank("cp"),
         ep=mesh.rank("ep"),

@@ -15,7 +15,7 @@ from contextlib import contextmanager
 import torch
 from torch import nn
 
-from ..comm.sequence_region import SequenceRegion
+from ..comm.region import SequenceRegion
 
 
 class _Placeholder(nn.Identity):

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 from torch import nn
 
-from ..comm.sequence_region import SequenceRegion
+from ..comm.region import SequenceRegion
 from ..mesh import ParallelMesh
 from ..styles import ParallelStyle, PlanContext, optional
 from ..tensor_parallel.spec import ShardLayout

@@ -1,7 +1,7 @@
 """Every tensor-parallel layer's mode, decided from the whole plan before any module is built.
 
 The sequence-parallel styles say where the sequence is split; from them follows, for each layer a swapping style
-builds, how it enters or leaves the tp region (`tensor_parallel.mode.LayerMode`):
+builds, how it enters or leaves the tp region (`comm.region.LayerMode`):
 
 - a column layer inside a `SequenceParallelDisable`d block that gathers the whole sequence at its boundary does not
   enter the region itself; a row layer there reduce-scatters the sequence;
@@ -14,11 +14,10 @@ from __future__ import annotations
 
 from torch import nn
 
-from ..comm.sequence_region import SequenceRegion
+from ..comm.region import LayerMode, SequenceRegion, Siblings
 from ..styles import ParallelStyle, PlanContext, SequenceParallelBegin, SequenceParallelDisable, SequenceParallelEnd
 from ..styles.base import COLUMN, ROW
 from ..styles.sequence_parallel import SequenceParallelEnable
-from ..tensor_parallel.mode import LayerMode, Siblings
 from .wrappers import style_target
 
 SEQUENCE_STYLES = (SequenceParallelBegin, SequenceParallelEnd, SequenceParallelEnable, SequenceParallelDisable)
@@ -33,6 +32,7 @@ def plan_context(model: nn.Module, targets: dict[str, list[ParallelStyle]], mesh
     """The context every style of `targets` (a checked plan) is applied with: the model's entry, its sequence
     region (when the plan has sequence-parallel styles) and every layer's mode."""
     ctx = PlanContext(mesh)
+    ctx.default_mode = LayerMode(entry=ctx.entry, overlap=overlap)
     if any(isinstance(s, SEQUENCE_STYLES) for styles in targets.values() for s in styles):
         ctx.sequence = SequenceRegion(mesh.tp_group)
     kinds = {name: _builds(styles) for name, styles in targets.items()}

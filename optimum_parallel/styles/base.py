@@ -11,10 +11,8 @@ from dataclasses import dataclass, field
 
 from torch import nn
 
-from ..comm.region_entry import RegionEntry
-from ..comm.sequence_region import SequenceRegion
+from ..comm.region import LayerMode, RegionEntry, SequenceRegion
 from ..mesh import ParallelMesh, ranks
-from ..tensor_parallel.mode import LayerMode
 from ..tensor_parallel.spec import ShardSpec, check_heads
 
 
@@ -27,11 +25,12 @@ class PlanContext:
     entry: RegionEntry = field(default_factory=RegionEntry)
     sequence: SequenceRegion | None = None  # set when the plan has sequence-parallel styles
     modes: dict[str, LayerMode] = field(default_factory=dict)  # module name -> its layer's mode
+    default_mode: LayerMode = field(default_factory=LayerMode)  # a layer the plan did not name (styles used alone)
     gathering_blocks: frozenset[str] = frozenset()  # SequenceParallelDisable'd blocks with parallel layers inside
 
     def mode(self, name: str) -> LayerMode:
-        """The mode of the layer the style builds at `name` (the plain one outside any sequence region)."""
-        return self.modes.get(name) or LayerMode(entry=self.entry)
+        """The mode of the layer the style builds at `name`."""
+        return self.modes.get(name, self.default_mode)
 
     @property
     def tp_rank_world(self) -> tuple[int, int]:

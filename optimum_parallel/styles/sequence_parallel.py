@@ -11,7 +11,7 @@ embedding output's length, so the embedding output stays whole (Megatron reduce-
 
 A forward whose sequence length tp does not divide (a one-token decode step) or that keeps only the last
 positions' logits (`logits_to_keep`, as `generate` does) leaves the sequence whole: the region's entry decides
-once per forward (`comm.sequence_region`), and every layer and hook of the region then takes the plain
+once per forward (`comm.region`), and every layer and hook of the region then takes the plain
 tensor-parallel path (norm gradients are whole on every rank, so they are not summed). The layers' part (which
 column layers gather the sequence, which row layers reduce-scatter it) is decided from these styles with the plan
 (`plan/modes.py`) and passed to the layers when they are built; the styles below only add the hooks.
@@ -21,8 +21,8 @@ from __future__ import annotations
 
 import torch
 
+from ..comm.region import SequenceRegion
 from ..comm.regions import SEQ_DIM, copy_to_tensor_parallel_region, gather_from_sequence_parallel_region
-from ..comm.sequence_region import SequenceRegion
 from ..tensor_parallel.replicated import sum_parameter_gradients
 from .base import ParallelStyle, PlanContext
 

@@ -12,8 +12,8 @@ import torch
 from torch import nn
 from torch.distributed import ProcessGroup
 
+from ..comm.region import LayerMode
 from .layers import _exit_region, _ShardedModule
-from .mode import LayerMode
 from .packed import ReplicatedSegment, sum_segment_grads
 
 try:  # transformers is a dependency; keep the engine importable without it all the same

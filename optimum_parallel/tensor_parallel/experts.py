@@ -21,7 +21,7 @@ import torch
 from torch import nn
 from torch.distributed import ProcessGroup
 
-from ..comm.region_entry import RegionEntry
+from ..comm.region import RegionEntry
 from ..comm.regions import copy_to_tensor_parallel_region, reduce_from_tensor_parallel_region
 from ..mesh import ranks
 from .spec import ShardLayout, ShardSpec, local_parameter

@@ -2,7 +2,8 @@
 
 Each layer holds only this rank's shard; every parameter carries its `ShardLayout` as
 `param.shard_layout`, so checkpoints, lazy loading and resharding never have to guess. How a layer meets its
-neighbours (its region entry, sequence parallelism, overlap) is its `mode`, decided with the plan (`mode.py`).
+neighbours (its region entry, sequence parallelism, overlap) is its `mode` (`comm/region.py`), decided with the plan
+(`plan/modes.py`).
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed import ProcessGroup
 
+from ..comm.region import LayerMode
 from ..comm.regions import (
     copy_to_tensor_parallel_region,
     gather_from_tensor_parallel_region,
@@ -21,7 +23,6 @@ from ..comm.regions import (
 )
 from ..mesh import device as devices
 from ..mesh import ranks
-from .mode import LayerMode
 from .spec import ShardLayout, ShardSpec, local_parameter, shard_sizes
 
 

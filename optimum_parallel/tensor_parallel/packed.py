@@ -16,8 +16,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.distributed import ProcessGroup
 
+from ..comm.region import LayerMode
 from .layers import ColumnParallelLinear
-from .mode import LayerMode
 from .spec import ReplicatedSegment
 
 

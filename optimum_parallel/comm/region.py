@@ -1,22 +1,31 @@
-"""Entering a column-parallel region: one collective per input, overlapped with the weight gradients.
+"""How a tensor-parallel layer enters and leaves its region: one module, the only place that decides it.
 
-HF attention feeds the same `hidden_states` to q_proj, k_proj and v_proj (the MLP to gate_proj and up_proj).
-The entry op -- identity forward / all-reduce backward, or sequence all-gather / reduce-scatter under
-sequence parallelism -- is shared by every column layer that reads the same input tensor, so a block costs
-one collective each way, as a fused Megatron QKV would.
+`LayerMode` is what the plan decided for one layer (`plan/modes.py`), passed to its constructor and never changed:
+its entry (`RegionEntry`, one per model), its sequence-parallel region (`SequenceRegion`, one per model with a
+sequence-parallel plan), its siblings and whether its weight gradients overlap the entry's backward collective.
 
-Its backward collective is overlapped with compute (Megatron's asynchronous grad-input all-reduce): the
-column layers' backward computes only their input gradient and leaves (grad_output, input) behind; the
-entry's backward starts the collective on the summed input gradient, computes the weight gradients while it
-runs, then waits. The weights go through the entry op as aliases, so their gradients still arrive through
-autograd's AccumulateGrad and DDP, FSDP2 and gradient hooks see nothing unusual. The entry aliases the
-weights of the layer that makes it and of its siblings (`mode.siblings`, decided with the plan: the column-parallel
-children of the same module, the layers that may read the same input); a sibling that reads another input
-(cross-attention) leaves its alias unused and makes its own entry. The entry's make-up is fixed, so a forward
-recomputed under activation checkpointing saves exactly what the first one did.
+Entering a column-parallel region: one collective per input, overlapped with the weight gradients. HF attention
+feeds the same `hidden_states` to q_proj, k_proj and v_proj (the MLP to gate_proj and up_proj). The entry op --
+identity forward / all-reduce backward, or sequence all-gather / reduce-scatter under sequence parallelism -- is
+shared by every column layer that reads the same input tensor, so a block costs one collective each way, as a fused
+Megatron QKV would. Its backward collective is overlapped with compute (Megatron's asynchronous grad-input
+all-reduce): the column layers' backward computes only their input gradient and leaves (grad_output, input) behind;
+the entry's backward starts the collective on the summed input gradient, computes the weight gradients while it
+runs, then waits. The weights go through the entry op as aliases, so their gradients still arrive through autograd's
+AccumulateGrad and DDP, FSDP2 and gradient hooks see nothing unusual. The entry aliases the weights of the layer
+that makes it and of its siblings (the column-parallel children of the same module, the layers that may read the
+same input); a sibling that reads another input (cross-attention) leaves its alias unused and makes its own entry.
+The entry's make-up is fixed, so a forward recomputed under activation checkpointing saves exactly what the first
+one did. One `RegionEntry` serves a whole model: it holds the last entry, so any layer of the tp region reading the
+same tensor next (q, k, v; an MoE block's experts and its shared expert) reuses it.
 
-One `RegionEntry` serves a whole model (made with its plan): it holds the last entry, so any layer of the tp region
-reading the same tensor next (q, k, v; an MoE block's experts and its shared expert) reuses it.
+A sequence-parallel region splits the sequence at its entry (`SequenceRegion.enter`). A forward whose sequence
+length the tp size does not divide (a one-token decode step), or that keeps only the last positions' logits
+(`logits_to_keep`, which `generate` passes; the model's own hooks call `keep_whole` around it), runs the plain
+tensor-parallel path instead: the entry leaves the sequence whole and every layer of the region takes its
+tensor-parallel collective. Same weights, same results; the decision is taken once per forward, at the region's
+entry, from shapes every tp rank shares, so the ranks always agree. Regions and entries belong to one model (on XLA,
+where one process runs several ranks, one thread each, each rank builds its own model).
 """
 
 from __future__ import annotations
@@ -26,13 +35,17 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
+from torch import nn
 from torch.distributed import ProcessGroup
 
+from ..mesh import ranks
 from .regions import (
     SEQ_DIM,
     _all_gather,
     copy_to_tensor_parallel_region,
     gather_from_sequence_parallel_region,
+    gather_from_tensor_parallel_region,
+    scatter_to_sequence_parallel_region,
     start_all_reduce,
     start_reduce_scatter,
 )
@@ -197,3 +210,57 @@ class RegionEntry:
             pending,
             {id(m): (w, a, i) for i, (m, w, a) in enumerate(zip(layers, weights, aliases, strict=True))},
         )
+
+
+class SequenceRegion:
+    """The sequence-parallel region of one model over the tp `group`: whether the running forward splits it."""
+
+    def __init__(self, group: ProcessGroup) -> None:
+        self.group = group
+        self.split = True  # the running forward's decision (taken at `enter`)
+        self._whole = 0  # callers asking for whole sequences (nested forwards)
+
+    def enter(self, x: torch.Tensor) -> torch.Tensor:
+        """The region's entry: this rank's slice of the sequence when this forward can split it, else `x`."""
+        tp = ranks.world_size(self.group)
+        self.split = not self._whole and x.shape[SEQ_DIM] % tp == 0
+        return scatter_to_sequence_parallel_region(x, self.group, dim=SEQ_DIM) if self.split else x
+
+    def gather(self, x: torch.Tensor) -> torch.Tensor:
+        """The whole sequence for work outside the region (this rank's slice of the gradient backward); `x` itself
+        in a forward that did not split."""
+        return gather_from_tensor_parallel_region(x, self.group, dim=SEQ_DIM) if self.split else x
+
+    def scatter(self, x: torch.Tensor) -> torch.Tensor:
+        """Back into the region after replicated work (all-gather of the gradient backward)."""
+        return scatter_to_sequence_parallel_region(x, self.group, dim=SEQ_DIM) if self.split else x
+
+    def keep_whole(self) -> None:
+        """Until the matching `release`, forwards leave the sequence whole (nests)."""
+        self._whole += 1
+
+    def release(self) -> None:
+        self._whole -= 1
+
+
+class Siblings:
+    """The column layers of one parent module (q/k/v, gate/up), which may read the same input: one entry serves
+    them all and aliases their weights. Each layer adds itself when it is built."""
+
+    def __init__(self) -> None:
+        self.layers: list[nn.Module] = []
+
+
+@dataclass(frozen=True)
+class LayerMode:
+    """What the plan decided for one layer (see the module docstring); the default, for a layer built on its own
+    outside a plan: its own entry, no sequence parallelism."""
+
+    entry: RegionEntry | None = field(default_factory=RegionEntry)  # None: the caller entered the region
+    sequence: SequenceRegion | None = None  # set: the layer is inside a sequence-parallel region
+    siblings: Siblings | None = None
+    overlap: bool = True
+
+    def splits_sequence(self) -> bool:
+        """Whether the running forward splits this layer's sequence (a decode step keeps it whole)."""
+        return self.sequence is not None and self.sequence.split
