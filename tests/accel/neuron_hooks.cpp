@@ -177,11 +177,11 @@ py::object default_generator() {
   return py::reinterpret_steal<py::object>(THPGenerator_initDefaultGenerator(g));
 }
 
-void set_data_ptr(py::object storage, uintptr_t ptr, size_t nbytes) {
-  // Points a neuron storage at other host memory (resize_): the Python module keeps that memory alive.
-  c10::Storage s = THPStorage_Unpack(storage.ptr());
-  s.set_data_ptr_noswap(c10::DataPtr(reinterpret_cast<void*>(ptr), c10::Device(kNeuron, 0)));
-  s.set_nbytes(nbytes);
+void make_resizable(py::handle storage) {
+  // UntypedStorage.resize_ reaches resizePrivateUse1Bytes only for a resizable storage, which needs an allocator.
+  c10::StorageImpl* impl = THPStorage_Unpack(storage.ptr()).unsafeGetStorageImpl();
+  impl->set_allocator(c10::GetAllocator(kNeuron));
+  impl->set_resizable(true);
 }
 
 }  // namespace
@@ -189,5 +189,5 @@ void set_data_ptr(py::object storage, uintptr_t ptr, size_t nbytes) {
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("install", &install, "register the neuron hooks, device guard and allocator (once per process)");
   m.def("default_generator", &default_generator, "the default neuron generator");
-  m.def("set_data_ptr", &set_data_ptr, "point a neuron storage at other host memory");
+  m.def("make_resizable", &make_resizable, "let storage resize_ reach the resize hook");
 }

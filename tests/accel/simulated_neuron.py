@@ -82,6 +82,8 @@ def _storage_over(host: torch.UntypedStorage | None, nbytes: int = 0) -> torch.U
     ptr = host.data_ptr() if host is not None else 0
     storage = torch._C._construct_storage_from_data_pointer(ptr, _DEVICE, host.nbytes() if host is not None else 0)
     storage._host = _HostBuffer(host) if host is not None else None  # kept with the storage (PyObject preservation)
+    if _state.cpp is not None:
+        _state.cpp.make_resizable(storage)
     return storage
 
 
@@ -117,6 +119,23 @@ def _resize_storage(storage: torch.UntypedStorage, nbytes: int) -> None:
         storage._swap_data_ptr_(_storage_over(None))
     storage._swap_data_ptr_(fresh)  # `fresh` now holds the old memory and frees it when it goes
     storage._host, fresh._host = fresh._host, getattr(storage, "_host", None)
+
+
+def _patch_untyped_storage() -> None:
+    """Pure-Python device: storage resize_ (no resize hook) and UntypedStorage(n, device="neuron") (no allocator:
+    torch would dereference a null one) in Python."""
+    resize, new = torch.UntypedStorage.resize_, torch.UntypedStorage.__new__
+
+    def resize_(self, nbytes):
+        return _resize_storage(self, nbytes) or self if self.device.type == NAME else resize(self, nbytes)
+
+    def __new__(cls, *args, device=None, **kwargs):
+        if device is not None and torch.device(device).type == NAME and len(args) == 1 and isinstance(args[0], int):
+            _check_device(torch.device(device))
+            return _storage_over(torch.empty(args[0], dtype=torch.uint8).untyped_storage())
+        return new(cls, *args, **kwargs) if device is None else new(cls, *args, device=device, **kwargs)
+
+    torch.UntypedStorage.resize_, torch.UntypedStorage.__new__ = resize_, __new__
 
 
 def _cpp_alloc(nbytes: int) -> _HostBuffer:  # the C++ allocator's memory (UntypedStorage(n, device="neuron"))
@@ -335,6 +354,17 @@ def set_device(device) -> None:
     _check_device(torch.device(NAME, device) if isinstance(device, int) else torch.device(device))
 
 
+class device:  # noqa: N801  (torch.cuda.device's shape: torch.load and storage.to() enter it)
+    def __init__(self, device) -> None:
+        set_device(device)
+
+    def __enter__(self) -> None:
+        pass
+
+    def __exit__(self, *exc) -> None:
+        pass
+
+
 def get_rng_state(device=NAME) -> torch.Tensor:
     return _state.generator.get_state()
 
@@ -357,7 +387,7 @@ def _device_module() -> types.ModuleType:
         is_available=lambda: True, is_initialized=lambda: True, _is_in_bad_fork=lambda: False, _lazy_init=lambda: None,
         device_count=lambda: 1, current_device=lambda: 0, set_device=set_device, synchronize=lambda device=None: None,
         get_device_name=lambda device=None: "simulated neuron (host memory)",
-        Stream=Stream, Event=Event, current_stream=current_stream, default_stream=current_stream, stream=stream,
+        device=device, Stream=Stream, Event=Event, current_stream=current_stream, default_stream=current_stream, stream=stream,
         manual_seed=manual_seed, manual_seed_all=manual_seed, seed=lambda: _state.generator.seed(),
         seed_all=lambda: _state.generator.seed(), initial_seed=lambda: _state.generator.initial_seed(),
         get_rng_state=get_rng_state, set_rng_state=set_rng_state,
@@ -369,6 +399,33 @@ def _device_module() -> types.ModuleType:
         get_amp_supported_dtype=lambda: [torch.float16, torch.bfloat16],
     )
     return mod
+
+
+# ---- autocast: torch.autocast("neuron") casts as on CUDA, for the ops that matter here -------------------------
+_LOWER_PRECISION = "matmul mm mv bmm addmm addmv addr baddbmm addbmm linear prelu conv1d conv2d conv3d convolution"
+_FP32 = "softmax log_softmax layer_norm group_norm nll_loss cross_entropy_loss mse_loss"
+
+
+def _autocast(op, to_fp32: bool):
+    def kernel(*args, **kwargs):
+        dtype = torch.float32 if to_fp32 else torch.get_autocast_dtype(NAME)
+
+        def cast(x):
+            eligible = isinstance(x, torch.Tensor) and x.is_floating_point() and x.dtype != torch.float64
+            return x.to(dtype) if eligible and x.device.type == NAME else x
+
+        with torch._C._ExcludeDispatchKeyGuard(torch._C.DispatchKeySet(torch._C.DispatchKey.AutocastPrivateUse1)):
+            return op(*tree_map(cast, args), **tree_map(cast, kwargs))
+
+    return kernel
+
+
+def _register_autocast(lib: torch.library.Library) -> None:
+    for names, to_fp32 in ((_LOWER_PRECISION, False), (_FP32, True)):
+        for name in names.split():
+            packet = getattr(torch.ops.aten, name)
+            for overload in packet.overloads():
+                lib.impl(getattr(packet, overload), _autocast(getattr(packet, overload), to_fp32), "AutocastPrivateUse1")
 
 
 # ---- installation ---------------------------------------------------------------------------------------------
@@ -403,24 +460,30 @@ def install() -> None:
     if _state.cpp is not None:
         _state.cpp.install(sys.modules[__name__])
         _state.generator = _state.cpp.default_generator()
-    else:
+    else:  # what Python can register: no generators, pinned memory, neuron:1 check in torch.accelerator
         from torch.utils.backend_registration import _DummyDeviceGuard, _DummyPrivateUse1Hook
 
         torch._C._acc.register_python_privateuseone_hook(_DummyPrivateUse1Hook())
         torch._C._acc.register_python_privateuseone_device_guard(_DummyDeviceGuard())
         _state.generator = torch.Generator()  # a CPU generator: random ops run on host views anyway
-        original = torch.UntypedStorage.resize_
-        torch.UntypedStorage.resize_ = lambda self, n: (
-            _resize_storage(self, n) or self if self.device.type == NAME else original(self, n)
-        )
-    aten = torch.library.Library("_", "IMPL")
-    aten.fallback(_fallback, "PrivateUse1")
+        _patch_untyped_storage()
+    fallback = torch.library.Library("_", "IMPL")
+    fallback.fallback(_fallback, "PrivateUse1")
+    fallback.fallback(torch.library.fallthrough_kernel, "AutocastPrivateUse1")
+    aten = torch.library.Library("aten", "IMPL")
+    for name in torch._C._dispatch_get_all_op_names():  # ops whose CPU kernel would lose to a decomposition
+        has = torch._C._dispatch_has_kernel_for_dispatch_key
+        if name.startswith("aten::") and has(name, "CPU") and has(name, "CompositeImplicitAutograd"):
+            packet, _, overload = name[6:].partition(".")
+            op = getattr(getattr(torch.ops.aten, packet), overload or "default")
+            aten.impl(name[6:], lambda *args, op=op, **kwargs: _fallback(op, *args, **kwargs), "PrivateUse1")
     c10d = torch.library.Library("c10d", "IMPL")
     with warnings.catch_warnings():  # replacing c10d's own PrivateUse1 kernels is the point
         warnings.simplefilter("ignore")
         for name in torch._C._dispatch_get_registrations_for_dispatch_key("PrivateUse1"):
             if name.startswith("c10d::"):
                 c10d.impl(name[6:], _collective(getattr(torch.ops.c10d, name[6:]).default), "PrivateUse1")
-    _state.libs = [aten, c10d]
+    _register_autocast(aten)
+    _state.libs = [fallback, aten, c10d]
     dist.Backend.register_backend(BACKEND, _create_backend, devices=[NAME])
     _state.installed = True
