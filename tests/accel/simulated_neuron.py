@@ -45,7 +45,8 @@ _state = types.SimpleNamespace(installed=False, cpp=None, generator=None, libs=[
 
 
 def counters() -> dict:
-    """{'ops': aten ops run by the device, 'collectives': collectives run by its backend, 'op:<name>': ...}."""
+    """{'ops': aten ops the device ran, 'collectives': collectives its backend ran, 'storage_resizes': ..., and per
+    name 'op:<aten overload>' / 'collective:<c10d overload>'}."""
     return dict(_counts)
 
 
@@ -112,6 +113,7 @@ def _resize_storage(storage: torch.UntypedStorage, nbytes: int) -> None:
     old = storage.nbytes()
     if nbytes == old:
         return
+    _counts["storage_resizes"] += 1
     fresh = _storage_over(torch.empty(nbytes, dtype=torch.uint8).untyped_storage() if nbytes else None)
     if min(old, nbytes):
         _bytes(fresh)[: min(old, nbytes)].copy_(_bytes(storage)[: min(old, nbytes)])
@@ -271,12 +273,14 @@ def _collective(op):
         if id(backend) not in _state.shadows:
             shadow = dist.ProcessGroup(pg.rank(), pg.size())
             shadow._register_backend(_CPU, dist.ProcessGroup.BackendType.CUSTOM, backend)
+            shadow._set_default_backend(dist.ProcessGroup.BackendType.CUSTOM)
             _state.shadows[id(backend)] = (backend, shadow)  # keeps `backend` alive, so its id stays unique
         views = {}
 
         def down(x):
             if isinstance(x, torch.Tensor) and x.device.type == NAME:
-                views[id(h := _host(x))] = (h, x)
+                h = _host(x)
+                views[id(h)] = (h, x)
                 return h
             return x
 
