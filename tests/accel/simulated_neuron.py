@@ -23,6 +23,7 @@ import collections
 import contextlib
 import os
 import threading
+import time
 import types
 import warnings
 
@@ -78,7 +79,7 @@ class _HostBuffer:
         _Memory.freed += self.nbytes
 
 
-def _storage_over(host: torch.UntypedStorage | None, nbytes: int = 0) -> torch.UntypedStorage:
+def _storage_over(host: torch.UntypedStorage | None) -> torch.UntypedStorage:
     """A neuron storage over `host` (a CPU storage it keeps alive), or an empty one."""
     ptr = host.data_ptr() if host is not None else 0
     storage = torch._C._construct_storage_from_data_pointer(ptr, _DEVICE, host.nbytes() if host is not None else 0)
@@ -388,17 +389,36 @@ def reset_peak_memory_stats(device=None) -> None:
 def _device_module() -> types.ModuleType:
     mod = types.ModuleType(f"torch.{NAME}", "The simulated neuron device (tests/accel/simulated_neuron.py).")
     mod.__dict__.update(
-        is_available=lambda: True, is_initialized=lambda: True, _is_in_bad_fork=lambda: False, _lazy_init=lambda: None,
-        device_count=lambda: 1, current_device=lambda: 0, set_device=set_device, synchronize=lambda device=None: None,
+        is_available=lambda: True,
+        is_initialized=lambda: True,
+        _is_in_bad_fork=lambda: False,
+        _lazy_init=lambda: None,
+        device_count=lambda: 1,
+        current_device=lambda: 0,
+        set_device=set_device,
+        synchronize=lambda device=None: None,
         get_device_name=lambda device=None: "simulated neuron (host memory)",
-        device=device, Stream=Stream, Event=Event, current_stream=current_stream, default_stream=current_stream, stream=stream,
-        manual_seed=manual_seed, manual_seed_all=manual_seed, seed=lambda: _state.generator.seed(),
-        seed_all=lambda: _state.generator.seed(), initial_seed=lambda: _state.generator.initial_seed(),
-        get_rng_state=get_rng_state, set_rng_state=set_rng_state,
-        get_rng_state_all=lambda: [get_rng_state()], set_rng_state_all=lambda states: set_rng_state(states[0]),
-        memory_allocated=lambda device=None: _Memory.current, max_memory_allocated=lambda device=None: _Memory.peak,
-        memory_reserved=lambda device=None: _Memory.current, max_memory_reserved=lambda device=None: _Memory.peak,
-        reset_peak_memory_stats=reset_peak_memory_stats, empty_cache=lambda: None,
+        device=device,
+        Stream=Stream,
+        Event=Event,
+        current_stream=current_stream,
+        default_stream=current_stream,
+        stream=stream,
+        manual_seed=manual_seed,
+        manual_seed_all=manual_seed,
+        seed=lambda: _state.generator.seed(),
+        seed_all=lambda: _state.generator.seed(),
+        initial_seed=lambda: _state.generator.initial_seed(),
+        get_rng_state=get_rng_state,
+        set_rng_state=set_rng_state,
+        get_rng_state_all=lambda: [get_rng_state()],
+        set_rng_state_all=lambda states: set_rng_state(states[0]),
+        memory_allocated=lambda device=None: _Memory.current,
+        max_memory_allocated=lambda device=None: _Memory.peak,
+        memory_reserved=lambda device=None: _Memory.current,
+        max_memory_reserved=lambda device=None: _Memory.peak,
+        reset_peak_memory_stats=reset_peak_memory_stats,
+        empty_cache=lambda: None,
         is_bf16_supported=lambda including_emulation=True: True,
         get_amp_supported_dtype=lambda: [torch.float16, torch.bfloat16],
     )
@@ -428,8 +448,8 @@ def _register_autocast(lib: torch.library.Library) -> None:
     for names, to_fp32 in ((_LOWER_PRECISION, False), (_FP32, True)):
         for name in names.split():
             packet = getattr(torch.ops.aten, name)
-            for overload in packet.overloads():
-                lib.impl(getattr(packet, overload), _autocast(getattr(packet, overload), to_fp32), "AutocastPrivateUse1")
+            for op in (getattr(packet, overload) for overload in packet.overloads()):
+                lib.impl(op, _autocast(op, to_fp32), "AutocastPrivateUse1")
 
 
 # ---- installation ---------------------------------------------------------------------------------------------
@@ -442,10 +462,13 @@ def _load_cpp():
 
         build_dir = os.path.join(_EXT_DIR, torch.__version__)
         os.makedirs(build_dir, exist_ok=True)
+        lock = os.path.join(build_dir, "lock")  # left behind by a killed build, torch would wait on it forever
+        if os.path.exists(lock) and time.time() - os.path.getmtime(lock) > 300:
+            os.remove(lock)
         source = os.path.join(os.path.dirname(os.path.abspath(__file__)), "neuron_hooks.cpp")
         return cpp_extension.load("neuron_hooks", [source], build_directory=build_dir, extra_cflags=["-O1"])
     except Exception as e:  # no compiler, no headers: the pure-Python path below covers all but the hooks
-        warnings.warn(f"simulated neuron: C++ hooks not built ({type(e).__name__}: {e}); pure-Python device")
+        warnings.warn(f"simulated neuron: C++ hooks not built ({type(e).__name__}: {e}); pure Python", stacklevel=2)
         return None
 
 
