@@ -4,7 +4,8 @@
 // `UntypedStorage.resize_` (FSDP2), `torch.accelerator.synchronize()/memory_*` and a check on `neuron:1` fail.
 // Device memory stays host memory owned by Python: allocation, resize and the memory counters call back into
 // the Python module handed to `install`, so both halves share one memory model.
-#include <ATen/CPUGeneratorImpl.h>
+#include <ATen/EmptyTensor.h>
+#include <ATen/core/Generator.h>
 #include <ATen/detail/PrivateUse1HooksInterface.h>
 #include <c10/core/CachingDeviceAllocator.h>
 #include <c10/core/impl/DeviceGuardImplInterface.h>
@@ -29,12 +30,38 @@ void check_index(c10::DeviceIndex index) {
   TORCH_CHECK_INDEX(index <= 0, "neuron:", int(index), " does not exist: this process sees 1 neuron device (neuron:0)");
 }
 
-// The RNG of a neuron device: the CPU's mt19937 generator, reporting the neuron device so
-// that torch accepts it where a neuron generator is expected. Random ops run on host views (Python fallback).
-struct NeuronGenerator final : at::CPUGeneratorImpl {
-  explicit NeuronGenerator(uint64_t seed) : at::CPUGeneratorImpl(seed) {
-    device_ = c10::Device(kNeuron, 0);
-    key_set_ = c10::DispatchKeySet(c10::DispatchKey::PrivateUse1);
+// The RNG of a neuron device, shaped like an accelerator's counter-based (Philox) generator: its state is 16 bytes,
+// (seed, offset), which DTensor's OffsetBasedRNGTracker reads and moves. Random ops run on host views with a CPU
+// generator seeded from (seed, offset), and then advance the offset (Python fallback).
+struct NeuronGenerator final : c10::GeneratorImpl {
+  uint64_t seed_, offset_ = 0;
+  explicit NeuronGenerator(uint64_t seed)
+      : c10::GeneratorImpl({kNeuron, 0}, c10::DispatchKeySet(c10::DispatchKey::PrivateUse1)), seed_(seed) {}
+  void set_current_seed(uint64_t seed) override { seed_ = seed, offset_ = 0; }
+  uint64_t current_seed() const override { return seed_; }
+  uint64_t seed() override {
+    set_current_seed(c10::detail::getNonDeterministicRandom());
+    return seed_;
+  }
+  void set_offset(uint64_t offset) override { offset_ = offset; }
+  uint64_t get_offset() const override { return offset_; }
+  void set_state(const c10::TensorImpl& state) override {
+    TORCH_CHECK(state.numel() * state.itemsize() == 16, "a neuron RNG state is 16 bytes: seed, offset");
+    std::memcpy(&seed_, state.data(), 8);
+    std::memcpy(&offset_, static_cast<const char*>(state.data()) + 8, 8);
+  }
+  c10::intrusive_ptr<c10::TensorImpl> get_state() const override {
+    auto state = at::detail::empty_cpu({16}, at::kByte, std::nullopt, std::nullopt, std::nullopt, std::nullopt);
+    std::memcpy(state.data_ptr(), &seed_, 8);
+    std::memcpy(static_cast<char*>(state.data_ptr()) + 8, &offset_, 8);
+    return state.getIntrusivePtr();
+  }
+
+ private:
+  NeuronGenerator* clone_impl() const override {
+    auto* copy = new NeuronGenerator(seed_);
+    copy->offset_ = offset_;
+    return copy;
   }
 };
 

@@ -29,7 +29,7 @@ import warnings
 
 import torch
 import torch.distributed as dist
-from torch.utils._pytree import tree_map
+from torch.utils._pytree import tree_flatten, tree_map
 
 NAME = "neuron"
 BACKEND = "neuron_gloo"
@@ -182,9 +182,9 @@ def _fallback(op, *args, **kwargs):
             if x.type == NAME:
                 _check_device(x)
                 return _CPU
-        if isinstance(x, torch.Generator) and x.device.type == NAME:  # run on a CPU twin, copy its state back
-            gens.append((x, torch.Generator().set_state(x.get_state())))
-            return gens[-1][1]
+        if isinstance(x, torch.Generator) and x.device.type == NAME:  # a CPU generator seeded from (seed, offset)
+            gens.append(x)
+            return torch.Generator().manual_seed(x.initial_seed() ^ (x.get_offset() * 0x9E3779B97F4A7C15 % 2**64))
         return x
 
     args, kwargs = tree_map(down, (list(args), kwargs))
@@ -203,8 +203,9 @@ def _fallback(op, *args, **kwargs):
         else:
             kwargs[arg.name] = value
     out = op(*args, **kwargs)
-    for gen, twin in gens:
-        gen.set_state(twin.get_state())
+    for gen in gens:  # as a Philox generator does: the offset moves past the numbers drawn (rounded up to 4)
+        drawn = sum(x.numel() for x in tree_flatten(out)[0] if isinstance(x, torch.Tensor))
+        gen.set_offset(gen.get_offset() + (drawn + 3) // 4 * 4)
 
     def up(x):
         if not isinstance(x, torch.Tensor) or x.device.type != "cpu":
