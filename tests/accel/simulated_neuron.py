@@ -5,13 +5,16 @@ machine.
 - Memory: a neuron storage aliases a host buffer that it keeps alive (`_HostBuffer`, counted by the memory stats).
 - Compute: one boxed fallback runs every aten op on zero-copy CPU views of its neuron arguments and hands the
   results back as neuron tensors (fresh results adopt the CPU result's memory, views alias their input's storage);
-  copies, resize_ and set_ have their own kernels.
+  copies, resize_ and set_ have their own kernels. Results equal the CPU's bit for bit.
 - Communication: the process-group backend "neuron_gloo" (`get_default_backend_for_device("neuron")`) is gloo; the
   c10d collectives' PrivateUse1 kernels run it on host views.
-- C++ (`neuron_hooks.cpp`, built once per machine into ~/.cache): the hooks Python cannot register -- neuron
-  generators, pinned memory, storage resize_ (FSDP2), a device guard that rejects `neuron:1`, torch.accelerator's
-  synchronize and memory stats. Without a compiler the pure-Python path still runs (see `install`).
-- Not simulated: inductor (torch.compile cannot generate code for it), more than one device per process.
+- C++ (`neuron_hooks.cpp`, built once per machine into ~/.cache/optimum-parallel/neuron-ext, ~10 s): what Python
+  cannot register -- a Philox-shaped generator (`torch.Generator("neuron")`, DTensor random ops), pinned memory,
+  the storage resize hook (FSDP2), a device guard that rejects `neuron:1`, torch.accelerator's synchronize and
+  memory stats. Without a compiler (or with NEURON_SIM_PURE_PYTHON=1) the pure-Python device still trains, runs
+  collectives, DTensor and FSDP2; those hooks then raise as torch does for an unhooked PrivateUse1 backend.
+- Not simulated: inductor (torch.compile cannot generate code for it), more than one device per process, CPU
+  collectives on a group made by `init_process_group()` without a backend (as with NCCL: no CPU backend in it).
 
 `install()` once per process, before any neuron tensor; `counters()` / `reset_counters()` tell a test how many ops
 and collectives really ran on the device.
