@@ -58,6 +58,11 @@ def reset_counters() -> None:
     _counts.clear()
 
 
+def hooks_built() -> bool:
+    """Whether the C++ hooks are in (generators, pinned memory, torch.accelerator memory stats, neuron:1 checks)."""
+    return _state.cpp is not None
+
+
 # ---- memory: neuron storages over host buffers ----------------------------------------------------------------
 class _Memory:
     current = peak = allocated = freed = 0

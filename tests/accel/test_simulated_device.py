@@ -27,7 +27,7 @@ simulated_neuron.install()
 HERE = os.path.dirname(os.path.abspath(__file__))
 WORLD_SIZE = 2
 PG_TIMEOUT = timedelta(seconds=60)
-needs_cpp = pytest.mark.skipif(simulated_neuron._state.cpp is None, reason="C++ hooks not built: pure-Python device")
+needs_cpp = pytest.mark.skipif(not simulated_neuron.hooks_built(), reason="C++ hooks not built: pure-Python device")
 
 
 def _tiny_llama():
@@ -223,7 +223,7 @@ def _redistribute() -> torch.Tensor | None:
     replicated = sharded.redistribute(mesh, [Replicate()]).to_local()
     assert simulated_neuron.counters()["collectives"] >= 1, simulated_neuron.counters()
     assert replicated.device.type == "neuron" and torch.equal(replicated.cpu(), full)
-    if simulated_neuron._state.cpp is None:  # DTensor random ops need the Philox-shaped generator (C++ hooks)
+    if not simulated_neuron.hooks_built():  # DTensor random ops need the Philox-shaped generator (C++ hooks)
         return None
     torch.manual_seed(0)
     return randn((8, 4), device_mesh=mesh, placements=[Shard(0)]).full_tensor().cpu()
