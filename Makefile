@@ -8,7 +8,7 @@ BIN     = $(VENV)/bin
 
 export OMP_NUM_THREADS ?= 1
 
-.PHONY: demo test test-hosts test-xla xla-env lint install clean
+.PHONY: demo test test-hosts test-accel test-xla xla-env lint install clean
 
 $(BIN)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -29,6 +29,11 @@ test: $(BIN)/.installed
 test-hosts: $(BIN)/.installed
 	@command -v ip >/dev/null || [ "$$(id -u)" != 0 ] || (apt-get update -qq && apt-get install -y -qq iproute2)
 	$(BIN)/python -m pytest tests/test_hosts.py
+
+# a simulated accelerator, `neuron` (PrivateUse1 over host memory, its own process-group backend; C++ hooks built
+# once per machine into ~/.cache/optimum-parallel/neuron-ext): tests/accel/simulated_neuron.py
+test-accel: $(BIN)/.installed
+	$(BIN)/python -m pytest tests/accel
 
 # XLA devices (the Neuron path) on this machine's CPU: torch-xla runs with PJRT_DEVICE=CPU. torch-xla 2.9 needs
 # torch 2.9 (PyPI's, a CUDA build, ~7 GB installed), so it gets its own environment, cached outside the clone and
