@@ -64,7 +64,7 @@ def apply_data_parallel(
     pipeline = parallel_state(plan_root(model)).pipeline
     roots = list(pipeline.stages) if pipeline is not None else [model]
     if pipeline is not None:  # the loss counts every dp replica's tokens; levels 0-1: the pipeline averages itself
-        pipeline.replicas_group = mesh.group("dp") if mesh.size("dp") > 1 else None
+        pipeline.replicas_group = mesh.group("batch") if mesh.size("batch") > 1 else None
         if config.sharding_level <= 1:  # experts: over their replica group (expert_data_parallel.py)
             dense = lambda p: expert_layout(p) is None  # noqa: E731
             pipeline.reduce_gradients = stage_gradient_averager(mesh.data_parallel_group, dense)

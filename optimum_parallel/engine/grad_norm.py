@@ -89,7 +89,7 @@ def _counted_pieces(model: nn.Module, mesh: ParallelMesh | None):
         yield from ((p.grad.float(), True) for p in model.parameters() if p.grad is not None)
         return
     tp, tp_rank = mesh.size("tp"), mesh.rank("tp")
-    first_replica = mesh.rank("dp") == 0 and mesh.rank("cp") == 0
+    first_replica = mesh.data_parallel_rank == 0
     first_expert_group = mesh.data_parallel_rank < mesh.size("ep")  # holds each expert once with the others in it
     state = find_state(plan_root(model))
     pipeline = state.pipeline if state is not None else None

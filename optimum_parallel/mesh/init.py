@@ -27,13 +27,14 @@ def init_mesh(
     ep: int = 1,
     timeout: timedelta | float = DEFAULT_TIMEOUT,
     device: str | None = None,
-    **aliases: int,
+    **dims: int,
 ) -> ParallelMesh:
     """Build (and set as current) the dp x pp x cp x tp mesh; `tp` (alias `mp`) defaults to world / (dp * pp * cp).
 
     cp is context parallelism: each cp rank holds a share of every sequence and the same parameters.
     ep is expert parallelism: blocks of `ep` consecutive dp x cp ranks split the experts between them (ep divides
-    dp x cp; dense weights stay replicated over dp x cp).
+    dp x cp; dense weights stay replicated over dp x cp). Any other dim of the table (`layout.GRID`) is given by its
+    name, `mp` for tp.
 
     `device`: any device type torch knows ("cuda", "neuron", "npu", "xpu", "cpu", or "xla" for torch-xla); by default
     torch's current accelerator (the CPU without one; XLA where `PJRT_DEVICE` is set). Starts torch.distributed from
@@ -42,13 +43,14 @@ def init_mesh(
     lost rank fails the run instead of hanging it.
     """
     sizes: dict[str, int | None] = {"dp": dp, "pp": pp, "cp": cp, "tp": tp}
-    for name, value in aliases.items():
-        if ALIASES.get(name) != "tp":
+    for name, value in dims.items():
+        dim = ALIASES.get(name, name)
+        if dim not in GRID_DIMS:
             allowed = ", ".join(GRID_DIMS + tuple(ALIASES) + (EXPERT_DIM,))
             raise ValueError(f"unknown mesh dim {name!r}; allowed: {allowed}")
-        if tp is not None and tp != value:
-            raise ValueError(f"tp={tp} and its alias {name}={value} disagree; pass one of them")
-        sizes["tp"] = tp = value
+        if sizes.get(dim) is not None and dim in ALIASES.values() and sizes[dim] != value:
+            raise ValueError(f"{dim}={sizes[dim]} and its alias {name}={value} disagree; pass one of them")
+        sizes[dim] = value
     if not isinstance(timeout, timedelta):
         timeout = timedelta(seconds=float(timeout))
     device_type = devices.resolve_device_type(device)

@@ -9,7 +9,9 @@ A grid dim is one row of `GRID`, outermost first. Its `role` says what the ranks
     shard     another slice of the same weights (tp)
 
 The data-parallel ranks are the dims whose role keeps the weights whole ("replica" and "sequence", in grid order):
-gradients are averaged over them and one of them writes a checkpoint. `ep` is not a grid dim: it cuts the
+gradients are averaged over them and one of them writes a checkpoint. The batch replicas are the "replica" dims: each
+reads its own rows of the global batch (a loader shards over `batch`, the loss counts its tokens). `ep` is not a grid
+dim: it cuts the
 data-parallel ranks into blocks of `ep` consecutive ranks (an unflattening, `ep_replicate` x `ep`) that split the
 experts between them. A new dim is a new row here; every other room asks the table by role.
 """
@@ -39,9 +41,12 @@ ROLES = {d.name: d.role for d in GRID}
 ALIASES = {alias: d.name for d in GRID for alias in d.aliases}
 WEIGHT_REPLICA_ROLES = ("replica", "sequence")
 DATA_PARALLEL_DIMS = tuple(d.name for d in GRID if d.role in WEIGHT_REPLICA_ROLES)  # ranks holding the same weights
+BATCH_DIMS = tuple(d.name for d in GRID if d.role == "replica")  # ranks reading other rows of the batch
 EXPERT_DIM, EXPERT_REPLICA_DIM = "ep", "ep_replicate"  # the data-parallel ranks unflattened (replicas, ep)
 DATA_PARALLEL = "dp_cp"  # the name of the flattened data-parallel dims (torch's `_flatten`)
-DERIVED_DIMS = (DATA_PARALLEL, EXPERT_DIM, EXPERT_REPLICA_DIM)
+BATCH = "batch"  # the name of the flattened batch-replica dims
+FLATTENED = {DATA_PARALLEL: DATA_PARALLEL_DIMS, BATCH: BATCH_DIMS}
+DERIVED_DIMS = (DATA_PARALLEL, BATCH, EXPERT_DIM, EXPERT_REPLICA_DIM)
 
 
 def canonical_dim(dim: str, derived: bool = True) -> str:
@@ -117,13 +122,16 @@ class MeshLayout:
             out *= size
         return out
 
+    def _product(self, dims: tuple[str, ...]) -> int:
+        out = 1
+        for dim in dims:
+            out *= self.sizes[dim]
+        return out
+
     @property
     def data_parallel_size(self) -> int:
         """Ranks holding the same parameters (the dims of `DATA_PARALLEL_DIMS`: dp x cp)."""
-        out = 1
-        for dim in DATA_PARALLEL_DIMS:
-            out *= self.sizes[dim]
-        return out
+        return self._product(DATA_PARALLEL_DIMS)
 
     @property
     def data_parallel_text(self) -> str:
@@ -132,8 +140,8 @@ class MeshLayout:
 
     def size(self, dim: str) -> int:
         dim = canonical_dim(dim)
-        if dim == DATA_PARALLEL:
-            return self.data_parallel_size
+        if dim in FLATTENED:
+            return self._product(FLATTENED[dim])
         if dim == EXPERT_DIM:
             return self.ep
         if dim == EXPERT_REPLICA_DIM:
@@ -142,31 +150,39 @@ class MeshLayout:
 
     def lines(self, dim: str) -> list[list[int]]:
         """Every group of `dim`: the global ranks that differ only in that dim's coordinate, in coordinate order.
-        For the derived dims: the data-parallel ranks flattened (dp-major), and their (ep_replicate, ep) blocks."""
+        For the derived dims: flattened dims (outermost first, as torch flattens them), and the data-parallel ranks'
+        (ep_replicate, ep) blocks."""
         dim = canonical_dim(dim)
         if dim in GRID_DIMS:
             return self.grid.movedim(GRID_DIMS.index(dim), -1).reshape(-1, self.sizes[dim]).tolist()
-        data = [GRID_DIMS.index(d) for d in DATA_PARALLEL_DIMS]
-        others = [i for i in range(len(GRID_DIMS)) if i not in data]
-        flat = self.grid.permute(*others, *data).reshape(-1, self.data_parallel_size)
-        if dim == DATA_PARALLEL:
-            return flat.tolist()
+        if dim in FLATTENED:
+            return self._flat(FLATTENED[dim]).tolist()
+        flat = self._flat(DATA_PARALLEL_DIMS)
         blocks = flat.reshape(flat.shape[0], -1, self.ep)  # [line, replica, ep]
         if dim == EXPERT_DIM:
             return blocks.reshape(-1, self.ep).tolist()
         return blocks.transpose(1, 2).reshape(-1, self.data_parallel_size // self.ep).tolist()
+
+    def _flat(self, dims: tuple[str, ...]) -> torch.Tensor:
+        inner = [GRID_DIMS.index(d) for d in dims]
+        outer = [i for i in range(len(GRID_DIMS)) if i not in inner]
+        return self.grid.permute(*outer, *inner).reshape(-1, self._product(dims))
 
     def coordinates(self, rank: int) -> dict[str, int]:
         """`rank`'s coordinate along every grid dim."""
         where = (self.grid == rank).nonzero()[0].tolist()
         return dict(zip(GRID_DIMS, where, strict=True))
 
-    def data_parallel_rank(self, coordinates: dict[str, int]) -> int:
-        """The place among the data-parallel ranks (dp-major, as torch flattens them) of these coordinates."""
+    def flat_rank(self, dim: str, coordinates: dict[str, int]) -> int:
+        """The place along the flattened `dim` (outermost dim first, as torch flattens them) of these coordinates."""
         place = 0
-        for dim in DATA_PARALLEL_DIMS:
-            place = place * self.sizes[dim] + coordinates[dim]
+        for inner in FLATTENED[canonical_dim(dim)]:
+            place = place * self.sizes[inner] + coordinates[inner]
         return place
+
+    def data_parallel_rank(self, coordinates: dict[str, int]) -> int:
+        """The place among the data-parallel ranks of these coordinates."""
+        return self.flat_rank(DATA_PARALLEL, coordinates)
 
     def weight_shards(self) -> dict[str, int]:
         """The sizes a checkpoint's files depend on: the dims that cut the weights (pp, tp, and ep when > 1), with

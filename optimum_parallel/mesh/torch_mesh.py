@@ -1,6 +1,7 @@
-"""The grid over a torch DeviceMesh: one process group per grid dim, the data-parallel dims flattened (torch's
-`_flatten`), and ep as the data-parallel ranks unflattened into (ep_replicate, ep) (torch's `_unflatten`), every
-group with the mesh's timeout. Which ranks each group holds is the layout's (`layout.MeshLayout.lines`)."""
+"""The grid over a torch DeviceMesh: one process group per grid dim, the data-parallel dims and the batch-replica
+dims flattened (torch's `_flatten`), and ep as the data-parallel ranks unflattened into (ep_replicate, ep) (torch's
+`_unflatten`), every group with the mesh's timeout. Which ranks each group holds is the layout's
+(`layout.MeshLayout.lines`)."""
 
 from __future__ import annotations
 
@@ -12,15 +13,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from . import device as devices
 from . import hang_report
-from .layout import (
-    DATA_PARALLEL,
-    DATA_PARALLEL_DIMS,
-    EXPERT_DIM,
-    EXPERT_REPLICA_DIM,
-    GRID_DIMS,
-    MeshLayout,
-    canonical_dim,
-)
+from .layout import DATA_PARALLEL, EXPERT_DIM, EXPERT_REPLICA_DIM, FLATTENED, GRID_DIMS, MeshLayout, canonical_dim
 from .protocol import NO_EXPERT_PARALLELISM, ParallelMesh
 
 _GRACE = timedelta(seconds=3)  # how long a failed rank waits for the other survivors' reports (see hang_report)
@@ -34,7 +27,7 @@ class TorchMesh(ParallelMesh):
     device_type: str
     timeout: timedelta
     device_mesh: DeviceMesh = field(init=False, repr=False)
-    _data_mesh: DeviceMesh = field(init=False, repr=False)
+    _flat_meshes: dict[str, DeviceMesh] = field(default_factory=dict, init=False, repr=False)
     _expert_mesh: DeviceMesh | None = field(default=None, init=False, repr=False)
     _sharding_meshes: dict[int, DeviceMesh] = field(default_factory=dict, init=False, repr=False)
     _extra_groups: dict[tuple[int, ...], dist.ProcessGroup] = field(default_factory=dict, init=False, repr=False)
@@ -46,11 +39,12 @@ class TorchMesh(ParallelMesh):
         self.device_mesh = init_device_mesh(
             self.device_type, shape, mesh_dim_names=GRID_DIMS, backend_override=override
         )
-        split = [dim for dim in DATA_PARALLEL_DIMS if self.layout.sizes[dim] > 1]
-        if len(split) > 1:  # not adjacent in the grid: torch flattens them into one 1-D mesh with its own group
-            self._data_mesh = self.device_mesh[DATA_PARALLEL_DIMS]._flatten(DATA_PARALLEL, self._backend())
-        else:
-            self._data_mesh = self.device_mesh[split[0] if split else DATA_PARALLEL_DIMS[0]]
+        for name, dims in FLATTENED.items():
+            split = [dim for dim in dims if self.layout.sizes[dim] > 1]
+            if len(split) > 1:  # not adjacent in the grid: torch flattens them into one 1-D mesh with its own group
+                self._flat_meshes[name] = self.device_mesh[dims]._flatten(name, self._backend())
+            else:  # one dim (or none) splits: its own group
+                self._flat_meshes[name] = self.device_mesh[split[0] if split else dims[0]]
         if self.layout.ep > 1:
             self._expert_mesh = self._unflatten(self.layout.ep, (EXPERT_REPLICA_DIM, EXPERT_DIM))
         # a collective that fails because a rank never came says which one, on which group, and who is missing
@@ -65,7 +59,7 @@ class TorchMesh(ParallelMesh):
         """The data-parallel ranks as a 2-D mesh (size / inner, inner): blocks of `inner` consecutive ranks."""
         size = self.layout.data_parallel_size
         backend = self._backend()
-        return self._data_mesh._unflatten(
+        return self._flat_meshes[DATA_PARALLEL]._unflatten(
             0, (size // inner, inner), names, backend_override={name: backend for name in names}
         )
 
@@ -73,8 +67,8 @@ class TorchMesh(ParallelMesh):
         dim = canonical_dim(dim)
         if dim in GRID_DIMS:
             return self.device_mesh.get_local_rank(dim) if self.layout.sizes[dim] > 1 else 0
-        if dim == DATA_PARALLEL:
-            return self.data_parallel_rank
+        if dim in FLATTENED:
+            return self.layout.flat_rank(dim, {d: self.rank(d) for d in GRID_DIMS})
         place = self.data_parallel_rank
         return place % self.layout.ep if dim == EXPERT_DIM else place // self.layout.ep
 
@@ -82,8 +76,8 @@ class TorchMesh(ParallelMesh):
         dim = canonical_dim(dim)
         if dim in GRID_DIMS:
             return self.device_mesh.get_group(dim)
-        if dim == DATA_PARALLEL:
-            return self._data_mesh.get_group()
+        if dim in FLATTENED:
+            return self._flat_meshes[dim].get_group()
         if self._expert_mesh is None:
             raise ValueError(NO_EXPERT_PARALLELISM)
         return self._expert_mesh.get_group(dim)
@@ -99,7 +93,7 @@ class TorchMesh(ParallelMesh):
     def data_parallel_mesh(self) -> DeviceMesh:
         """The 1-D mesh of the ranks holding the same parameters (dp x cp at this pp and tp coordinate), which
         FSDP2 shards over; with cp=1 it is the dp sub-mesh."""
-        return self._data_mesh
+        return self._flat_meshes[DATA_PARALLEL]
 
     @property
     def expert_replica_mesh(self) -> DeviceMesh:
@@ -114,7 +108,7 @@ class TorchMesh(ParallelMesh):
         Collective on every rank the first time (its groups are created, with the mesh timeout); cached."""
         size = self.layout.data_parallel_size
         if shard_size in (-1, size):
-            return self._data_mesh
+            return self._flat_meshes[DATA_PARALLEL]
         if shard_size < 1 or size % shard_size:
             raise ValueError(f"shard_size={shard_size} does not divide the dp x cp ranks ({size})")
         if shard_size not in self._sharding_meshes:

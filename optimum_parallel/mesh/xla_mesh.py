@@ -19,7 +19,7 @@ import torch.distributed as dist
 
 from . import device as devices
 from . import ranks
-from .layout import DATA_PARALLEL, EXPERT_DIM, GRID_DIMS, MeshLayout, canonical_dim
+from .layout import DATA_PARALLEL, EXPERT_DIM, FLATTENED, GRID_DIMS, MeshLayout, canonical_dim
 from .protocol import ParallelMesh
 
 _NO_DEVICE_MESH = (
@@ -65,6 +65,10 @@ class XlaParallelMesh(ParallelMesh):
                 raise ValueError(f"{dim}={size} is not supported on XLA devices yet; allowed: {allowed}")
         for dim in GRID_DIMS:
             self._groups[dim] = make_xla_groups(self.layout.lines(dim), self.timeout)
+        for dim in FLATTENED:  # a grid dim's group where it holds the same ranks (cp=1: dp's), else one of its own
+            lines = self.layout.lines(dim)
+            same = next((g for d, g in self._groups.items() if self.layout.lines(d) == lines), None)
+            self._groups[dim] = same or make_xla_groups(lines, self.timeout)
 
     def rank(self, dim: str) -> int:
         if canonical_dim(dim) == EXPERT_DIM:
@@ -73,8 +77,6 @@ class XlaParallelMesh(ParallelMesh):
 
     def group(self, dim: str) -> dist.ProcessGroup:
         dim = canonical_dim(dim)
-        if dim == DATA_PARALLEL:  # cp=1 on XLA: the data-parallel ranks are dp's
-            dim = "dp"
         if dim not in self._groups:
             raise ValueError(f"{dim}: this mesh has no expert parallelism on XLA devices; allowed: ep=1")
         return self._groups[dim]
@@ -89,7 +91,7 @@ class XlaParallelMesh(ParallelMesh):
 
     @property
     def data_parallel_group(self) -> dist.ProcessGroup:
-        return self.group("dp")
+        return self.group(DATA_PARALLEL)
 
     @property
     def expert_replica_mesh(self):

@@ -86,7 +86,8 @@ def test_pipeline_parallelism_is_refused_on_xla():
     group is made."""
     from datetime import timedelta
 
+    from optimum_parallel.mesh import MeshLayout
     from optimum_parallel.mesh.xla_mesh import XlaParallelMesh
 
     with pytest.raises(ValueError, match=r"pp=2 is not supported on XLA devices yet; allowed: pp=1 \(.*send/recv"):
-        XlaParallelMesh(None, {"dp": 1, "pp": 2, "cp": 1, "tp": 1}, timedelta(seconds=5))
+        XlaParallelMesh(MeshLayout({"dp": 1, "pp": 2, "cp": 1, "tp": 1}), timedelta(seconds=5))

@@ -161,8 +161,8 @@ class ParallelTrainer(Trainer):
         prepared = prepare_data_loader(
             data_loader,
             acc.device,
-            num_processes=self.mesh.size("dp"),
-            process_index=self.mesh.rank("dp"),
+            num_processes=self.mesh.size("batch"),
+            process_index=self.mesh.rank("batch"),
             split_batches=acc.split_batches,
             put_on_device=False,
             rng_types=acc.rng_types.copy(),
@@ -196,8 +196,8 @@ class ParallelTrainer(Trainer):
             count = super()._get_num_items_in_batch(batch_samples, device)
         if count is not None and (local or xla):
             count = count * self.get_tp_size()
-        if count is not None and xla and self.mesh.size("dp") > 1:  # the global batch's count, summed in the graph
-            dist.all_reduce(count, group=self.mesh.group("dp"))
+        if count is not None and xla and self.mesh.size("batch") > 1:  # the global batch's count, summed in the graph
+            dist.all_reduce(count, group=self.mesh.group("batch"))
         return count
 
     @private_override
@@ -291,12 +291,12 @@ class ParallelTrainer(Trainer):
 
     def _gather_over_dp(self, data, use_gather_object: bool = False):
         """`gather_for_metrics` over dp: tp/pp/cp ranks hold copies; the even_batches padding of the last batch goes."""
-        dp = self.mesh.size("dp")
-        if dp > 1:
+        replicas = self.mesh.size("batch")
+        if replicas > 1:
 
             def gather(tensor: torch.Tensor) -> torch.Tensor:
-                parts = [torch.empty_like(tensor) for _ in range(dp)]
-                dist.all_gather(parts, tensor.contiguous(), group=self.mesh.group("dp"))
+                parts = [torch.empty_like(tensor) for _ in range(replicas)]
+                dist.all_gather(parts, tensor.contiguous(), group=self.mesh.group("batch"))
                 return torch.cat(parts)
 
             data = recursively_apply(gather, data)
