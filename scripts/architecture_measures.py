@@ -143,6 +143,6 @@ if __name__ == "__main__":
     print(f"{'files to read for a column-parallel linear':<52} | {len(files)} ({lines} lines)")
     for name in files:
         print(f"{'':<52} |   {name.split('.', 1)[1]}")
-    print(
-        f"{'python files / lines in the package':<52} | {len(list(ROOT.rglob('*.py')))} / {sum(len(p.read_text().splitlines()) for p in ROOT.rglob('*.py'))}"
-    )
+    paths = list(ROOT.rglob("*.py"))
+    total = sum(len(p.read_text().splitlines()) for p in paths)
+    print(f"{'python files / lines in the package':<52} | {len(paths)} / {total}")
