@@ -185,9 +185,11 @@ class MeshLayout:
         return self.flat_rank(DATA_PARALLEL, coordinates)
 
     def weight_shards(self) -> dict[str, int]:
-        """The sizes a checkpoint's files depend on: the dims that cut the weights (pp, tp, and ep when > 1), with
-        the replica dim's size for the record; dims that keep weights whole (cp) do not change the files."""
-        sizes = {d.name: self.sizes[d.name] for d in GRID if d.role != "sequence"}
+        """The sizes a checkpoint records: the dims that cut the weights (pp, tp, and ep when > 1), which its files
+        depend on, and for the record the batch replicas as "dp" (every replica dim together); dims that keep the
+        weights whole do not change the files."""
+        sizes = {"dp": self.size(BATCH)}
+        sizes.update({d.name: self.sizes[d.name] for d in GRID if d.role in ("stage", "shard")})
         if self.ep > 1:
             sizes[EXPERT_DIM] = self.ep
         return sizes
