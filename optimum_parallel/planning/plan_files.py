@@ -35,7 +35,7 @@ from torch import nn
 
 from ..frontends.manager import ParallelizersManager
 from ..frontends.parallelizer import Parallelizer
-from ..mesh import ranks
+from ..mesh import MeshLayout, ranks
 from ..styles import ParallelStyle
 from ..tensor_parallel.spec import ShardLayout, ShardSpec
 from .simulate import ResolvedPlan, build_meta_model, resolve_for_tp
@@ -99,7 +99,7 @@ def plan_document(
 ) -> dict:
     """The JSON document of a resolved plan (see the module docstring for its layout)."""
     model = resolved.model
-    sizes = {"dp": 1, "pp": 1, "cp": 1, **(mesh_sizes or {}), "tp": resolved.tp}
+    sizes = MeshLayout({**(mesh_sizes or {}), "tp": resolved.tp}).sizes  # every dim of the table
     modules = {name: [style_to_dict(s) for s in module_styles] for name, module_styles in resolved.targets.items()}
     params, tied, first_name = {}, {}, {}
     for name, param in model.named_parameters(remove_duplicate=False):
@@ -194,7 +194,7 @@ def save_plan(
         mesh = get_mesh()
         tp, sizes = mesh.tp_size, dict(mesh.sizes)
     else:
-        sizes = {"dp": dp, "pp": pp, "cp": cp, "tp": tp}
+        sizes = MeshLayout({"dp": dp, "pp": pp, "cp": cp, "tp": tp}).sizes  # every dim of the table
     resolved = resolve_for_tp(_meta_twin(model_or_config), tp, plan, parallelize_embeddings, sequence_parallel_enabled)
     doc = plan_document(resolved, sizes, parallelize_embeddings, sequence_parallel_enabled)
     distributed = isinstance(model_or_config, nn.Module) and _is_parallelized(model_or_config)
