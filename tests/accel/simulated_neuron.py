@@ -5,7 +5,8 @@ machine.
 - Memory: a neuron storage aliases a host buffer that it keeps alive (`_HostBuffer`, counted by the memory stats).
 - Compute: one boxed fallback runs every aten op on zero-copy CPU views of its neuron arguments and hands the
   results back as neuron tensors (fresh results adopt the CPU result's memory, views alias their input's storage);
-  copies, resize_ and set_ have their own kernels. Results equal the CPU's bit for bit.
+  copies, resize_, set_ and histc (which counts integers, as accelerators do) have their own kernels. Results equal
+  the CPU's bit for bit.
 - Communication: the process-group backend "neuron_gloo" (`get_default_backend_for_device("neuron")`) is gloo; the
   c10d collectives' PrivateUse1 kernels run it on host views.
 - C++ (`neuron_hooks.cpp`, built once per machine into ~/.cache/optimum-parallel/neuron-ext, ~10 s): what Python
@@ -173,6 +174,11 @@ def _fallback(op, *args, **kwargs):
     _counts[f"op:{op.__name__}"] += 1
     if op in _KERNELS:
         return _KERNELS[op](*args, **kwargs)
+    return _on_host(op, *args, **kwargs)
+
+
+def _on_host(op, *args, **kwargs):
+    """`op`'s CPU kernel on host views of its neuron arguments (see `_fallback`)."""
     views, storages, gens, target, adopt = {}, {}, [], [_DEVICE], set()
 
     def down(x):
@@ -248,6 +254,14 @@ def _resize_(self: torch.Tensor, size, memory_format=None) -> torch.Tensor:
     return torch.ops.aten.resize_.default.redispatch(_CPU_KEYS, self, size, memory_format=memory_format)
 
 
+def _histc(self: torch.Tensor, bins: int = 100, min=0, max=0) -> torch.Tensor:
+    """The CPU counts floats only; accelerators count integers too (CUDA does, and transformers' grouped experts
+    forward counts its int expert ids on every device but the CPU and MPS): integers are counted as floats."""
+    if self.is_floating_point():
+        return _on_host(_aten.histc.default, self, bins, min, max)
+    return torch.histc(self.float(), bins, min, max).to(self.dtype)
+
+
 def _set_(op):
     return lambda self, *args: op.redispatch(_CPU_KEYS, self, *args)
 
@@ -262,6 +276,7 @@ _KERNELS = {
     _aten.set_.source_Tensor: _set_(_aten.set_.source_Tensor),
     _aten.set_.default: lambda self: _SET.redispatch(_CPU_KEYS, self, _storage_over(None), 0, (0,), (1,)),
     _aten.record_stream.default: lambda self, stream: None,  # one host-synchronous stream: nothing to record
+    _aten.histc.default: _histc,
 }
 
 

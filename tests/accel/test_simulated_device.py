@@ -98,6 +98,16 @@ def test_llama_trains_and_generates_like_cpu():
     assert torch.equal(got.cpu(), want)
 
 
+def test_histc_counts_integers_as_accelerators_do():
+    """transformers' grouped experts forward counts int expert ids with histc on every device but the CPU and MPS."""
+    ids = torch.tensor([3, 0, 1, 3, 3, 2], dtype=torch.int32)
+    counts = torch.histc(ids.to("neuron"), bins=4, min=0, max=3)
+    assert counts.device.type == "neuron" and counts.dtype == torch.int32
+    assert counts.cpu().tolist() == [1, 1, 1, 3]
+    floats = torch.histc(ids.float().to("neuron"), bins=4, min=0, max=3)
+    assert torch.equal(floats.cpu(), torch.histc(ids.float(), bins=4, min=0, max=3))
+
+
 @needs_cpp
 def test_torch_device_apis_reach_the_hooks():
     """What the package reaches through torch.accelerator / torch.Generator / pin_memory / storage resize_."""
