@@ -14,6 +14,8 @@ machine.
   the storage resize hook (FSDP2), a device guard that rejects `neuron:1`, torch.accelerator's synchronize and
   memory stats. Without a compiler (or with NEURON_SIM_PURE_PYTHON=1) the pure-Python device still trains, runs
   collectives, DTensor and FSDP2; those hooks then raise as torch does for an unhooked PrivateUse1 backend.
+- The ecosystem: accelerate and transformers find TorchNeuron by its package, `torch_neuronx`; an empty module of
+  that name stands for it (accelerate then sets the Trainer up as MULTI_NEURON on `neuron:0`).
 - Not simulated: inductor (torch.compile cannot generate code for it), more than one device per process, CPU
   collectives on a group made by `init_process_group()` without a backend (as with NCCL: no CPU backend in it).
 
@@ -476,6 +478,23 @@ def _register_autocast(lib: torch.library.Library) -> None:
                 lib.impl(op, _autocast(op, to_fp32), "AutocastPrivateUse1")
 
 
+# ---- what the ecosystem sees: TorchNeuron's package ------------------------------------------------------------
+def _announce_package() -> None:
+    """accelerate (MULTI_NEURON, `torch.device("neuron")` for the Trainer) and transformers tell TorchNeuron by its
+    package being there (`importlib.util.find_spec("torch_neuronx")`), then ask `torch.neuron`: a module that holds
+    nothing stands for it (an existing one, the real package, is left alone)."""
+    import importlib.machinery
+    import importlib.util
+    import sys
+
+    if "torch_neuronx" in sys.modules or importlib.util.find_spec("torch_neuronx") is not None:
+        return
+    package = types.ModuleType("torch_neuronx", "Stands for TorchNeuron's package (tests/accel/simulated_neuron.py).")
+    package.__spec__ = importlib.machinery.ModuleSpec("torch_neuronx", None)
+    package.__version__ = "0.0.0+simulated"
+    sys.modules["torch_neuronx"] = package
+
+
 # ---- installation ---------------------------------------------------------------------------------------------
 def _load_cpp():
     """The C++ hooks, built once per machine (~10 s); None (pure-Python device) when they cannot be built."""
@@ -537,4 +556,5 @@ def install() -> None:
     _register_autocast(aten)
     _state.libs = [fallback, aten, c10d]
     dist.Backend.register_backend(BACKEND, _create_backend, devices=[NAME])
+    _announce_package()
     _state.installed = True
