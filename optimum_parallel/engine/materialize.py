@@ -33,7 +33,7 @@ def meta_tensors(model: nn.Module) -> Iterator[tuple[list[str], nn.Module, str, 
     for module_name, module in model.named_modules(remove_duplicate=False):
         for table in (module._parameters, module._buffers):
             for leaf, tensor in table.items():
-                if tensor is None or tensor.device.type != "meta":
+                if tensor is None or not tensor.is_meta:
                     continue
                 names.setdefault(id(tensor), []).append(f"{module_name}.{leaf}" if module_name else leaf)
                 found.setdefault(id(tensor), (module, leaf, tensor))
