@@ -238,12 +238,26 @@ def module_to_keeps_parameters(device: torch.device | str) -> bool:
 def pin(tensor: torch.Tensor) -> torch.Tensor:
     """`tensor` in pinned host memory when the accelerator has pinned memory (faster, asynchronous copies), else
     the tensor itself."""
-    if torch.accelerator.current_accelerator() is None or not is_host(tensor):
+    if torch.accelerator.current_accelerator() is None or not is_host(tensor) or lacks_pinned_memory():
         return tensor
-    try:
-        return tensor.pin_memory()
-    except (RuntimeError, NotImplementedError):  # a device without pinned memory
-        return tensor
+    return tensor.pin_memory()
+
+
+_PINS: list[bool] = []  # whether the accelerator pins host memory, once asked
+
+
+def lacks_pinned_memory() -> bool:
+    """Whether this process has an accelerator that cannot pin host memory (a PrivateUse1 backend without torch's
+    pinned-memory hook): `tensor.pin_memory()`, and a DataLoader with `pin_memory=True`, would raise there. False
+    without an accelerator (nothing is pinned then: DataLoader pins only for an accelerator)."""
+    if torch.accelerator.current_accelerator() is None:
+        return False
+    if not _PINS:
+        try:
+            _PINS.append(torch.empty(1).pin_memory().is_pinned())
+        except (RuntimeError, NotImplementedError):
+            _PINS.append(False)
+    return not _PINS[0]
 
 
 def copies_asynchronously(device: torch.device | str | None) -> bool:

@@ -18,8 +18,10 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-from _accel import DEVICE, Collectives, Workers, registered_backend
+from _accel import DEVICE, SIMULATED, Collectives, Workers, install, registered_backend
 from _models import build_model, make_batch, rel_err, tiny_config, whole_logits
+
+install()  # this process too: the device module's answers are checked here
 
 TOL = 1e-5  # fp32, relative (DESIGN.md)
 LR = 1e-2
@@ -412,6 +414,29 @@ def _n_params(model_type: str = "llama", **overrides) -> int:
 
 
 # ---- the cases ------------------------------------------------------------------------------------------------
+def test_device_module_answers_for_the_device():
+    """mesh/device.py's answers for the device, each against what torch itself does."""
+    import simulated_neuron
+
+    from optimum_parallel.mesh import device as devices
+
+    assert devices.resolve_device_type() == DEVICE and devices.backend_for(DEVICE) == registered_backend()
+    model = build_model(tiny_config("llama", tie_word_embeddings=True))
+    before = [id(p) for p in model.parameters()]
+    model.to(DEVICE)  # torch keeps the Parameter objects only where it shallow-copies across the two kinds
+    assert devices.module_to_keeps_parameters(DEVICE) == ([id(p) for p in model.parameters()] == before)
+    assert devices.module_to_keeps_parameters("cpu") and not devices.module_to_keeps_parameters("xla")
+    try:
+        pinned = torch.arange(3.0).pin_memory().is_pinned()
+    except (RuntimeError, NotImplementedError):
+        pinned = False
+    assert devices.lacks_pinned_memory() == (not pinned)
+    if SIMULATED:  # PrivateUse1: new Parameters on Module.to; pinned memory only with the C++ hooks
+        assert not devices.module_to_keeps_parameters(DEVICE)
+        assert devices.lacks_pinned_memory() == (not simulated_neuron.hooks_built())
+
+
+# ---- the parallel cases ---------------------------------------------------------------------------------------------
 def test_tp2_sequence_parallel_lazy_loading(pair, hf_dir):
     results = pair.run(check_tp_lazy, hf_dir, 2, True)
     assert all(r["lazy"] for r in results), "from_pretrained under lazy_load_for_parallelism built real weights"
