@@ -48,7 +48,7 @@ _EXT_DIR = os.path.expanduser(os.environ.get("NEURON_SIM_EXT_DIR", "~/.cache/opt
 _MIXED_OK = {"copy_", "_copy_from", "_copy_from_and_resize", "index", "index_put_", "_index_put_impl_", "index_put"}
 
 _counts: collections.Counter = collections.Counter()
-_state = types.SimpleNamespace(installed=False, cpp=None, generator=None, libs=[], shadows={})
+_state = types.SimpleNamespace(installed=False, cpp=None, generator=None, libs=[], shadows={}, in_flight=[])
 
 
 def counters() -> dict:
@@ -314,9 +314,20 @@ def _collective(op):
         args = list(tree_map(down, args))
         args[pg_index] = _state.shadows[id(backend)][1].boxed()
         out = op.redispatch(_CPU_KEYS, *args)
+        _keep_until_done(out, [x for _, x in views.values()])
         return tree_map(lambda x: views[id(x)][1] if isinstance(x, torch.Tensor) and id(x) in views else x, out)
 
     return kernel
+
+
+def _keep_until_done(out, tensors: list[torch.Tensor]) -> None:
+    """Hold `tensors` (a collective's neuron arguments) until its Work completes, as an accelerator's backend keeps
+    the tensors of its asynchronous work: gloo holds only the host views, which do not own the memory, so a tensor
+    the caller drops while the work runs (`isend(t.contiguous())`) would be freed and reused under gloo's feet.
+    Works seen complete are let go at each new collective."""
+    works = [dist.Work.unbox(x) for x in tree_flatten(out)[0] if isinstance(x, torch.ScriptObject)]
+    _state.in_flight = [(w, held) for w, held in _state.in_flight if not w.is_completed()]
+    _state.in_flight += [(w, tensors) for w in works if not w.is_completed()]
 
 
 # ---- the device module (torch.neuron) -------------------------------------------------------------------------
