@@ -30,10 +30,16 @@ test-hosts: $(BIN)/.installed
 	@command -v ip >/dev/null || [ "$$(id -u)" != 0 ] || (apt-get update -qq && apt-get install -y -qq iproute2)
 	$(BIN)/python -m pytest tests/test_hosts.py
 
-# a simulated accelerator, `neuron` (PrivateUse1 over host memory, its own process-group backend; C++ hooks built
-# once per machine into ~/.cache/optimum-parallel/neuron-ext): tests/accel/simulated_neuron.py
+# the accelerator lane: every parallelism on a simulated accelerator, `neuron` (PrivateUse1 over host memory, its own
+# process-group backend; tests/accel/simulated_neuron.py), about a minute on 2 cores. Its C++ hooks (generators,
+# pinned memory, storage resize) are built once per machine into ~/.cache/optimum-parallel/neuron-ext by torch's
+# cpp_extension, which needs g++ (apt, where root can) and ninja (pip, into the venv, put on PATH); where the build
+# fails the device runs in pure Python and the tests needing the hooks say so (skipped).
+# OP_TEST_DEVICE=cuda runs the same cases on a GPU: scripts/device_check.sh.
 test-accel: $(BIN)/.installed
-	$(BIN)/python -m pytest tests/accel
+	@command -v g++ >/dev/null || [ "$$(id -u)" != 0 ] || (apt-get update -qq && apt-get install -y -qq g++) || true
+	@command -v ninja >/dev/null || [ -x $(BIN)/ninja ] || $(BIN)/python -m pip install --quiet ninja || true
+	PATH="$(abspath $(BIN)):$$PATH" $(BIN)/python -m pytest tests/accel --durations=10
 
 # XLA devices (the Neuron path) on this machine's CPU: torch-xla runs with PJRT_DEVICE=CPU. torch-xla 2.9 needs
 # torch 2.9 (PyPI's, a CUDA build, ~7 GB installed), so it gets its own environment, cached outside the clone and

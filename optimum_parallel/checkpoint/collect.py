@@ -58,7 +58,7 @@ class LocalTensor:
 
 
 def _check_materialised(name: str, tensor: torch.Tensor) -> None:
-    if tensor.device.type == "meta":
+    if tensor.is_meta:
         raise ValueError(f"{name} is still on the meta device: parallelize (materialise) the model before saving it")
 
 

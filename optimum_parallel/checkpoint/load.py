@@ -86,7 +86,7 @@ def _read_into(files: ShardFiles, name: str, entry: TensorEntry, shard, module: 
     if is_dtensor(tensor):
         local = _dp_shard(files.read_shard(name, entry, shard).to(tensor.dtype), tensor).to_local()
         tensor.to_local().copy_(local)
-    elif tensor.device.type == "meta":
+    elif tensor.is_meta:
         replace_tensor(module, leaf, files.read_shard(name, entry, shard).to(tensor.dtype))
     elif isinstance(tensor, nn.Parameter) and is_file_mapping(tensor) and str(tensor.dtype) == f"torch.{entry.dtype}":
         tensor.data = files.mapped_shard(entry, shard)  # a lazily loaded weight: mapped in turn, no page copied

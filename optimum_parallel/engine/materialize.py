@@ -33,7 +33,7 @@ def meta_tensors(model: nn.Module) -> Iterator[tuple[list[str], nn.Module, str, 
     for module_name, module in model.named_modules(remove_duplicate=False):
         for table in (module._parameters, module._buffers):
             for leaf, tensor in table.items():
-                if tensor is None or tensor.device.type != "meta":
+                if tensor is None or not tensor.is_meta:
                     continue
                 names.setdefault(id(tensor), []).append(f"{module_name}.{leaf}" if module_name else leaf)
                 found.setdefault(id(tensor), (module, leaf, tensor))
@@ -96,18 +96,18 @@ def materialize_lazy_model(
 def move_to_device(model: nn.Module, device: torch.device | str) -> None:
     """`model.to(device)`, keeping every Parameter object, and so the parameter map, tied weights and the layout
     each shard carries: torch's `Module.to` makes new Parameters where the device's tensors are of another kind
-    than the CPU's (XLA devices)."""
+    than the CPU's (XLA, and PrivateUse1 devices: Neuron, Ascend; `devices.module_to_keeps_parameters`)."""
     device = torch.device(device)
-    if not devices.is_graph_device(device):
+    if devices.module_to_keeps_parameters(device):
         model.to(device)
         return
     moved: dict[int, torch.Tensor] = {}  # buffers shared between modules move once
     for module in model.modules():
         for leaf, tensor in list(module._parameters.items()):
-            if tensor is not None and not devices.is_graph_device(tensor):
+            if tensor is not None and tensor.device.type != device.type:
                 replace_tensor(module, leaf, tensor.detach().to(device))  # in place: every holder sees it
         for leaf, tensor in list(module._buffers.items()):
-            if tensor is not None and not devices.is_graph_device(tensor):
+            if tensor is not None and tensor.device.type != device.type:
                 if id(tensor) not in moved:
                     moved[id(tensor)] = tensor.to(device)
                 module._buffers[leaf] = moved[id(tensor)]

@@ -216,15 +216,48 @@ def autocast_device_type(device: torch.device | str | None) -> str:
     return _type(device) or HOST
 
 
+_KEEPS_PARAMETERS: dict[str, bool] = {}
+
+
+def module_to_keeps_parameters(device: torch.device | str) -> bool:
+    """Whether `Module.to(device)` moves host parameters in place (`param.data = ...`), keeping the Parameter
+    objects and everything that refers to them (tied weights, parameter maps, attributes). torch does so only between
+    its own dense backends (CPU, CUDA, XPU, HPU, MPS, ...); tensors of a PrivateUse1 device (TorchNeuron, Ascend's
+    torch_npu) or of XLA are of another kind, and `Module.to` gives every module a new Parameter instead: one per
+    module, so even tied weights come apart."""
+    kind = _type(device) or HOST
+    if kind not in _KEEPS_PARAMETERS:
+        if kind in (HOST, XLA):
+            _KEEPS_PARAMETERS[kind] = kind == HOST
+        else:  # asked of torch itself: an empty tensor of each kind, no data moved
+            probe = torch.empty(0, device=kind)
+            _KEEPS_PARAMETERS[kind] = torch._has_compatible_shallow_copy_type(torch.empty(0), probe)
+    return _KEEPS_PARAMETERS[kind]
+
+
 def pin(tensor: torch.Tensor) -> torch.Tensor:
     """`tensor` in pinned host memory when the accelerator has pinned memory (faster, asynchronous copies), else
     the tensor itself."""
-    if torch.accelerator.current_accelerator() is None or not is_host(tensor):
+    if torch.accelerator.current_accelerator() is None or not is_host(tensor) or lacks_pinned_memory():
         return tensor
-    try:
-        return tensor.pin_memory()
-    except (RuntimeError, NotImplementedError):  # a device without pinned memory
-        return tensor
+    return tensor.pin_memory()
+
+
+_PINS: list[bool] = []  # whether the accelerator pins host memory, once asked
+
+
+def lacks_pinned_memory() -> bool:
+    """Whether this process has an accelerator that cannot pin host memory (a PrivateUse1 backend without torch's
+    pinned-memory hook): `tensor.pin_memory()`, and a DataLoader with `pin_memory=True`, would raise there. False
+    without an accelerator (nothing is pinned then: DataLoader pins only for an accelerator)."""
+    if torch.accelerator.current_accelerator() is None:
+        return False
+    if not _PINS:
+        try:
+            _PINS.append(torch.empty(1).pin_memory().is_pinned())
+        except (RuntimeError, NotImplementedError):
+            _PINS.append(False)
+    return not _PINS[0]
 
 
 def copies_asynchronously(device: torch.device | str | None) -> bool:

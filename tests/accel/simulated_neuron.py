@@ -5,7 +5,8 @@ machine.
 - Memory: a neuron storage aliases a host buffer that it keeps alive (`_HostBuffer`, counted by the memory stats).
 - Compute: one boxed fallback runs every aten op on zero-copy CPU views of its neuron arguments and hands the
   results back as neuron tensors (fresh results adopt the CPU result's memory, views alias their input's storage);
-  copies, resize_ and set_ have their own kernels. Results equal the CPU's bit for bit.
+  copies, resize_, set_ and histc (which counts integers, as accelerators do) have their own kernels. Results equal
+  the CPU's bit for bit.
 - Communication: the process-group backend "neuron_gloo" (`get_default_backend_for_device("neuron")`) is gloo; the
   c10d collectives' PrivateUse1 kernels run it on host views.
 - C++ (`neuron_hooks.cpp`, built once per machine into ~/.cache/optimum-parallel/neuron-ext, ~10 s): what Python
@@ -13,6 +14,8 @@ machine.
   the storage resize hook (FSDP2), a device guard that rejects `neuron:1`, torch.accelerator's synchronize and
   memory stats. Without a compiler (or with NEURON_SIM_PURE_PYTHON=1) the pure-Python device still trains, runs
   collectives, DTensor and FSDP2; those hooks then raise as torch does for an unhooked PrivateUse1 backend.
+- The ecosystem: accelerate and transformers find TorchNeuron by its package, `torch_neuronx`; an empty module of
+  that name stands for it (accelerate then sets the Trainer up as MULTI_NEURON on `neuron:0`).
 - Not simulated: inductor (torch.compile cannot generate code for it), more than one device per process, CPU
   collectives on a group made by `init_process_group()` without a backend (as with NCCL: no CPU backend in it).
 
@@ -45,7 +48,7 @@ _EXT_DIR = os.path.expanduser(os.environ.get("NEURON_SIM_EXT_DIR", "~/.cache/opt
 _MIXED_OK = {"copy_", "_copy_from", "_copy_from_and_resize", "index", "index_put_", "_index_put_impl_", "index_put"}
 
 _counts: collections.Counter = collections.Counter()
-_state = types.SimpleNamespace(installed=False, cpp=None, generator=None, libs=[], shadows={})
+_state = types.SimpleNamespace(installed=False, cpp=None, generator=None, libs=[], shadows={}, in_flight=[])
 
 
 def counters() -> dict:
@@ -173,6 +176,11 @@ def _fallback(op, *args, **kwargs):
     _counts[f"op:{op.__name__}"] += 1
     if op in _KERNELS:
         return _KERNELS[op](*args, **kwargs)
+    return _on_host(op, *args, **kwargs)
+
+
+def _on_host(op, *args, **kwargs):
+    """`op`'s CPU kernel on host views of its neuron arguments (see `_fallback`)."""
     views, storages, gens, target, adopt = {}, {}, [], [_DEVICE], set()
 
     def down(x):
@@ -248,6 +256,14 @@ def _resize_(self: torch.Tensor, size, memory_format=None) -> torch.Tensor:
     return torch.ops.aten.resize_.default.redispatch(_CPU_KEYS, self, size, memory_format=memory_format)
 
 
+def _histc(self: torch.Tensor, bins: int = 100, min=0, max=0) -> torch.Tensor:
+    """The CPU counts floats only; accelerators count integers too (CUDA does, and transformers' grouped experts
+    forward counts its int expert ids on every device but the CPU and MPS): integers are counted as floats."""
+    if self.is_floating_point():
+        return _on_host(_aten.histc.default, self, bins, min, max)
+    return torch.histc(self.float(), bins, min, max).to(self.dtype)
+
+
 def _set_(op):
     return lambda self, *args: op.redispatch(_CPU_KEYS, self, *args)
 
@@ -262,6 +278,7 @@ _KERNELS = {
     _aten.set_.source_Tensor: _set_(_aten.set_.source_Tensor),
     _aten.set_.default: lambda self: _SET.redispatch(_CPU_KEYS, self, _storage_over(None), 0, (0,), (1,)),
     _aten.record_stream.default: lambda self, stream: None,  # one host-synchronous stream: nothing to record
+    _aten.histc.default: _histc,
 }
 
 
@@ -297,9 +314,20 @@ def _collective(op):
         args = list(tree_map(down, args))
         args[pg_index] = _state.shadows[id(backend)][1].boxed()
         out = op.redispatch(_CPU_KEYS, *args)
+        _keep_until_done(out, [x for _, x in views.values()])
         return tree_map(lambda x: views[id(x)][1] if isinstance(x, torch.Tensor) and id(x) in views else x, out)
 
     return kernel
+
+
+def _keep_until_done(out, tensors: list[torch.Tensor]) -> None:
+    """Hold `tensors` (a collective's neuron arguments) until its Work completes, as an accelerator's backend keeps
+    the tensors of its asynchronous work: gloo holds only the host views, which do not own the memory, so a tensor
+    the caller drops while the work runs (`isend(t.contiguous())`) would be freed and reused under gloo's feet.
+    Works seen complete are let go at each new collective."""
+    works = [dist.Work.unbox(x) for x in tree_flatten(out)[0] if isinstance(x, torch.ScriptObject)]
+    _state.in_flight = [(w, held) for w, held in _state.in_flight if not w.is_completed()]
+    _state.in_flight += [(w, tensors) for w in works if not w.is_completed()]
 
 
 # ---- the device module (torch.neuron) -------------------------------------------------------------------------
@@ -461,6 +489,23 @@ def _register_autocast(lib: torch.library.Library) -> None:
                 lib.impl(op, _autocast(op, to_fp32), "AutocastPrivateUse1")
 
 
+# ---- what the ecosystem sees: TorchNeuron's package ------------------------------------------------------------
+def _announce_package() -> None:
+    """accelerate (MULTI_NEURON, `torch.device("neuron")` for the Trainer) and transformers tell TorchNeuron by its
+    package being there (`importlib.util.find_spec("torch_neuronx")`), then ask `torch.neuron`: a module that holds
+    nothing stands for it (an existing one, the real package, is left alone)."""
+    import importlib.machinery
+    import importlib.util
+    import sys
+
+    if "torch_neuronx" in sys.modules or importlib.util.find_spec("torch_neuronx") is not None:
+        return
+    package = types.ModuleType("torch_neuronx", "Stands for TorchNeuron's package (tests/accel/simulated_neuron.py).")
+    package.__spec__ = importlib.machinery.ModuleSpec("torch_neuronx", None)
+    package.__version__ = "0.0.0+simulated"
+    sys.modules["torch_neuronx"] = package
+
+
 # ---- installation ---------------------------------------------------------------------------------------------
 def _load_cpp():
     """The C++ hooks, built once per machine (~10 s); None (pure-Python device) when they cannot be built."""
@@ -522,4 +567,5 @@ def install() -> None:
     _register_autocast(aten)
     _state.libs = [fallback, aten, c10d]
     dist.Backend.register_backend(BACKEND, _create_backend, devices=[NAME])
+    _announce_package()
     _state.installed = True

@@ -7,20 +7,16 @@ from __future__ import annotations
 import copy
 import gc
 import os
-import queue
 import re
-import socket
 import subprocess
 import sys
-import time
-import traceback
 from datetime import timedelta
 
 import pytest
 import simulated_neuron
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
+from _accel import Workers
 
 simulated_neuron.install()
 
@@ -98,6 +94,16 @@ def test_llama_trains_and_generates_like_cpu():
     assert torch.equal(got.cpu(), want)
 
 
+def test_histc_counts_integers_as_accelerators_do():
+    """transformers' grouped experts forward counts int expert ids with histc on every device but the CPU and MPS."""
+    ids = torch.tensor([3, 0, 1, 3, 3, 2], dtype=torch.int32)
+    counts = torch.histc(ids.to("neuron"), bins=4, min=0, max=3)
+    assert counts.device.type == "neuron" and counts.dtype == torch.int32
+    assert counts.cpu().tolist() == [1, 1, 1, 3]
+    floats = torch.histc(ids.float().to("neuron"), bins=4, min=0, max=3)
+    assert torch.equal(floats.cpu(), torch.histc(ids.float(), bins=4, min=0, max=3))
+
+
 @needs_cpp
 def test_torch_device_apis_reach_the_hooks():
     """What the package reaches through torch.accelerator / torch.Generator / pin_memory / storage resize_."""
@@ -123,69 +129,10 @@ def test_torch_device_apis_reach_the_hooks():
         assert (x[None] @ x[:, None]).dtype == torch.bfloat16
 
 
-# ---- two processes: a pool of workers started once for the module (tests/_pool.py's pattern) -------------------
-def _worker(rank: int, port: int, tasks, results) -> None:
-    torch.set_num_threads(1)
-    simulated_neuron.install()
-    os.environ.update(RANK=str(rank), WORLD_SIZE=str(WORLD_SIZE), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group(timeout=PG_TIMEOUT)  # no backend named: the accelerator's default
-    while (task := tasks.get()) is not None:
-        try:
-            results.put((rank, True, task[0](*task[1])))
-        except BaseException:
-            results.put((rank, False, traceback.format_exc()))
-    dist.destroy_process_group()
-
-
-class _Workers:
-    def __init__(self) -> None:
-        paths = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
-        if HERE not in paths:  # the forkserver ignores the parent's sys.path: this directory goes in PYTHONPATH
-            os.environ["PYTHONPATH"] = os.pathsep.join([HERE, *paths])
-        os.environ.setdefault("OMP_NUM_THREADS", "1")
-        ctx = mp.get_context("forkserver")
-        ctx.set_forkserver_preload(["torch", "transformers", "simulated_neuron"])
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        self.tasks, self.results = [ctx.Queue() for _ in range(WORLD_SIZE)], ctx.Queue()
-        self.procs = [
-            ctx.Process(target=_worker, args=(r, port, self.tasks[r], self.results), daemon=True)
-            for r in range(WORLD_SIZE)
-        ]
-        for p in self.procs:
-            p.start()
-
-    def run(self, fn, *args) -> list:
-        for q in self.tasks:
-            q.put((fn, args))
-        outcome, deadline = {}, time.monotonic() + 2 * PG_TIMEOUT.total_seconds()
-        while len(outcome) < WORLD_SIZE:
-            try:
-                rank, ok, value = self.results.get(timeout=2)
-            except queue.Empty:
-                dead = {r: p.exitcode for r, p in enumerate(self.procs) if not p.is_alive()}
-                if dead or time.monotonic() > deadline:
-                    missing = set(range(WORLD_SIZE)) - set(outcome)
-                    raise RuntimeError(f"{fn.__name__}: ranks {missing} gave no result (exited: {dead})") from None
-                continue
-            outcome[rank] = (ok, value)
-        failed = {r: v for r, (ok, v) in outcome.items() if not ok}
-        assert not failed, "\n".join(f"--- rank {r} ---\n{tb}" for r, tb in sorted(failed.items()))
-        return [outcome[r][1] for r in range(WORLD_SIZE)]
-
-    def close(self) -> None:
-        for q in self.tasks:
-            q.put(None)
-        for p in self.procs:
-            p.join(timeout=10)
-            if p.is_alive():
-                p.kill()
-
-
+# ---- two processes: the lane's pool of workers (_accel.py), started once for the module, on the simulated device ---
 @pytest.fixture(scope="module")
 def workers():
-    pool = _Workers()
+    pool = Workers(WORLD_SIZE, setup=simulated_neuron.install)
     yield pool
     pool.close()
 

@@ -187,7 +187,7 @@ def _slice_whole_weight(module: nn.Linear, state_dict: dict, prefix: str, *_) ->
 def shard_lora_layer(wrapper: nn.Module, rank: int, tp: int) -> None:
     """Split the adapters of a PEFT LoRA layer whose `base_layer` is already tensor-parallel; swap its forward."""
     _check_supported(wrapper)
-    if any(p.device.type == "meta" for p in (*wrapper.lora_A.parameters(), *wrapper.lora_B.parameters())):
+    if any(p.is_meta for p in (*wrapper.lora_A.parameters(), *wrapper.lora_B.parameters())):
         raise NotImplementedError(
             "LoRA adapters made on the meta device (get_peft_model under lazy_load_for_parallelism) have no values "
             "to load: load the base lazily, parallelize it, then call get_peft_model on the parallel model"

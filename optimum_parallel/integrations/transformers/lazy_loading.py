@@ -53,7 +53,7 @@ class _LazyInit:
                 owner._init_weights(stand_in)
                 for leaf, full in stand_in._parameters.items():
                     target = live.get(f"{name}.{leaf}" if name else leaf)
-                    if full is None or target is None or target[2].device.type != "meta":
+                    if full is None or target is None or not target[2].is_meta:
                         continue  # tied to (and initialised as) an earlier weight
                     module, attr, tensor = target
                     layout = split_layout(tensor)

@@ -14,6 +14,7 @@ from ...context_parallel import STRATEGIES as CP_STRATEGIES
 from ...engine.data_parallel import DataParallelConfig
 from ...engine.request import TRAINER_KEYS, ParallelRequest, PipelineRequest
 from ...engine.validate import check_settings
+from ...mesh import device as devices
 from ...mesh import ranks
 from ...pipeline import SCHEDULES
 
@@ -75,6 +76,8 @@ class ParallelTrainingArguments(TrainingArguments):
             if self.ddp_backend is None:
                 self.ddp_backend = "gloo"
         super().__post_init__()  # creates the distributed state (accelerate's PartialState)
+        if self.dataloader_pin_memory and devices.lacks_pinned_memory():
+            self.dataloader_pin_memory = False  # the Trainer's DataLoader would raise on its first batch
         if world > 1 and self.world_size != world:
             kind = getattr(self.distributed_state, "distributed_type", None)
             raise ValueError(
