@@ -26,7 +26,8 @@ from ..styles.sequence_parallel import enter_sequence_region_at
 from .data_parallel import DataParallelConfig, apply_data_parallel
 from .lazy_optimizer import build_lazy_optimizer, is_lazy_optimizer
 from .materialize import materialize_lazy_model, move_to_device
-from .optimizer import rebuild_optimizer
+from .optimizer import rebuild_optimizer, shard_states_in_place
+from .parameters import keep_original_parameters
 from .request import CheckedRequest
 
 ParamMap = dict[int, nn.Parameter | None]  # {id(original parameter): parallel parameter, or None on another stage}
@@ -36,7 +37,8 @@ def compose_model(model: nn.Module, mesh: ParallelMesh, checked: CheckedRequest)
     """Steps 1-4 of a validated request: make `model` tensor/sequence-, expert-, context- and pipeline-parallel in
     place; return {id(original parameter): parallel parameter, or None on another stage} for the optimizer."""
     request, pipeline, checked_plan = checked.request, checked.pipeline, checked.targets
-    mapping: ParamMap = {id(p): p for p in model.parameters()}
+    originals = {id(p): p for p in model.parameters()}
+    mapping: ParamMap = dict(originals)
     # 1. TP/SP on the whole model first: every rank resolves and checks the same plan, tied weights stay tied. The
     #    layers' modes follow from the whole request (schedules that defer weight gradients turn the overlap off).
     sequence = None
@@ -53,6 +55,8 @@ def compose_model(model: nn.Module, mesh: ParallelMesh, checked: CheckedRequest)
     if ep > 1 and (state is None or state.expert_parallel is None):
         moved = apply_expert_parallel(model, mesh.expert_group, ep, mesh.rank("ep"))
         mapping = {k: (moved.get(id(v), v) if v is not None else None) for k, v in mapping.items()}
+    # The caller's parameter objects hold their shards: an optimizer built before this call steps the parallel model.
+    mapping = keep_original_parameters(model, originals, mapping)
     # 2. Context parallelism: attention over the cp ring, each rank's forward cut to its chunks of the sequence
     #    (after the plan, so the loss it wraps is the vocab-parallel one; weights are not touched).
     if mesh.size("cp") > 1:
@@ -119,6 +123,8 @@ def optimizer_for_parallel_model(
     if is_lazy_optimizer(optimizer):
         return build_lazy_optimizer(optimizer, mapping)
     params = [p for group in optimizer.param_groups for p in group["params"]]
-    if all(mapping.get(id(p), p) is p for p in params):
+    empty = any(not group["params"] for group in optimizer.param_groups)  # a rebuilt optimizer drops them
+    if all(mapping.get(id(p), p) is p for p in params) and not empty:  # the parameters hold their shards in place
+        shard_states_in_place(optimizer)
         return optimizer
     return rebuild_optimizer(optimizer, mapping)

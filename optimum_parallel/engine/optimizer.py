@@ -25,13 +25,25 @@ def rebuild_optimizer(
     new = type(optimizer)(groups, **{k: v for k, v in optimizer.defaults.items() if k in accepted})
     for old_param, state in optimizer.state.items():
         param = old_to_new.get(id(old_param), old_param)
-        if param is None:
-            continue
-        layout = getattr(param, "shard_layout", None)
-        new.state[param] = {
-            k: layout.slice(v).clone()
-            if layout is not None and torch.is_tensor(v) and v.shape == old_param.shape
-            else v
-            for k, v in state.items()
-        }
+        if param is not None:
+            new.state[param] = shard_state(param, state)
     return new
+
+
+def shard_state(param: nn.Parameter, state: dict) -> dict:
+    """`state` (an optimizer's, for `param`) with every tensor held for the whole parameter cut to `param`'s shard
+    (`param.shard_layout`): state an optimizer gathered before the parameter was split."""
+    layout = getattr(param, "shard_layout", None)
+    if layout is None:
+        return state
+    whole = tuple(layout.global_shape)
+    return {
+        k: layout.slice(v).clone() if torch.is_tensor(v) and tuple(v.shape) == whole != tuple(param.shape) else v
+        for k, v in state.items()
+    }
+
+
+def shard_states_in_place(optimizer: torch.optim.Optimizer) -> None:
+    """`shard_state` for every parameter of `optimizer` (its parameters were given their shards in place)."""
+    for param, state in list(optimizer.state.items()):
+        optimizer.state[param] = shard_state(param, state)

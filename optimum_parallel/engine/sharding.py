@@ -12,6 +12,7 @@ from torch import nn
 
 from .gradient_sync import average_after_backward
 from .optimizer import rebuild_optimizer
+from .parameters import mark_replaced
 
 
 def blocks(model: nn.Module) -> list[nn.Module]:
@@ -56,6 +57,8 @@ def fully_shard_model(
         for attribute in ("shard_layout", "expert_layout"):
             if hasattr(param, attribute):
                 setattr(after[name], attribute, getattr(param, attribute))
+    replaced = [p for name, p in before.items() if after[name] is not p]
+    mark_replaced(replaced, f"FSDP2 at sharding level {level} holds its own sharded parameters")
     if optimizer is not None:
         optimizer = rebuild_optimizer(optimizer, {id(p): after[name] for name, p in before.items()})
         if not reshard:

@@ -34,7 +34,9 @@ class _LazyInit:
     had), keeping only this rank's slice of each weight: ranks agree, and no whole model is ever built."""
 
     rng_state: torch.Tensor
-    modules: list[tuple[str, nn.Module, nn.Module]] = field(default_factory=list)  # (name, original, init owner)
+    # (name, original, init owner, {leaf: (whole shape, dtype)}): shapes recorded before any split (the parallel model
+    # keeps the original parameter objects, holding shards)
+    modules: list[tuple[str, nn.Module, nn.Module, dict]] = field(default_factory=list)
 
     def materialize(self, model: nn.Module, device: torch.device | str | None) -> None:
         live = {n: (m, leaf, t) for names, m, leaf, t in meta_tensors(model) for n in names}
@@ -44,11 +46,13 @@ class _LazyInit:
             torch.no_grad(),
         ):
             torch.set_rng_state(self.rng_state)
-            for name, original, owner in self.modules:
+            for name, original, owner, shapes in self.modules:
                 stand_in = copy.copy(original)  # same class and attributes, real full-size parameters
                 stand_in._parameters = {
-                    k: None if p is None else nn.Parameter(torch.empty(p.shape, dtype=p.dtype), requires_grad=False)
-                    for k, p in original._parameters.items()
+                    k: None
+                    if k not in shapes
+                    else nn.Parameter(torch.empty(shapes[k][0], dtype=shapes[k][1]), requires_grad=False)
+                    for k in original._parameters
                 }
                 owner._init_weights(stand_in)
                 for leaf, full in stand_in._parameters.items():
@@ -65,14 +69,15 @@ def _record_init(model: nn.Module) -> None:
     """Remember, in transformers' init order (children first), each module that owns parameters."""
     from transformers import PreTrainedModel
 
-    order: list[tuple[str, nn.Module, nn.Module]] = []
+    order: list[tuple[str, nn.Module, nn.Module, dict]] = []
 
     def visit(name: str, module: nn.Module, owner: nn.Module) -> None:
         for child_name, child in module.named_children():
             child_owner = child if isinstance(child, PreTrainedModel) else owner
             visit(f"{name}.{child_name}" if name else child_name, child, child_owner)
-        if any(p is not None for p in module._parameters.values()):
-            order.append((name, module, owner))
+        shapes = {k: (tuple(p.shape), p.dtype) for k, p in module._parameters.items() if p is not None}
+        if shapes:
+            order.append((name, module, owner, shapes))
 
     visit("", model, model)
     model.__dict__[INIT_ATTR] = _LazyInit(torch.get_rng_state(), order)
