@@ -12,6 +12,8 @@ final weights go to `OUT/final` (sharded).
 whose gloo interface is `dev` SIGKILL themselves after step s, writing the time to `OUT/killed-rank<r>`; a survivor
 whose collective fails writes the time and the error to `OUT/failed-rank<r>-attempt<a>` before it exits.
 
+`KILL_RANK_AT_STEP=r:s`: in the first attempt rank r SIGKILLs itself after step s (one machine, `--standalone`).
+
 `CRASH_IN_SAVE=point:n@r` (custom loop): rank r SIGKILLs itself the n-th time it reaches the crash point `point`
 (`optimum_parallel.checkpoint.crash`) inside the save of the last checkpoint.
 """
@@ -44,7 +46,10 @@ def batch_for(step: int, vocab: int) -> dict[str, torch.Tensor]:
 def maybe_lose_this_host(out: Path, step: int) -> None:
     kill_at, host = os.environ.get("KILL_HOST_AT_STEP"), os.environ.get("KILL_HOST_IFNAME")
     first_attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"  # a host whose ranks failed: >= 1
-    if kill_at and first_attempt and int(kill_at) == step and os.environ.get("GLOO_SOCKET_IFNAME") == host:
+    this_host = kill_at and int(kill_at) == step and os.environ.get("GLOO_SOCKET_IFNAME") == host
+    rank, _, at = os.environ.get("KILL_RANK_AT_STEP", "").partition(":")
+    this_rank = rank and int(rank) == dist.get_rank() and int(at) == step
+    if first_attempt and (this_host or this_rank):
         (out / f"killed-rank{dist.get_rank()}").write_text(str(time.time()))
         os.kill(os.getpid(), signal.SIGKILL)
 
