@@ -1,6 +1,6 @@
 """A small training job for the several-hosts tests, run under torchrun (one host or several).
 
-    torchrun ... _host_train.py HF_DIR OUT --dp 2 --tp 2 [--pp 1] [--steps 6] [--save-every 2] [--trainer]
+    torchrun ... _host_train.py HF_DIR OUT --dp 2 --tp 2 [--pp 1] [--steps 6] [--save-every 2] [--trainer] [--async-save]
 
 Custom loop (default): AdamW and a linear LR schedule, each step's global batch a function of the step (so a resumed
 run sees the data it would have seen), every `--save-every` steps a sharded checkpoint `OUT/checkpoint-<step>`; at the
@@ -103,7 +103,8 @@ def custom_loop(args: argparse.Namespace) -> list[float]:
         losses.append(loss.item())
         if step % args.save_every == 0:
             arm_crash_in_save(step, args.steps - args.steps % args.save_every)
-            parallelizer.save_model_checkpoint(model, Path(args.out) / f"checkpoint-{step}", optimizer=optimizer)
+            path = Path(args.out) / f"checkpoint-{step}"
+            parallelizer.save_model_checkpoint(model, path, optimizer=optimizer, async_save=args.async_save)
         maybe_lose_this_host(Path(args.out), step)
     parallelizer.save_model_checkpoint(model, Path(args.out) / "final")
     return losses
@@ -154,6 +155,7 @@ def trainer_run(args: argparse.Namespace) -> list[float]:
         seed=3,
         ddp_timeout=30,
         disable_tqdm=True,
+        async_save=args.async_save,
     )
     vocab = AutoConfig.from_pretrained(args.hf_dir).vocab_size
     trainer = ParallelTrainer(
@@ -177,6 +179,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=6)
     parser.add_argument("--save-every", type=int, default=2)
     parser.add_argument("--trainer", action="store_true")
+    parser.add_argument("--async-save", action="store_true", help="checkpoints written in the background")
     parser.add_argument("--timeout", type=int, default=30, help="the mesh's collective timeout in seconds")
     args = parser.parse_args()
     torch.set_num_threads(1)

@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-from . import hang_report
+from . import hang_report, rendezvous
 
 # outermost to innermost: tp ranks are neighbours (fastest links), then cp (ring attention passes K/V every layer)
 MESH_DIMS = ("dp", "pp", "cp", "tp")
@@ -289,7 +289,8 @@ def _init_process_group(timeout: timedelta, device_type: str = "cpu") -> None:
         os.environ.setdefault("WORLD_SIZE", "1")
         if device_type == "cuda":
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-        dist.init_process_group(backend="nccl" if device_type == "cuda" else "gloo", timeout=timeout)
+        # restarts under torchrun's shared store need no TORCH_DISABLE_SHARE_RDZV_TCP_STORE (rendezvous.py)
+        rendezvous.init_process_group("nccl" if device_type == "cuda" else "gloo", timeout)
 
 
 def _gloo_or_nccl_options(timeout: timedelta):

@@ -14,6 +14,7 @@ from ...context_parallel import STRATEGIES as CP_STRATEGIES
 from ...context_parallel import check_strategy
 from ...engine.data_parallel import DataParallelConfig, check_sharding_level
 from ...mesh import check_positive_int, ranks
+from ...mesh.rendezvous import init_before_accelerate
 from ...pipeline import SCHEDULES, check_schedule
 
 
@@ -64,6 +65,14 @@ class ParallelTrainingArguments(TrainingArguments):
         default=1, metadata={"help": "Micro-batches each per-device batch is cut into under pp (>= pp)."}
     )
     pipeline_schedule: str = field(default="1f1b", metadata={"help": f"One of: {', '.join(SCHEDULES)}."})
+    async_save: bool = field(
+        default=False,
+        metadata={
+            "help": "Write save_steps checkpoints in the background: each rank copies its shards (and RNG, scheduler, "
+            "state) to host memory in the step (one copy of its weights and optimizer state, freed once written); "
+            "the next save, save_model() and the end of training wait for it and raise its error."
+        },
+    )
 
     def __post_init__(self) -> None:
         world = _launched_world_size()
@@ -73,6 +82,7 @@ class ParallelTrainingArguments(TrainingArguments):
             self.use_cpu = True
             if self.ddp_backend is None:
                 self.ddp_backend = "gloo"
+        init_before_accelerate(self.ddp_backend, self.use_cpu, self.ddp_timeout)  # restarts: see mesh/rendezvous.py
         super().__post_init__()  # creates the distributed state (accelerate's PartialState)
         if world > 1 and self.world_size != world:
             kind = getattr(self.distributed_state, "distributed_type", None)

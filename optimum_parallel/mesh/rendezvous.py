@@ -1,0 +1,119 @@
+"""torch.distributed's default group on a store that no earlier attempt of a torchrun job wrote to.
+
+torchrun's workers share the agent's rendezvous TCPStore by default (`TORCHELASTIC_USE_AGENT_STORE=True`). That store
+outlives `--max-restarts`, with the dead attempt's keys still in it under the same names, and torch adds no prefix
+per attempt: gloo's rendezvous in the restarted attempt can read a dead peer's address and fail after its connect
+timeout ("Gloo connectFullMesh failed ... Connection refused"; 3 runs in 3 of a tp=2 Trainer job killed at step 5).
+`TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1` avoided it by giving each attempt a store of its own; here the job does that
+itself: rank 0 hosts a new store (on a free port, as torchrun's workers do with the variable set) and tells the others
+where it is through the agent's store. A stale address left there by an earlier attempt's rank 0 (dead: torchrun
+stops every worker before a restart) refuses connections, or answers with another attempt's token, and the others
+read again until they find the live one. Nothing depends on TORCHELASTIC_RESTART_COUNT, which agents on different
+machines may count differently.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import sys
+import time
+import uuid
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+VARIABLE = "TORCH_DISABLE_SHARE_RDZV_TCP_STORE"
+_ADDRESS_KEY = "optimum_parallel/rendezvous/attempt_store"  # in the agent's store: "host:port:token" of rank 0's
+_TOKEN_KEY = "optimum_parallel/rendezvous/token"  # in rank 0's store: the same token
+_PROBE_S = 2.0  # a connect to a stale address fails at once on a live host; a dead host gets this long
+_RETRY_S = 0.05
+
+
+def shares_agent_store() -> bool:
+    """Whether torchrun gave the workers its agent's rendezvous store (its default; the variable turns it off)."""
+    return os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+
+
+def init_process_group(backend: str, timeout: timedelta) -> None:
+    """`dist.init_process_group(backend, timeout=timeout)` from torchrun's environment; under torchrun's shared store,
+    on a store of this attempt's own (see the module docstring)."""
+    if not shares_agent_store():
+        dist.init_process_group(backend=backend, timeout=timeout)
+        return
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    store = attempt_store(rank, world, timeout)
+    dist.init_process_group(backend=backend, store=store, rank=rank, world_size=world, timeout=timeout)
+
+
+def attempt_store(rank: int, world: int, timeout: timedelta) -> dist.Store:
+    """A TCPStore that only this attempt's ranks use: hosted by rank 0, found by the others through the agent's."""
+    host, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
+    deadline = time.monotonic() + timeout.total_seconds()
+    try:
+        agent = dist.TCPStore(host, port, world, is_master=False, timeout=timeout)
+    except (RuntimeError, OSError) as err:
+        raise RuntimeError(_unreachable(f"torchrun's rendezvous store at {host}:{port} ({err})")) from err
+    if rank == 0:
+        token = uuid.uuid4().hex
+        own = dist.TCPStore(host, 0, world, is_master=True, timeout=timeout, wait_for_workers=False)
+        own.set(_TOKEN_KEY, token)
+        agent.set(_ADDRESS_KEY, f"{host}:{own.port}:{token}")
+        return own
+    last = None
+    while True:
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            raise RuntimeError(_unreachable(f"rank 0's store (last address read: {last})"))
+        agent.set_timeout(timedelta(seconds=remaining))
+        try:
+            last = agent.get(_ADDRESS_KEY).decode()
+        except RuntimeError as err:  # rank 0 never published within the timeout
+            raise RuntimeError(_unreachable(f"rank 0's store ({err})")) from err
+        store = _connect(last, world, timeout)
+        if store is not None:
+            return store
+        time.sleep(_RETRY_S)
+
+
+def _connect(address: str, world: int, timeout: timedelta) -> dist.Store | None:
+    """A client of the store at `address` ("host:port:token") if it is live and holds `token`, else None."""
+    host, port, token = address.rsplit(":", 2)
+    try:
+        with socket.create_connection((host, int(port)), timeout=_PROBE_S):
+            pass
+    except OSError:  # an earlier attempt's rank 0: gone
+        return None
+    try:
+        store = dist.TCPStore(host, int(port), world, is_master=False, timeout=timedelta(seconds=_PROBE_S))
+        if store.get(_TOKEN_KEY).decode() != token:  # the port was taken again, by another attempt's rank 0
+            return None
+    except (RuntimeError, OSError):
+        return None
+    store.set_timeout(timeout)
+    return store
+
+
+def _unreachable(what: str) -> str:
+    return (
+        f"could not reach {what}, so this attempt of the torchrun job cannot form its process group. Where the "
+        "ranks cannot reach rank 0's address (MASTER_ADDR) on another port, start the torchrun agents with "
+        f"{VARIABLE}=1"
+    )
+
+
+def init_before_accelerate(ddp_backend: str | None, use_cpu: bool, timeout_s: float) -> None:
+    """For `ParallelTrainingArguments`, before transformers has accelerate make the default group (on the shared
+    store, where a restarted attempt would read the dead one's keys): make it here, with accelerate's backend and
+    timeout; accelerate then uses it. Nothing off torchrun's shared store, on XLA, or once a group exists."""
+    if not shares_agent_store() or int(os.environ.get("WORLD_SIZE", "1")) <= 1 or dist.is_initialized():
+        return
+    if os.environ.get("PJRT_DEVICE") or "torch_xla" in sys.modules:  # accelerate's xla:// group: no TCPStore
+        return
+    accelerator = torch.accelerator.current_accelerator()
+    if ddp_backend is None:
+        ddp_backend = "gloo" if use_cpu or accelerator is None else dist.get_default_backend_for_device(accelerator)
+    if accelerator is not None and not use_cpu and accelerator.type == "cuda":
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))  # as accelerate does before its group
+    init_process_group(ddp_backend, timedelta(seconds=timeout_s))
