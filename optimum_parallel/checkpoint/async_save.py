@@ -61,6 +61,7 @@ class AsyncCheckpoint:
             raise TimeoutError(f"the async save of {self.path} is still being written after {timeout} s")
         if self._thread is not None:
             self._thread.join()
+        _delivered(self)
         if self._error is not None:
             raise self._error
         return self.path
@@ -70,12 +71,18 @@ class AsyncCheckpoint:
         return f"AsyncCheckpoint({str(self.path)!r}, {state})"
 
 
-def wait_for_pending_save() -> Path | None:
-    """Wait for the async save in flight in this process, if any: its path, or its error raised (once: the next call
-    returns None). Every save calls it first; call it before `dist.destroy_process_group()`."""
+def _delivered(handle: AsyncCheckpoint) -> None:
+    """`handle` was waited for (its error, if any, raised to the caller): no save waits for it again."""
     global _PENDING
-    pending, _PENDING = _PENDING, None
-    return None if pending is None else pending.wait()
+    if _PENDING is handle:
+        _PENDING = None
+
+
+def wait_for_pending_save() -> Path | None:
+    """Wait for the async save in flight in this process, if any: its path, or its error raised (once: a save waited
+    for, here or by its handle, is not waited for again). Every save calls it first; call it before
+    `dist.destroy_process_group()`."""
+    return None if _PENDING is None else _PENDING.wait()
 
 
 def check_async_supported() -> None:
