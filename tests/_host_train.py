@@ -14,8 +14,9 @@ whose collective fails writes the time and the error to `OUT/failed-rank<r>-atte
 
 `KILL_RANK_AT_STEP=r:s`: in the first attempt rank r SIGKILLs itself after step s (one machine, `--standalone`).
 
-`CRASH_IN_SAVE=point:n@r` (custom loop): rank r SIGKILLs itself the n-th time it reaches the crash point `point`
-(`optimum_parallel.checkpoint.crash`) inside the save of the last checkpoint.
+`CRASH_IN_SAVE=point:n@r`: in the first attempt, rank r SIGKILLs itself the n-th time it reaches the crash point
+`point` (`optimum_parallel.checkpoint.crash`) inside the save of the last checkpoint, or of step `CRASH_IN_SAVE_STEP`
+(with `--async-save`, in its background write).
 """
 
 from __future__ import annotations
@@ -55,8 +56,12 @@ def maybe_lose_this_host(out: Path, step: int) -> None:
 
 
 def arm_crash_in_save(step: int, last_save: int) -> None:
+    """In the first attempt, arm the crash point of `CRASH_IN_SAVE` in the save of step `CRASH_IN_SAVE_STEP`
+    (default: the last save)."""
     point, _, rank = os.environ.get("CRASH_IN_SAVE", "").partition("@")
-    if point and step == last_save and int(rank) == dist.get_rank():
+    at = int(os.environ.get("CRASH_IN_SAVE_STEP", last_save))
+    first_attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
+    if point and first_attempt and step == at and int(rank) == dist.get_rank():
         from optimum_parallel.checkpoint.crash import CRASH_ENV
 
         os.environ[CRASH_ENV] = point
@@ -135,8 +140,9 @@ def trainer_run(args: argparse.Namespace) -> list[float]:
             if logs and "loss" in logs:
                 self.losses.append(logs["loss"])
 
-        def on_step_end(self, targs, state, control, **kw):
+        def on_step_end(self, targs, state, control, **kw):  # before the Trainer saves this step's checkpoint
             maybe_lose_this_host(Path(args.out), state.global_step)
+            arm_crash_in_save(state.global_step, args.steps - args.steps % args.save_every)
 
     record = Record()
     targs = ParallelTrainingArguments(
