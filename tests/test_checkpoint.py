@@ -418,14 +418,16 @@ def async_against_blocking(hf_dir: str, out: str, level: int) -> dict:
     first = parallelizer.save_model_checkpoint(model, f"{out}/next", optimizer=optimizer, async_save=True)
     second = parallelizer.save_model_checkpoint(model, f"{out}/after", optimizer=optimizer, async_save=True)
     in_flight = [first.done(), wait_for_pending_save() == second.path, second.done()]
-    return {"path": str(path), "losses": losses, "in_flight": in_flight}
+    return {"path": str(path), "losses": losses, "in_flight": in_flight, "snapshot": handle.snapshot_bytes}
 
 
 @pytest.mark.parametrize("level", [0, 1, 3])
 def test_async_save_writes_the_blocking_save_bytes(pool, hf_dir, tmp_path, level):
     """The same files, index and checksums, byte for byte, at every sharding level (ZeRO-1 consolidated, FSDP2
-    gathered in the step); the step taken during the write changes the weights, not the checkpoint."""
+    gathered in the step); the step taken during the write changes the weights, not the checkpoint. The largest
+    snapshot is what the memory planner counts for async saves (plus each tensor's 64-byte alignment)."""
     from optimum_parallel.checkpoint import verify_checkpoint
+    from optimum_parallel.planning.memory_planner import estimate_memory
 
     results = pool.run(async_against_blocking, hf_dir, str(tmp_path), level)
     assert all(r["path"] == str(tmp_path / "async") and r["in_flight"] == [True, True, True] for r in results), results
@@ -436,6 +438,9 @@ def test_async_save_writes_the_blocking_save_bytes(pool, hf_dir, tmp_path, level
     assert all((blocking / n).read_bytes() == (written / n).read_bytes() for n in names), "bytes differ"
     assert (tmp_path / "next" / "COMPLETE").exists() and (tmp_path / "after" / "COMPLETE").exists()
     assert not list(tmp_path.glob(".*.partial"))
+    planned = estimate_memory(tiny_config("llama", **CONFIG), tp=2, dp=2, sharding_level=level, dtype="fp32",
+                              async_save=True).snapshot  # fmt: skip
+    assert planned <= max(r["snapshot"] for r in results) <= planned * 1.01, (planned, results)
 
 
 def async_error(hf_dir: str, out: str) -> dict:
