@@ -20,6 +20,7 @@ their index and checksums are the blocking save's, byte for byte, written into `
 from __future__ import annotations
 
 import dataclasses
+import os
 import threading
 import time
 from pathlib import Path
@@ -37,6 +38,9 @@ if TYPE_CHECKING:
 
 _ALIGN = 64  # each tensor's copy starts on a cache line (and on its dtype's alignment)
 _PENDING: AsyncCheckpoint | None = None
+# How the writer thread is scheduled against training ("idle": SCHED_IDLE, it runs when a core would idle; "nice":
+# nice 19; "normal"): scripts/bench_checkpoint.py measures the three.
+WRITER_POLICY = "idle"
 _GROUP: list = [None, None]  # [the default group it was made in, the background thread's group]
 
 
@@ -50,6 +54,8 @@ class AsyncCheckpoint:
         self._done = threading.Event()
         self._error: BaseException | None = None
         self._thread: threading.Thread | None = None
+        self.started_at = time.perf_counter()
+        self.finished_at: float | None = None  # perf_counter() when the write ended (renamed into place, or failed)
 
     def done(self) -> bool:
         """Whether the background write ended (renamed into place, or failed)."""
@@ -138,6 +144,17 @@ def _snapshot(save: PlannedSave) -> tuple[dict[str, list], int, bool]:
     return copies, total, pinned
 
 
+def _lower_priority(policy: str) -> None:
+    """Schedule the calling thread (Linux: per thread) after training's: SCHED_IDLE, or nice 19."""
+    try:
+        if policy == "idle":
+            os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
+        elif policy == "nice":
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
+    except (AttributeError, OSError):  # another OS: the thread keeps its priority
+        pass
+
+
 def _gib(n: float) -> str:
     unit, scale = next(((u, s) for u, s in (("GiB", 1 << 30), ("MiB", 1 << 20)) if n >= s), ("KiB", 1 << 10))
     return f"{n / scale:.2f} {unit}"
@@ -154,6 +171,7 @@ def start_async_save(save: PlannedSave, group: dist.ProcessGroup | None) -> Asyn
         raise
     save.local = {"model": {}, "state": {}}  # the live tensors (and ZeRO-1's consolidated state) are not needed now
     handle = AsyncCheckpoint(save.final, size)
+    handle.started_at = started
     if save.rank.is_main:
         per_rank: dict[str, int] = {}
         for file, n in save.file_bytes().items():  # a writing rank's files: model-<coords> and optimizer-<coords>
@@ -170,6 +188,7 @@ def start_async_save(save: PlannedSave, group: dist.ProcessGroup | None) -> Asyn
     rank = dataclasses.replace(save.rank, group=group)
 
     def run() -> None:
+        _lower_priority(WRITER_POLICY)
         try:
             try:
                 written = rank.run(
@@ -182,6 +201,7 @@ def start_async_save(save: PlannedSave, group: dist.ProcessGroup | None) -> Asyn
             save.abandon()
             handle._error = err
         finally:
+            handle.finished_at = time.perf_counter()
             handle._done.set()
 
     # not a daemon: a script that ends without waiting still finishes its last checkpoint before exiting
