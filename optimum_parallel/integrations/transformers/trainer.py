@@ -119,8 +119,9 @@ class ParallelTrainer(Trainer):
             raise TypeError(f"ParallelTrainer needs ParallelTrainingArguments, got {type(args).__name__}")
         if kwargs.get("model_init") is not None:
             raise ValueError("model_init is not supported by ParallelTrainer; pass the model or its path")
-        if args.async_save and args.push_to_hub:
-            raise ValueError("async_save=True with push_to_hub=True is not supported; allowed: one of them")
+        if args.async_save and (args.push_to_hub or on_xla_device(args.device)):
+            what = "push_to_hub=True" if args.push_to_hub else "an XLA device (its process groups have no gloo)"
+            raise ValueError(f"async_save=True with {what} is not supported; allowed there: async_save=False")
         self.mesh = _mesh_for(args)
         if isinstance(model, (str, os.PathLike)):
             sizes = args.tensor_parallel_size, args.pipeline_parallel_size, args.expert_parallel_size
