@@ -23,7 +23,6 @@ Goals: async stall <= 0.1x the blocking stall; steps during the write <= 1.2x th
 from __future__ import annotations
 
 import argparse
-import os
 import shutil
 import statistics
 import subprocess
@@ -137,30 +136,28 @@ def rank_main(rank: int, world: int, args: argparse.Namespace) -> dict:
         total = (finished or time.perf_counter()) - start if handle is not None else stall
         peak = proc_status_bytes("VmHWM")
         snapshot = getattr(handle, "snapshot_bytes", None)
-        rows[name] = {"stall": stall, "total": total, "peak": peak, "during": during, "bytes": snapshot}
+        rows[name] = dict(stall=stall, total=total, peak=peak, during=during, bytes=snapshot)
         quiet += [step() for _ in range(args.steps)]  # steps without a write, between the saves
+
+    def blocking(path: Path) -> None:
+        parallelizer.save_model_checkpoint(model, path, optimizer=optimizer)
+
+    def in_background(path: Path):
+        return parallelizer.save_model_checkpoint(model, path, optimizer=optimizer, async_save=True)
+
+    def in_process(path: Path):
+        path.mkdir(parents=True, exist_ok=True)
+        return _process_writer(model, optimizer, path, rank)
 
     for repeat in range(args.repeats):
         suffix = f" #{repeat + 1}" if args.repeats > 1 else ""
-        path = workdir / "blocking"
-
-        def blocking() -> None:
-            parallelizer.save_model_checkpoint(model, path, optimizer=optimizer)
-
-        measure(f"blocking{suffix}", blocking)
-        between_saves(path)
-        for policy in args.policies.split(","):
+        runs = [("blocking", "blocking", blocking)]
+        runs += [(f"async ({policy})", policy, in_background) for policy in args.policies.split(",")]
+        runs += [("process writer", "process", in_process)] if args.process_writer else []
+        for name, policy, save in runs:
             async_save.WRITER_POLICY = policy
-            path = workdir / f"async-{policy}"
-            measure(
-                f"async ({policy}){suffix}",
-                lambda: parallelizer.save_model_checkpoint(model, path, optimizer=optimizer, async_save=True),
-            )
-            between_saves(path)
-        if args.process_writer:
-            path = workdir / "process"
-            path.mkdir(parents=True, exist_ok=True)
-            measure(f"process writer{suffix}", lambda: _process_writer(model, optimizer, path, rank))
+            path = workdir / policy
+            measure(f"{name}{suffix}", lambda save=save, path=path: save(path))
             between_saves(path)
     stats = {"rows": rows, "quiet": quiet, "rss": proc_status_bytes("VmRSS"), "parameters": parameters}
     gathered: list = [None] * world
@@ -241,7 +238,16 @@ def main() -> None:
         f"rank), batch {args.batch} x seq {args.seq}; steps without a save: mean {step:.2f} s over {len(quiet)} "
         f"(both ranks), run in {time.perf_counter() - started:.0f} s"
     )
-    header = ["", "stall s", "total write s", "peak RSS GiB", "snapshot GiB", "steps during", "step during s", "x quiet"]
+    header = [
+        "",
+        "stall s",
+        "total write s",
+        "peak RSS GiB",
+        "snapshot GiB",
+        "steps during",
+        "step during s",
+        "x quiet",
+    ]
     print(" | ".join(f"{h:>14}" if i else f"{h:<20}" for i, h in enumerate(header)))
     blocking_stall = None
     for name in ranks[0]["rows"]:
@@ -255,7 +261,7 @@ def main() -> None:
         ratio = f"{_mean(during) / step:.2f}" if during else "-"
         cells = [
             name,
-            f"{stall:.2f}" + (f" ({stall / blocking_stall:.2f}x)" if blocking_stall and stall != blocking_stall else ""),
+            f"{stall:.2f}" + (f" ({stall / blocking_stall:.2f}x)" if name.startswith(("async", "process")) else ""),
             f"{total:.2f}",
             f"{peak:.2f}",
             f"{snapshot:.2f}" if snapshot else "-",

@@ -1,6 +1,7 @@
 """A small training job for the several-hosts tests, run under torchrun (one host or several).
 
-    torchrun ... _host_train.py HF_DIR OUT --dp 2 --tp 2 [--pp 1] [--steps 6] [--save-every 2] [--trainer] [--async-save]
+    torchrun ... _host_train.py HF_DIR OUT --dp 2 --tp 2 [--pp 1] [--steps 6] [--save-every 2] [--trainer]
+                                [--async-save]
 
 Custom loop (default): AdamW and a linear LR schedule, each step's global batch a function of the step (so a resumed
 run sees the data it would have seen), every `--save-every` steps a sharded checkpoint `OUT/checkpoint-<step>`; at the

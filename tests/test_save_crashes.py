@@ -1,10 +1,10 @@
-"""A rank SIGKILLed at 20 points inside a sharded save, and at 17 inside an async one (its snapshot in the step and
-the background write: tensors, files, the Trainer-like extra files, the exchanges, config, index, rename), (tensor writes, file closes, config, index, rename) never
-loses the previous checkpoint: `find_last_checkpoint` returns a complete one (the previous, or the new one once it
-was renamed into place), every byte of it verifies and equals an uninterrupted save, and the interrupted save is
-ignored with a warning naming it. The crash points are `optimum_parallel.checkpoint.crash.crash_point` calls,
-armed through `OPTIMUM_PARALLEL_CRASH_AT` in the rank that is to die; the other rank is then killed too, as torchrun
-would. Two gloo ranks (tp=2) forked from the test workers' server (`_pool.forkserver_context`).
+"""A rank SIGKILLed at 20 points inside a sharded save (tensor writes, file closes, config, index, rename), and at 17
+inside an async one (its snapshot in the step, and the background write: tensors, files, the extra files, the
+exchange, config, index, rename) never loses the previous checkpoint: `find_last_checkpoint` returns a complete one
+(the previous, or the new one once it was renamed into place), every byte of it verifies and equals an uninterrupted
+save, and the interrupted save is ignored with a warning naming it. The crash points are
+`optimum_parallel.checkpoint.crash.crash_point` calls, armed through `OPTIMUM_PARALLEL_CRASH_AT` in the rank that is
+to die; the other rank is then killed too, as torchrun would. Two gloo ranks (tp=2) forked from the test workers' server (`_pool.forkserver_context`).
 """
 
 from __future__ import annotations

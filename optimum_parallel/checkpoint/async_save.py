@@ -129,7 +129,10 @@ def _snapshot(save: PlannedSave) -> tuple[dict[str, list], int, bool]:
             offsets[(file, key)] = (total, dtype, shape)
             total += -(-(torch.Size(shape).numel() * dtype.itemsize) // _ALIGN) * _ALIGN
     pinned = _pinned(save) and total > 0
-    buffer = torch.empty(total, dtype=torch.uint8, pin_memory=True) if pinned else populated_empty((total,), torch.uint8)
+    if pinned:
+        buffer = torch.empty(total, dtype=torch.uint8, pin_memory=True)
+    else:
+        buffer = populated_empty((total,), torch.uint8)  # its pages faulted in at once (io/fresh_memory.py)
     copies: dict[str, list] = {}
     for file, _, _, _ in save.files():
         for shard, value in save.live_values(file):
@@ -177,10 +180,11 @@ def start_async_save(save: PlannedSave, group: dist.ProcessGroup | None) -> Asyn
         for file, n in save.file_bytes().items():  # a writing rank's files: model-<coords> and optimizer-<coords>
             per_rank[file.partition("-")[2]] = per_rank.get(file.partition("-")[2], 0) + n
         most = max(per_rank.values(), default=0)
+        took = time.perf_counter() - started
         print(
             f"[optimum-parallel] async save of {save.final}: snapshot of {_gib(size)} in {'pinned ' if pinned else ''}"
             f"host memory on rank 0 (largest rank {_gib(most)}, {_gib(sum(per_rank.values()))} over "
-            f"{len(per_rank)} writing ranks), copied in {time.perf_counter() - started:.2f} s; writing in the background",
+            f"{len(per_rank)} writing ranks), copied in {took:.2f} s; writing in the background",
             flush=True,
         )
     holder = {"copies": copies}

@@ -28,7 +28,13 @@ from torch import nn
 from ..io.safetensors_io import SafetensorsWriter, dtype_from_name
 from ..mesh import get_mesh
 from ..mesh.loaded import is_dtensor
-from .async_save import AsyncCheckpoint, background_group, check_async_supported, start_async_save, wait_for_pending_save
+from .async_save import (
+    AsyncCheckpoint,
+    background_group,
+    check_async_supported,
+    start_async_save,
+    wait_for_pending_save,
+)
 from .atomic import partial_dir, publish
 from .collect import LocalTensor, is_zero1, model_tensors, optimizer_parts, optimizer_tensors
 from .consolidate import DEFAULT_MAX_SHARD_SIZE, write_hf_checkpoint

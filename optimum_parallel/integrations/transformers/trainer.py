@@ -396,7 +396,8 @@ class ParallelTrainer(Trainer):
                 self._save_scaler(scratch)
                 Trainer._save_rng_state(self, scratch)  # the Trainer's, without our barrier (nothing on disk yet)
             if self.args.should_save:
-                for cb in [c for c in self.callback_handler.callbacks + [self.control] if isinstance(c, ExportableState)]:
+                callbacks = self.callback_handler.callbacks + [self.control]
+                for cb in [c for c in callbacks if isinstance(c, ExportableState)]:  # as the Trainer does
                     name, state = cb.__class__.__name__, cb.state()
                     if isinstance(self.state.stateful_callbacks[name], list):
                         self.state.stateful_callbacks[name].append(state)
