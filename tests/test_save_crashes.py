@@ -4,7 +4,8 @@ exchange, config, index, rename) never loses the previous checkpoint: `find_last
 (the previous, or the new one once it was renamed into place), every byte of it verifies and equals an uninterrupted
 save, and the interrupted save is ignored with a warning naming it. The crash points are
 `optimum_parallel.checkpoint.crash.crash_point` calls, armed through `OPTIMUM_PARALLEL_CRASH_AT` in the rank that is
-to die; the other rank is then killed too, as torchrun would. Two gloo ranks (tp=2) forked from the test workers' server (`_pool.forkserver_context`).
+to die; the other rank is then killed too, as torchrun would. Two gloo ranks (tp=2) forked from the test workers'
+server (`_pool.forkserver_context`).
 """
 
 from __future__ import annotations
