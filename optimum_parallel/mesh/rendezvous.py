@@ -4,12 +4,12 @@ torchrun's workers share the agent's rendezvous TCPStore by default (`TORCHELAST
 outlives `--max-restarts`, with the dead attempt's keys still in it under the same names, and torch adds no prefix
 per attempt: gloo's rendezvous in the restarted attempt can read a dead peer's address and fail after its connect
 timeout ("Gloo connectFullMesh failed ... Connection refused"; 3 runs in 3 of a tp=2 Trainer job killed at step 5).
-`TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1` avoided it by giving each attempt a store of its own; here the job does that
-itself: rank 0 hosts a new store (on a free port, as torchrun's workers do with the variable set) and tells the others
-where it is through the agent's store. A stale address left there by an earlier attempt's rank 0 (dead: torchrun
-stops every worker before a restart) refuses connections, or answers with another attempt's token, and the others
-read again until they find the live one. Nothing depends on TORCHELASTIC_RESTART_COUNT, which agents on different
-machines may count differently.
+`TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1` avoided it by giving each attempt a store of its own. Here each attempt keeps
+the agent's store (it outlives dead ranks, which the hang report relies on) but writes under a prefix of its own: a
+token rank 0 draws. The others learn it from rank 0 itself, through a small store rank 0 hosts on a free port and
+advertises in the agent's store: an address left there by an earlier attempt's rank 0 (dead: torchrun stops every
+worker before a restart) refuses connections, or answers with another token, and they read again until they reach the
+live one. Nothing depends on TORCHELASTIC_RESTART_COUNT, which agents on different machines may count differently.
 """
 
 from __future__ import annotations
@@ -25,8 +25,10 @@ import torch
 import torch.distributed as dist
 
 VARIABLE = "TORCH_DISABLE_SHARE_RDZV_TCP_STORE"
-_ADDRESS_KEY = "optimum_parallel/rendezvous/attempt_store"  # in the agent's store: "host:port:token" of rank 0's
-_TOKEN_KEY = "optimum_parallel/rendezvous/token"  # in rank 0's store: the same token
+_ADDRESS_KEY = "optimum_parallel/rendezvous/rank0"  # in the agent's store: "host:port:token" of rank 0's small store
+_TOKEN_KEY = "optimum_parallel/rendezvous/token"  # in rank 0's small store: the same token
+_PREFIX = "optimum_parallel/attempt-{}/"  # this attempt's keys in the agent's store
+_KEEP: list = []  # rank 0's small store, alive as long as the process
 _PROBE_S = 2.0  # a connect to a stale address fails at once on a live host; a dead host gets this long
 _RETRY_S = 0.05
 
@@ -48,7 +50,7 @@ def init_process_group(backend: str, timeout: timedelta) -> None:
 
 
 def attempt_store(rank: int, world: int, timeout: timedelta) -> dist.Store:
-    """A TCPStore that only this attempt's ranks use: hosted by rank 0, found by the others through the agent's."""
+    """The agent's store under a prefix that only this attempt's ranks use (rank 0's token, see the docstring)."""
     host, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
     deadline = time.monotonic() + timeout.total_seconds()
     try:
@@ -59,8 +61,9 @@ def attempt_store(rank: int, world: int, timeout: timedelta) -> dist.Store:
         token = uuid.uuid4().hex
         own = dist.TCPStore(host, 0, world, is_master=True, timeout=timeout, wait_for_workers=False)
         own.set(_TOKEN_KEY, token)
+        _KEEP.append(own)
         agent.set(_ADDRESS_KEY, f"{host}:{own.port}:{token}")
-        return own
+        return dist.PrefixStore(_PREFIX.format(token), agent)
     last = None
     while True:
         remaining = deadline - time.monotonic()
@@ -71,28 +74,25 @@ def attempt_store(rank: int, world: int, timeout: timedelta) -> dist.Store:
             last = agent.get(_ADDRESS_KEY).decode()
         except RuntimeError as err:  # rank 0 never published within the timeout
             raise RuntimeError(_unreachable(f"rank 0's store ({err})")) from err
-        store = _connect(last, world, timeout)
-        if store is not None:
-            return store
+        if _live(last, world):
+            agent.set_timeout(timeout)
+            return dist.PrefixStore(_PREFIX.format(last.rsplit(":", 1)[1]), agent)
         time.sleep(_RETRY_S)
 
 
-def _connect(address: str, world: int, timeout: timedelta) -> dist.Store | None:
-    """A client of the store at `address` ("host:port:token") if it is live and holds `token`, else None."""
+def _live(address: str, world: int) -> bool:
+    """Whether `address` ("host:port:token") is this attempt's rank 0: its store is up and holds `token`."""
     host, port, token = address.rsplit(":", 2)
     try:
         with socket.create_connection((host, int(port)), timeout=_PROBE_S):
             pass
     except OSError:  # an earlier attempt's rank 0: gone
-        return None
+        return False
     try:
         store = dist.TCPStore(host, int(port), world, is_master=False, timeout=timedelta(seconds=_PROBE_S))
-        if store.get(_TOKEN_KEY).decode() != token:  # the port was taken again, by another attempt's rank 0
-            return None
+        return store.get(_TOKEN_KEY).decode() == token  # else the port was taken again, by another attempt's rank 0
     except (RuntimeError, OSError):
-        return None
-    store.set_timeout(timeout)
-    return store
+        return False
 
 
 def _unreachable(what: str) -> str:
