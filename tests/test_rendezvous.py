@@ -73,7 +73,7 @@ def test_attempts_after_dead_ones_form_their_groups(agent_store):
 
 
 def test_unreachable_rank0_names_the_variable(agent_store):
-    """Only a dead attempt's address is there and rank 0 never comes: rank 1 fails at the timeout, naming the way out."""
+    """Only a dead attempt's address is there and rank 0 never comes: rank 1 fails at the timeout, naming the fix."""
     from optimum_parallel.mesh import rendezvous
 
     agent_store.set("optimum_parallel/rendezvous/rank0", f"127.0.0.1:{_closed_port()}:deadtoken")
