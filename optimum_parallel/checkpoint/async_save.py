@@ -7,8 +7,12 @@ the thread then runs the blocking save's own `write` and `publish` (`save.Planne
 their index and checksums are the blocking save's, byte for byte, written into `.<name>.partial` and renamed last.
 
 - A thread, not a process: the writing is `os.write`, sha256 and crc32, which release the GIL on buffers this
-  size, and the snapshot is already in this process's memory (a process would need it in shared memory: a second
-  copy, or the snapshot made there); `scripts/bench_checkpoint.py` measures the steps during the write.
+  size, and the snapshot is already in this process's memory. Measured (scripts/bench_checkpoint.py, 0.5B at tp=2,
+  2 runs): at the same nice 19, steps beside the thread ran 0.96-0.98x the steps without a write, beside a process
+  doing the same writing from shared memory 0.98-1.02x, and the thread finished in 54 s against 75-105 s.
+- The thread runs at nice 19: at normal priority it halves training's share of the cores (steps 1.73-1.87x, total
+  15-23 s); at SCHED_IDLE steps were not slower (0.72-0.81x: noise) but the write took 86-95 s, and on a machine
+  that never idles it could starve.
 - One save in flight per process: any save (blocking or not) first waits for the one in flight and raises its error,
   so at most one snapshot is held; it is freed as soon as its files are written, before the rename.
 - The thread exchanges on a gloo group of its own (made once, like torch DCP's async_save does), never on the groups
@@ -38,9 +42,9 @@ if TYPE_CHECKING:
 
 _ALIGN = 64  # each tensor's copy starts on a cache line (and on its dtype's alignment)
 _PENDING: AsyncCheckpoint | None = None
-# How the writer thread is scheduled against training ("idle": SCHED_IDLE, it runs when a core would idle; "nice":
-# nice 19; "normal"): scripts/bench_checkpoint.py measures the three.
-WRITER_POLICY = "idle"
+# How the writer thread is scheduled against training ("nice": nice 19; "idle": SCHED_IDLE, it runs only when a core
+# would idle; "normal"): scripts/bench_checkpoint.py measures the three (see the docstring).
+WRITER_POLICY = "nice"
 _GROUP: list = [None, None]  # [the default group it was made in, the background thread's group]
 
 
@@ -148,7 +152,7 @@ def _snapshot(save: PlannedSave) -> tuple[dict[str, list], int, bool]:
 
 
 def _lower_priority(policy: str) -> None:
-    """Schedule the calling thread (Linux: per thread) after training's: SCHED_IDLE, or nice 19."""
+    """Schedule the calling thread (Linux: per thread) after training's: nice 19, or SCHED_IDLE."""
     try:
         if policy == "idle":
             os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
