@@ -30,6 +30,7 @@ import sys
 import time
 from pathlib import Path
 
+import torch
 from _common import proc_status_bytes, quiet_transformers, random_batch
 from _ranks import run_on_ranks
 
@@ -60,7 +61,7 @@ resource_tracker.unregister(shm._name, "shared_memory")  # the rank owns and unl
 view, sha, fd = shm.buf[:size], hashlib.sha256(), os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
 for start in range(0, size, 64 << 20):
     chunk = view[start : start + (64 << 20)]
-    sha.update(chunk); crc32(chunk); os.write(fd, chunk)
+    sha.update(chunk); crc32(chunk); os.write(fd, chunk); chunk.release()
 os.fsync(fd); os.close(fd); view.release(); shm.close()
 """
 
@@ -171,17 +172,13 @@ class _ProcessWrite:
     def __init__(self, tensors: list, path: Path) -> None:
         from multiprocessing import shared_memory
 
-        import torch
-
         size = sum(t.numel() * t.element_size() for t in tensors)
         self.shm = shared_memory.SharedMemory(create=True, size=max(size, 1))
-        flat = torch.frombuffer(self.shm.buf, dtype=torch.uint8, count=size)
         offset = 0
-        for t in tensors:
-            n = t.numel() * t.element_size()
-            flat[offset : offset + n].view(t.dtype).copy_(t.reshape(-1))
-            offset += n
-        del flat
+        for t in tensors:  # one copy each, through memoryviews released at once (no export left on the mapping)
+            data = memoryview(t.detach().contiguous().reshape(-1).view(torch.uint8).numpy())
+            self.shm.buf[offset : offset + len(data)] = data
+            offset += len(data)
         self.snapshot_bytes = size
         self.proc = subprocess.Popen([sys.executable, "-c", _WRITER, self.shm.name, str(size), str(path)])
         self.finished_at = None
@@ -194,11 +191,8 @@ class _ProcessWrite:
     def wait(self) -> None:
         self.proc.wait()
         self.done()
-        self.shm.unlink()  # the memory goes once the last mapping does
-        try:
-            self.shm.close()
-        except BufferError:  # a tensor view of it is still alive: it is unmapped with that view
-            pass
+        self.shm.close()
+        self.shm.unlink()
 
 
 def _process_writer(model, optimizer, directory: Path, rank: int) -> _ProcessWrite:
