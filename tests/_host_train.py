@@ -1,6 +1,7 @@
 """A small training job for the several-hosts tests, run under torchrun (one host or several).
 
     torchrun ... _host_train.py HF_DIR OUT --dp 2 --tp 2 [--pp 1] [--steps 6] [--save-every 2] [--trainer]
+                                [--async-save]
 
 Custom loop (default): AdamW and a linear LR schedule, each step's global batch a function of the step (so a resumed
 run sees the data it would have seen), every `--save-every` steps a sharded checkpoint `OUT/checkpoint-<step>`; at the
@@ -12,8 +13,11 @@ final weights go to `OUT/final` (sharded).
 whose gloo interface is `dev` SIGKILL themselves after step s, writing the time to `OUT/killed-rank<r>`; a survivor
 whose collective fails writes the time and the error to `OUT/failed-rank<r>-attempt<a>` before it exits.
 
-`CRASH_IN_SAVE=point:n@r` (custom loop): rank r SIGKILLs itself the n-th time it reaches the crash point `point`
-(`optimum_parallel.checkpoint.crash`) inside the save of the last checkpoint.
+`KILL_RANK_AT_STEP=r:s`: in the first attempt rank r SIGKILLs itself after step s (one machine, `--standalone`).
+
+`CRASH_IN_SAVE=point:n@r`: in the first attempt, rank r SIGKILLs itself the n-th time it reaches the crash point
+`point` (`optimum_parallel.checkpoint.crash`) inside the save of the last checkpoint, or of step `CRASH_IN_SAVE_STEP`
+(with `--async-save`, in its background write).
 """
 
 from __future__ import annotations
@@ -44,14 +48,21 @@ def batch_for(step: int, vocab: int) -> dict[str, torch.Tensor]:
 def maybe_lose_this_host(out: Path, step: int) -> None:
     kill_at, host = os.environ.get("KILL_HOST_AT_STEP"), os.environ.get("KILL_HOST_IFNAME")
     first_attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"  # a host whose ranks failed: >= 1
-    if kill_at and first_attempt and int(kill_at) == step and os.environ.get("GLOO_SOCKET_IFNAME") == host:
+    this_host = kill_at and int(kill_at) == step and os.environ.get("GLOO_SOCKET_IFNAME") == host
+    rank, _, at = os.environ.get("KILL_RANK_AT_STEP", "").partition(":")
+    this_rank = rank and int(rank) == dist.get_rank() and int(at) == step
+    if first_attempt and (this_host or this_rank):
         (out / f"killed-rank{dist.get_rank()}").write_text(str(time.time()))
         os.kill(os.getpid(), signal.SIGKILL)
 
 
 def arm_crash_in_save(step: int, last_save: int) -> None:
+    """In the first attempt, arm the crash point of `CRASH_IN_SAVE` in the save of step `CRASH_IN_SAVE_STEP`
+    (default: the last save)."""
     point, _, rank = os.environ.get("CRASH_IN_SAVE", "").partition("@")
-    if point and step == last_save and int(rank) == dist.get_rank():
+    at = int(os.environ.get("CRASH_IN_SAVE_STEP", last_save))
+    first_attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
+    if point and first_attempt and step == at and int(rank) == dist.get_rank():
         from optimum_parallel.checkpoint.crash import CRASH_ENV
 
         os.environ[CRASH_ENV] = point
@@ -98,7 +109,8 @@ def custom_loop(args: argparse.Namespace) -> list[float]:
         losses.append(loss.item())
         if step % args.save_every == 0:
             arm_crash_in_save(step, args.steps - args.steps % args.save_every)
-            parallelizer.save_model_checkpoint(model, Path(args.out) / f"checkpoint-{step}", optimizer=optimizer)
+            path = Path(args.out) / f"checkpoint-{step}"
+            parallelizer.save_model_checkpoint(model, path, optimizer=optimizer, async_save=args.async_save)
         maybe_lose_this_host(Path(args.out), step)
     parallelizer.save_model_checkpoint(model, Path(args.out) / "final")
     return losses
@@ -129,8 +141,9 @@ def trainer_run(args: argparse.Namespace) -> list[float]:
             if logs and "loss" in logs:
                 self.losses.append(logs["loss"])
 
-        def on_step_end(self, targs, state, control, **kw):
+        def on_step_end(self, targs, state, control, **kw):  # before the Trainer saves this step's checkpoint
             maybe_lose_this_host(Path(args.out), state.global_step)
+            arm_crash_in_save(state.global_step, args.steps - args.steps % args.save_every)
 
     record = Record()
     targs = ParallelTrainingArguments(
@@ -149,6 +162,7 @@ def trainer_run(args: argparse.Namespace) -> list[float]:
         seed=3,
         ddp_timeout=30,
         disable_tqdm=True,
+        async_save=args.async_save,
     )
     vocab = AutoConfig.from_pretrained(args.hf_dir).vocab_size
     trainer = ParallelTrainer(
@@ -172,6 +186,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=6)
     parser.add_argument("--save-every", type=int, default=2)
     parser.add_argument("--trainer", action="store_true")
+    parser.add_argument("--async-save", action="store_true", help="checkpoints written in the background")
     parser.add_argument("--timeout", type=int, default=30, help="the mesh's collective timeout in seconds")
     args = parser.parse_args()
     torch.set_num_threads(1)

@@ -1,7 +1,7 @@
 """Two real network hosts on one machine: Linux network namespaces joined by a veth pair (10.77.0.1 <-> 10.77.0.2).
 
 Each host runs its own `torchrun --nnodes 2 --rdzv-backend c10d` agent on its own address; nothing leaves the
-machine (and `TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1`, see AGENT_ENV). Namespaces share the machine's hostname, so
+machine (`TORCH_DISABLE_SHARE_RDZV_TCP_STORE` unset, see AGENT_ENV). Namespaces share the machine's hostname, so
 the agents name their address (`--local-addr`), the first one hosts the rendezvous store
 (`--rdzv-conf is_host=true`), and gloo is told its interface (`GLOO_SOCKET_IFNAME`). Needs root and iproute2
 (`ip`); `make_hosts` raises `HostsUnavailable` with the reason otherwise.
@@ -24,9 +24,10 @@ TORCHRUN = [sys.executable, "-m", "torch.distributed.run"]
 SUBNET = "10.77.0"
 _ports = itertools.count(29600)
 # torchrun's agents share their rendezvous store with the workers by default, and it outlives a restart
-# (`--max-restarts`) with the previous attempt's keys: gloo then connects to dead peers. Unshared, rank 0 of each
-# attempt starts a store of its own.
-AGENT_ENV = ["TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1"]
+# (`--max-restarts`) with the previous attempt's keys; `init_mesh` / `ParallelTrainingArguments` form each attempt's
+# group on a store of its own (optimum_parallel/mesh/rendezvous.py), so the agents run without
+# TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 (which a user could forget): it is unset here.
+AGENT_ENV = ["-u", "TORCH_DISABLE_SHARE_RDZV_TCP_STORE"]
 
 
 class HostsUnavailable(RuntimeError):
@@ -105,7 +106,7 @@ class Hosts:
         agents, files = [], []
         logs.mkdir(parents=True, exist_ok=True)
         for i, (ns, dev, addr) in enumerate(zip(self.namespaces, self.interfaces, self.addresses, strict=True)):
-            command = ["ip", "netns", "exec", ns, "env", f"GLOO_SOCKET_IFNAME={dev}", *AGENT_ENV, *TORCHRUN]
+            command = ["ip", "netns", "exec", ns, "env", *AGENT_ENV, f"GLOO_SOCKET_IFNAME={dev}", *TORCHRUN]
             command += ["--nnodes", "2", "--nproc-per-node", str(nproc), "--rdzv-backend", "c10d"]
             command += ["--rdzv-endpoint", f"{self.addresses[0]}:{port}", "--rdzv-id", job_id]
             command += ["--rdzv-conf", f"is_host={'true' if i == 0 else 'false'}", "--local-addr", addr, *extra]

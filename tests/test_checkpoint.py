@@ -394,6 +394,97 @@ def test_damaged_or_mismatched_checkpoint_fails_every_rank(pool, hf_dir, saved, 
         assert "saved at tp=2, pp=1, but the running mesh has tp=4, pp=1; convert it first" in error
 
 
+# ----------------------------------------------------------------------------------------------- async saves
+
+
+def async_against_blocking(hf_dir: str, out: str, level: int) -> dict:
+    """dp=2 x tp=2 at sharding `level`: 2 steps, a blocking save and an async one of the same state; training goes on
+    (a step that changes every weight) while the async save is written, then its handle is waited for. The next
+    async save waits for this one (one in flight) and both are complete once `wait_for_pending_save` returns."""
+    import optimum_parallel as op
+    from optimum_parallel.checkpoint import AsyncCheckpoint, wait_for_pending_save
+    from optimum_parallel.engine.data_parallel import DataParallelConfig, apply_data_parallel
+
+    parallelizer, model, optimizer = _setup(hf_dir, 2)
+    model, optimizer = apply_data_parallel(model, optimizer, op.get_mesh(), DataParallelConfig(sharding_level=level))
+    batch = make_batch(model.config)
+    for _ in range(2):
+        train_step(model, optimizer, batch)
+    parallelizer.save_model_checkpoint(model, f"{out}/blocking", optimizer=optimizer)
+    handle = parallelizer.save_model_checkpoint(model, f"{out}/async", optimizer=optimizer, async_save=True)
+    assert isinstance(handle, AsyncCheckpoint)
+    losses = [train_step(model, optimizer, batch) for _ in range(2)]  # while the files are written
+    path = handle.wait()
+    first = parallelizer.save_model_checkpoint(model, f"{out}/next", optimizer=optimizer, async_save=True)
+    second = parallelizer.save_model_checkpoint(model, f"{out}/after", optimizer=optimizer, async_save=True)
+    in_flight = [first.done(), wait_for_pending_save() == second.path, second.done()]
+    return {"path": str(path), "losses": losses, "in_flight": in_flight, "snapshot": handle.snapshot_bytes}
+
+
+@pytest.mark.parametrize("level", [0, 1, 3])
+def test_async_save_writes_the_blocking_save_bytes(pool, hf_dir, tmp_path, level):
+    """The same files, index and checksums, byte for byte, at every sharding level (ZeRO-1 consolidated, FSDP2
+    gathered in the step); the step taken during the write changes the weights, not the checkpoint. The largest
+    snapshot is what the memory planner counts for async saves (plus each tensor's 64-byte alignment)."""
+    from optimum_parallel.checkpoint import verify_checkpoint
+    from optimum_parallel.planning.memory_planner import estimate_memory
+
+    results = pool.run(async_against_blocking, hf_dir, str(tmp_path), level)
+    assert all(r["path"] == str(tmp_path / "async") and r["in_flight"] == [True, True, True] for r in results), results
+    blocking, written = tmp_path / "blocking", tmp_path / "async"
+    verify_checkpoint(written)
+    names = sorted(p.name for p in blocking.iterdir())
+    assert names == sorted(p.name for p in written.iterdir()) and "optimizer-pp00-tp01.safetensors" in names
+    assert all((blocking / n).read_bytes() == (written / n).read_bytes() for n in names), "bytes differ"
+    assert (tmp_path / "next" / "COMPLETE").exists() and (tmp_path / "after" / "COMPLETE").exists()
+    assert not list(tmp_path.glob(".*.partial"))
+    planned = estimate_memory(tiny_config("llama", **CONFIG), tp=2, dp=2, sharding_level=level, dtype="fp32",
+                              async_save=True).snapshot  # fmt: skip
+    assert planned <= max(r["snapshot"] for r in results) <= planned * 1.01, (planned, results)
+
+
+def async_error(hf_dir: str, out: str) -> dict:
+    """An async save whose background write fails on rank 1 only (an extra file it cannot create): its error is
+    raised on every rank by the next save (never lost), once; that save is not made, the one after is."""
+    from optimum_parallel.checkpoint import wait_for_pending_save
+
+    parallelizer, model, optimizer = _setup(hf_dir, 2)
+    train_step(model, optimizer, make_batch(model.config))
+    parallelizer.save_model_checkpoint(model, f"{out}/good", optimizer=optimizer)
+    extra = {"missing-dir/file": b"x"} if dist.get_rank() == 1 else {}
+    from optimum_parallel.checkpoint import save_model_checkpoint
+
+    handle = save_model_checkpoint(model, f"{out}/good", optimizer=optimizer, async_save=True, extra_files=extra)
+    errors = []
+    for attempt in ("next save", "handle"):
+        try:
+            if attempt == "next save":
+                parallelizer.save_model_checkpoint(model, f"{out}/not-made", optimizer=optimizer, async_save=True)
+            else:
+                handle.wait()
+        except Exception as err:  # noqa: BLE001
+            errors.append(f"{type(err).__name__}: {err}")
+    after = parallelizer.save_model_checkpoint(model, f"{out}/after", optimizer=optimizer, async_save=True).wait()
+    return {"errors": errors, "after": str(after), "pending": wait_for_pending_save()}
+
+
+def test_async_save_error_is_raised_on_every_rank(pool, hf_dir, tmp_path):
+    from optimum_parallel.checkpoint import find_last_checkpoint, verify_checkpoint
+
+    results = pool.run(async_error, hf_dir, str(tmp_path))
+    for rank, result in enumerate(results):
+        assert len(result["errors"]) == 2, (rank, result)
+        if rank == 1:
+            assert all(e.startswith("FileNotFoundError: ") and "missing-dir/file" in e for e in result["errors"])
+        else:
+            assert all(e.startswith("RuntimeError: writing shards into") and "rank 1: FileNotFoundError" in e
+                       for e in result["errors"]), result  # fmt: skip
+        assert result["after"] == str(tmp_path / "after") and result["pending"] is None
+    verify_checkpoint(tmp_path / "good")  # the failed save into the same name left the previous one whole
+    assert not (tmp_path / "not-made").exists() and not list(tmp_path.glob(".*.partial"))
+    assert find_last_checkpoint(tmp_path) is None  # no checkpoint-<step> here: only the names above
+
+
 # ----------------------------------------------------------------------------------------------- SIGKILL mid-save
 
 

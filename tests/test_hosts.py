@@ -3,6 +3,9 @@ rendezvous): two hosts x 2 ranks train the same losses and write the same checkp
 host of 4 ranks (dp=2 x tp=2, pp=2 x tp=2, ParallelTrainer); a lost host ends the job within the mesh timeout and
 `torchrun --max-restarts 1` brings it back from the last complete checkpoint to the same final weights, bit for bit;
 a rank of either host SIGKILLed inside a sharded save leaves the previous checkpoint complete, byte for byte.
+On one machine (`torchrun --standalone --max-restarts 1`, no namespaces needed): a ParallelTrainer job at tp=2 with a
+rank SIGKILLed at step 5 of 8 restarts and ends bit-identical, 5 runs in 5, and so does one killed inside an async
+save's background write; all of it with TORCH_DISABLE_SHARE_RDZV_TCP_STORE unset.
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ from _models import build_model, tiny_config
 
 SCRIPT = str(Path(__file__).parent / "_host_train.py")
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(Path(__file__).parent.parent)}
+ENV.pop("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", None)  # restarts work without it (optimum_parallel/mesh/rendezvous.py)
 STEPS, SAVE_EVERY = 4, 2
 CHECKPOINTS = [f"checkpoint-{s}" for s in range(SAVE_EVERY, STEPS + 1, SAVE_EVERY)] + ["final"]
 LAYOUTS = {"dp2-tp2": ["--dp", "2", "--tp", "2"], "pp2-tp2": ["--pp", "2", "--tp", "2"]}
@@ -128,6 +132,58 @@ def test_lost_host_restarts_from_last_checkpoint(hosts, hf_dir, reference, tmp_p
     resumed = {rank: losses[-(STEPS - 2) :] for rank, losses in _losses(one).items()}  # steps 3 and 4 again
     assert _losses(out) == resumed
     _assert_same_checkpoints(out, one, ["final"])
+
+
+# ----------------------------------------------------------------------------------------------- one machine, restarts
+
+RESTART_STEPS = ["--tp", "2", "--steps", "8", "--save-every", "2", "--trainer"]
+
+
+def standalone(hf_dir: str, out: Path, *extra: str, env: dict | None = None) -> subprocess.CompletedProcess:
+    """`torchrun --standalone --max-restarts 1 --nproc-per-node 2` of the ParallelTrainer job (tp=2, 8 steps,
+    save_steps=2, resuming from the last complete checkpoint when there is one)."""
+    command = [*TORCHRUN, "--standalone", "--max-restarts", "1", "--nproc-per-node", "2", SCRIPT, hf_dir, str(out)]
+    result = subprocess.run(
+        command + RESTART_STEPS + list(extra), env={**ENV, **(env or {})}, capture_output=True, text=True, timeout=300
+    )
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert "TORCH_DISABLE_SHARE_RDZV_TCP_STORE" not in result.stdout + result.stderr
+    return result
+
+
+@pytest.fixture(scope="module")
+def uninterrupted_tp2(hf_dir, tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("uninterrupted-tp2")
+    standalone(hf_dir, out)
+    return out
+
+
+def _assert_resumed_from(out: Path, reference: Path, step: int) -> None:
+    """The first attempt died (rank 1 SIGKILLed), the second resumed from checkpoint-<step> and ended bit-identical."""
+    assert (out / "killed-rank1").exists() or list(out.glob("failed-rank*-attempt0")), sorted(os.listdir(out))
+    losses = {p.name: json.loads(p.read_text()) for p in sorted(out.glob("losses-rank*-attempt1.json"))}
+    expected = json.loads((reference / "losses-rank0-attempt0.json").read_text())[step:]
+    assert len(losses) == 2 and all(v == expected for v in losses.values()), (losses, expected)
+    _assert_same_checkpoints(out, reference, ["final", "checkpoint-8"])
+
+
+@pytest.mark.parametrize("run", range(5))
+def test_restart_on_one_machine_needs_no_variable(hf_dir, uninterrupted_tp2, tmp_path, run):
+    """The job of the issue: rank 1 SIGKILLed after step 5 of 8; the restarted attempt forms its groups (no gloo
+    connect timeout), resumes from checkpoint-4 and ends with the uninterrupted run's weights, bit for bit."""
+    out = tmp_path / "restarted"
+    standalone(hf_dir, out, env={"KILL_RANK_AT_STEP": "1:5"})
+    _assert_resumed_from(out, uninterrupted_tp2, 4)
+
+
+def test_killed_during_async_save_restarts_from_last_complete(hf_dir, uninterrupted_tp2, tmp_path):
+    """async_save=True: rank 1 SIGKILLed inside the background write of checkpoint-6 (its 5th tensor) while rank 0
+    trains on; the restart skips the partial checkpoint-6, resumes from checkpoint-4, and ends bit-identical."""
+    out = tmp_path / "async"
+    env = {"CRASH_IN_SAVE": "tensor:5@1", "CRASH_IN_SAVE_STEP": "6"}
+    result = standalone(hf_dir, out, "--async-save", env=env)
+    assert "async save of" in result.stdout, result.stdout[-2000:]
+    _assert_resumed_from(out, uninterrupted_tp2, 4)
 
 
 # (layout, crash point "name:n" in the save of checkpoint-4, the rank that dies): host 0 holds ranks 0-1, host 1

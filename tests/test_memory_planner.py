@@ -287,6 +287,25 @@ def test_nothing_fits_and_bad_arguments():
         planner.suggest(2, GIB, Workload(), reserve=1.5)
 
 
+def test_async_save_snapshot_is_counted_apart(tmp_path):
+    """--async-save adds the writing rank's snapshot (its whole weights and AdamW state, whatever the sharding level)
+    as host memory beside the total; the total does not change (tests/test_checkpoint.py checks it against a save)."""
+    from click.testing import CliRunner
+
+    from optimum_parallel.cli import main
+
+    config = LlamaConfig(**TINY)
+    for level in (0, 3):
+        off = estimate_memory(config, tp=2, dp=2, sharding_level=level, dtype="fp32")
+        on = estimate_memory(config, tp=2, dp=2, sharding_level=level, dtype="fp32", async_save=True)
+        whole = estimate_memory(config, tp=2, dp=2, dtype="fp32")
+        assert off.snapshot == 0 and on.total == off.total
+        assert on.snapshot == whole.parameters + whole.optimizer_state and any("async save" in n for n in on.notes)
+    config.save_pretrained(tmp_path)
+    result = CliRunner().invoke(main, ["estimate-memory", str(tmp_path), "--tp", "2", "--dp", "2", "--async-save"])
+    assert result.exit_code == 0 and "async save snapshot (host memory)" in result.output, result.output
+
+
 def test_names_that_moved_out_still_import_from_memory_planner():
     from optimum_parallel.planning import activations, memory_planner, memory_text, workload
 

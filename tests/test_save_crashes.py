@@ -1,9 +1,11 @@
-"""A rank SIGKILLed at 20 points inside a sharded save (tensor writes, file closes, config, index, rename) never
-loses the previous checkpoint: `find_last_checkpoint` returns a complete one (the previous, or the new one once it
-was renamed into place), every byte of it verifies and equals an uninterrupted save, and the interrupted save is
-ignored with a warning naming it. The crash points are `optimum_parallel.checkpoint.crash.crash_point` calls,
-armed through `OPTIMUM_PARALLEL_CRASH_AT` in the rank that is to die; the other rank is then killed too, as torchrun
-would. Two gloo ranks (tp=2) forked from the test workers' server (`_pool.forkserver_context`).
+"""A rank SIGKILLed at 20 points inside a sharded save (tensor writes, file closes, config, index, rename), and at 17
+inside an async one (its snapshot in the step, and the background write: tensors, files, the extra files, the
+exchange, config, index, rename) never loses the previous checkpoint: `find_last_checkpoint` returns a complete one
+(the previous, or the new one once it was renamed into place), every byte of it verifies and equals an uninterrupted
+save, and the interrupted save is ignored with a warning naming it. The crash points are
+`optimum_parallel.checkpoint.crash.crash_point` calls, armed through `OPTIMUM_PARALLEL_CRASH_AT` in the rank that is
+to die; the other rank is then killed too, as torchrun would. Two gloo ranks (tp=2) forked from the test workers'
+server (`_pool.forkserver_context`).
 """
 
 from __future__ import annotations
@@ -41,6 +43,28 @@ POINTS = [  # rank 0 writes 21 model tensors then 63 optimizer tensors, rank 1 1
     ("published:1", 0, OVERWRITE),
     ("file:2", 1, OVERWRITE),
 ]
+# the second save is async (each rank adds an extra file, as the Trainer adds its RNG state): "snapshot" points are
+# in the step, the rest in the background thread while the main thread trains on ("gather:3": the background's
+# exchange of the written files, after the 2 in the step)
+ASYNC_POINTS = [
+    ("snapshot:1", 0, NEW),
+    ("snapshot:40", 1, NEW),
+    ("tensor:1", 0, NEW),
+    ("tensor:21", 0, NEW),
+    ("file:1", 0, NEW),
+    ("tensor:60", 0, NEW),
+    ("file:2", 0, NEW),
+    ("extra:1", 0, NEW),
+    ("tensor:9", 1, NEW),
+    ("extra:1", 1, NEW),
+    ("gather:3", 1, NEW),
+    ("config:1", 0, NEW),
+    ("index:1", 0, NEW),
+    ("publish:1", 0, NEW),
+    ("published:1", 0, NEW),
+    ("tensor:3", 0, OVERWRITE),
+    ("published:1", 0, OVERWRITE),
+]
 
 
 def _port() -> int:
@@ -49,8 +73,11 @@ def _port() -> int:
         return s.getsockname()[1]
 
 
-def _save_twice(rank: int, port: int, out: str, crash: str | None, crash_rank: int, target: str) -> None:
-    """Train a step, save checkpoint-1, train another, save into `target` (rank `crash_rank` dies at `crash`)."""
+def _save_twice(
+    rank: int, port: int, out: str, crash: str | None, crash_rank: int, target: str, async_save: bool = False
+) -> None:
+    """Train a step, save checkpoint-1, train another, save into `target` (rank `crash_rank` dies at `crash`); with
+    `async_save` the second save is async (with an extra file per rank) and a step is trained while it is written."""
     os.environ.update(RANK=str(rank), WORLD_SIZE="2", LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1")
     os.environ.update(MASTER_PORT=str(port), OMP_NUM_THREADS="1")
     torch.set_num_threads(1)
@@ -72,15 +99,27 @@ def _save_twice(rank: int, port: int, out: str, crash: str | None, crash_rank: i
         optimizer.zero_grad()
         if step == 2 and crash is not None and rank == crash_rank:
             os.environ[CRASH_ENV] = crash
-        parallelizer.save_model_checkpoint(model, Path(out) / (target if step == 2 else OVERWRITE), optimizer=optimizer)
+        path = Path(out) / (target if step == 2 else OVERWRITE)
+        if step == 2 and async_save:
+            extra = {f"rng_state_{rank}.pth": f"rank {rank}".encode()}
+            handle = op.checkpoint.save_model_checkpoint(
+                model, path, optimizer=optimizer, async_save=True, extra_files=extra
+            )
+            model(**batch).loss.backward()  # training goes on during the background write
+            handle.wait()
+        else:
+            parallelizer.save_model_checkpoint(model, path, optimizer=optimizer)
     torch.distributed.destroy_process_group()
 
 
-def _run(out: Path, crash: str | None = None, crash_rank: int = 0, target: str = NEW) -> list[int]:
+def _run(
+    out: Path, crash: str | None = None, crash_rank: int = 0, target: str = NEW, async_save: bool = False
+) -> list[int]:
     """Both ranks; once the crashing rank died, the other is killed (as torchrun would). Their exit codes."""
     ctx = forkserver_context()
     port = _port()
-    procs = [ctx.Process(target=_save_twice, args=(r, port, str(out), crash, crash_rank, target)) for r in (0, 1)]
+    args = (str(out), crash, crash_rank, target, async_save)
+    procs = [ctx.Process(target=_save_twice, args=(r, port, *args)) for r in (0, 1)]
     for p in procs:
         p.start()
     procs[crash_rank].join(120)
@@ -107,11 +146,33 @@ def uninterrupted(tmp_path_factory) -> dict[str, dict[str, bytes]]:
     return {"first": _checkpoint_files(out / NEW.replace("2", "1")), "second": _checkpoint_files(out / NEW)}
 
 
+@pytest.fixture(scope="module")
+def uninterrupted_async(tmp_path_factory, uninterrupted) -> dict[str, dict[str, bytes]]:
+    """The same two saves, the second async: its files are the blocking save's, plus each rank's extra file."""
+    out = tmp_path_factory.mktemp("uninterrupted-async")
+    assert _run(out, async_save=True) == [0, 0]
+    second = _checkpoint_files(out / NEW)
+    extras = {f"rng_state_{r}.pth": f"rank {r}".encode() for r in (0, 1)}
+    assert second == {**uninterrupted["second"], **extras}, "an async save differs from a blocking one"
+    return {"first": _checkpoint_files(out / OVERWRITE), "second": second}
+
+
 @pytest.mark.parametrize(("point", "rank", "target"), POINTS, ids=[f"{p}@rank{r}->{t}" for p, r, t in POINTS])
 def test_crash_mid_save_keeps_last_checkpoint(uninterrupted, tmp_path, point, rank, target):
+    _check_crash(uninterrupted, tmp_path, point, rank, target, async_save=False)
+
+
+@pytest.mark.parametrize(
+    ("point", "rank", "target"), ASYNC_POINTS, ids=[f"{p}@rank{r}->{t}" for p, r, t in ASYNC_POINTS]
+)
+def test_crash_mid_async_save_keeps_last_checkpoint(uninterrupted_async, tmp_path, point, rank, target):
+    _check_crash(uninterrupted_async, tmp_path, point, rank, target, async_save=True)
+
+
+def _check_crash(uninterrupted, tmp_path, point: str, rank: int, target: str, async_save: bool) -> None:
     from optimum_parallel.checkpoint import find_last_checkpoint, verify_checkpoint
 
-    codes = _run(tmp_path, point, rank, target)
+    codes = _run(tmp_path, point, rank, target, async_save)
     assert codes[rank] == -9, f"rank {rank} never reached {point}: exit codes {codes}"
     renamed = point.startswith("published")  # the new directory was in place when the rank died
     interrupted = [p.name for p in tmp_path.iterdir() if p.name.endswith(".partial")]

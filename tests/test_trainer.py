@@ -195,6 +195,31 @@ def test_resume_after_the_step_3_save(runs, reference):
     assert not list(Path(runs["dir"] / "resumed_pp").glob(".checkpoint-*"))  # the resharded copy is removed
 
 
+def _checkpoint_files(directory: Path) -> dict[str, object]:
+    """A checkpoint's files, `trainer_state.json` without the timings its evaluations log."""
+    files: dict[str, object] = {p.name: p.read_bytes() for p in sorted(directory.iterdir()) if p.is_file()}
+    state = json.loads(files.pop("trainer_state.json"))
+    for entry in state["log_history"]:
+        for key in [k for k in entry if k.endswith(("_runtime", "_per_second"))]:
+            del entry[key]
+    return {**files, "trainer_state.json": state}
+
+
+def test_async_save_writes_the_same_checkpoints(pool, hf_dir, runs, tmp_path):
+    """async_save=True: the step-3 and step-6 checkpoints (model and optimizer shards, RNG, scheduler, trainer state)
+    are the blocking run's files, byte for byte; the curve is the same; `train()` returns with the last one in
+    place and `save_model()` writes the same consolidated checkpoint."""
+    out = tmp_path / "async"
+    curves = pool.run(train_parallel, hf_dir, str(out), 2, consolidate=True, async_save=True)
+    assert curves[0] == runs["uninterrupted"][0]
+    for step in (SAVE_AT, 2 * SAVE_AT):
+        name = f"checkpoint-{step}"
+        assert _checkpoint_files(out / name) == _checkpoint_files(runs["dir"] / "full" / name), name
+    consolidated = sorted(p.name for p in (runs["dir"] / "full").glob("*.safetensors"))
+    assert consolidated and all((out / n).read_bytes() == (runs["dir"] / "full" / n).read_bytes() for n in consolidated)
+    assert not list(out.glob(".*"))  # no partial directory left
+
+
 VARIANTS = {
     "zero1": {"sharding_level": 1, "save_strategy": "no"},
     "fsdp": {"sharding_level": 3, "save_strategy": "no"},

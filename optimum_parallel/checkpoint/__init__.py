@@ -5,6 +5,7 @@ pure CPU functions of its files, and loading checks every byte against the index
 """
 
 from ..io.errors import CheckpointError
+from .async_save import AsyncCheckpoint, wait_for_pending_save
 from .consolidate import consolidate_checkpoint
 from .integrity import verify_checkpoint
 from .latest import find_last_checkpoint
@@ -14,6 +15,7 @@ from .reshard import reshard_checkpoint
 from .save import save_model_checkpoint
 
 __all__ = [
+    "AsyncCheckpoint",
     "CheckpointError",
     "CheckpointIndex",
     "consolidate_checkpoint",
@@ -23,4 +25,5 @@ __all__ = [
     "reshard_checkpoint",
     "save_model_checkpoint",
     "verify_checkpoint",
+    "wait_for_pending_save",
 ]

@@ -36,6 +36,7 @@ class RankInfo:
     cp: int = 0
     ep: int = 0  # the rank in its expert group (sizes has "ep" when the mesh splits experts)
     replica: int = 0  # the rank among the dp x cp ranks holding the same (pp, tp) parameters
+    group: dist.ProcessGroup | None = None  # where `gather` exchanges: None, the default group; an async save's own
 
     @property
     def writes_replica(self) -> bool:
@@ -57,6 +58,10 @@ class RankInfo:
         if not self.distributed:
             return [obj]
         crash_point("gather")
+        if self.group is not None:  # an async save's background thread: its own group, apart from training's
+            out: list = [None] * dist.get_world_size(self.group)
+            dist.all_gather_object(out, obj, group=self.group)
+            return out
         return ranks.all_gather_object(obj)  # on XLA through the store: the xla backend moves no pickles
 
     def run(self, fn: Callable[[], T], what: str, only_main: bool = False) -> list[T]:

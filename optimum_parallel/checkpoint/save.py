@@ -13,9 +13,12 @@ Assumes the output directory is on a filesystem every rank sees.
 from __future__ import annotations
 
 import json
+import math
+import os
 import shutil
 import warnings
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -25,12 +28,19 @@ from torch import nn
 from ..io.safetensors_io import SafetensorsWriter, dtype_from_name
 from ..mesh import get_mesh
 from ..mesh.loaded import is_dtensor
+from .async_save import (
+    AsyncCheckpoint,
+    background_group,
+    check_async_supported,
+    start_async_save,
+    wait_for_pending_save,
+)
 from .atomic import partial_dir, publish
 from .collect import LocalTensor, is_zero1, model_tensors, optimizer_parts, optimizer_tensors
 from .consolidate import DEFAULT_MAX_SHARD_SIZE, write_hf_checkpoint
 from .crash import crash_point
 from .metadata import CheckpointIndex, TensorEntry, model_file, optimizer_file, write_index
-from .ranks import current_rank
+from .ranks import RankInfo, current_rank
 from .sharding import entries_from_specs
 
 
@@ -60,9 +70,10 @@ def _in_order(
 
 
 def _write_rank_file(
-    path: Path, entries: Mapping[str, TensorEntry], local: Mapping[str, LocalTensor], coords: dict, dense_file: str
+    path: Path, entries: Mapping[str, TensorEntry], values: Iterable[tuple[object, torch.Tensor]], coords: dict
 ) -> dict:
-    """Write the shards this rank stores into `path`: {"size", "sha256", "crc32": {key: crc}}."""
+    """Write the shards this rank stores into `path` from `values` ((shard, tensor) in the index order: the live
+    tensors of a blocking save, or an async save's snapshot of them): {"size", "sha256", "crc32": {key: crc}}."""
     mine = _stored_here(path.name, entries)
     specs = [(s.key, dtype_from_name(e.dtype), e.local_shape(s)) for n, e, s in mine]
     layouts = {
@@ -78,7 +89,7 @@ def _write_rank_file(
     writer = SafetensorsWriter(path, specs, metadata)
     crcs = {}
     try:
-        for shard, value in _in_order(entries, local, path.name, dense_file, writes=True):
+        for shard, value in values:
             crcs[shard.key] = writer.write(shard.key, value)
             crash_point("tensor")
     except BaseException:
@@ -151,7 +162,136 @@ def check_expert_checkpoint(model: nn.Module, optimizer: torch.optim.Optimizer |
         )
 
 
-def save_model_checkpoint(
+@dataclass
+class PlannedSave:
+    """One save, planned on every rank (what each file holds, this rank's tensors, the temporary directory made):
+    `write` writes this rank's files, from the live tensors or from a snapshot of them, and `publish` (rank 0)
+    writes the configs and the index and renames the directory into place. A blocking save runs them in a row;
+    an async one (`async_save.py`) snapshots in the step and runs them in the background: the same code, the same
+    bytes."""
+
+    model: nn.Module
+    optimizer: torch.optim.Optimizer | None
+    rank: RankInfo
+    final: Path
+    tmp: Path
+    local: dict
+    entries: dict
+    state_entries: dict
+    optimizer_meta: dict | None
+    tied: dict
+    described: list
+    as_regular: bool
+    as_sharded: bool
+    trainable_only: bool
+    max_shard_size: int | str
+    progress: bool
+    extra_files: Mapping[str, bytes] = field(default_factory=dict)
+
+    @property
+    def coords(self) -> dict:
+        rank = self.rank
+        return {"dp_rank": rank.dp, "pp_rank": rank.pp, "tp_rank": rank.tp, "mesh": rank.sizes}
+
+    def files(self) -> list[tuple[str, dict, dict, str]]:
+        """(file name, index entries, this rank's tensors, its dense file) of every file this rank's shards go to
+        (it writes them if `rank.writes_experts`), model first, in the same order on every rank."""
+        rank, out = self.rank, []
+        for name, kind, table in ((model_file, "model", self.entries), (optimizer_file, "state", self.state_entries)):
+            if kind == "model" or self.optimizer is not None:
+                out.append((name(rank.pp, rank.tp, rank.ep), table, self.local[kind], name(rank.pp, rank.tp)))
+        return out
+
+    def shapes(self, file: str) -> list[tuple[str, torch.dtype, tuple[int, ...]]]:
+        """(key, dtype, shape) of every shard stored in `file`, in the file's order."""
+        table = self.entries if file.startswith("model-") else self.state_entries
+        return [(s.key, dtype_from_name(e.dtype), e.local_shape(s)) for _, e, s in _stored_here(file, table)]
+
+    def file_bytes(self) -> dict[str, int]:
+        """{file: bytes of its tensors} of every file of the checkpoint (what each writing rank holds in a snapshot)."""
+        sizes: dict[str, int] = {}
+        for table in (self.entries, self.state_entries):
+            for entry in table.values():
+                for shard in entry.shards:
+                    size = math.prod(entry.local_shape(shard)) * dtype_from_name(entry.dtype).itemsize
+                    sizes[shard.file] = sizes.get(shard.file, 0) + size
+        return sizes
+
+    def live_values(self, file: str) -> Iterator[tuple[object, torch.Tensor]]:
+        """(shard, tensor) of every shard of `file` this rank writes, straight from the model and optimizer (and
+        its part of the FSDP2 all-gathers: a collective walk, the same on every rank)."""
+        name, table, local, dense = next(f for f in self.files() if f[0] == file)
+        return _in_order(table, local, name, dense, writes=self.rank.writes_experts)
+
+    def write(self, values: Callable[[str], Iterable[tuple[object, torch.Tensor]]]) -> dict:
+        """Write this rank's files from `values(file)` and its extra files: {file: {"size", "sha256", "crc32"}}."""
+        written = {}
+        for file, table, _, _ in self.files():
+            if self.rank.writes_experts:
+                written[file] = _write_rank_file(self.tmp / file, table, values(file), self.coords)
+            else:
+                for _ in values(file):  # the collectives of the FSDP2 shards its replica writes
+                    pass
+        for name, data in self.extra_files.items():
+            _write_extra_file(self.tmp / name, data)
+        return written
+
+    def publish(self, results: list[dict]) -> None:
+        """Rank 0, once every rank wrote its files (`results`, in rank order): configs, index, marker, rename."""
+        files = {}
+        for description, result in zip(self.described, results, strict=True):
+            _, pp_rank, tp_rank = description["coords"]
+            for name, info in result.items():
+                kind = "model" if name.startswith("model-") else "optimizer"
+                files[name] = {"size": info["size"], "sha256": info["sha256"], "kind": kind}
+                files[name].update(pp_rank=pp_rank, tp_rank=tp_rank)
+                if description["ep"]:
+                    files[name]["ep_rank"] = description["ep"]
+                for entry in (self.entries if kind == "model" else self.state_entries).values():
+                    for shard in entry.shards:
+                        if shard.file == name:
+                            shard.crc32 = info["crc32"][shard.key]
+        index = CheckpointIndex(
+            mesh=dict(self.rank.sizes),
+            model_class=_model_class_name(self.model),
+            tensors=self.entries,
+            tied=self.tied,
+            files=files,
+            optimizer=self.optimizer_meta,
+            optimizer_tensors=self.state_entries,
+            extra={"trainable_only": True} if self.trainable_only else {},
+        )
+        _save_configs(self.model, self.tmp)
+        crash_point("config")
+        if self.as_regular:
+            write_hf_checkpoint(index, self.tmp, self.tmp, self.max_shard_size, self.progress)
+        if self.as_sharded:
+            write_index(self.tmp, index)
+        else:
+            for name in files:
+                (self.tmp / name).unlink()
+        publish(self.tmp, self.final)
+
+    def abandon(self) -> None:
+        """After a failure: rank 0 removes the temporary directory (the previous checkpoint is untouched)."""
+        if self.rank.is_main:
+            shutil.rmtree(self.tmp, ignore_errors=True)
+
+
+def _write_extra_file(path: Path, data: bytes) -> None:
+    """A small file the caller adds to the checkpoint (the Trainer's RNG, scheduler and state), synced like the rest."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    try:
+        view, done = memoryview(data), 0
+        while done < len(view):
+            done += os.write(fd, view[done:])
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    crash_point("extra")
+
+
+def plan_save(
     model: nn.Module,
     output_dir: str | Path,
     as_regular: bool = False,
@@ -161,22 +301,16 @@ def save_model_checkpoint(
     trainable_only: bool = False,
     max_shard_size: int | str = DEFAULT_MAX_SHARD_SIZE,
     progress: bool = False,
-) -> Path:
-    """Save `model` (and `optimizer` state) from every rank into `output_dir`; call it on every rank.
-
-    as_sharded: per-rank safetensors + self-describing index (reload with `load_model_checkpoint`).
-    as_regular: also a consolidated Hugging Face checkpoint in the same directory (`from_pretrained` loads it).
-    trainable_only: only the parameters that require a gradient (LoRA adapters over a frozen base the model was
-    built from): a small checkpoint that `load_model_checkpoint` loads into the same kind of model.
-    Every split parameter carries its ShardSpec (head counts included), so resharding needs nothing else.
-    """
+    extra_files: Mapping[str, bytes] | None = None,
+) -> PlannedSave:
+    """Every rank says what it holds, every rank plans the same files, rank 0 makes the temporary directory
+    (collective: call on every rank)."""
     if not (as_sharded or as_regular):
         raise ValueError("nothing to save: as_sharded and as_regular are both False")
     check_expert_checkpoint(model, optimizer, "save_model_checkpoint")
     rank = current_rank()
     final = Path(output_dir).absolute()
     tmp = partial_dir(final)
-    coords = {"dp_rank": rank.dp, "pp_rank": rank.pp, "tp_rank": rank.tp, "mesh": rank.sizes}
 
     local: dict = {}
 
@@ -210,59 +344,49 @@ def save_model_checkpoint(
         crash_point("prepare")
 
     rank.run(prepare, f"preparing {tmp}", only_main=True)
+    return PlannedSave(
+        model, optimizer, rank, final, tmp, local, entries, state_entries, optimizer_meta, tied, described,
+        as_regular, as_sharded, trainable_only, max_shard_size, progress, dict(extra_files or {}),
+    )  # fmt: skip
 
-    def write() -> dict:
-        written = {}
-        for name, kind, table in ((model_file, "model", entries), (optimizer_file, "state", state_entries)):
-            if kind == "model" or optimizer is not None:
-                file, dense = name(rank.pp, rank.tp, rank.ep), name(rank.pp, rank.tp)
-                if rank.writes_experts:
-                    written[file] = _write_rank_file(tmp / file, table, local[kind], coords, dense)
-                else:
-                    for _ in _in_order(table, local[kind], file, dense, writes=False):
-                        pass
-        return written
 
-    def finish() -> None:
-        files = {}
-        for description, result in zip(described, results, strict=True):
-            _, pp_rank, tp_rank = description["coords"]
-            for name, info in result.items():
-                kind = "model" if name.startswith("model-") else "optimizer"
-                files[name] = {"size": info["size"], "sha256": info["sha256"], "kind": kind}
-                files[name].update(pp_rank=pp_rank, tp_rank=tp_rank)
-                if description["ep"]:
-                    files[name]["ep_rank"] = description["ep"]
-                for entry in (entries if kind == "model" else state_entries).values():
-                    for shard in entry.shards:
-                        if shard.file == name:
-                            shard.crc32 = info["crc32"][shard.key]
-        index = CheckpointIndex(
-            mesh=dict(rank.sizes),
-            model_class=_model_class_name(model),
-            tensors=entries,
-            tied=tied,
-            files=files,
-            optimizer=optimizer_meta,
-            optimizer_tensors=state_entries,
-            extra={"trainable_only": True} if trainable_only else {},
-        )
-        _save_configs(model, tmp)
-        crash_point("config")
-        if as_regular:
-            write_hf_checkpoint(index, tmp, tmp, max_shard_size, progress)
-        if as_sharded:
-            write_index(tmp, index)
-        else:
-            for name in files:
-                (tmp / name).unlink()
-        publish(tmp, final)
+def save_model_checkpoint(
+    model: nn.Module,
+    output_dir: str | Path,
+    as_regular: bool = False,
+    as_sharded: bool = True,
+    optimizer: torch.optim.Optimizer | None = None,
+    *,
+    trainable_only: bool = False,
+    max_shard_size: int | str = DEFAULT_MAX_SHARD_SIZE,
+    progress: bool = False,
+    async_save: bool = False,
+    extra_files: Mapping[str, bytes] | None = None,
+) -> Path | AsyncCheckpoint:
+    """Save `model` (and `optimizer` state) from every rank into `output_dir`; call it on every rank.
 
+    as_sharded: per-rank safetensors + self-describing index (reload with `load_model_checkpoint`).
+    as_regular: also a consolidated Hugging Face checkpoint in the same directory (`from_pretrained` loads it).
+    trainable_only: only the parameters that require a gradient (LoRA adapters over a frozen base the model was
+    built from): a small checkpoint that `load_model_checkpoint` loads into the same kind of model.
+    async_save: copy this rank's shards to host memory now and write them in the background; returns an
+    `AsyncCheckpoint` whose `.wait()` returns the path once the checkpoint is in place (see `async_save.py`).
+    extra_files: {name: bytes} this rank adds to the checkpoint directory before it is renamed into place.
+    Every split parameter carries its ShardSpec (head counts included), so resharding needs nothing else.
+    A save, blocking or not, first waits for the async save still in flight (and raises its error).
+    """
+    wait_for_pending_save()
+    options = dict(trainable_only=trainable_only, max_shard_size=max_shard_size, progress=progress)
+    if async_save:
+        check_async_supported()
+        group = background_group()  # made before the plan: a collective of the default group
+        save = plan_save(model, output_dir, as_regular, as_sharded, optimizer, **options, extra_files=extra_files)
+        return start_async_save(save, group)
+    save = plan_save(model, output_dir, as_regular, as_sharded, optimizer, **options, extra_files=extra_files)
     try:
-        results = rank.run(write, f"writing shards into {tmp}")
-        rank.run(finish, f"publishing {final}", only_main=True)
+        results = save.rank.run(lambda: save.write(save.live_values), f"writing shards into {save.tmp}")
+        save.rank.run(lambda: save.publish(results), f"publishing {save.final}", only_main=True)
     except BaseException:
-        if rank.is_main:
-            shutil.rmtree(tmp, ignore_errors=True)
+        save.abandon()
         raise
-    return final
+    return save.final

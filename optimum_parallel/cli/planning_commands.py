@@ -157,6 +157,9 @@ def _explicit(ctx: click.Context, name: str) -> bool:
     help="Activation count in the total: Korthikanti et al. 2022 ('paper'), this engine's Llama count ('llama'), "
     "or 'llama' for Llama-style decoders and 'paper' otherwise.",
 )
+@click.option(
+    "--async-save", is_flag=True, help="Count the host memory of async checkpoint saves (a snapshot of the shards)."
+)
 @click.option("--suggest", is_flag=True, help="List the layouts that fit --devices of --memory GiB, best first.")
 @click.option("--devices", type=click.IntRange(min=1), default=None, help="Devices for --suggest.")
 @click.option(
@@ -190,6 +193,7 @@ def estimate_memory(
     master_weights: bool | None,
     attention: str,
     activation_method: str,
+    async_save: bool,
     suggest: bool,
     devices: int | None,
     memory: float | None,
@@ -238,6 +242,7 @@ def estimate_memory(
         master_weights=master_weights,
         attention=attention,
         activations=activation_method,
+        async_save=async_save,
     )
     planner = MemoryPlanner(_config(model))
     if suggest:

@@ -97,6 +97,8 @@ class ParallelRequest:
     mesh_sizes: Mapping[str, object] = field(default_factory=dict)
     batch_sizes: Mapping[str, int] = field(default_factory=dict)
     gradient_accumulation_steps: int = 1
+    async_save: bool = False  # checkpoints written in the background (the Trainer's save_steps)
+    push_to_hub: bool = False
     keys: RequestKeys = PARALLELIZER_KEYS
 
 

@@ -131,6 +131,13 @@ def check_settings(request: ParallelRequest) -> None:
             )
     if request.data_parallel is not None:
         check_data_parallel_config(request.data_parallel, keys)
+    if request.async_save and request.push_to_hub:
+        raise ValueError("async_save=True with push_to_hub=True is not supported; allowed there: async_save=False")
+    if request.async_save and devices.is_graph_device(request.device):
+        raise ValueError(
+            "async_save=True on an XLA device (its process groups have no gloo) is not supported; allowed there: "
+            "async_save=False"
+        )
 
 
 def _check_pipeline_settings(pipeline: PipelineRequest, keys: RequestKeys) -> None:

@@ -10,7 +10,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from ..checkpoint import load_model_checkpoint, save_model_checkpoint
+from ..checkpoint import AsyncCheckpoint, load_model_checkpoint, save_model_checkpoint
 from ..engine.capabilities import Capabilities
 from ..engine.compose import compose_model, optimizer_for_parallel_model
 from ..engine.data_parallel import DataParallelConfig
@@ -171,11 +171,14 @@ class Parallelizer:
         as_sharded: bool = True,
         optimizer: torch.optim.Optimizer | None = None,
         trainable_only: bool = False,
-    ) -> Path:
+        async_save: bool = False,
+    ) -> Path | AsyncCheckpoint:
         """Save a sharded checkpoint (per-rank safetensors + layout metadata) and/or a regular HF one.
 
         Call it on every rank. Every split parameter carries its shard spec, so the files reshard to any layout.
         `trainable_only`: just the parameters that train (LoRA adapters), for a model that rebuilds its frozen base.
+        `async_save`: copy the shards to host memory and write them in the background; returns a handle whose
+        `.wait()` returns the path once the checkpoint is in place (the next save waits for it too).
         """
         return save_model_checkpoint(
             model,
@@ -184,6 +187,7 @@ class Parallelizer:
             as_sharded=as_sharded,
             optimizer=optimizer,
             trainable_only=trainable_only,
+            async_save=async_save,
         )
 
     @classmethod

@@ -10,6 +10,7 @@ from datetime import timedelta
 import torch.distributed as dist
 
 from . import device as devices
+from . import rendezvous
 from .layout import ALIASES, EXPERT_DIM, GRID_DIMS, MeshLayout
 from .protocol import ParallelMesh
 
@@ -93,7 +94,8 @@ def _init_process_group(timeout: timedelta, device_type: str) -> None:
         os.environ.setdefault("RANK", "0")
         os.environ.setdefault("WORLD_SIZE", "1")
         devices.set_process_device(device_type)
-        dist.init_process_group(backend=devices.backend_for(device_type), timeout=timeout)
+        # restarts under torchrun's shared store need no TORCH_DISABLE_SHARE_RDZV_TCP_STORE (rendezvous.py)
+        rendezvous.init_process_group(devices.backend_for(device_type), timeout)
 
 
 def set_mesh(mesh: ParallelMesh) -> ParallelMesh:

@@ -345,7 +345,17 @@ class MemoryPlanner:
                 f"cp={layout.cp}: activations of seq/cp tokens per rank plus ring attention's 2 K/V blocks in flight "
                 "per layer; every cp rank holds the same parameters (sharding levels split them over dp x cp)"
             )
-        return MemoryEstimate(layout, workload, params, grads, state, buffers, activations, paper, llama, method, notes)
+        snapshot = 0.0
+        if workload.async_save:  # the writing rank holds its stage's whole shards (FSDP2 / ZeRO-1 gathered to it)
+            whole_params, _, whole_state = state_bytes(counts, layout, workload, 0)
+            snapshot = whole_params + whole_state
+            notes.append(
+                "async save: the writing rank's snapshot of its weights and optimizer state in host memory (pinned on "
+                "GPUs), one at a time, freed once written; not in the total (on a CPU it shares the same memory)"
+            )
+        return MemoryEstimate(
+            layout, workload, params, grads, state, buffers, activations, paper, llama, method, notes, snapshot
+        )
 
     # ---- suggestions
 

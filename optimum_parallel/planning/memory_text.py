@@ -76,6 +76,8 @@ def format_estimate(planner: MemoryPlanner, off: MemoryEstimate, on: MemoryEstim
     ]
     if off.activations_llama is not None:
         rows.append(["activations, Llama count", *(in_unit(e.activations_llama, scale) for e in columns)])
+    if off.snapshot:
+        rows.append(["async save snapshot (host memory)", *(in_unit(e.snapshot, scale) for e in columns)])
     lines += table(header, rows, align_numbers=True)
     notes = list(dict.fromkeys(n for e in columns for n in e.notes))
     if on is None and layout.tp > 1:

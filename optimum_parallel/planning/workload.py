@@ -102,6 +102,7 @@ class Workload:
     master_weights: bool | None = None  # default: True for 16-bit dtypes
     attention: str = "sdpa"
     activations: str = "auto"
+    async_save: bool = False  # checkpoints written in the background: a snapshot of the shards in host memory
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "dtype", parse_dtype(self.dtype))
@@ -145,6 +146,7 @@ class MemoryEstimate:
     activations_llama: float | None
     activation_method: str
     notes: list[str] = field(default_factory=list)
+    snapshot: float = 0.0  # host memory, not in `total`: an async save's copy of a writing rank's shards
 
     @property
     def total(self) -> float:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import os
 import shutil
+import tempfile
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -22,8 +23,11 @@ from accelerate.optimizer import AcceleratedOptimizer
 from accelerate.utils import recursively_apply
 from torch import nn
 from transformers import AutoModelForCausalLM, PreTrainedModel, Trainer
+from transformers.trainer_callback import ExportableState
+from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, SaveStrategy, rotate_checkpoints
 
-from ...checkpoint import find_last_checkpoint, read_index, reshard_checkpoint
+from ...checkpoint import find_last_checkpoint, read_index, reshard_checkpoint, save_model_checkpoint
+from ...checkpoint.async_save import AsyncCheckpoint, wait_for_pending_save
 from ...checkpoint.ranks import current_rank
 from ...engine.compose import compose_model, compose_training, optimizer_for_parallel_model
 from ...engine.grad_norm import clip_grad_norm_
@@ -128,6 +132,7 @@ class ParallelTrainer(Trainer):
             optimizer = optimizer_for_parallel_model(optimizer, parallel_state(plan_root(model)).param_map)
         self._pipeline = parallel_state(plan_root(model)).pipeline
         self._resume_dir: tuple[str, Path] | None = None
+        self._async_checkpoint: AsyncCheckpoint | None = None  # the checkpoint written in the background now
         super().__init__(model=model, args=args, optimizers=(optimizer, scheduler), **kwargs)
         # The model owns its placement and gradient reduction: accelerate must neither DDP-wrap nor move it.
         self.is_distributed_loading_by_transformers = True
@@ -316,7 +321,72 @@ class ParallelTrainer(Trainer):
             if found is None and resume_from_checkpoint is True:
                 raise ValueError(f"No valid checkpoint found in output directory ({self.args.output_dir})")
             resume_from_checkpoint = None if found is None else str(found)
-        return super().train(resume_from_checkpoint, *args, **kwargs)
+        output = super().train(resume_from_checkpoint, *args, **kwargs)
+        self._wait_for_checkpoint()  # the last async checkpoint is in place (or its error raised) when train returns
+        return output
+
+    @private_override
+    def _save_checkpoint(self, model: nn.Module, trial) -> None:
+        """With `async_save`: the same checkpoint, its files snapshotted now and written in the background (the model
+        and optimizer shards, and the Trainer's RNG, scheduler, scaler and state files, made here in memory and
+        written into the directory before it is renamed into place). The previous one is waited for first."""
+        if not self.args.async_save:
+            return super()._save_checkpoint(model, trial)
+        self._wait_for_checkpoint()
+        if self.hp_search_backend is None and trial is None:
+            self.store_flos()
+        run_dir = self._get_output_dir(trial=trial)
+        output_dir = os.path.join(run_dir, f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}")
+        if self.args.save_strategy in (SaveStrategy.STEPS, SaveStrategy.EPOCH, SaveStrategy.BEST):
+            best = self.state.best_global_step and os.path.join(
+                run_dir, f"{PREFIX_CHECKPOINT_DIR}-{self.state.best_global_step}"
+            )
+            if best and (best == output_dir or os.path.exists(best)):  # this one is in place once written
+                self.state.best_model_checkpoint = best
+        optimizer = None if self.args.save_only_model else _inner(self.optimizer)
+        self._async_checkpoint = save_model_checkpoint(
+            self.model,
+            output_dir,
+            optimizer=optimizer,
+            trainable_only=self._adapters_only,
+            async_save=True,
+            extra_files=self._checkpoint_files(),
+        )
+
+    def _checkpoint_files(self) -> dict[str, bytes]:
+        """This rank's share of the Trainer's own checkpoint files, as the Trainer writes them (into a local scratch
+        directory, read back): its RNG state; on rank 0 the scheduler, scaler and `trainer_state.json`."""
+        with tempfile.TemporaryDirectory(prefix="optimum-parallel-") as scratch:
+            if not self.args.save_only_model:
+                self._save_optimizer_and_scheduler(scratch)
+                self._save_scaler(scratch)
+                Trainer._save_rng_state(self, scratch)  # the Trainer's, without our barrier (nothing on disk yet)
+            if self.args.should_save:
+                callbacks = self.callback_handler.callbacks + [self.control]
+                for cb in [c for c in callbacks if isinstance(c, ExportableState)]:  # as the Trainer does
+                    name, state = cb.__class__.__name__, cb.state()
+                    if isinstance(self.state.stateful_callbacks[name], list):
+                        self.state.stateful_callbacks[name].append(state)
+                    else:
+                        self.state.stateful_callbacks[name] = state
+                self.state.save_to_json(os.path.join(scratch, TRAINER_STATE_NAME))
+            return {path.name: path.read_bytes() for path in Path(scratch).iterdir()}
+
+    def _wait_for_checkpoint(self) -> None:
+        """The async checkpoint in flight renamed into place (a background error is raised here, on every rank), then
+        older checkpoints rotated out as the Trainer does after a save (`save_total_limit`)."""
+        handle, self._async_checkpoint = self._async_checkpoint, None
+        wait_for_pending_save()
+        if handle is None:
+            return
+        handle.wait()
+        if self.args.should_save:
+            rotate_checkpoints(
+                output_dir=str(handle.path.parent),
+                save_total_limit=self.args.save_total_limit,
+                best_model_checkpoint=self.state.best_model_checkpoint,
+                use_mtime=True,
+            )
 
     @private_override
     def _save_rng_state(self, output_dir: str) -> None:
@@ -329,6 +399,7 @@ class ParallelTrainer(Trainer):
         """Checkpoints (`_internal_call`) are sharded: each rank's shards (of the adapters only for a PEFT model),
         and the optimizer state unless `save_only_model`. A user's `save_model()` writes a consolidated checkpoint
         `from_pretrained` loads, or for a PEFT model the adapter `PeftModel.from_pretrained` loads."""
+        self._wait_for_checkpoint()
         output_dir = Path(output_dir or self.args.output_dir)
         if _internal_call:
             optimizer = None if self.args.save_only_model else _inner(self.optimizer)
@@ -402,7 +473,8 @@ class ParallelTrainer(Trainer):
 
     @private_override
     def _load_best_model(self) -> None:
-        """The best checkpoint is a sharded one too."""
+        """The best checkpoint is a sharded one too (an async one is waited for)."""
+        self._wait_for_checkpoint()
         self.parallelizer.load_model_checkpoint(self.model, self._sharded_dir(self.state.best_model_checkpoint))
 
 

@@ -16,6 +16,7 @@ from ...engine.request import TRAINER_KEYS, ParallelRequest, PipelineRequest
 from ...engine.validate import check_settings
 from ...mesh import device as devices
 from ...mesh import ranks
+from ...mesh.rendezvous import init_before_accelerate
 from ...pipeline import SCHEDULES
 
 
@@ -66,6 +67,14 @@ class ParallelTrainingArguments(TrainingArguments):
         default=1, metadata={"help": "Micro-batches each per-device batch is cut into under pp (>= pp)."}
     )
     pipeline_schedule: str = field(default="1f1b", metadata={"help": f"One of: {', '.join(SCHEDULES)}."})
+    async_save: bool = field(
+        default=False,
+        metadata={
+            "help": "Write save_steps checkpoints in the background: each rank copies its shards (and RNG, scheduler, "
+            "state) to host memory in the step (one copy of its weights and optimizer state, freed once written); "
+            "the next save, save_model() and the end of training wait for it and raise its error."
+        },
+    )
 
     def __post_init__(self) -> None:
         world = _launched_world_size()
@@ -75,6 +84,7 @@ class ParallelTrainingArguments(TrainingArguments):
             self.use_cpu = True
             if self.ddp_backend is None:
                 self.ddp_backend = "gloo"
+        init_before_accelerate(self.ddp_backend, self.use_cpu, self.ddp_timeout)  # restarts: see mesh/rendezvous.py
         super().__post_init__()  # creates the distributed state (accelerate's PartialState)
         if self.dataloader_pin_memory and devices.lacks_pinned_memory():
             self.dataloader_pin_memory = False  # the Trainer's DataLoader would raise on its first batch
@@ -119,6 +129,8 @@ def trainer_request(
             name: getattr(args, name) for name in ("per_device_train_batch_size", "per_device_eval_batch_size")
         },
         gradient_accumulation_steps=args.gradient_accumulation_steps,
+        async_save=args.async_save,
+        push_to_hub=args.push_to_hub,
         keys=TRAINER_KEYS,
     )
 

@@ -1,0 +1,119 @@
+"""torch.distributed's default group on a store that no earlier attempt of a torchrun job wrote to.
+
+torchrun's workers share the agent's rendezvous TCPStore by default (`TORCHELASTIC_USE_AGENT_STORE=True`). That store
+outlives `--max-restarts`, with the dead attempt's keys still in it under the same names, and torch adds no prefix
+per attempt: gloo's rendezvous in the restarted attempt can read a dead peer's address and fail after its connect
+timeout ("Gloo connectFullMesh failed ... Connection refused"; 3 runs in 3 of a tp=2 Trainer job killed at step 5).
+`TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1` avoided it by giving each attempt a store of its own. Here each attempt keeps
+the agent's store (it outlives dead ranks, which the hang report relies on) but writes under a prefix of its own: a
+token rank 0 draws. The others learn it from rank 0 itself, through a small store rank 0 hosts on a free port and
+advertises in the agent's store: an address left there by an earlier attempt's rank 0 (dead: torchrun stops every
+worker before a restart) refuses connections, or answers with another token, and they read again until they reach the
+live one. Nothing depends on TORCHELASTIC_RESTART_COUNT, which agents on different machines may count differently.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import sys
+import time
+import uuid
+from datetime import timedelta
+
+import torch.distributed as dist
+
+from . import device as devices
+
+VARIABLE = "TORCH_DISABLE_SHARE_RDZV_TCP_STORE"
+_ADDRESS_KEY = "optimum_parallel/rendezvous/rank0"  # in the agent's store: "host:port:token" of rank 0's small store
+_TOKEN_KEY = "optimum_parallel/rendezvous/token"  # in rank 0's small store: the same token
+_PREFIX = "optimum_parallel/attempt-{}/"  # this attempt's keys in the agent's store
+_KEEP: list = []  # rank 0's small store, alive as long as the process
+_PROBE_S = 2.0  # a connect to a stale address fails at once on a live host; a dead host gets this long
+_RETRY_S = 0.05
+
+
+def shares_agent_store() -> bool:
+    """Whether torchrun gave the workers its agent's rendezvous store (its default; the variable turns it off)."""
+    return os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+
+
+def init_process_group(backend: str, timeout: timedelta) -> None:
+    """`dist.init_process_group(backend, timeout=timeout)` from torchrun's environment; under torchrun's shared store,
+    on a store of this attempt's own (see the module docstring)."""
+    if not shares_agent_store():
+        dist.init_process_group(backend=backend, timeout=timeout)
+        return
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    store = attempt_store(rank, world, timeout)
+    dist.init_process_group(backend=backend, store=store, rank=rank, world_size=world, timeout=timeout)
+
+
+def attempt_store(rank: int, world: int, timeout: timedelta) -> dist.Store:
+    """The agent's store under a prefix that only this attempt's ranks use (rank 0's token, see the docstring)."""
+    host, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
+    deadline = time.monotonic() + timeout.total_seconds()
+    try:
+        agent = dist.TCPStore(host, port, world, is_master=False, timeout=timeout)
+    except (RuntimeError, OSError) as err:
+        raise RuntimeError(_unreachable(f"torchrun's rendezvous store at {host}:{port} ({err})")) from err
+    if rank == 0:
+        token = uuid.uuid4().hex
+        own = dist.TCPStore(host, 0, world, is_master=True, timeout=timeout, wait_for_workers=False)
+        own.set(_TOKEN_KEY, token)
+        _KEEP.append(own)
+        agent.set(_ADDRESS_KEY, f"{host}:{own.port}:{token}")
+        return dist.PrefixStore(_PREFIX.format(token), agent)
+    last = None
+    while True:
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            raise RuntimeError(_unreachable(f"rank 0's store (last address read: {last})"))
+        agent.set_timeout(timedelta(seconds=remaining))
+        try:
+            last = agent.get(_ADDRESS_KEY).decode()
+        except RuntimeError as err:  # rank 0 never published within the timeout
+            raise RuntimeError(_unreachable(f"rank 0's store ({err})")) from err
+        if _live(last, world):
+            agent.set_timeout(timeout)
+            return dist.PrefixStore(_PREFIX.format(last.rsplit(":", 1)[1]), agent)
+        time.sleep(_RETRY_S)
+
+
+def _live(address: str, world: int) -> bool:
+    """Whether `address` ("host:port:token") is this attempt's rank 0: its store is up and holds `token`."""
+    host, port, token = address.rsplit(":", 2)
+    try:
+        with socket.create_connection((host, int(port)), timeout=_PROBE_S):
+            pass
+    except OSError:  # an earlier attempt's rank 0: gone
+        return False
+    try:
+        store = dist.TCPStore(host, int(port), world, is_master=False, timeout=timedelta(seconds=_PROBE_S))
+        return store.get(_TOKEN_KEY).decode() == token  # else the port was taken again, by another attempt's rank 0
+    except (RuntimeError, OSError):
+        return False
+
+
+def _unreachable(what: str) -> str:
+    return (
+        f"could not reach {what}, so this attempt of the torchrun job cannot form its process group. Where the "
+        "ranks cannot reach rank 0's address (MASTER_ADDR) on another port, start the torchrun agents with "
+        f"{VARIABLE}=1"
+    )
+
+
+def init_before_accelerate(ddp_backend: str | None, use_cpu: bool, timeout_s: float) -> None:
+    """For `ParallelTrainingArguments`, before transformers has accelerate make the default group (on the shared
+    store, where a restarted attempt would read the dead one's keys): make it here, with accelerate's backend and
+    timeout; accelerate then uses it. Nothing off torchrun's shared store, on XLA, or once a group exists."""
+    if not shares_agent_store() or int(os.environ.get("WORLD_SIZE", "1")) <= 1 or dist.is_initialized():
+        return
+    if devices.xla_requested() or "torch_xla" in sys.modules:  # accelerate's xla:// group: no TCPStore
+        return
+    device_type = devices.HOST if use_cpu else devices.resolve_device_type()
+    if ddp_backend is None:
+        ddp_backend = devices.backend_for(device_type)
+    devices.set_process_device(device_type)  # as accelerate does before its group
+    init_process_group(ddp_backend, timedelta(seconds=timeout_s))
