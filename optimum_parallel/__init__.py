@@ -18,6 +18,8 @@ _EXPORTS = {  # public name -> the module defining it
     "LLAMA_ACTIVATIONS": ".engine.capabilities",
     "DataParallelConfig": ".engine.data_parallel",
     "clip_grad_norm_": ".engine.grad_norm",
+    "check_replicas": ".engine.replicas",
+    "full_state_dict": ".engine.full_model",
     "grad_norm": ".engine.grad_norm",
     "make_optimizer_constructor_lazy": ".engine.lazy_optimizer",
     "ParallelConfig": ".frontends.config",

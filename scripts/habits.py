@@ -65,10 +65,11 @@ def parallel(model):
 
 
 def habit_seed_per_rank() -> str:
-    """Ranks seeded seed + rank, dropout on (GPT-2, p=0.2), 3 SGD steps."""
-    model = parallel(gpt2())
-    model.train()
+    """Ranks seeded seed + rank at the top of the script, dropout on (GPT-2, p=0.2), 3 SGD steps."""
+    model = gpt2()
     torch.manual_seed(100 + dist.get_rank())
+    model = parallel(model)
+    model.train()
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     for _ in range(3):
         model(**batch()).loss.backward()

@@ -101,8 +101,8 @@ def count_collectives(
         from peft import LoraConfig, get_peft_model
 
         model = get_peft_model(model, LoraConfig(r=4, target_modules=list(lora_targets), init_lora_weights=False))
-    model = op.ParallelizersManager.parallelizer_for_model(model).parallelize(
-        model, sequence_parallel_enabled=sequence_parallel
+    model = op.ParallelizersManager.parallelizer_for_model(model).parallelize(  # the model's own collectives only
+        model, sequence_parallel_enabled=sequence_parallel, shared_batch="trust"
     )
     batch = make_batch(config)
     calls, phase = [], ["forward"]

@@ -21,14 +21,19 @@ from ..mesh import ParallelMesh
 from ..pipeline import SPLIT_BACKWARD
 from ..pipeline.batches import PipelineBatches
 from ..plan.apply import apply_checked_plan
-from ..state import find_state
+from ..state import find_state, parallel_state
 from ..styles.sequence_parallel import enter_sequence_region_at
+from ..tensor_parallel.random import share_rng_states
 from .data_parallel import DataParallelConfig, apply_data_parallel
+from .full_model import install_save_pretrained
 from .lazy_optimizer import build_lazy_optimizer, is_lazy_optimizer
 from .materialize import materialize_lazy_model, move_to_device
 from .optimizer import rebuild_optimizer, shard_states_in_place
 from .parameters import keep_original_parameters
+from .replicas import install_replica_watch
 from .request import CheckedRequest
+from .rng import install_split_regions
+from .shared_batch import install_shared_batch
 
 ParamMap = dict[int, nn.Parameter | None]  # {id(original parameter): parallel parameter, or None on another stage}
 
@@ -57,6 +62,11 @@ def compose_model(model: nn.Module, mesh: ParallelMesh, checked: CheckedRequest)
         mapping = {k: (moved.get(id(v), v) if v is not None else None) for k, v in mapping.items()}
     # The caller's parameter objects hold their shards: an optimizer built before this call steps the parallel model.
     mapping = keep_original_parameters(model, originals, mapping)
+    # Random numbers: the tp ranks share the default streams (replicated work draws the same masks), split work
+    #    draws from streams of its own per rank (tensor_parallel/random.py).
+    if checked_plan is not None and mesh.size("tp") > 1:
+        share_rng_states(mesh.tp_group)
+        install_split_regions(model, applied.layers, mesh.rank("tp"))
     # 2. Context parallelism: attention over the cp ring, each rank's forward cut to its chunks of the sequence
     #    (after the plan, so the loss it wraps is the vocab-parallel one; weights are not touched).
     if mesh.size("cp") > 1:
@@ -86,6 +96,14 @@ def compose_model(model: nn.Module, mesh: ParallelMesh, checked: CheckedRequest)
     materialize_lazy_model(model, request.device, read_checkpoint=request.read_checkpoint)
     if request.device is not None:
         move_to_device(model, request.device)
+    # The habits a parallel model must not silently break: the ranks of a batch replica share one batch, and the
+    #    copies of every replicated tensor stay equal (checked on a cadence; once per model).
+    state = parallel_state(model)
+    if not state.guarded:
+        state.guarded = True
+        install_shared_batch(model, mesh, request.shared_batch)
+        install_replica_watch(model, mesh)
+        install_save_pretrained(model)  # the whole model, as one device would write it
     return mapping
 
 

@@ -60,6 +60,7 @@ def apply_data_parallel(
     if mesh.data_parallel_size == 1:
         return model, optimizer
     mark_gradients_reduced(model)
+    parallel_state(plan_root(model)).data_parallel_level = config.sharding_level
     # Under pp the schedule calls the stage modules, not the model: the stages are the wrapped roots.
     pipeline = parallel_state(plan_root(model)).pipeline
     roots = list(pipeline.stages) if pipeline is not None else [model]

@@ -37,6 +37,7 @@ class RequestKeys:
     shard_size: str = "dp_config['shard_size']"
     threshold: str = "dp_config['threshold']"
     reduce_dtype: str = "dp_config['reduce_dtype']"
+    shared_batch: str = "shared_batch"
     sizes: Mapping[str, str] = field(
         default_factory=lambda: {
             "tp": "tensor_parallel_size",
@@ -97,6 +98,7 @@ class ParallelRequest:
     mesh_sizes: Mapping[str, object] = field(default_factory=dict)
     batch_sizes: Mapping[str, int] = field(default_factory=dict)
     gradient_accumulation_steps: int = 1
+    shared_batch: str = "check"  # the ranks of a batch replica: check they share the batch, broadcast it, or trust
     async_save: bool = False  # checkpoints written in the background (the Trainer's save_steps)
     push_to_hub: bool = False
     keys: RequestKeys = PARALLELIZER_KEYS

@@ -27,6 +27,7 @@ from ..styles import ExpertParallel, optional
 from .capabilities import capabilities_of, model_types_with
 from .data_parallel import DataParallelConfig
 from .request import CheckedRequest, ParallelRequest, PipelineRequest, RequestKeys
+from .shared_batch import SHARED_BATCH
 
 SHARDING_LEVELS = (0, 1, 2, 3)
 XLA_SHARDING_LEVELS = (0,)
@@ -106,6 +107,10 @@ def check_settings(request: ParallelRequest) -> None:
     if request.sequence_parallel not in (True, False):
         raise ValueError(f"{keys.sequence_parallel}={request.sequence_parallel!r} is not allowed; allowed: True, False")
     check_strategy(request.context_parallel, keys.context_parallel)
+    if request.shared_batch not in SHARED_BATCH:
+        raise ValueError(
+            f"{keys.shared_batch}={request.shared_batch!r} is not allowed; allowed: {', '.join(SHARED_BATCH)}"
+        )
     if request.pipeline is not None:
         _check_pipeline_settings(request.pipeline, keys)
         microbatches, pp = request.pipeline.num_microbatches, request.mesh_sizes.get("pp")

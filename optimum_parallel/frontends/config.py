@@ -35,11 +35,18 @@ class PipelineParallelConfig:
 SECTIONS = {"dp_config": DataParallelConfig, "mp_config": TensorParallelConfig, "pp_config": PipelineParallelConfig}
 
 
+OPTIONS = ("shared_batch",)  # top-level settings beside the sections
+
+
 @dataclass
 class ParallelConfig:
+    """The sections, and `shared_batch` ("check", "broadcast" or "trust": how the ranks of one batch replica get their
+    batch, see `engine/shared_batch.py`)."""
+
     dp_config: DataParallelConfig | None = None
     mp_config: TensorParallelConfig | None = None
     pp_config: PipelineParallelConfig | None = None
+    shared_batch: str = "check"
 
     @classmethod
     def parse(cls, config: ParallelConfig | Mapping | None) -> ParallelConfig:
@@ -50,9 +57,12 @@ class ParallelConfig:
             raise TypeError(f"config must be a dict or a ParallelConfig, got {type(config).__name__}")
         sections = {}
         for key, value in config.items():
-            if key not in SECTIONS:
-                raise ValueError(f"config key {key!r} is not allowed; allowed: {', '.join(SECTIONS)}")
-            sections[key] = _parse_section(key, SECTIONS[key], value)
+            if key in OPTIONS:
+                sections[key] = value
+            elif key in SECTIONS:
+                sections[key] = _parse_section(key, SECTIONS[key], value)
+            else:
+                raise ValueError(f"config key {key!r} is not allowed; allowed: {', '.join([*SECTIONS, *OPTIONS])}")
         return cls(**sections)
 
     @property

@@ -60,5 +60,6 @@ def config_request(config: ParallelConfig, optimizer: torch.optim.Optimizer | No
         data_parallel=config.dp_config,
         optimizer=optimizer,
         sections=sections,
+        shared_batch=config.shared_batch,
         keys=CONFIG_KEYS,
     )

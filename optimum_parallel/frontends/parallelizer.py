@@ -120,6 +120,7 @@ class Parallelizer:
         checkpoint_dir: str | Path | None = None,
         pipeline_parallel_schedule: str = "1f1b",
         context_parallel_strategy: str = "ring",
+        shared_batch: str = "check",
     ) -> nn.Module:
         """Parallelize `model` over the current mesh (see `init_mesh`) and return it.
 
@@ -129,6 +130,8 @@ class Parallelizer:
         {id(original parameter): parallel parameter, or None if it lives on another stage} is left on
         `model.orig_param_to_parallel_param` for `optimizer_for_mp`. On a mesh with cp > 1 the sequence is split
         over cp and attention runs as `context_parallel_strategy`: "ring" or "all_to_all" (heads must divide by cp).
+        The ranks of one batch replica (tp, cp, pp) must be given the same batch: `shared_batch` "check" (default)
+        verifies it on new input shapes and every 100 forwards, "broadcast" takes the first rank's, "trust" skips.
         A bad request raises on every rank before anything changes (`validate`).
         """
         inner = plan_root(model)  # the transformers model inside a PeftModel: plans name its modules
@@ -142,6 +145,7 @@ class Parallelizer:
             context_parallel_strategy,
             device=device,
             read_checkpoint=checkpoint_dir is None,
+            shared_batch=shared_batch,
         )
         mesh = get_mesh()
         mapping = compose_model(inner, mesh, validate(request, inner, mesh))  # validated whole, then composed

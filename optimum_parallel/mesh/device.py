@@ -211,6 +211,20 @@ def set_rng_states(states: dict[str, torch.Tensor]) -> None:
                 module.set_rng_state(state.cpu())
 
 
+def seeded_rng_states(seed: int) -> dict[str, torch.Tensor]:
+    """Random states as `rng_states` gives them, of generators seeded with `seed` (the current ones untouched)."""
+    states = {HOST: torch.Generator().manual_seed(seed).get_state()}
+    accelerator = torch.accelerator.current_accelerator()
+    if accelerator is not None:
+        module = torch.get_device_module(accelerator.type)
+        if hasattr(module, "get_rng_state") and hasattr(module, "manual_seed"):
+            current = module.get_rng_state()
+            module.manual_seed(seed)
+            states[accelerator.type] = module.get_rng_state()
+            module.set_rng_state(current)
+    return states
+
+
 def autocast_device_type(device: torch.device | str | None) -> str:
     """The device type `torch.autocast` takes for `device` (its own type on accelerators; XLA autocasts as "xla")."""
     return _type(device) or HOST

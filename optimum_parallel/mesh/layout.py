@@ -45,8 +45,10 @@ BATCH_DIMS = tuple(d.name for d in GRID if d.role == "replica")  # ranks reading
 EXPERT_DIM, EXPERT_REPLICA_DIM = "ep", "ep_replicate"  # the data-parallel ranks unflattened (replicas, ep)
 DATA_PARALLEL = "dp_cp"  # the name of the flattened data-parallel dims (torch's `_flatten`)
 BATCH = "batch"  # the name of the flattened batch-replica dims
-FLATTENED = {DATA_PARALLEL: DATA_PARALLEL_DIMS, BATCH: BATCH_DIMS}
-DERIVED_DIMS = (DATA_PARALLEL, BATCH, EXPERT_DIM, EXPERT_REPLICA_DIM)
+PEERS = "peers"  # the other dims flattened: the ranks of one batch replica, which must all be given the same batch
+PEER_DIMS = tuple(d.name for d in GRID if d.role != "replica")
+FLATTENED = {DATA_PARALLEL: DATA_PARALLEL_DIMS, BATCH: BATCH_DIMS, PEERS: PEER_DIMS}
+DERIVED_DIMS = (DATA_PARALLEL, BATCH, PEERS, EXPERT_DIM, EXPERT_REPLICA_DIM)
 
 
 def canonical_dim(dim: str, derived: bool = True) -> str:

@@ -89,6 +89,7 @@ class AppliedPlan:
 
     param_map: dict[int, nn.Parameter]
     sequence: SequenceRegion | None
+    layers: dict[str, str]  # module name -> COLUMN or ROW: the tensor-parallel layers it built
 
 
 def apply_plan(model: nn.Module, plan: Mapping[str, object], mesh: ParallelMesh) -> dict[int, nn.Parameter]:
@@ -120,6 +121,7 @@ def apply_checked_plan(
             if module is wrapper or wrapper is style_target(wrapper):
                 _replace_submodule(model, modules, name, module)
             elif wrapper.base_layer is not module:  # a wrapper (LoRA) around the swapped layer: its own
+                module.train(wrapper.base_layer.training)
                 wrapper.base_layer = module  # parameters are split to follow the layer's split
                 handler_for(wrapper).parallelize(wrapper, ctx)
     for handler in wrapper_handlers():
@@ -134,7 +136,7 @@ def apply_checked_plan(
     localize_attention_heads(model)
 
     current = dict(model.named_parameters(remove_duplicate=False))
-    return AppliedPlan({id(param): current[name] for name, param in original.items()}, ctx.sequence)
+    return AppliedPlan({id(param): current[name] for name, param in original.items()}, ctx.sequence, ctx.kinds)
 
 
 def _replace_submodule(model: nn.Module, modules: dict[str, nn.Module], name: str, module: nn.Module) -> None:
@@ -142,6 +144,7 @@ def _replace_submodule(model: nn.Module, modules: dict[str, nn.Module], name: st
     replaced = modules[name]
     if replaced is module:
         return
+    module.train(replaced.training)  # a layer built in place of an eval-mode module is in eval mode too
     parent_name, _, child = name.rpartition(".")
     setattr(modules[parent_name], child, module)
     modules[name] = module

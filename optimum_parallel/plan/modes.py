@@ -61,4 +61,5 @@ def plan_context(model: nn.Module, targets: dict[str, list[ParallelStyle]], mesh
             overlap=overlap,
         )
     ctx.gathering_blocks = frozenset(gathering)
+    ctx.kinds = {name: kind for name, kind in kinds.items() if kind is not None}
     return ctx

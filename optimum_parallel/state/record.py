@@ -29,6 +29,8 @@ class ParallelState:
     pipeline: Pipeline | None = None  # set by pipeline.apply_pipeline
     expert_parallel: ExpertParallelRuntime | None = None  # set by expert_parallel.apply_expert_parallel
     param_map: dict[int, nn.Parameter | None] | None = None  # {id(original parameter): parallel one}, the front doors
+    data_parallel_level: int | None = None  # set by data parallelism: the sharding level it runs at
+    guarded: bool = False  # the shared-batch and replica checks are installed (engine/shared_batch.py, replicas.py)
     unsupported: dict[str, str] = field(default_factory=dict)  # method name -> why this layout cannot serve it
 
 

@@ -27,6 +27,7 @@ class PlanContext:
     modes: dict[str, LayerMode] = field(default_factory=dict)  # module name -> its layer's mode
     default_mode: LayerMode = field(default_factory=LayerMode)  # a layer the plan did not name (styles used alone)
     gathering_blocks: frozenset[str] = frozenset()  # SequenceParallelDisable'd blocks with parallel layers inside
+    kinds: dict[str, str] = field(default_factory=dict)  # module name -> COLUMN or ROW: the tp layers the plan builds
 
     def mode(self, name: str) -> LayerMode:
         """The mode of the layer the style builds at `name`."""

@@ -116,6 +116,7 @@ class TiedBiasColWiseParallel(ParallelStyle):
         linear = getattr(module, self.child)
         tied = linear.bias is not None and getattr(module, self.bias, None) is linear.bias
         new = ColumnParallelLinear.from_linear(linear, ctx.mesh.tp_group, None, self.gather_output, ctx.mode(name))
+        new.train(linear.training)
         setattr(module, self.child, new)
         if tied:
             setattr(module, self.bias, new.bias)

@@ -67,6 +67,13 @@ class ParallelTrainingArguments(TrainingArguments):
         default=1, metadata={"help": "Micro-batches each per-device batch is cut into under pp (>= pp)."}
     )
     pipeline_schedule: str = field(default="1f1b", metadata={"help": f"One of: {', '.join(SCHEDULES)}."})
+    shared_batch: str = field(
+        default="check",
+        metadata={
+            "help": "How the ranks of one batch replica (tp, cp, pp) get their batch: check that they hold the same "
+            "one (on new input shapes and every 100 steps), broadcast the first rank's, or trust the loader."
+        },
+    )
     async_save: bool = field(
         default=False,
         metadata={
@@ -129,6 +136,7 @@ def trainer_request(
             name: getattr(args, name) for name in ("per_device_train_batch_size", "per_device_eval_batch_size")
         },
         gradient_accumulation_steps=args.gradient_accumulation_steps,
+        shared_batch=args.shared_batch,
         async_save=args.async_save,
         push_to_hub=args.push_to_hub,
         keys=TRAINER_KEYS,

@@ -1,0 +1,75 @@
+"""Random numbers on tensor-parallel ranks: the same where activations are replicated, independent where they are
+split (Megatron's discipline, without asking the caller to seed in a special way).
+
+- Replicated work (hidden states after a row layer's all-reduce, residual and embedding dropout, norms) draws from the
+  default generators. `share_rng_states` gives every rank of a tp group its first rank's states, so they draw the same
+  masks and every replicated weight stays the same on every rank, whatever each rank was seeded with.
+- Split work (from a column-parallel layer's output to the next row-parallel layer's input: attention over this
+  rank's heads, dropout on a column layer's output) draws from generators of its own (`SplitRegions`), seeded per tp
+  rank from a number drawn from the shared default stream: each shard's mask is independent, as on one device. The
+  seed comes from the default stream, so activation checkpointing, which restores the default generators before it
+  recomputes, draws the same masks again.
+
+Data-parallel replicas and pipeline stages keep their own streams (the sharing is within a tp group).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from ..mesh import device as devices
+from ..mesh import ranks
+
+
+def share_rng_states(group: dist.ProcessGroup) -> None:
+    """Every rank of `group` takes the group's first rank's random states (the CPU's and the accelerator's)."""
+    if ranks.world_size(group) == 1:
+        return
+    where = devices.collective_device(group)
+    source = ranks.group_ranks(group)[0]
+    states = devices.rng_states()
+    for kind, state in states.items():
+        on_wire = state.to(where)
+        dist.broadcast(on_wire, src=source, group=group)
+        states[kind] = on_wire.cpu()
+    devices.set_rng_states(states)
+
+
+_SEED_RANGE = 2**62
+
+
+class SplitRegions:
+    """This rank's random streams for split work, entered after a column layer's forward in training mode (dropout
+    is off in eval mode: nothing is drawn then) and left before the next row layer's (or at the end of the model's
+    forward)."""
+
+    def __init__(self, tp_rank: int) -> None:
+        self.tp_rank = tp_rank
+        self._saved: dict[str, torch.Tensor] | None = None  # the default states while inside a split region
+
+    def enter(self) -> None:
+        """Draw this region's seed from the shared default stream (the same draw on every tp rank), then switch the
+        default generators to ones seeded for this rank (nothing if already inside)."""
+        if self._saved is not None:
+            return
+        seed = int(torch.randint(0, _SEED_RANGE, (1,)).item())
+        self._saved = devices.rng_states()
+        devices.set_rng_states(devices.seeded_rng_states(hash((seed, self.tp_rank)) % _SEED_RANGE))
+
+    def leave(self) -> None:
+        """Back to the default streams, as they were after the seed's draw."""
+        if self._saved is not None:
+            saved, self._saved = self._saved, None
+            devices.set_rng_states(saved)
+
+    def install(self, model: nn.Module, columns: list[nn.Module], rows: list[nn.Module]) -> None:
+        """Enter after every column layer of `columns`, leave before every row layer of `rows`, and leave at the end
+        of every forward of `model` (whatever it ended in)."""
+        for layer in columns:  # only in training mode: an eval forward draws nothing (sampling sees one device's RNG)
+            layer.register_forward_hook(lambda module, args, output: self.enter() if module.training else None)
+        for layer in rows:
+            layer.register_forward_pre_hook(lambda module, args: self.leave())
+        model.register_forward_pre_hook(lambda module, args: self.leave())
+        model.register_forward_hook(lambda module, args, output: self.leave(), always_call=True)
