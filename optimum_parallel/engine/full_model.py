@@ -44,6 +44,8 @@ def _every_rank(what: str, timeout: float = EVERY_RANK_TIMEOUT) -> None:
     world = ranks.world_size()
     while arrived < world:
         if time.monotonic() > deadline:
+            store.add(key, -1)  # as if this call never came: the next one meets the other ranks' first
+            _CALLS[what] = count - 1
             raise RuntimeError(
                 f"{what} was called on {arrived} of {world} ranks: a parallel model's {what} gathers its shards from "
                 f"every rank, so call it on every rank (rank 0 writes the files), e.g. not under `if rank == 0:`"

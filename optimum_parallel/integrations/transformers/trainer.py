@@ -32,6 +32,7 @@ from ...checkpoint.ranks import current_rank
 from ...engine.compose import compose_model, compose_training, optimizer_for_parallel_model
 from ...engine.grad_norm import clip_grad_norm_
 from ...engine.grad_norm import grad_norm as global_grad_norm
+from ...engine.replicas import check_replicas
 from ...engine.request import ParallelRequest
 from ...engine.validate import mesh_layout, validate
 from ...frontends.manager import ParallelizersManager
@@ -329,7 +330,9 @@ class ParallelTrainer(Trainer):
     def _save_checkpoint(self, model: nn.Module, trial) -> None:
         """With `async_save`: the same checkpoint, its files snapshotted now and written in the background (the model
         and optimizer shards, and the Trainer's RNG, scheduler, scaler and state files, made here in memory and
-        written into the directory before it is renamed into place). The previous one is waited for first."""
+        written into the directory before it is renamed into place). The previous one is waited for first. Every
+        save first checks that the copies of every replicated tensor (weights and optimizer state) agree."""
+        check_replicas(plan_root(self.model), _inner(self.optimizer), self.mesh)
         if not self.args.async_save:
             return super()._save_checkpoint(model, trial)
         self._wait_for_checkpoint()
