@@ -387,3 +387,54 @@ def full_state_dict_equals_one_device() -> float:
 
 def test_full_state_dict_is_the_single_device_one(pool):
     assert max(pool.run(full_state_dict_equals_one_device)) == 0.0
+
+
+# ----------------------------------------------------------------------------------------------- resume with dropout
+
+
+def resume_with_dropout(layout: str, directory: str) -> dict:
+    """Llama with attention dropout (split over tp) and every rank seeded its own way: 2 steps, a sharded checkpoint
+    (model, optimizer, every rank's generators), 2 more steps; a fresh model loading it takes the same 2 steps."""
+    import optimum_parallel as op
+    from optimum_parallel.checkpoint import load_model_checkpoint, save_model_checkpoint
+
+    mesh = op.init_mesh(**({"dp": 2, "tp": 2} if layout == "tp2" else {"pp": 2, "tp": 2}))
+    config = tiny_config("llama", attention_dropout=0.2)
+    batch = make_batch(config, batch=4)
+    if layout == "tp2":  # each dp replica its rows; data parallelism averages (dropout differs per replica, as DDP)
+        batch = {k: v.chunk(2)[mesh.rank("dp")] for k, v in batch.items()}
+
+    def build(seed: int):
+        model = build_model(config, seed=seed)
+        torch.manual_seed(100 + dist.get_rank() + seed)
+        kwargs = {"pipeline_parallel_num_microbatches": 2} if layout == "pp2" else {}
+        model = op.ParallelizersManager.parallelizer_for_model(model).parallelize(model, **kwargs)
+        model.train()
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        if layout == "tp2":
+            model, optimizer = op.parallelize(model, optimizer, mesh, {"dp_config": {"sharding_level": 0}})
+        return model, optimizer
+
+    def step(model, optimizer) -> float:
+        loss = model.run_train(**batch) if layout == "pp2" else model(**batch).loss
+        if layout != "pp2":
+            loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        return loss.item()
+
+    model, optimizer = build(0)
+    for _ in range(2):
+        step(model, optimizer)
+    save_model_checkpoint(model, directory, optimizer=optimizer)
+    straight = [step(model, optimizer) for _ in range(2)]
+    fresh, fresh_optimizer = build(7)
+    load_model_checkpoint(fresh, directory, optimizer=fresh_optimizer)
+    resumed = [step(fresh, fresh_optimizer) for _ in range(2)]
+    return {"straight": straight, "resumed": resumed}
+
+
+@pytest.mark.parametrize("layout", ["tp2", "pp2"])
+def test_a_resume_with_dropout_is_bit_identical(pool, tmp_path, layout):
+    for result in pool.run(resume_with_dropout, layout, str(tmp_path / layout)):
+        assert result["resumed"] == result["straight"], result

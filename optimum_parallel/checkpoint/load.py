@@ -16,11 +16,13 @@ from ..expert_parallel import expert_range
 from ..io.errors import CheckpointError
 from ..io.file_mapping import is_file_mapping
 from ..mesh import device as devices
+from ..mesh import ranks
 from ..tensor_parallel.spec import ShardLayout, replace_tensor
 from .collect import is_dtensor, optimizer_class, parameter_names, source_param_groups
 from .metadata import INDEX_NAME, CheckpointIndex, TensorEntry, read_index
 from .ranks import RankInfo, current_rank
 from .reading import ShardFiles
+from .rng_files import restore_rng
 
 
 def _check_mesh(index: CheckpointIndex, rank: RankInfo, directory: Path) -> None:
@@ -200,3 +202,4 @@ def load_model_checkpoint(
                 _load_optimizer(optimizer, model, index, files, rank)
 
     rank.run(load, f"loading {directory}")
+    restore_rng(directory, ranks.global_rank(), ranks.world_size() if rank.distributed else 1)

@@ -26,7 +26,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ..io.safetensors_io import SafetensorsWriter, dtype_from_name
-from ..mesh import get_mesh
+from ..mesh import get_mesh, ranks
 from ..mesh.loaded import is_dtensor
 from .async_save import (
     AsyncCheckpoint,
@@ -41,6 +41,7 @@ from .consolidate import DEFAULT_MAX_SHARD_SIZE, write_hf_checkpoint
 from .crash import crash_point
 from .metadata import CheckpointIndex, TensorEntry, model_file, optimizer_file, write_index
 from .ranks import RankInfo, current_rank
+from .rng_files import rng_bytes, rng_file
 from .sharding import entries_from_specs
 
 
@@ -344,9 +345,12 @@ def plan_save(
         crash_point("prepare")
 
     rank.run(prepare, f"preparing {tmp}", only_main=True)
+    extra = dict(extra_files or {})
+    if as_sharded:  # every rank's generator states, taken now (a resume with dropout draws the same masks)
+        extra[rng_file(ranks.global_rank())] = rng_bytes()
     return PlannedSave(
         model, optimizer, rank, final, tmp, local, entries, state_entries, optimizer_meta, tied, described,
-        as_regular, as_sharded, trainable_only, max_shard_size, progress, dict(extra_files or {}),
+        as_regular, as_sharded, trainable_only, max_shard_size, progress, extra,
     )  # fmt: skip
 
 
