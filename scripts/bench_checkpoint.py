@@ -20,7 +20,8 @@ and the time the optimizer's steps waited for the background copy (`AsyncCheckpo
 against the blocking save's stall; when the background copy was complete (from the save call); the time of the first
 step after the save (it runs beside the copy) against the steps without a save; the total write time (from the save
 call until the checkpoint is renamed into place), the peak host memory (VmHWM, reset before the save, the larger of
-the two ranks) and the mean step time during the background write against the steps without one.
+the two ranks), the mean step time during the background write against the steps without one, and the time the
+training loop lost to the save (the stall plus what the steps during the write took beyond the steps without one).
 Goals: async stall (call + wait) <= 0.1x the blocking stall; steps during the write <= 1.2x the steps without one.
 
     python scripts/bench_checkpoint.py [--workdir /tmp/op-bench-checkpoint] [--seq 128] [--policies idle,normal]
@@ -258,13 +259,14 @@ def main() -> None:
         "copied s",
         "1st step s",
         "total write s",
+        "lost s",
         "peak RSS GiB",
         "snapshot GiB",
         "steps during",
         "step during s",
         "x quiet",
     ]
-    print(" | ".join(f"{h:>13}" if i else f"{h:<28}" for i, h in enumerate(header)))
+    print(" | ".join(f"{h:>13}" if i else f"{h:<30}" for i, h in enumerate(header)))
     blocking_stall = None
     for name in ranks[0]["rows"]:
         per_rank = [r["rows"][name] for r in ranks]
@@ -276,6 +278,7 @@ def main() -> None:
         peak = max(r["peak"] for r in per_rank) / GIB
         snapshot = max(r["bytes"] or 0 for r in per_rank) / GIB
         during = [t for r in per_rank for t in r["during"]]
+        lost = max(r["stall"] + sum(r["during"]) - len(r["during"]) * step for r in per_rank)
         blocking_stall = stall if name.startswith("blocking") else blocking_stall
         against = name.startswith(("async", "process")) and blocking_stall
         ratio = f"{_mean(during) / step:.2f}" if during else "-"
@@ -287,13 +290,14 @@ def main() -> None:
             f"{max(copied):.2f}" if copied else "-",
             f"{max(firsts):.2f} ({max(firsts) / step:.2f}x)" if firsts else "-",
             f"{total:.2f}",
+            f"{lost:.2f}",
             f"{peak:.2f}",
             f"{snapshot:.2f}" if snapshot else "-",
             str(len(during)),
             f"{_mean(during):.2f}" if during else "-",
             ratio,
         ]
-        print(" | ".join(f"{c:>13}" if i else f"{c:<28}" for i, c in enumerate(cells)))
+        print(" | ".join(f"{c:>13}" if i else f"{c:<30}" for i, c in enumerate(cells)))
     print(
         "goals: async stall (call + optimizer wait) <= 0.1x blocking; steps during the background write <= 1.2x steps "
         "without one"
