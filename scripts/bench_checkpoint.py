@@ -22,6 +22,7 @@ step after the save (it runs beside the copy) against the steps without a save; 
 call until the checkpoint is renamed into place), the peak host memory (VmHWM, reset before the save, the larger of
 the two ranks), the mean step time during the background write against the steps without one, and the time the
 training loop lost to the save (the stall plus what the steps during the write took beyond the steps without one).
+"Without one" is the mean of the `--steps` steps just before the save and just after it (the machine's load drifts).
 Goals: async stall (call + wait) <= 0.1x the blocking stall; steps during the write <= 1.2x the steps without one.
 
     python scripts/bench_checkpoint.py [--workdir /tmp/op-bench-checkpoint] [--seq 128] [--policies idle,normal]
@@ -150,8 +151,9 @@ def rank_main(rank: int, world: int, args: argparse.Namespace) -> dict:
         copied = getattr(handle, "copied_at", None)
         copied = None if copied is None else copied - start
         rows[name] = dict(stall=stall, waited=waited, copied=copied, first=first, total=total, peak=peak)
-        rows[name].update(during=during, bytes=snapshot)
-        quiet += [step() for _ in range(args.steps)]  # steps without a write, between the saves
+        after = [step() for _ in range(args.steps)]  # steps without a write, between the saves
+        rows[name].update(during=during, bytes=snapshot, near=quiet[-args.steps :] + after)
+        quiet += after
 
     def blocking(path: Path) -> None:
         parallelizer.save_model_checkpoint(model, path, optimizer=optimizer)
@@ -278,17 +280,18 @@ def main() -> None:
         peak = max(r["peak"] for r in per_rank) / GIB
         snapshot = max(r["bytes"] or 0 for r in per_rank) / GIB
         during = [t for r in per_rank for t in r["during"]]
-        lost = max(r["stall"] + sum(r["during"]) - len(r["during"]) * step for r in per_rank)
+        near = _mean([t for r in per_rank for t in r["near"]])  # the steps without a write just before and after
+        lost = max(r["stall"] + sum(r["during"]) - len(r["during"]) * near for r in per_rank)
         blocking_stall = stall if name.startswith("blocking") else blocking_stall
         against = name.startswith(("async", "process")) and blocking_stall
-        ratio = f"{_mean(during) / step:.2f}" if during else "-"
+        ratio = f"{_mean(during) / near:.2f}" if during else "-"
         cells = [
             name,
             f"{stall:.2f}",
             f"{waited:.2f}",
             f"{(stall + waited) / blocking_stall:.2f}x" if against else "-",
             f"{max(copied):.2f}" if copied else "-",
-            f"{max(firsts):.2f} ({max(firsts) / step:.2f}x)" if firsts else "-",
+            f"{max(firsts):.2f} ({max(firsts) / near:.2f}x)" if firsts else "-",
             f"{total:.2f}",
             f"{lost:.2f}",
             f"{peak:.2f}",
