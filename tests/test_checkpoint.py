@@ -534,7 +534,8 @@ def test_async_copy_is_waited_for_before_loads(pool, hf_dir, tmp_path):
 
 def async_error(hf_dir: str, out: str) -> dict:
     """An async save whose background write fails on rank 1 only (an extra file it cannot create): its error is
-    raised on every rank by the next save (never lost), once; that save is not made, the one after is."""
+    raised on every rank by the next save (never lost), once; that save is not made, the one after is. Then one whose
+    background copy fails on rank 1: the optimizer step after it goes on, the error is raised on every rank."""
     from optimum_parallel.checkpoint import wait_for_pending_save
 
     parallelizer, model, optimizer = _setup(hf_dir, 2)
@@ -554,6 +555,20 @@ def async_error(hf_dir: str, out: str) -> dict:
         except Exception as err:  # noqa: BLE001
             errors.append(f"{type(err).__name__}: {err}")
     after = parallelizer.save_model_checkpoint(model, f"{out}/after", optimizer=optimizer, async_save=True).wait()
+    from optimum_parallel.checkpoint.crash import SLOW_ENV
+
+    if dist.get_rank() == 1:  # a negative delay makes time.sleep raise: an error inside rank 1's background copy
+        os.environ[SLOW_ENV] = "copy:-1"
+    try:
+        failing = parallelizer.save_model_checkpoint(model, f"{out}/copy-failed", optimizer=optimizer, async_save=True)
+        train_step(model, optimizer, make_batch(model.config))  # its optimizer step does not wait forever
+    finally:
+        os.environ.pop(SLOW_ENV, None)
+    try:
+        failing.wait()
+        errors.append("no error")
+    except Exception as err:  # noqa: BLE001
+        errors.append(f"{type(err).__name__}: {err}")
     return {"errors": errors, "after": str(after), "pending": wait_for_pending_save()}
 
 
@@ -562,15 +577,19 @@ def test_async_save_error_is_raised_on_every_rank(pool, hf_dir, tmp_path):
 
     results = pool.run(async_error, hf_dir, str(tmp_path))
     for rank, result in enumerate(results):
-        assert len(result["errors"]) == 2, (rank, result)
+        assert len(result["errors"]) == 3, (rank, result)
+        written, copied = result["errors"][:2], result["errors"][2]
         if rank == 1:
-            assert all(e.startswith("FileNotFoundError: ") and "missing-dir/file" in e for e in result["errors"])
+            assert all(e.startswith("FileNotFoundError: ") and "missing-dir/file" in e for e in written)
+            assert copied.startswith("ValueError: sleep length must be non-negative"), copied
         else:
             assert all(e.startswith("RuntimeError: writing shards into") and "rank 1: FileNotFoundError" in e
-                       for e in result["errors"]), result  # fmt: skip
+                       for e in written), result  # fmt: skip
+            assert copied.startswith("RuntimeError: writing shards into") and "rank 1: ValueError" in copied, copied
         assert result["after"] == str(tmp_path / "after") and result["pending"] is None
     verify_checkpoint(tmp_path / "good")  # the failed save into the same name left the previous one whole
-    assert not (tmp_path / "not-made").exists() and not list(tmp_path.glob(".*.partial"))
+    assert not (tmp_path / "not-made").exists() and not (tmp_path / "copy-failed").exists()
+    assert not list(tmp_path.glob(".*.partial"))
     assert find_last_checkpoint(tmp_path) is None  # no checkpoint-<step> here: only the names above
 
 
