@@ -185,6 +185,7 @@ def test_checkpoint_files_do_not_depend_on_cp(pool, tmp_path):
         two.run(save_untrained, {"tp": 2}, 0, str(tmp_path / "tp"))
     finally:
         two.close()
+
     def weights(directory):  # every rank's generator states (rng-*.pt) come one file per rank: not the weights'
         return sorted(p.name for p in directory.iterdir() if not p.name.startswith("rng-"))
 
