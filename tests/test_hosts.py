@@ -163,9 +163,14 @@ def uninterrupted_tp2(hf_dir, tmp_path_factory) -> Path:
     return out
 
 
-def _assert_resumed_from(out: Path, reference: Path, step: int) -> None:
-    """The first attempt died (rank 1 SIGKILLed), the second resumed from checkpoint-<step> and ended bit-identical."""
-    assert (out / "killed-rank1").exists() or list(out.glob("failed-rank*-attempt0")), sorted(os.listdir(out))
+def _assert_resumed_from(out: Path, reference: Path, step: int, result: subprocess.CompletedProcess) -> None:
+    """The first attempt died (rank 1 SIGKILLed), the second resumed from checkpoint-<step> and ended bit-identical.
+    The death shows as the marker the job writes before killing itself, the other rank's failure file, or
+    torchrun's restart warning naming local rank 1's exit code -9 (a kill inside a save, where rank 0 may be torn
+    down before it can write its file)."""
+    killed = re.search(r"failed \(exitcode: -9\) local_rank: 1 ", result.stdout + result.stderr)
+    marked = (out / "killed-rank1").exists() or list(out.glob("failed-rank*-attempt0"))
+    assert marked or killed, (sorted(os.listdir(out)), result.stderr[-3000:])
     losses = {p.name: json.loads(p.read_text()) for p in sorted(out.glob("losses-rank*-attempt1.json"))}
     expected = json.loads((reference / "losses-rank0-attempt0.json").read_text())[step:]
     assert len(losses) == 2 and all(v == expected for v in losses.values()), (losses, expected)
@@ -177,8 +182,8 @@ def test_restart_on_one_machine_needs_no_variable(hf_dir, uninterrupted_tp2, tmp
     """The job of the issue: rank 1 SIGKILLed after step 5 of 8; the restarted attempt forms its groups (no gloo
     connect timeout), resumes from checkpoint-4 and ends with the uninterrupted run's weights, bit for bit."""
     out = tmp_path / "restarted"
-    standalone(hf_dir, out, env={"KILL_RANK_AT_STEP": "1:5"})
-    _assert_resumed_from(out, uninterrupted_tp2, 4)
+    result = standalone(hf_dir, out, env={"KILL_RANK_AT_STEP": "1:5"})
+    _assert_resumed_from(out, uninterrupted_tp2, 4, result)
 
 
 def test_killed_during_async_save_restarts_from_last_complete(hf_dir, uninterrupted_tp2, tmp_path):
@@ -188,7 +193,7 @@ def test_killed_during_async_save_restarts_from_last_complete(hf_dir, uninterrup
     env = {"CRASH_IN_SAVE": "tensor:5@1", "CRASH_IN_SAVE_STEP": "6"}
     result = standalone(hf_dir, out, "--async-save", env=env)
     assert "async save of" in result.stdout, result.stdout[-2000:]
-    _assert_resumed_from(out, uninterrupted_tp2, 4)
+    _assert_resumed_from(out, uninterrupted_tp2, 4, result)
 
 
 # (layout, crash point "name:n" in the save of checkpoint-4, the rank that dies): host 0 holds ranks 0-1, host 1
