@@ -46,9 +46,15 @@ def xla_requested() -> bool:
     return bool(os.environ.get("PJRT_DEVICE")) or (dist.is_initialized() and dist.get_backend() == XLA)
 
 
+def current_accelerator() -> torch.device | None:
+    """torch's accelerator where this process can use it: None on a machine without one, even under a torch built
+    for one (a CUDA build reports "cuda" on a host without a GPU unless asked to check)."""
+    return torch.accelerator.current_accelerator(check_available=True)
+
+
 def available_device_types() -> list[str]:
     """The device types this process can run on: the CPU, and the accelerator torch reports (if any)."""
-    accelerator = torch.accelerator.current_accelerator()
+    accelerator = current_accelerator()
     return [HOST] + ([accelerator.type] if accelerator is not None else [])
 
 
@@ -58,7 +64,7 @@ def resolve_device_type(device: torch.device | str | None = None) -> str:
     if device is None:
         if xla_requested():
             return XLA
-        accelerator = torch.accelerator.current_accelerator()
+        accelerator = current_accelerator()
         return accelerator.type if accelerator is not None else HOST
     try:
         kind = torch.device(device).type
@@ -121,7 +127,7 @@ def set_process_device(device_type: str) -> None:
 def current_device(device_type: str | None = None) -> torch.device:
     """The device this process computes on: its current accelerator device, or the CPU."""
     if device_type is None:
-        accelerator = torch.accelerator.current_accelerator()
+        accelerator = current_accelerator()
         device_type = accelerator.type if accelerator is not None else HOST
     if device_type in (HOST, XLA):
         return torch.device(HOST) if device_type == HOST else _xla_device()
@@ -139,7 +145,7 @@ def collective_device(group: dist.ProcessGroup | None = None) -> torch.device:
     backend = dist.get_backend(group)
     if backend == "gloo":
         return torch.device(HOST)
-    accelerator = torch.accelerator.current_accelerator()
+    accelerator = current_accelerator()
     if accelerator is not None and backend_for(accelerator.type) == backend:
         return current_device(accelerator.type)
     return torch.device(HOST)
@@ -190,7 +196,7 @@ def empty_cache(device: torch.device | str) -> None:
 def rng_states() -> dict[str, torch.Tensor]:
     """The random states a checkpoint keeps: the CPU's, and the current accelerator's (every device of its type)."""
     states = {HOST: torch.get_rng_state()}
-    accelerator = torch.accelerator.current_accelerator()
+    accelerator = current_accelerator()
     if accelerator is not None:
         module = torch.get_device_module(accelerator.type)
         if hasattr(module, "get_rng_state"):
@@ -204,7 +210,7 @@ def set_rng_states(states: dict[str, torch.Tensor]) -> None:
         if kind == HOST:
             torch.set_rng_state(state.cpu())
             continue
-        accelerator = torch.accelerator.current_accelerator()
+        accelerator = current_accelerator()
         if accelerator is not None and accelerator.type == kind:
             module = torch.get_device_module(kind)
             if hasattr(module, "set_rng_state"):
@@ -214,7 +220,7 @@ def set_rng_states(states: dict[str, torch.Tensor]) -> None:
 def seeded_rng_states(seed: int) -> dict[str, torch.Tensor]:
     """Random states as `rng_states` gives them, of generators seeded with `seed` (the current ones untouched)."""
     states = {HOST: torch.Generator().manual_seed(seed).get_state()}
-    accelerator = torch.accelerator.current_accelerator()
+    accelerator = current_accelerator()
     if accelerator is not None:
         module = torch.get_device_module(accelerator.type)
         if hasattr(module, "get_rng_state") and hasattr(module, "manual_seed"):
@@ -252,7 +258,7 @@ def module_to_keeps_parameters(device: torch.device | str) -> bool:
 def pin(tensor: torch.Tensor) -> torch.Tensor:
     """`tensor` in pinned host memory when the accelerator has pinned memory (faster, asynchronous copies), else
     the tensor itself."""
-    if torch.accelerator.current_accelerator() is None or not is_host(tensor) or lacks_pinned_memory():
+    if current_accelerator() is None or not is_host(tensor) or lacks_pinned_memory():
         return tensor
     return tensor.pin_memory()
 
@@ -264,7 +270,7 @@ def lacks_pinned_memory() -> bool:
     """Whether this process has an accelerator that cannot pin host memory (a PrivateUse1 backend without torch's
     pinned-memory hook): `tensor.pin_memory()`, and a DataLoader with `pin_memory=True`, would raise there. False
     without an accelerator (nothing is pinned then: DataLoader pins only for an accelerator)."""
-    if torch.accelerator.current_accelerator() is None:
+    if current_accelerator() is None:
         return False
     if not _PINS:
         try:

@@ -27,9 +27,12 @@ def share_rng_states(group: dist.ProcessGroup) -> None:
     """Every rank of `group` takes the group's first rank's random states (the CPU's and the accelerator's)."""
     if ranks.world_size(group) == 1:
         return
-    where = devices.collective_device(group)
     source = ranks.group_ranks(group)[0]
     states = devices.rng_states()
+    if ranks.on_xla():  # the XLA backend broadcasts XLA tensors only: the states travel as objects
+        devices.set_rng_states(ranks.all_gather_object(states)[source])
+        return
+    where = devices.collective_device(group)
     for kind, state in states.items():
         on_wire = state.to(where)
         dist.broadcast(on_wire, src=source, group=group)

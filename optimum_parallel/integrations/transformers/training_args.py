@@ -151,4 +151,4 @@ def _launched_world_size() -> int:
 
 def _no_accelerator() -> bool:
     """No device accelerate could distribute over (CUDA, XPU, NPU, HPU, MPS, ..., or XLA): a CPU-only machine."""
-    return torch.accelerator.current_accelerator() is None and not is_torch_xla_available()
+    return devices.current_accelerator() is None and not is_torch_xla_available()
