@@ -37,6 +37,7 @@ from ...engine.request import ParallelRequest
 from ...engine.validate import mesh_layout, validate
 from ...frontends.manager import ParallelizersManager
 from ...mesh import ParallelMesh, get_mesh, init_mesh, ranks
+from ...packing import PACKING_KEYS
 from ...plan import logits_mode
 from ...plan.wrappers import plan_root
 from ...state import parallel_state
@@ -49,7 +50,7 @@ from .xla import XlaStepCallback, no_token_gather, on_xla_device, plain_loader
 SCHEDULER_NAME = transformers_internal("trainer.SCHEDULER_NAME")
 TRAINING_ARGS_NAME = transformers_internal("trainer.TRAINING_ARGS_NAME")
 TRAINER_STATE_NAME = transformers_internal("trainer.TRAINER_STATE_NAME")
-PIPELINE_COLUMNS = ["input_ids", "attention_mask", "labels", "label", "label_ids"]
+PIPELINE_COLUMNS = ["input_ids", "attention_mask", "labels", "label", "label_ids", *PACKING_KEYS]
 
 
 def _mesh_for(request: ParallelRequest, timeout: float) -> ParallelMesh:
