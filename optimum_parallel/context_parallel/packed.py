@@ -115,8 +115,8 @@ class Documents:
         if k_chunk > q_chunk:
             return "none"
         first, last = self.first, self.last
-        if not any(last[row][k_chunk] == first[row][q_chunk] for row in range(len(first))):
-            return "none"
+        if k_chunk < q_chunk and not any(last[row][k_chunk] == first[row][q_chunk] for row in range(len(first))):
+            return "none"  # (a chunk always sees itself: every query its own key)
         if all(first[row][k_chunk] == last[row][q_chunk] for row in range(len(first))):
             return "inside"
         return "mixed"
