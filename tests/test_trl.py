@@ -1,7 +1,7 @@
 """TRL's SFTTrainer with packing (BFD packing, padding-free rows) on a parallel model: ParallelSFTTrainer at tp=2, cp=2
-and pp=2 logs, step by step, the losses TRL's SFTTrainer logs on one process on the same packed dataset, and its
-saved model loads with `from_pretrained`; the TRL options a layout cannot run are refused before training, by name
-(gloo, 2 ranks)."""
+and pp=2 (and with `padding_free=True` alone, at cp=2 and pp=2) logs, step by step, the losses TRL's SFTTrainer logs
+on one process on the same dataset, and its saved model loads with `from_pretrained`; the TRL options a layout
+cannot run are refused before training, by name (gloo, 2 ranks)."""
 
 from __future__ import annotations
 
@@ -43,8 +43,8 @@ def sft_args(output_dir: str, **extra) -> dict:
     return dict(
         output_dir=output_dir, per_device_train_batch_size=2, max_steps=STEPS, learning_rate=5e-3, logging_steps=1,
         seed=0, report_to="none", disable_tqdm=True, use_cpu=True, packing=True, max_length=48,
-        gradient_checkpointing=False, save_strategy="no", ddp_timeout=60, **extra,
-    )  # fmt: skip
+        gradient_checkpointing=False, save_strategy="no", ddp_timeout=60,
+    ) | extra  # fmt: skip
 
 
 @pytest.fixture(scope="module")
@@ -60,19 +60,32 @@ def losses(log_history: list[dict]) -> dict[int, float]:
     return {entry["step"]: entry["loss"] for entry in log_history if "loss" in entry}
 
 
+PADDING_FREE = {"packing": False, "padding_free": True, "max_length": None}  # each batch flattened in one row
+
+
 @pytest.fixture(scope="module")
-def reference(hf_dir, tmp_path_factory) -> dict:
-    """TRL's SFTTrainer on one process (sdpa: transformers' document mask from the padding-free position ids)."""
+def reference(hf_dir, tmp_path_factory):
+    """TRL's SFTTrainer on one process (sdpa: transformers' document mask from the padding-free position ids):
+    `reference(**options)` its losses per step, each set of options trained once."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from trl import SFTConfig, SFTTrainer
 
-    model = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32)
-    tokenizer = AutoTokenizer.from_pretrained(hf_dir)
-    args = SFTConfig(**sft_args(str(tmp_path_factory.mktemp("reference"))))
-    trainer = SFTTrainer(model, args, train_dataset=dataset(model.config.vocab_size), processing_class=tokenizer)
-    assert trainer.padding_free  # BFD packing: one padding-free row per batch, position ids restarting
-    trainer.train()
-    return {"losses": losses(trainer.state.log_history)}
+    done: dict[tuple, dict[int, float]] = {}
+
+    def run(**options) -> dict[int, float]:
+        key = tuple(sorted(options.items()))
+        if key not in done:
+            model = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32)
+            tokenizer = AutoTokenizer.from_pretrained(hf_dir)
+            args = SFTConfig(**sft_args(str(tmp_path_factory.mktemp("reference")), **options))
+            data = dataset(model.config.vocab_size)
+            trainer = SFTTrainer(model, args, train_dataset=data, processing_class=tokenizer)
+            assert trainer.padding_free  # BFD packing or flattening: one padding-free row, position ids restarting
+            trainer.train()
+            done[key] = losses(trainer.state.log_history)
+        return done[key]
+
+    return run
 
 
 def train_sft(hf_dir: str, output_dir: str, **layout) -> dict:
@@ -80,7 +93,6 @@ def train_sft(hf_dir: str, output_dir: str, **layout) -> dict:
     from transformers import AutoTokenizer
 
     import optimum_parallel as op
-
     from optimum_parallel.integrations.trl import ParallelSFTConfig, ParallelSFTTrainer
 
     args = ParallelSFTConfig(**sft_args(output_dir, **layout))
@@ -104,14 +116,16 @@ def train_sft(hf_dir: str, output_dir: str, **layout) -> dict:
         {"tensor_parallel_size": 2},
         {"context_parallel_size": 2},
         {"pipeline_parallel_size": 2, "pipeline_parallel_num_microbatches": 2},
+        {"context_parallel_size": 2, **PADDING_FREE},
+        {"pipeline_parallel_size": 2, "pipeline_parallel_num_microbatches": 2, **PADDING_FREE},
     ],
-    ids=["tp2", "cp2", "pp2"],
+    ids=["tp2", "cp2", "pp2", "cp2-padding-free", "pp2-padding-free"],
 )
 def test_packed_sft_matches_trl_on_one_process(pool, hf_dir, reference, tmp_path, layout):
     from transformers import AutoModelForCausalLM
 
     results = pool.run(train_sft, hf_dir, str(tmp_path), **layout)
-    expected = reference["losses"]
+    expected = reference(**{k: v for k, v in layout.items() if k in PADDING_FREE})
     assert sorted(expected) == list(range(1, STEPS + 1))
     for rank, result in enumerate(results):
         got = result["losses"]
@@ -125,6 +139,11 @@ def test_packed_sft_matches_trl_on_one_process(pool, hf_dir, reference, tmp_path
     assert sorted(trained) == sorted(k for k in loaded if k in trained) and len(trained) == len(dict(loaded))
     for name, total in trained.items():
         assert abs(loaded[name].double().sum().item() - total) <= 1e-6 * max(1.0, abs(total)), name
+
+
+def own_loss(outputs, labels, num_items_in_batch=None):
+    """A `compute_loss_func` (module level: the workers unpickle it by name)."""
+    return outputs.loss
 
 
 def refused(hf_dir: str, output_dir: str, option: dict, layout: dict) -> str:
@@ -149,7 +168,7 @@ def refused(hf_dir: str, output_dir: str, option: dict, layout: dict) -> str:
     "option,layout,words",
     [
         ({"loss_type": "dft"}, {"tensor_parallel_size": 2}, "loss_type='dft'"),
-        ({"compute_loss_func": lambda *a, **k: None}, {"context_parallel_size": 2}, "compute_loss_func"),
+        ({"compute_loss_func": own_loss}, {"context_parallel_size": 2}, "compute_loss_func"),
         ({"label_smoothing_factor": 0.1}, {"tensor_parallel_size": 2}, "label_smoothing_factor=0.1"),
     ],
     ids=["dft", "compute_loss_func", "label_smoothing"],
