@@ -7,13 +7,14 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 pytest.importorskip("trl")
 
 from _models import build_model, tiny_config  # noqa: E402
 
 WORLD_SIZE = 2
-TOL = 1e-4  # losses logged after optimizer steps (as tests/test_trainer.py)
+TOL = 1e-6  # relative, per step: fp32 noise is ~1e-7 here; bf16 autocast or cross-document attention is ~1e-5
 STEPS = 3
 
 
@@ -43,7 +44,7 @@ def sft_args(output_dir: str, **extra) -> dict:
     return dict(
         output_dir=output_dir, per_device_train_batch_size=2, max_steps=STEPS, learning_rate=5e-3, logging_steps=1,
         seed=0, report_to="none", disable_tqdm=True, use_cpu=True, packing=True, max_length=48,
-        gradient_checkpointing=False, save_strategy="no", ddp_timeout=60,
+        gradient_checkpointing=False, save_strategy="no", ddp_timeout=60, bf16=False,  # SFTConfig's default: True
     ) | extra  # fmt: skip
 
 
@@ -63,19 +64,37 @@ def losses(log_history: list[dict]) -> dict[int, float]:
 PADDING_FREE = {"packing": False, "padding_free": True, "max_length": None}  # each batch flattened in one row
 
 
+def document_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+    """sdpa under each document's causal mask, the documents read from the restarting position ids: what
+    flash-attention's varlen path computes on a GPU. transformers' sdpa and eager read the documents from position ids
+    only without an attention_mask and a key/value cache; otherwise a packed row's tokens attend to the earlier
+    documents of their row."""
+    positions = kwargs["position_ids"]
+    starts = torch.ones_like(positions, dtype=torch.bool)
+    starts[:, 1:] = positions[:, 1:] != positions[:, :-1] + 1
+    segments = starts.cumsum(-1)
+    length = positions.shape[-1]
+    causal = torch.ones(length, length, dtype=torch.bool).tril()
+    mask = (causal & (segments[:, :, None] == segments[:, None, :]))[:, None]
+    out = F.scaled_dot_product_attention(query, key, value, attn_mask=mask, scale=scaling, enable_gqa=True)
+    return out.transpose(1, 2).contiguous(), None
+
+
 @pytest.fixture(scope="module")
 def reference(hf_dir, tmp_path_factory):
-    """TRL's SFTTrainer on one process (sdpa: transformers' document mask from the padding-free position ids):
-    `reference(**options)` its losses per step, each set of options trained once."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    """TRL's SFTTrainer on one process (attention: `document_attention`): `reference(**options)` its losses per
+    step, each set of options trained once."""
+    from transformers import AttentionInterface, AutoModelForCausalLM, AutoTokenizer
     from trl import SFTConfig, SFTTrainer
+
+    AttentionInterface.register("documents", document_attention)
 
     done: dict[tuple, dict[int, float]] = {}
 
     def run(**options) -> dict[int, float]:
         key = tuple(sorted(options.items()))
         if key not in done:
-            model = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32)
+            model = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32, attn_implementation="documents")
             tokenizer = AutoTokenizer.from_pretrained(hf_dir)
             args = SFTConfig(**sft_args(str(tmp_path_factory.mktemp("reference")), **options))
             data = dataset(model.config.vocab_size)
