@@ -19,9 +19,9 @@ import torch
 from torch import nn
 
 from ..mesh import ranks
+from ..packing import PACKING_KEYS, carrier, is_carrier, packed_inputs, segment_ids
 from ..state import find_state, parallel_state, refuse
 from .attention import ATTENTION_KEY, ContextParallelAttention, check_strategy, register_attention, sequence_mask
-from ..packing import PACKING_KEYS, carrier, is_carrier, packed_inputs, segment_ids
 from .layout import ChunkLayout, SequenceCut, pad_sequence
 from .loss import ContextParallelLoss
 from .packed import Documents, chunk_count, documents_for
