@@ -321,7 +321,7 @@ def test_ranks_share_the_attention_work_not_the_tokens():
     from optimum_parallel.packing import segment_ids
 
     lengths = [9000] + [37, 120, 400, 55, 800, 230, 64] * 20
-    positions = torch.cat([torch.arange(n) for n in lengths])[: 16384][None]
+    positions = torch.cat([torch.arange(n) for n in lengths])[:16384][None]
     segments = segment_ids(positions)
     for cp in (2, 4, 8):
         chunks, padded = chunk_count(16384, cp)

@@ -239,10 +239,12 @@ def pipeline_functions(model: nn.Module) -> tuple[Callable, Callable, Callable]:
         for rows in torch.arange(input_ids.shape[0]).chunk(microbatches):
             rows = rows.to(input_ids.device)
             layout = packed_documents(settings, positions[rows], real[rows].bool()).layout
-            parts.append((
-                layout.take(pad_sequence(input_ids[rows], padded, 0)),
-                None if shifted is None else layout.take(shifted[rows]),
-            ))
+            parts.append(
+                (
+                    layout.take(pad_sequence(input_ids[rows], padded, 0)),
+                    None if shifted is None else layout.take(shifted[rows]),
+                )
+            )
             cuts.append((len(rows), SequenceCut(length, layout)))
         ids = torch.cat([p[0] for p in parts])
         cut_labels = None if labels is None else torch.cat([p[1] for p in parts])
