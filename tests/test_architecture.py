@@ -12,6 +12,7 @@ LEVELS = {
     "mesh": 0,
     "state": 0,
     "comm": 1,
+    "packing": 1,
     "tensor_parallel": 2,
     "io": 3,
     "styles": 3,

@@ -19,7 +19,16 @@ HEAVY = (
     "torch_xla",  # only where the mesh runs on XLA devices
 )
 SURFACE = "[getattr(op, name) for name in op.__all__ if name not in LATER]"
-LATER = ("ParallelTrainer", "ParallelTrainingArguments", "MemoryPlanner", "estimate_memory", "suggest_layouts")
+LATER = (
+    "ParallelTrainer",
+    "ParallelTrainerMixin",
+    "ParallelTrainingArguments",
+    "ParallelSFTTrainer",  # and TRL (an optional dependency)
+    "ParallelSFTConfig",
+    "MemoryPlanner",
+    "estimate_memory",
+    "suggest_layouts",
+)
 
 
 def _loaded_after(code: str, modules: tuple[str, ...]) -> list[str]:

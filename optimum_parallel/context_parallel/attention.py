@@ -17,6 +17,7 @@ from torch.distributed import ProcessGroup
 from ..state import find_state
 from .blocks import Attend, default_scale
 from .layout import ChunkLayout
+from .packed import Documents
 from .ring import ring_attention
 from .ulysses import all_to_all_attention
 
@@ -31,6 +32,7 @@ def check_strategy(strategy: object, key: str = "context_parallel_strategy") -> 
 
 
 _MARK = "_optimum_parallel_sequence_mask"
+_DOCUMENTS = "_optimum_parallel_documents"
 
 
 @dataclass(frozen=True)
@@ -43,11 +45,18 @@ class ContextParallelAttention:
     strategy: str
 
 
-def sequence_mask(key_mask: torch.Tensor) -> torch.Tensor:
-    """The marker the layers receive as `attention_mask`: the whole sequence's (batch, seq) padding mask."""
+def sequence_mask(key_mask: torch.Tensor, documents: Documents | None = None) -> torch.Tensor:
+    """The marker the layers receive as `attention_mask`: the whole sequence's (batch, seq) padding mask, and for a
+    packed batch its documents and layout (packed.py)."""
     marker = key_mask.bool()[:, None, None, :]
     setattr(marker, _MARK, bool(key_mask.all()))
+    setattr(marker, _DOCUMENTS, documents)
     return marker
+
+
+def marked_documents(attention_mask) -> Documents | None:
+    """The documents a marker carries (None: one sequence per row)."""
+    return getattr(attention_mask, _DOCUMENTS, None)
 
 
 def _read_mask(attention_mask) -> tuple[torch.Tensor | None, int]:
@@ -80,9 +89,10 @@ def context_parallel_attention(
     if dropout and module.training:
         raise NotImplementedError("attention dropout is not supported under context parallelism; set it to 0")
     key_mask, length = _read_mask(attention_mask)
-    layout = ChunkLayout(settings.cp, settings.layout_rank, length)
+    documents = marked_documents(attention_mask)
+    layout = documents.layout if documents is not None else ChunkLayout(settings.cp, settings.layout_rank, length)
     scale = scaling if scaling is not None else default_scale(query.shape[-1])
-    attend = Attend(layout.chunk, scale, sliding_window, softcap, key_mask)
+    attend = Attend(layout.chunk, scale, sliding_window, softcap, key_mask, documents)
     if settings.strategy == "ring":
         out = ring_attention(query, key, value, attend, layout.chunks_of, settings.group)
     else:

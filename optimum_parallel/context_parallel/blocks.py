@@ -15,10 +15,14 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
 from ..mesh import device as devices
+
+if TYPE_CHECKING:
+    from .packed import Documents
 
 NEG_INF = float("-inf")
 _QUERY_TILE = 1024  # rows of the plain-tensor path's score tile
@@ -34,10 +38,14 @@ class Attend:
     window: int | None
     softcap: float | None
     key_mask: torch.Tensor | None
+    documents: Documents | None = None  # a packed row: which tokens share a document (packed.py)
 
     def visibility(self, q_chunk: int, k_chunk: int) -> str:
         """'none', 'full', 'causal' (the diagonal, no window inside) or 'masked' for a pair of chunk indices."""
         if k_chunk > q_chunk:
+            return "none"
+        shared = "inside" if self.documents is None else self.documents.visibility(q_chunk, k_chunk)
+        if shared == "none":
             return "none"
         c, w = self.chunk, self.window
         if w is not None:
@@ -48,7 +56,7 @@ class Attend:
             if farthest >= w:
                 return "masked"
         kind = "causal" if k_chunk == q_chunk else "full"
-        if self.key_mask is not None and not bool(self._keys(k_chunk).all()):
+        if shared == "mixed" or (self.key_mask is not None and not bool(self._keys(k_chunk).all())):
             return "masked"
         return kind
 
@@ -65,6 +73,8 @@ class Attend:
         visible = visible[None, None]
         if self.key_mask is not None:
             visible = visible & self._keys(k_chunk).to(device)[:, None, None, :]
+        if self.documents is not None:
+            visible = visible & self.documents.same_document(q_chunk, k_chunk).to(device)
         return visible
 
 

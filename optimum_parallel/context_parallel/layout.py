@@ -51,6 +51,15 @@ class ChunkLayout:
         return torch.cat([chunks[i] for i in range(2 * self.cp)], dim=dim)
 
 
+@dataclass(frozen=True)
+class SequenceCut:
+    """How the input split cut one forward's sequence: its length before padding and the layout of the ranks' tokens
+    (`ChunkLayout`, or a packed batch's `packed.PackedLayout`)."""
+
+    length: int
+    layout: object
+
+
 def pad_sequence(x: torch.Tensor, length: int, value, dim: int = 1) -> torch.Tensor:
     """`x` padded with `value` at the end of `dim` up to `length`."""
     missing = length - x.shape[dim]

@@ -19,10 +19,12 @@ import torch
 from torch import nn
 
 from ..mesh import ranks
+from ..packing import PACKING_KEYS, carrier, is_carrier, packed_inputs, segment_ids
 from ..state import find_state, parallel_state, refuse
 from .attention import ATTENTION_KEY, ContextParallelAttention, check_strategy, register_attention, sequence_mask
-from .layout import ChunkLayout, pad_sequence
+from .layout import ChunkLayout, SequenceCut, pad_sequence
 from .loss import ContextParallelLoss
+from .packed import Documents, chunk_count, documents_for
 from .router_loss import RouterLoss, add_router_loss, install_router_loss, wants_router_logits
 from .ulysses import check_heads_divide
 
@@ -98,9 +100,9 @@ def check_gradients_reduced(model: nn.Module) -> None:
         )
 
 
-def split_batch(settings: ContextParallelAttention, kwargs: dict) -> tuple[dict, int]:
-    """This rank's part of a whole batch (input_ids or inputs_embeds, attention_mask, position_ids, labels) and the
-    whole sequence's length before padding."""
+def split_batch(settings: ContextParallelAttention, kwargs: dict) -> tuple[dict, SequenceCut]:
+    """This rank's part of a whole batch (input_ids or inputs_embeds, attention_mask, position_ids, labels; a packed
+    batch's document boundaries) and how the sequence was cut (its length before padding, the layout)."""
     tokens = kwargs.get("input_ids")
     if tokens is None:
         tokens = kwargs.get("inputs_embeds")
@@ -108,6 +110,9 @@ def split_batch(settings: ContextParallelAttention, kwargs: dict) -> tuple[dict,
         raise ValueError("a context-parallel model needs input_ids or inputs_embeds")
     if kwargs.get("output_attentions"):
         raise NotImplementedError("output_attentions is not supported under context parallelism (no weights are kept)")
+    packed = packed_inputs(kwargs)
+    if packed is not None:  # several documents in a row: cut by attention work, attend within documents
+        return _split_packed(settings, packed, tokens)
     batch, length = tokens.shape[:2]
     layout = ChunkLayout.for_sequence(length, settings.cp, settings.layout_rank)
     mask = kwargs.get("attention_mask")
@@ -120,8 +125,9 @@ def split_batch(settings: ContextParallelAttention, kwargs: dict) -> tuple[dict,
         positions = torch.arange(length, device=tokens.device).expand(batch, length)
     elif length > 1 and not bool((positions.diff(dim=-1) == 1).all()):
         raise NotImplementedError(
-            "position_ids that do not count up by one (packed sequences) are not supported under context "
-            "parallelism: the attention mask is causal over the whole row; pass one sequence per row with padding"
+            "position_ids that do not count up by one in a row with an attention mask are not supported under "
+            "context parallelism; pass packed rows without attention_mask (each padding token its own segment) or "
+            "one sequence per row"
         )
     padded = layout.length
     extra_positions = positions[:, -1:] + torch.arange(1, padded - length + 1, device=tokens.device)
@@ -136,7 +142,33 @@ def split_batch(settings: ContextParallelAttention, kwargs: dict) -> tuple[dict,
         shifted = pad_sequence(labels[:, 1:], padded, IGNORE_INDEX)
         out["labels"] = layout.take(shifted)
     out["use_cache"] = False
-    return out, length
+    return out, SequenceCut(length, layout)
+
+
+def packed_documents(settings: ContextParallelAttention, positions: torch.Tensor, real: torch.Tensor) -> Documents:
+    """The documents and layout of a packed batch whose whole padded rows have `positions` (segment-encoded) and
+    `real` (False: padding the split added)."""
+    return documents_for(segment_ids(positions), settings.cp, settings.layout_rank, real=real)
+
+
+def _split_packed(settings: ContextParallelAttention, kwargs: dict, tokens: torch.Tensor) -> tuple[dict, SequenceCut]:
+    batch, length = tokens.shape[:2]
+    _, padded = chunk_count(length, settings.cp)
+    positions = pad_sequence(kwargs["position_ids"], padded, 0)  # 0: the padding never continues a document
+    real = pad_sequence(torch.ones(batch, length, dtype=torch.bool, device=tokens.device), padded, False)
+    documents = packed_documents(settings, positions, real)
+    layout = documents.layout
+    out = {k: v for k, v in kwargs.items() if k not in PACKING_KEYS}
+    for name in ("input_ids", "inputs_embeds"):
+        if kwargs.get(name) is not None:
+            out[name] = layout.take(pad_sequence(kwargs[name], padded, 0))
+    out["position_ids"] = layout.take(positions)
+    out["attention_mask"] = sequence_mask(real, documents)
+    labels = kwargs.get("labels")
+    if labels is not None:
+        out["labels"] = layout.take(pad_sequence(labels[:, 1:], padded, IGNORE_INDEX))
+    out["use_cache"] = False
+    return out, SequenceCut(length, layout)
 
 
 @functools.cache
@@ -153,12 +185,12 @@ def _split_inputs(model: nn.Module, args: tuple, kwargs: dict, router_loss: Rout
     check_gradients_reduced(model)
     state = parallel_state(model)
     settings = state.context_parallel
-    split, state.sequence_length = split_batch(settings, {**bound, **extra})
+    split, cut = split_batch(settings, {**bound, **extra})
+    state.sequence_length, state.sequence_layout = cut.length, cut.layout
     requested = extra.get("output_router_logits", bound.get("output_router_logits"))
     if wants_router_logits(model, router_loss, requested):
         split["output_router_logits"] = False  # the aux loss is added after the forward, over the whole rows
-        layout = ChunkLayout.for_sequence(state.sequence_length, settings.cp, settings.layout_rank)
-        router_loss.mask = layout.take(split["attention_mask"][:, 0, 0, :]).reshape(-1)
+        router_loss.mask = cut.layout.take(split["attention_mask"][:, 0, 0, :]).reshape(-1)
         router_loss.labels = split.get("labels") is not None
     return (), split
 
@@ -170,9 +202,7 @@ def _after_forward(model: nn.Module, args: tuple, output, router_loss: RouterLos
     if logits is None or torch.is_grad_enabled():
         return output
     state = parallel_state(model)
-    settings, length = state.context_parallel, state.sequence_length
-    layout = ChunkLayout.for_sequence(length, settings.cp, settings.layout_rank)
-    output.logits = layout.gather(logits, settings.group)[:, :length]
+    output.logits = state.sequence_layout.gather(logits, state.context_parallel.group)[:, : state.sequence_length]
     return output
 
 
@@ -185,25 +215,58 @@ NO_GENERATE = (
 
 def pipeline_functions(model: nn.Module) -> tuple[Callable, Callable, Callable]:
     """For a pipeline over a context-parallel `model`: (split, gather_logits, stage_inputs) -- this rank's chunks of
-    a whole batch (input_ids and the shifted labels; the padding mask of the whole padded sequence travels with the
-    activations), the whole sequence's logits back from the cp ranks' chunks, and the layers' mask and positions
-    (they follow the split) from the travelling mask."""
+    a whole batch (input_ids and the shifted labels; the padding mask of the whole padded sequence, or a packed batch's
+    carrier, travels with the activations), the whole sequence's logits back from the cp ranks' chunks, and the
+    layers' mask and positions (they follow the split) from what travels. A packed batch is cut micro-batch by
+    micro-batch (each stage sees one micro-batch's rows, and finds the same layout from its carrier)."""
     settings = parallel_state(model).context_parallel
 
-    def split(input_ids, labels, attention_mask):
+    def split(input_ids, labels, attention_mask, microbatches: int = 1):
         check_gradients_reduced(model)
-        parts, length = split_batch(
-            settings, {"input_ids": input_ids, "labels": labels, "attention_mask": attention_mask}
-        )
-        return parts["input_ids"], parts.get("labels"), parts["attention_mask"][:, 0, 0, :].long(), length
+        if is_carrier(attention_mask):
+            return _split_packed_rows(input_ids, labels, attention_mask, microbatches)
+        parts, cut = split_batch(settings, {"input_ids": input_ids, "labels": labels, "attention_mask": attention_mask})
+        return parts["input_ids"], parts.get("labels"), parts["attention_mask"][:, 0, 0, :].long(), cut
 
-    def gather_logits(logits: torch.Tensor, length: int) -> torch.Tensor:
-        layout = ChunkLayout.for_sequence(length, settings.cp, settings.layout_rank)
-        return layout.gather(logits, settings.group)[:, :length]
+    def _split_packed_rows(input_ids, labels, travelling, microbatches):
+        length = input_ids.shape[1]
+        _, padded = chunk_count(length, settings.cp)
+        real = pad_sequence(travelling[:, 0], padded, 0)
+        positions = pad_sequence(travelling[:, 1], padded, 0)
+        shifted = None if labels is None else pad_sequence(labels[:, 1:], padded, IGNORE_INDEX)
+        parts: list[tuple] = []
+        cuts: list[tuple[int, SequenceCut]] = []
+        for rows in torch.arange(input_ids.shape[0]).chunk(microbatches):
+            rows = rows.to(input_ids.device)
+            layout = packed_documents(settings, positions[rows], real[rows].bool()).layout
+            parts.append(
+                (
+                    layout.take(pad_sequence(input_ids[rows], padded, 0)),
+                    None if shifted is None else layout.take(shifted[rows]),
+                )
+            )
+            cuts.append((len(rows), SequenceCut(length, layout)))
+        ids = torch.cat([p[0] for p in parts])
+        cut_labels = None if labels is None else torch.cat([p[1] for p in parts])
+        return ids, cut_labels, carrier(positions, real), cuts
 
-    def stage_inputs(attention_mask: torch.Tensor) -> dict:
-        layout = ChunkLayout(settings.cp, settings.layout_rank, attention_mask.shape[1])
-        positions = layout.positions(attention_mask.device).expand(attention_mask.shape[0], -1)
-        return {"attention_mask": sequence_mask(attention_mask), "position_ids": positions}
+    def gather_logits(logits: torch.Tensor, cut) -> torch.Tensor:
+        if isinstance(cut, SequenceCut):
+            return cut.layout.gather(logits, settings.group)[:, : cut.length]
+        pieces, start = [], 0
+        for rows, part in cut:
+            pieces.append(part.layout.gather(logits[start : start + rows], settings.group)[:, : part.length])
+            start += rows
+        return torch.cat(pieces)
+
+    def stage_inputs(travelling: torch.Tensor) -> dict:
+        if is_carrier(travelling):
+            real = travelling[:, 0].bool()
+            documents = packed_documents(settings, travelling[:, 1], real)
+            positions = documents.layout.take(travelling[:, 1])
+            return {"attention_mask": sequence_mask(real, documents), "position_ids": positions}
+        layout = ChunkLayout(settings.cp, settings.layout_rank, travelling.shape[1])
+        positions = layout.positions(travelling.device).expand(travelling.shape[0], -1)
+        return {"attention_mask": sequence_mask(travelling), "position_ids": positions}
 
     return split, gather_logits, stage_inputs

@@ -18,6 +18,8 @@ from torch import nn
 from ..context_parallel import apply_context_parallel, pipeline_functions
 from ..expert_parallel import apply_expert_parallel
 from ..mesh import ParallelMesh
+from ..packing import PACKING_KEYS, install_packing
+from ..packing import pipeline as packed_rows
 from ..pipeline import SPLIT_BACKWARD
 from ..pipeline.batches import PipelineBatches
 from ..plan.apply import apply_checked_plan
@@ -67,6 +69,13 @@ def compose_model(model: nn.Module, mesh: ParallelMesh, checked: CheckedRequest)
     if checked_plan is not None and mesh.size("tp") > 1:
         share_rng_states(mesh.tp_group)
         install_split_regions(model, applied.layers, mesh.rank("tp"))
+    # 1c. Packed rows (several documents per row, told apart by restarting position ids, cu_seq_lens or seq_idx):
+    #     without cp or pp a forward pre-hook puts them in the form the model's own mask builders turn into a
+    #     document mask; cp's input split and the pipeline's batch functions (below) read that form themselves.
+    state = parallel_state(model)
+    if mesh.size("cp") == 1 and pipeline is None and not state.packing:
+        install_packing(model)
+        state.packing = True
     # 2. Context parallelism: attention over the cp ring, each rank's forward cut to its chunks of the sequence
     #    (after the plan, so the loss it wraps is the vocab-parallel one; weights are not touched).
     if mesh.size("cp") > 1:
@@ -75,7 +84,12 @@ def compose_model(model: nn.Module, mesh: ParallelMesh, checked: CheckedRequest)
     if pipeline is not None:
         from ..pipeline.runtime import apply_pipeline  # torch's pipelining (and torch._dynamo) load only here
 
-        batches = PipelineBatches(*pipeline_functions(model)) if mesh.size("cp") > 1 else None
+        if mesh.size("cp") > 1:  # the cut of the sequence (of packed rows too) and its layers' masks
+            split, gather_logits, stage_inputs = pipeline_functions(model)
+            cut = {"split": split, "gather_logits": gather_logits, "stage_inputs": stage_inputs}
+        else:
+            cut = {"stage_inputs": packed_rows.stage_inputs}
+        batches = PipelineBatches(prepare=packed_rows.prepare, keys=PACKING_KEYS, **cut)
         stages = apply_pipeline(
             model,
             mesh,

@@ -19,6 +19,7 @@ from ..context_parallel import check_context_parallel, check_strategy
 from ..expert_parallel import check_expert_parallel
 from ..mesh import MeshLayout, ParallelMesh, check_expert_parallel_size, check_positive_int
 from ..mesh import device as devices
+from ..packing import PACKING_KEYS
 from ..pipeline import SCHEDULES, check_pipeline, check_schedule
 from ..pipeline.split import SplitPoint
 from ..plan import check_plan
@@ -37,7 +38,7 @@ _XLA_REFUSED = {  # why the other levels do not run on XLA devices
     2: "FSDP2 needs a torch DeviceMesh, which the XLA mesh does not build",
     3: "FSDP2 needs a torch DeviceMesh, which the XLA mesh does not build",
 }
-PIPELINE_INPUTS = ("input_ids", "attention_mask", "labels")
+PIPELINE_INPUTS = ("input_ids", "attention_mask", "labels", *PACKING_KEYS)
 
 
 def validate(request: ParallelRequest, model: nn.Module, mesh: ParallelMesh) -> CheckedRequest:

@@ -1,5 +1,10 @@
-"""How a whole batch becomes what this rank's stages run: three functions the engine hands the pipeline (identity
-by default; context parallelism cuts the sequence there, see `context_parallel.pipeline_functions`)."""
+"""How a whole batch becomes what this rank's stages run: the functions the engine hands the pipeline (identity by
+default; packed rows are laid out for the micro-batches in `prepare`, context parallelism cuts the sequence in
+`split`, see `packing.pipeline` and `context_parallel.pipeline_functions`).
+
+What travels with the activations from stage to stage (the `carrier`) is whatever `prepare` / `split` make of the
+attention mask: the (batch, seq) padding mask by default; the pipeline only passes it on, and `stage_inputs` turns it
+into the layers' mask and position arguments."""
 
 from __future__ import annotations
 
@@ -8,22 +13,32 @@ from dataclasses import dataclass
 
 import torch
 
+Prepare = Callable[..., tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None, Callable | None]]
 Split = Callable[
-    [torch.Tensor, torch.Tensor | None, torch.Tensor | None],
-    tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None, int | None],
+    [torch.Tensor, torch.Tensor | None, torch.Tensor | None, int],
+    tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None, object],
 ]
 
 
-def _whole(input_ids, labels, attention_mask):
+def _as_given(input_ids, labels, attention_mask, microbatches, **extra):
+    return input_ids, labels, attention_mask, None
+
+
+def _whole(input_ids, labels, attention_mask, microbatches):
     return input_ids, labels, attention_mask, None
 
 
 @dataclass(frozen=True)
 class PipelineBatches:
-    """`split(input_ids, labels, attention_mask)`: this rank's part of a whole batch and the whole length (None when
-    nothing was cut); `gather_logits(logits, length)`: the whole sequence's logits back from the ranks' parts;
-    `stage_inputs(attention_mask)`: the mask (and position) arguments a stage's layers take."""
+    """`prepare(input_ids, labels, attention_mask, microbatches, **extra)`: the whole batch in rows the micro-batches
+    split (the batch keys it takes beyond those three are `keys`), its carrier, and a function putting per-token
+    outputs back in the caller's rows (None: they are in place); `split(input_ids, labels, carrier, microbatches)`:
+    this rank's part of the prepared batch and what was cut (opaque here; None when nothing was);
+    `gather_logits(logits, cut)`: the whole sequence's logits back from the ranks' parts; `stage_inputs(carrier)`:
+    the mask (and position) arguments a stage's layers take."""
 
+    prepare: Prepare = _as_given
     split: Split = _whole
-    gather_logits: Callable[[torch.Tensor, int], torch.Tensor] = lambda logits, length: logits
+    gather_logits: Callable[[torch.Tensor, object], torch.Tensor] = lambda logits, cut: logits
     stage_inputs: Callable[[torch.Tensor], dict] = lambda attention_mask: {"attention_mask": attention_mask}
+    keys: tuple[str, ...] = ()

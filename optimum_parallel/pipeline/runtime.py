@@ -38,6 +38,7 @@ from .split import SplitPoint
 from .stage import DecoderStage, prune_to_stages
 
 IGNORE_INDEX = -100
+MAX_SCHEDULES = 8
 
 
 @dataclass
@@ -67,19 +68,11 @@ class Pipeline:
         num_stages = self.num_stages = mesh.size("pp") * per_rank
         self.stages_by_index = {stage.stage_index: stage for stage in stages}
         self.device = devices.current_device(mesh.device_type)
-        self.pipeline_stages = [
-            PipelineStage(stage, stage.stage_index, num_stages, self.device, group=self.pp_group) for stage in stages
-        ]
-        single = per_rank == 1
-        # each micro-batch's loss is its token-loss sum over the whole batch's token count (`_loss`): the schedule
-        # must add the micro-batch gradients, not average them (its default averages, which weights micro-batches
-        # equally whatever their number of labelled tokens)
-        self.schedule = schedule_cls(
-            self.pipeline_stages[0] if single else self.pipeline_stages,
-            num_microbatches,
-            loss_fn=self._loss,
-            scale_grads=False,
-        )
+        self._single = per_rank == 1
+        self._schedule_cls = schedule_cls
+        # torch's stages fix their buffers' shapes at their first step: one schedule per micro-batch shape (batches of
+        # other lengths, packed rows), the most recent few kept
+        self._schedules: dict[tuple, object] = {}
         self.holds_first = any(s.is_first for s in stages)
         self.holds_last = any(s.is_last for s in stages)
         # the module holding this rank's side of a tied embedding / LM head, read anew each time: FSDP2 replaces it
@@ -94,6 +87,28 @@ class Pipeline:
         self.last_rank = mesh.ranks("pp")[last]
         # tied embedding / LM head on two ranks: their gradients are summed (one rank holding both needs nothing)
         self.tied_group = mesh.group_of("pp", (first, last)) if tied and first != last else None
+
+    def _schedule_for(self, key: tuple | None):
+        """The schedule (over its own torch stages) for inputs of shapes `key`; built on first use."""
+        schedule = self._schedules.pop(key, None)
+        if schedule is None:
+            torch_stages = [
+                PipelineStage(stage, stage.stage_index, self.num_stages, self.device, group=self.pp_group)
+                for stage in self.stages
+            ]
+            # each micro-batch's loss is its token-loss sum over the whole batch's token count (`_loss`): the schedule
+            # must add the micro-batch gradients, not average them (its default averages, which weights micro-batches
+            # equally whatever their number of labelled tokens)
+            schedule = self._schedule_cls(
+                torch_stages[0] if self._single else torch_stages,
+                self.num_microbatches,
+                loss_fn=self._loss,
+                scale_grads=False,
+            )
+        self._schedules[key] = schedule  # most recent last
+        while len(self._schedules) > MAX_SCHEDULES:
+            self._schedules.pop(next(iter(self._schedules)))
+        return schedule
 
     @property
     def tied(self) -> nn.Parameter | None:
@@ -129,6 +144,7 @@ class Pipeline:
         return count if replicas == 1 else count.float() / replicas  # no host read: the step stays asynchronous
 
     def _inputs(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None):
+        """The first stage's arguments: the token ids and the carrier (a mask of ones when there is none)."""
         if input_ids.shape[0] % self.num_microbatches:
             raise ValueError(
                 f"batch size {input_ids.shape[0]} is not divisible by pipeline_parallel_num_microbatches="
@@ -136,7 +152,7 @@ class Pipeline:
             )
         if attention_mask is None:
             attention_mask = torch.ones_like(input_ids)
-        return (input_ids, attention_mask) if self.holds_first else ()
+        return input_ids, attention_mask
 
     def _batch_loss(self, losses: list[torch.Tensor], replicas: int) -> torch.Tensor:
         """The global batch loss on every rank: the micro-batch shares added on the last stage, sent to the other
@@ -156,25 +172,32 @@ class Pipeline:
         labels: torch.Tensor,
         attention_mask: torch.Tensor | None = None,
         num_items_in_batch: int | torch.Tensor | None = None,
-        **unused,
+        **extra,
     ) -> torch.Tensor:
         """Forward and backward over all micro-batches (gradients accumulated); returns the loss of the global batch.
 
         The loss is the mean over every labelled token of the global batch (every micro-batch, every data-parallel
         replica's rows), on every rank; the gradients, once data parallelism has averaged them, are its gradients:
         the single-device step on the whole batch. `num_items_in_batch` is that token count (the Trainer's); without
-        it the labelled tokens are counted here (after the causal shift, summed over the replicas)."""
-        _reject(unused)
+        it the labelled tokens are counted here (after the causal shift, summed over the replicas). `extra`: the
+        batch keys the engine's batch functions take (`PipelineBatches.keys`: a packed batch's position ids and
+        document boundaries)."""
+        self._reject(extra)
+        input_ids, labels, attention_mask, _ = self.batches.prepare(
+            input_ids, labels, attention_mask, self.num_microbatches, **extra
+        )
         replicas = self.data_parallel_size
         self._num_items = self._divisor(labels, num_items_in_batch, replicas)
-        input_ids, labels, attention_mask, _ = self.batches.split(input_ids, labels, attention_mask)
+        input_ids, labels, attention_mask, _ = self.batches.split(
+            input_ids, labels, attention_mask, self.num_microbatches
+        )
         losses: list[torch.Tensor] = []
         target = labels if self.holds_last else None
         tied_before = self._tied_gradient()
+        inputs = self._inputs(input_ids, attention_mask)
+        schedule = self._schedule_for(tuple((tuple(t.shape), t.dtype) for t in (input_ids, inputs[-1])))
         try:
-            self.schedule.step(
-                *self._inputs(input_ids, attention_mask), target=target, losses=losses, return_outputs=False
-            )
+            schedule.step(*(inputs if self.holds_first else ()), target=target, losses=losses, return_outputs=False)
         finally:
             self._num_items = None
         self._sync_tied_gradients(tied_before)
@@ -188,17 +211,21 @@ class Pipeline:
         input_ids: torch.Tensor,
         labels: torch.Tensor | None = None,
         attention_mask: torch.Tensor | None = None,
-        **unused,
+        **extra,
     ) -> PipelineOutput:
         """Forward only, micro-batch by micro-batch through the stages in order (any placement, any schedule);
         the loss (if labels are given: the mean over this batch's labelled tokens) on every rank, the logits on the
         last stage."""
-        _reject(unused)
+        self._reject(extra)
+        input_ids, labels, attention_mask, restore = self.batches.prepare(
+            input_ids, labels, attention_mask, self.num_microbatches, **extra
+        )
         if labels is not None:
             self._num_items = self._divisor(labels, None, 1)
-        input_ids, labels, attention_mask, length = self.batches.split(input_ids, labels, attention_mask)
-        self._inputs(input_ids, attention_mask)
-        mask = torch.ones_like(input_ids) if attention_mask is None else attention_mask
+        input_ids, labels, attention_mask, cut = self.batches.split(
+            input_ids, labels, attention_mask, self.num_microbatches
+        )
+        _, mask = self._inputs(input_ids, attention_mask)
         chunks = zip(input_ids.chunk(self.num_microbatches), mask.chunk(self.num_microbatches), strict=True)
         losses, logits = [], []
         for index, (ids, chunk_mask) in enumerate(chunks):
@@ -210,9 +237,17 @@ class Pipeline:
         self._num_items = None
         loss = self._batch_loss(losses, 1) if labels is not None else None
         logits = torch.cat(logits) if logits else None
-        if logits is not None and length is not None:  # the whole sequence, from the ranks' shares of it
-            logits = self.batches.gather_logits(logits, length)
+        if logits is not None and cut is not None:  # the whole sequence, from the ranks' shares of it
+            logits = self.batches.gather_logits(logits, cut)
+        if logits is not None and restore is not None:  # back in the caller's rows
+            logits = restore(logits)
         return PipelineOutput(loss=loss, logits=logits)
+
+    def _reject(self, extra: Mapping) -> None:
+        unknown = sorted(k for k, v in extra.items() if k not in self.batches.keys and v is not None)
+        if unknown:
+            allowed = ", ".join(("input_ids", "labels", "attention_mask", *self.batches.keys))
+            raise TypeError(f"pipeline batches take {allowed}; got also {unknown}")
 
     def _forward_through_stages(self, input_ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor | None:
         """Run every stage this rank holds, receiving from / sending to the ranks of the neighbouring stages."""
@@ -254,11 +289,6 @@ class Pipeline:
         added = grad - before
         dist.all_reduce(added, group=self.tied_group)
         torch.add(before, added, out=grad)
-
-
-def _reject(unused: Mapping) -> None:
-    if unused:
-        raise TypeError(f"pipeline batches take input_ids, labels and attention_mask; got also {sorted(unused)}")
 
 
 NO_FORWARD = (

@@ -25,11 +25,13 @@ _KEY = "_optimum_parallel_state"
 class ParallelState:
     context_parallel: ContextParallelAttention | None = None  # set by context_parallel.apply_context_parallel
     sequence_length: int | None = None  # cp: the whole sequence's length in the forward running now
+    sequence_layout: object | None = None  # cp: which tokens every rank holds in that forward (context_parallel)
     gradients_reduced: bool = False  # set by data parallelism: the dp x cp reduction sums the cp ranks' gradients
     pipeline: Pipeline | None = None  # set by pipeline.apply_pipeline
     expert_parallel: ExpertParallelRuntime | None = None  # set by expert_parallel.apply_expert_parallel
     param_map: dict[int, nn.Parameter | None] | None = None  # {id(original parameter): parallel one}, the front doors
     data_parallel_level: int | None = None  # set by data parallelism: the sharding level it runs at
+    packing: bool = False  # the packed-rows forward pre-hook is installed (engine/compose.py, packing/)
     guarded: bool = False  # the shared-batch and replica checks are installed (engine/shared_batch.py, replicas.py)
     unsupported: dict[str, str] = field(default_factory=dict)  # method name -> why this layout cannot serve it
 

@@ -37,6 +37,7 @@ from ...engine.request import ParallelRequest
 from ...engine.validate import mesh_layout, validate
 from ...frontends.manager import ParallelizersManager
 from ...mesh import ParallelMesh, get_mesh, init_mesh, ranks
+from ...packing import PACKING_KEYS
 from ...plan import logits_mode
 from ...plan.wrappers import plan_root
 from ...state import parallel_state
@@ -49,7 +50,7 @@ from .xla import XlaStepCallback, no_token_gather, on_xla_device, plain_loader
 SCHEDULER_NAME = transformers_internal("trainer.SCHEDULER_NAME")
 TRAINING_ARGS_NAME = transformers_internal("trainer.TRAINING_ARGS_NAME")
 TRAINER_STATE_NAME = transformers_internal("trainer.TRAINER_STATE_NAME")
-PIPELINE_COLUMNS = ["input_ids", "attention_mask", "labels", "label", "label_ids"]
+PIPELINE_COLUMNS = ["input_ids", "attention_mask", "labels", "label", "label_ids", *PACKING_KEYS]
 
 
 def _mesh_for(request: ParallelRequest, timeout: float) -> ParallelMesh:
@@ -82,13 +83,15 @@ def _inner(optimizer: torch.optim.Optimizer | None) -> torch.optim.Optimizer | N
     return optimizer.optimizer if isinstance(optimizer, AcceleratedOptimizer) else optimizer
 
 
-class ParallelTrainer(Trainer):
-    """A `Trainer` over a dp x pp x cp x tp mesh set by `ParallelTrainingArguments`; launch it with `torchrun`.
+class ParallelTrainerMixin:
+    """The parallel behaviour of `ParallelTrainer`, for any `transformers.Trainer` subclass: put it first,
+    `class MyTrainer(ParallelTrainerMixin, SomeTrainer)`, with arguments that are `ParallelTrainingArguments` too
+    (TRL's SFT trainer: `optimum_parallel.integrations.trl.ParallelSFTTrainer`).
 
     `model` is a transformers model or a checkpoint path (loaded under `lazy_load_for_parallelism` with
     `model_class.from_pretrained(path, **model_kwargs)`, so no rank ever holds the whole model). A PEFT model, or
     `peft_config` (adapters added once the base is split), trains its adapters; its checkpoints hold only them.
-    Other arguments are the Trainer's, passed by keyword; `model_init` is not supported.
+    Other arguments are the trainer's, passed by keyword; `model_init` is not supported.
     """
 
     def __init__(
@@ -220,11 +223,13 @@ class ParallelTrainer(Trainer):
         finally:
             self.model.set_requires_gradient_sync(True)
 
+    pipeline_columns: tuple[str, ...] = tuple(PIPELINE_COLUMNS)  # dataset columns kept under pp
+
     @private_override
     def _set_signature_columns_if_needed(self) -> None:
         """Under pp `model.forward` is blocked (the pipeline runs it): keep the columns `run_train` takes."""
         if self._signature_columns is None and self._pipeline is not None:
-            self._signature_columns = list(PIPELINE_COLUMNS)
+            self._signature_columns = list(self.pipeline_columns)
         super()._set_signature_columns_if_needed()
 
     @private_override
@@ -483,4 +488,9 @@ class ParallelTrainer(Trainer):
         self.parallelizer.load_model_checkpoint(self.model, self._sharded_dir(self.state.best_model_checkpoint))
 
 
-check_overrides(ParallelTrainer, Trainer)  # at import: a renamed Trainer method fails here, loudly
+class ParallelTrainer(ParallelTrainerMixin, Trainer):
+    """A `Trainer` over a dp x pp x cp x tp mesh set by `ParallelTrainingArguments`; launch it with `torchrun`.
+    See `ParallelTrainerMixin` for the arguments."""
+
+
+check_overrides(ParallelTrainerMixin, Trainer)  # at import: a renamed Trainer method fails here, loudly

@@ -1,0 +1,90 @@
+"""TRL's `SFTTrainer` with `ParallelTrainerMixin`: packing (`packing=True`, `padding_free=True`) on every layout.
+
+What differs from TRL on one process, and why:
+
+- the loss is the model's own (transformers' loss, vocab-parallel under tp, summed over cp, weighted by the batch's
+  token count as TRL weights it): TRL's fused LM head multiplies the hidden states by `lm_head.weight`, which under tp
+  is a shard of the vocabulary, and scores the labels of a whole row, which under cp a rank does not hold. So the
+  metrics that head feeds (`entropy`, `mean_token_accuracy`, `num_tokens`) are not logged;
+- what needs that head or the whole logits on every rank is refused before training, naming the option
+  (`check_sft_options`): `loss_type='dft'`, `use_liger_kernel`, and under tp / cp / pp `compute_loss_func` and
+  `label_smoothing_factor`; under pp the router aux loss of a MoE model (`router_aux_loss_coef`), which the pipeline's
+  loss does not carry.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from transformers import Trainer
+from trl import SFTConfig, SFTTrainer
+
+from ..transformers.internals import check_overrides
+from ..transformers.trainer import PIPELINE_COLUMNS, ParallelTrainerMixin
+from ..transformers.training_args import ParallelTrainingArguments
+
+
+@dataclass
+class ParallelSFTConfig(ParallelTrainingArguments, SFTConfig):
+    """TRL's `SFTConfig` plus the mesh and parallelism settings of `ParallelTrainingArguments`."""
+
+
+def check_sft_options(args: SFTConfig, compute_loss_func: Any = None) -> None:
+    """ValueError naming the first TRL option that cannot work on the layout `args` asks for."""
+    split = {"tensor_parallel_size": args.tensor_parallel_size, "context_parallel_size": args.context_parallel_size,
+             "pipeline_parallel_size": args.pipeline_parallel_size}  # fmt: skip
+    layout = ", ".join(f"{k}={v}" for k, v in split.items() if v > 1)
+    if args.loss_type != "nll":
+        raise ValueError(
+            f"loss_type={args.loss_type!r} is not supported by ParallelSFTTrainer (it needs TRL's fused LM head, "
+            "which reads the whole vocabulary and the whole row on one rank); allowed: 'nll'"
+        )
+    if args.use_liger_kernel:
+        raise ValueError(
+            "use_liger_kernel=True is not supported by ParallelSFTTrainer (Liger's kernels replace the modules and "
+            "the forward the parallel layout is built on); allowed: False"
+        )
+    if layout and compute_loss_func is not None:
+        raise ValueError(
+            f"compute_loss_func is not supported with {layout}: the logits it would receive are a shard of the "
+            "vocabulary (tp), of the sequence (cp) or absent (pp); allowed there: None (the model's own loss)"
+        )
+    if layout and args.label_smoothing_factor > 0:
+        raise ValueError(
+            f"label_smoothing_factor={args.label_smoothing_factor} is not supported with {layout}: it needs the whole "
+            "logits on every rank; allowed there: 0"
+        )
+
+
+def _check_router_loss(trainer: SFTTrainer, args: SFTConfig) -> None:
+    """TRL turns `output_router_logits` on for a MoE model when its coefficient is not 0; the pipeline's loss has no
+    router aux loss, so under pp that would be dropped without a word."""
+    config = trainer.model.config.get_text_config()
+    if args.pipeline_parallel_size > 1 and getattr(config, "output_router_logits", False):
+        raise ValueError(
+            f"router_aux_loss_coef={trainer.router_aux_loss_coef} with pipeline_parallel_size="
+            f"{args.pipeline_parallel_size} is not supported (the pipeline's loss has no router aux loss); allowed "
+            "with pp > 1: router_aux_loss_coef=0.0"
+        )
+
+
+class ParallelSFTTrainer(ParallelTrainerMixin, SFTTrainer):
+    """TRL's `SFTTrainer` on a parallel model (see the module docstring); `args` is a `ParallelSFTConfig`."""
+
+    pipeline_columns = (*PIPELINE_COLUMNS, "seq_lengths")  # TRL's packed datasets: the documents' lengths
+
+    def __init__(self, model, args: ParallelSFTConfig, **kwargs: Any) -> None:
+        if not isinstance(args, ParallelSFTConfig):
+            raise TypeError(f"ParallelSFTTrainer needs ParallelSFTConfig arguments, got {type(args).__name__}")
+        check_sft_options(args, kwargs.get("compute_loss_func"))
+        super().__init__(model, args, **kwargs)
+        _check_router_loss(self, args)
+
+    def compute_loss(self, model, inputs, return_outputs: bool = False, num_items_in_batch=None):
+        """The model's own loss (see the module docstring), without a key/value cache."""
+        inputs["use_cache"] = False
+        return Trainer.compute_loss(self, model, inputs, return_outputs, num_items_in_batch)
+
+
+check_overrides(ParallelSFTTrainer, SFTTrainer)
