@@ -1,0 +1,124 @@
+"""Regional compilation: each decoder block's forward through torch.compile, the last step of the composition.
+
+The unit is one block (the classes the model names in `_no_split_modules`, as accelerate and torchtitan take them),
+so compile time does not grow with depth: every block of a model runs the same code, and dynamo keeps one graph for
+all of them (parameters are graph inputs). Only the block's `forward` is compiled, not its `__call__`: the hooks on
+the block itself (FSDP2's unshard and reshard, a pipeline stage's sequence split, activation checkpointing
+wrappers) run eagerly around it, and so does everything outside the blocks (the embedding, the LM head and its
+loss, the model-level hooks: the context-parallel batch split, the shared-batch and replica checks). Inside, the
+region collectives are custom ops (`comm/compiled.py`); the backend first folds the entries of one tensor into one
+(`merge_entries`), then hands the graph to the chosen backend ("inductor" by default, "neuron" for TorchNeuron, any
+name `torch._dynamo.list_backends()` knows).
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from ..comm.compiled import merge_entries
+
+COMPILED_MARK = "_optimum_parallel_compiled"
+
+
+@dataclass(frozen=True)
+class CompileConfig:
+    """How to compile the blocks: `backend` (a name torch._dynamo knows), `mode` (inductor's: "default",
+    "reduce-overhead", "max-autotune", ...; None: the default), `dynamic` (torch.compile's: None decides by itself
+    on the second shape seen)."""
+
+    backend: str = "inductor"
+    mode: str | None = None
+    dynamic: bool | None = None
+
+
+def compile_config(value: object, key: str = "compile") -> CompileConfig | None:
+    """The caller's `compile=` value as a CompileConfig: False/None (off), True (inductor), a backend name, a dict of
+    CompileConfig's fields or a CompileConfig. The error names `key` and what is allowed."""
+    if value is None or value is False:
+        return None
+    if value is True:
+        return CompileConfig()
+    if isinstance(value, CompileConfig):
+        return value
+    if isinstance(value, str) and value:
+        return CompileConfig(backend=value)
+    if isinstance(value, dict):
+        unknown = sorted(set(value) - {"backend", "mode", "dynamic"})
+        if unknown:
+            raise ValueError(f"{key} has unknown keys {unknown}; allowed: backend, mode, dynamic")
+        return CompileConfig(**value)
+    raise ValueError(
+        f"{key}={value!r} is not allowed; allowed: True, False, a backend name (e.g. 'inductor', 'neuron') or a dict "
+        "with backend, mode, dynamic"
+    )
+
+
+def check_compile_config(config: CompileConfig, key: str = "compile") -> None:
+    """The backend is one torch knows and `mode` one of inductor's (raised naming `key`)."""
+    known = torch._dynamo.list_backends(exclude_tags=())
+    if config.backend not in known:
+        raise ValueError(f"{key}: backend {config.backend!r} is not known to torch; allowed: {', '.join(known)}")
+    if config.mode is not None:
+        if config.backend != "inductor":
+            raise ValueError(f"{key}: mode={config.mode!r} is inductor's; the backend is {config.backend!r}")
+        modes = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
+        if config.mode not in modes:
+            raise ValueError(f"{key}: mode={config.mode!r} is not allowed; allowed: {', '.join(modes)}")
+
+
+@functools.cache
+def block_backend(name: str = "inductor", mode: str | None = None) -> Callable:
+    """The backend every block is compiled with: the entries of one tensor folded into one, then `name`'s backend.
+    One object per (name, mode), so the blocks share dynamo's cache entries."""
+    def backend(gm, example_inputs):
+        if merge_entries(gm.graph):
+            gm.recompile()
+        if name == "inductor" and mode is not None:
+            from torch._inductor import list_mode_options
+            from torch._inductor.compile_fx import compile_fx
+
+            return compile_fx(gm, example_inputs, config_patches=list_mode_options(mode))
+        return torch._dynamo.lookup_backend(name)(gm, example_inputs)
+
+    backend.__name__ = f"optimum_parallel_{name}"
+    return backend
+
+
+def decoder_blocks(model: nn.Module) -> list[nn.Module]:
+    """The model's decoder blocks: its modules of the classes its transformers models name in `_no_split_modules`
+    (outermost first; a block inside a block is not listed)."""
+    names: set[str] = set()
+    for module in model.modules():
+        names.update(getattr(module, "_no_split_modules", None) or ())
+    blocks: list[nn.Module] = []
+    inside: set[int] = set()
+    for module in model.modules():
+        if id(module) in inside:
+            continue
+        if type(module).__name__ in names or _base_class_name(module) in names:
+            blocks.append(module)
+            inside.update(id(m) for m in module.modules())
+    return blocks
+
+
+def _base_class_name(module: nn.Module) -> str:
+    """The class name before a wrapper subclassed it (FSDP2's `FSDP<Name>`)."""
+    cls = type(module)
+    return cls.__mro__[1].__name__ if cls.__name__.startswith("FSDP") and len(cls.__mro__) > 1 else cls.__name__
+
+
+def compile_blocks(model: nn.Module, config: CompileConfig) -> list[nn.Module]:
+    """Compile every decoder block's forward of `model` (once: a block compiled already is left alone); the blocks."""
+    backend = block_backend(config.backend, config.mode)
+    blocks = decoder_blocks(model)
+    for block in blocks:
+        if block.__dict__.get(COMPILED_MARK):
+            continue
+        block.forward = torch.compile(block.forward, backend=backend, dynamic=config.dynamic)
+        block.__dict__[COMPILED_MARK] = True
+    return blocks
