@@ -113,7 +113,8 @@ def _base_class_name(module: nn.Module) -> str:
 
 
 def compile_blocks(model: nn.Module, config: CompileConfig) -> list[nn.Module]:
-    """Compile every decoder block's forward of `model` (once: a block compiled already is left alone); the blocks."""
+    """Compile every decoder block's forward of `model` (once: a block compiled already is left alone); the blocks.
+    A training forward of `model` then runs without a key/value cache (see `_no_cache_in_training`)."""
     backend = block_backend(config.backend, config.mode)
     blocks = decoder_blocks(model)
     for block in blocks:
@@ -121,4 +122,16 @@ def compile_blocks(model: nn.Module, config: CompileConfig) -> list[nn.Module]:
             continue
         block.forward = torch.compile(block.forward, backend=backend, dynamic=config.dynamic)
         block.__dict__[COMPILED_MARK] = True
+    if blocks and not model.__dict__.get(COMPILED_MARK) and hasattr(getattr(model, "config", None), "use_cache"):
+        model.register_forward_pre_hook(_no_cache_in_training, with_kwargs=True)
+        model.__dict__[COMPILED_MARK] = True
     return blocks
+
+
+def _no_cache_in_training(model: nn.Module, args: tuple, kwargs: dict):
+    """`use_cache=False` for a training forward that did not ask for a cache, as transformers does under gradient
+    checkpointing: nothing reads a training step's cache, and each layer's cache entry is a guard of its own
+    (`layer_idx`), which would compile one graph per layer."""
+    if model.training and "use_cache" not in kwargs and kwargs.get("past_key_values") is None:
+        return args, {**kwargs, "use_cache": False}
+    return None
