@@ -44,7 +44,8 @@ def _sizes(x: Tensor, dim: int, name: str, sizes: list[int] | None) -> list[int]
 
 def _fresh(out: Tensor, x: Tensor) -> Tensor:
     """`out`, copied where it shares `x`'s memory (a custom op's output may not alias its input)."""
-    return out.clone() if out.untyped_storage().data_ptr() == x.untyped_storage().data_ptr() else out
+    same = out.untyped_storage().data_ptr() == x.untyped_storage().data_ptr()
+    return out.clone(memory_format=torch.contiguous_format) if same else out
 
 
 def _reshaped(x: Tensor, dim: int, length) -> Tensor:

@@ -83,7 +83,12 @@ def context_parallel_attention(
     layout = ChunkLayout(settings.cp, settings.layout_rank, length)
     scale = scaling if scaling is not None else default_scale(query.shape[-1])
     attend = Attend(layout.chunk, scale, sliding_window, softcap, key_mask)
-    if settings.strategy == "ring":
+    if torch.compiler.is_compiling():  # a compiled block: the same attention as graph ops (compiled.py)
+        from .compiled import traced_context_attention
+
+        name = settings.group.group_name
+        out = traced_context_attention(query, key, value, attend, layout, name, settings.strategy)
+    elif settings.strategy == "ring":
         out = ring_attention(query, key, value, attend, layout.chunks_of, settings.group)
     else:
         out = all_to_all_attention(query, key, value, attend, layout.chunks_of, settings.group)

@@ -100,16 +100,10 @@ def decoder_blocks(model: nn.Module) -> list[nn.Module]:
     for module in model.modules():
         if id(module) in inside:
             continue
-        if type(module).__name__ in names or _base_class_name(module) in names:
+        if any(cls.__name__ in names for cls in type(module).__mro__):  # FSDP2 subclasses the block's class
             blocks.append(module)
             inside.update(id(m) for m in module.modules())
     return blocks
-
-
-def _base_class_name(module: nn.Module) -> str:
-    """The class name before a wrapper subclassed it (FSDP2's `FSDP<Name>`)."""
-    cls = type(module)
-    return cls.__mro__[1].__name__ if cls.__name__.startswith("FSDP") and len(cls.__mro__) > 1 else cls.__name__
 
 
 def compile_blocks(model: nn.Module, config: CompileConfig) -> list[nn.Module]:
