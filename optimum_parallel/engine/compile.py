@@ -75,6 +75,7 @@ def check_compile_config(config: CompileConfig, key: str = "compile") -> None:
 def block_backend(name: str = "inductor", mode: str | None = None) -> Callable:
     """The backend every block is compiled with: the entries of one tensor folded into one, then `name`'s backend.
     One object per (name, mode), so the blocks share dynamo's cache entries."""
+
     def backend(gm, example_inputs):
         if merge_entries(gm.graph):
             gm.recompile()

@@ -304,12 +304,13 @@ def _traced_entry(self, x: torch.Tensor, active: list[str]) -> _JoinedEntry:
         if sequence_parallel:  # A x on a slice of the sequence: A's gradient is summed over tp
             a = copy_to_tensor_parallel_region(a, base.group)
         u = F.linear(self.lora_dropout[name](x.to(a.dtype)), a).to(x.dtype)
-        adapters[(id(self), name)] = entry(u, base.group, sequence_parallel)
+        adapters[name] = entry(u, base.group, sequence_parallel)  # by name: no id() for the graph to guard on
     return _JoinedEntry(None, 0, entry(x, base.group, sequence_parallel), adapters)
 
 
 def _column_forward(self, x: torch.Tensor, active: list[str]) -> torch.Tensor:
     base = self.base_layer
+    key = (lambda name: (id(self), name)) if not torch.compiler.is_compiling() else (lambda name: name)
     if base.mode.entry is not None and torch.compiler.is_compiling():
         joined = _traced_entry(self, x, active)
         entered, adapters = joined.entered, joined.adapters
@@ -320,7 +321,7 @@ def _column_forward(self, x: torch.Tensor, active: list[str]) -> torch.Tensor:
         entered, adapters = x, {}
         for name in active:
             a = copy_to_tensor_parallel_region(self.lora_A[name].weight, base.group)
-            adapters[(id(self), name)] = F.linear(self.lora_dropout[name](x.to(a.dtype)), a)
+            adapters[key(name)] = F.linear(self.lora_dropout[name](x.to(a.dtype)), a)
     weight, bias = base.weight, base.bias
     if base.replica_group is not None:  # replicated heads: their gradients are summed over the replicas
         weight = copy_to_tensor_parallel_region(weight, base.replica_group)
@@ -330,7 +331,7 @@ def _column_forward(self, x: torch.Tensor, active: list[str]) -> torch.Tensor:
         b = self.lora_B[name].weight
         if base.replica_group is not None:
             b = copy_to_tensor_parallel_region(b, base.replica_group)
-        u = adapters[(id(self), name)]
+        u = adapters[key(name)]
         result = result + (F.linear(u.to(b.dtype), b) * self.scaling[name]).to(result.dtype)
     return result
 
