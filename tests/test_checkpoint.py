@@ -398,11 +398,14 @@ def test_damaged_or_mismatched_checkpoint_fails_every_rank(pool, hf_dir, saved, 
 
 
 def async_against_blocking(hf_dir: str, out: str, level: int) -> dict:
-    """dp=2 x tp=2 at sharding `level`: 2 steps, a blocking save and an async one of the same state; training goes on
-    (a step that changes every weight) while the async save is written, then its handle is waited for. The next
-    async save waits for this one (one in flight) and both are complete once `wait_for_pending_save` returns."""
+    """dp=2 x tp=2 at sharding `level`: 2 steps, a blocking save and an async one of the same state, its background
+    copy slowed down (OPTIMUM_PARALLEL_SLOW_AT) so that the next step's forward and backward run beside it and its
+    optimizer step must wait for it; training goes on (steps that change every weight) while the async save is
+    written, then its handle is waited for. The next async save waits for this one (one in flight) and both are
+    complete once `wait_for_pending_save` returns."""
     import optimum_parallel as op
     from optimum_parallel.checkpoint import AsyncCheckpoint, wait_for_pending_save
+    from optimum_parallel.checkpoint.crash import SLOW_ENV
     from optimum_parallel.engine.data_parallel import DataParallelConfig, apply_data_parallel
 
     parallelizer, model, optimizer = _setup(hf_dir, 2)
@@ -411,26 +414,64 @@ def async_against_blocking(hf_dir: str, out: str, level: int) -> dict:
     for _ in range(2):
         train_step(model, optimizer, batch)
     parallelizer.save_model_checkpoint(model, f"{out}/blocking", optimizer=optimizer)
-    handle = parallelizer.save_model_checkpoint(model, f"{out}/async", optimizer=optimizer, async_save=True)
-    assert isinstance(handle, AsyncCheckpoint)
-    losses = [train_step(model, optimizer, batch) for _ in range(2)]  # while the files are written
+    weight = next(model.parameters()).detach()
+    weight = (weight.to_local() if hasattr(weight, "to_local") else weight).clone()
+    os.environ[SLOW_ENV] = "copy:0.03"  # per tensor: far slower than the tiny model's forward and backward
+    try:
+        handle = parallelizer.save_model_checkpoint(model, f"{out}/async", optimizer=optimizer, async_save=True)
+        assert isinstance(handle, AsyncCheckpoint)
+        copying = [not handle.copy_done()]
+        loss = model(**batch).loss
+        loss.backward()
+        copying.append(not handle.copy_done())
+        optimizer.step()  # waits for the copy
+        copying.append(not handle.copy_done())
+        optimizer.zero_grad()
+    finally:
+        del os.environ[SLOW_ENV]
+    after = next(model.parameters()).detach()
+    changed = not torch.equal(weight, after.to_local() if hasattr(after, "to_local") else after)
+    losses = [loss.item(), train_step(model, optimizer, batch)]  # while the files are written
     path = handle.wait()
     first = parallelizer.save_model_checkpoint(model, f"{out}/next", optimizer=optimizer, async_save=True)
     second = parallelizer.save_model_checkpoint(model, f"{out}/after", optimizer=optimizer, async_save=True)
     in_flight = [first.done(), wait_for_pending_save() == second.path, second.done()]
-    return {"path": str(path), "losses": losses, "in_flight": in_flight, "snapshot": handle.snapshot_bytes}
+    return {
+        "path": str(path),
+        "losses": losses,
+        "in_flight": in_flight,
+        "snapshot": handle.snapshot_bytes,
+        "copy_bytes": handle.copy_bytes,
+        "copying": copying,
+        "waited": handle.copy_waited,
+        "changed": changed,
+        "hooks": len(handle._hooks),
+    }
 
 
 @pytest.mark.parametrize("level", [0, 1, 3])
 def test_async_save_writes_the_blocking_save_bytes(pool, hf_dir, tmp_path, level):
     """The same files, index and checksums, byte for byte, at every sharding level (ZeRO-1 consolidated, FSDP2
-    gathered in the step); the step taken during the write changes the weights, not the checkpoint. The largest
-    snapshot is what the memory planner counts for async saves (plus each tensor's 64-byte alignment)."""
+    gathered in the step), though the weights and optimizer state were copied in the background while the next
+    step's forward and backward ran (a slowed copy: the optimizer step waited for it, and the weights it changed are
+    not in the checkpoint); FSDP2's gathers are kept as made (only AdamW's step counts, plain tensors, are copied).
+    The largest snapshot is what the memory planner counts for async saves (plus each tensor's 64-byte alignment)."""
     from optimum_parallel.checkpoint import verify_checkpoint
     from optimum_parallel.planning.memory_planner import estimate_memory
 
     results = pool.run(async_against_blocking, hf_dir, str(tmp_path), level)
     assert all(r["path"] == str(tmp_path / "async") and r["in_flight"] == [True, True, True] for r in results), results
+    assert all(r["changed"] and r["hooks"] == 0 for r in results), results
+    writers = [r for r in results if r["snapshot"]]
+    assert len(writers) == 2, results  # dp rank 0 of each tp rank
+    for r in writers:
+        assert r["copy_bytes"]["step"] == 0 and (r["copy_bytes"]["kept"] > 0) == (level == 3), r
+    # at level 3 the tp rank 1 writer holds no plain tensor (AdamW's replicated step counts are tp rank 0's to write)
+    copied = [r for r in results if r["copy_bytes"]["background"]]
+    assert len(copied) == (1 if level == 3 else 2), results
+    for r in results:
+        overlapped = [True, True, False] if r in copied else [False, False, False]
+        assert r["copying"] == overlapped and (r["waited"] > 0) == (r in copied), r
     blocking, written = tmp_path / "blocking", tmp_path / "async"
     verify_checkpoint(written)
     names = sorted(p.name for p in blocking.iterdir())
@@ -443,9 +484,58 @@ def test_async_save_writes_the_blocking_save_bytes(pool, hf_dir, tmp_path, level
     assert planned <= max(r["snapshot"] for r in results) <= planned * 1.01, (planned, results)
 
 
+def async_copy_guards(hf_dir: str, out: str) -> dict:
+    """What else waits for a slowed background copy before changing the tensors in place: `load_model_checkpoint`
+    into the same model and optimizer, and `model.load_state_dict`; a save with no optimizer copies in the call."""
+    from optimum_parallel.checkpoint import load_model_checkpoint, save_model_checkpoint
+    from optimum_parallel.checkpoint.crash import SLOW_ENV
+
+    parallelizer, model, optimizer = _setup(hf_dir, 2)
+    batch = make_batch(model.config)
+    train_step(model, optimizer, batch)
+    parallelizer.save_model_checkpoint(model, f"{out}/a", optimizer=optimizer)
+    train_step(model, optimizer, batch)
+    parallelizer.save_model_checkpoint(model, f"{out}/b", optimizer=optimizer)
+    state_b = {k: v.clone() for k, v in model.state_dict().items()}
+    os.environ[SLOW_ENV] = "copy:0.02"
+    try:
+        loading = parallelizer.save_model_checkpoint(model, f"{out}/b-then-load", optimizer=optimizer, async_save=True)
+        copying = [not loading.copy_done()]
+        load_model_checkpoint(model, f"{out}/a", optimizer=optimizer)  # back to state a: waits for the copy first
+        copying.append(not loading.copy_done())
+        waited = [loading.copy_waited]
+        by_hand = parallelizer.save_model_checkpoint(model, f"{out}/a-then-set", optimizer=optimizer, async_save=True)
+        copying.append(not by_hand.copy_done())
+        model.load_state_dict(state_b)  # the model back to state b (not its optimizer): waits for the copy first
+        copying.append(not by_hand.copy_done())
+        waited.append(by_hand.copy_waited)
+    finally:
+        del os.environ[SLOW_ENV]
+    without = save_model_checkpoint(model, f"{out}/no-optimizer", async_save=True)
+    copying.append(not without.copy_done())
+    bytes_in_call = without.copy_bytes["step"]
+    without.wait()
+    return {"copying": copying, "waited": waited, "in_call": bytes_in_call, "snapshot": without.snapshot_bytes}
+
+
+def test_async_copy_is_waited_for_before_loads(pool, hf_dir, tmp_path):
+    results = pool.run(async_copy_guards, hf_dir, str(tmp_path))
+    writers = [r for r in results if r["snapshot"]]
+    assert len(writers) == 2, results
+    for r in writers:
+        assert r["copying"] == [True, False, True, False, False] and min(r["waited"]) > 0, r
+        assert r["in_call"] > 0, r
+    for name, same_as in (("b-then-load", "b"), ("a-then-set", "a")):
+        names = sorted(p.name for p in (tmp_path / same_as).iterdir() if p.suffix == ".safetensors")
+        assert names and names == sorted(p.name for p in (tmp_path / name).iterdir() if p.suffix == ".safetensors")
+        for n in names:
+            assert (tmp_path / same_as / n).read_bytes() == (tmp_path / name / n).read_bytes(), (name, n)
+
+
 def async_error(hf_dir: str, out: str) -> dict:
     """An async save whose background write fails on rank 1 only (an extra file it cannot create): its error is
-    raised on every rank by the next save (never lost), once; that save is not made, the one after is."""
+    raised on every rank by the next save (never lost), once; that save is not made, the one after is. Then one whose
+    background copy fails on rank 1: the optimizer step after it goes on, the error is raised on every rank."""
     from optimum_parallel.checkpoint import wait_for_pending_save
 
     parallelizer, model, optimizer = _setup(hf_dir, 2)
@@ -465,6 +555,20 @@ def async_error(hf_dir: str, out: str) -> dict:
         except Exception as err:  # noqa: BLE001
             errors.append(f"{type(err).__name__}: {err}")
     after = parallelizer.save_model_checkpoint(model, f"{out}/after", optimizer=optimizer, async_save=True).wait()
+    from optimum_parallel.checkpoint.crash import SLOW_ENV
+
+    if dist.get_rank() == 1:  # a negative delay makes time.sleep raise: an error inside rank 1's background copy
+        os.environ[SLOW_ENV] = "copy:-1"
+    try:
+        failing = parallelizer.save_model_checkpoint(model, f"{out}/copy-failed", optimizer=optimizer, async_save=True)
+        train_step(model, optimizer, make_batch(model.config))  # its optimizer step does not wait forever
+    finally:
+        os.environ.pop(SLOW_ENV, None)
+    try:
+        failing.wait()
+        errors.append("no error")
+    except Exception as err:  # noqa: BLE001
+        errors.append(f"{type(err).__name__}: {err}")
     return {"errors": errors, "after": str(after), "pending": wait_for_pending_save()}
 
 
@@ -473,15 +577,19 @@ def test_async_save_error_is_raised_on_every_rank(pool, hf_dir, tmp_path):
 
     results = pool.run(async_error, hf_dir, str(tmp_path))
     for rank, result in enumerate(results):
-        assert len(result["errors"]) == 2, (rank, result)
+        assert len(result["errors"]) == 3, (rank, result)
+        written, copied = result["errors"][:2], result["errors"][2]
         if rank == 1:
-            assert all(e.startswith("FileNotFoundError: ") and "missing-dir/file" in e for e in result["errors"])
+            assert all(e.startswith("FileNotFoundError: ") and "missing-dir/file" in e for e in written)
+            assert copied.startswith("ValueError: sleep length must be non-negative"), copied
         else:
             assert all(e.startswith("RuntimeError: writing shards into") and "rank 1: FileNotFoundError" in e
-                       for e in result["errors"]), result  # fmt: skip
+                       for e in written), result  # fmt: skip
+            assert copied.startswith("RuntimeError: writing shards into") and "rank 1: ValueError" in copied, copied
         assert result["after"] == str(tmp_path / "after") and result["pending"] is None
     verify_checkpoint(tmp_path / "good")  # the failed save into the same name left the previous one whole
-    assert not (tmp_path / "not-made").exists() and not list(tmp_path.glob(".*.partial"))
+    assert not (tmp_path / "not-made").exists() and not (tmp_path / "copy-failed").exists()
+    assert not list(tmp_path.glob(".*.partial"))
     assert find_last_checkpoint(tmp_path) is None  # no checkpoint-<step> here: only the names above
 
 

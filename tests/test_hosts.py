@@ -74,8 +74,13 @@ def _losses(out: Path) -> dict[int, list[float]]:
 
 
 def _files(directory: Path) -> dict[str, bytes]:
-    """Every file of a checkpoint but the Trainer's pickled arguments (they hold the output path)."""
-    return {p.name: p.read_bytes() for p in sorted(directory.iterdir()) if p.is_file() and p.suffix != ".bin"}
+    """Every file of a checkpoint but the Trainer's pickled arguments (they hold the output path) and the ranks'
+    generator states (`rng-*.pt`: the custom loop does not seed, and torch seeds every process at random)."""
+    return {
+        p.name: p.read_bytes()
+        for p in sorted(directory.iterdir())
+        if p.is_file() and p.suffix != ".bin" and not p.name.startswith("rng-")
+    }
 
 
 def _assert_same_checkpoints(a: Path, b: Path, names: list[str]) -> None:

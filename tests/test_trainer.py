@@ -111,6 +111,20 @@ class StopAfterSave(TrainerCallback):
             control.should_training_stop = True
 
 
+class CopyWaits(TrainerCallback):
+    """{step: seconds its optimizer step and those before it waited for the background copy of the async save in
+    flight}, read at each step's end."""
+
+    def __init__(self) -> None:
+        self.waited: dict[int, float] = {}
+
+    def on_step_end(self, args, state, control, **kwargs):
+        from optimum_parallel.checkpoint import async_save
+
+        if async_save._PENDING is not None:
+            self.waited[state.global_step] = async_save._PENDING.copy_waited
+
+
 def train_parallel(
     hf_dir: str,
     output_dir: str,
@@ -121,11 +135,14 @@ def train_parallel(
     stop_at: int | None = None,
     consolidate: bool = False,
     lazy_optimizer: bool = False,
+    slow_copy: str | None = None,
     **extra,
 ) -> dict:
     """One ParallelTrainer run on this rank (the global batch is 4 blocks whatever the layout). With
-    `lazy_optimizer` the user loads the model lazily and passes a lazy AdamW with the Trainer's param groups."""
+    `lazy_optimizer` the user loads the model lazily and passes a lazy AdamW with the Trainer's param groups. With
+    `slow_copy` (OPTIMUM_PARALLEL_SLOW_AT) async saves copy slowly: {"curve", "copy_waited": CopyWaits.waited}."""
     import optimum_parallel as op
+    from optimum_parallel.checkpoint.crash import SLOW_ENV
     from optimum_parallel.integrations.transformers.trainer import ParallelTrainer
     from optimum_parallel.integrations.transformers.training_args import ParallelTrainingArguments
 
@@ -142,12 +159,21 @@ def train_parallel(
         groups.append({"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0})
         optimizers = (op.make_optimizer_constructor_lazy(torch.optim.AdamW)(groups, lr=args.learning_rate), None)
     train, evaluation = datasets()
-    callbacks = [StopAfterSave(stop_at)] if stop_at else None
+    waits = CopyWaits()
+    callbacks = [StopAfterSave(stop_at)] if stop_at else []
+    callbacks = (callbacks + [waits] if slow_copy else callbacks) or None
+    if slow_copy:
+        os.environ[SLOW_ENV] = slow_copy
     trainer = ParallelTrainer(model, args, model_kwargs=LOAD, optimizers=optimizers, train_dataset=train,
                               eval_dataset=evaluation, callbacks=callbacks, compute_metrics=token_accuracy)  # fmt: skip
-    trainer.train(resume_from_checkpoint=resume)
+    try:
+        trainer.train(resume_from_checkpoint=resume)
+    finally:
+        os.environ.pop(SLOW_ENV, None)
     if consolidate:
         trainer.save_model()
+    if slow_copy:
+        return {"curve": curve(trainer.state.log_history), "copy_waited": waits.waited}
     return curve(trainer.state.log_history)
 
 
@@ -207,11 +233,14 @@ def _checkpoint_files(directory: Path) -> dict[str, object]:
 
 def test_async_save_writes_the_same_checkpoints(pool, hf_dir, runs, tmp_path):
     """async_save=True: the step-3 and step-6 checkpoints (model and optimizer shards, RNG, scheduler, trainer state)
-    are the blocking run's files, byte for byte; the curve is the same; `train()` returns with the last one in
-    place and `save_model()` writes the same consolidated checkpoint."""
+    are the blocking run's files, byte for byte, though the shards were copied in the background (slowed down) and
+    step 4's optimizer step waited for the copy; the curve is the same; `train()` returns with the last one in place
+    and `save_model()` writes the same consolidated checkpoint."""
     out = tmp_path / "async"
-    curves = pool.run(train_parallel, hf_dir, str(out), 2, consolidate=True, async_save=True)
-    assert curves[0] == runs["uninterrupted"][0]
+    results = pool.run(train_parallel, hf_dir, str(out), 2, consolidate=True, async_save=True, slow_copy="copy:0.02")
+    assert results[0]["curve"] == runs["uninterrupted"][0]
+    writers = [r["copy_waited"] for r in results if r["copy_waited"].get(SAVE_AT + 1)]
+    assert len(writers) == 2, [r["copy_waited"] for r in results]  # dp rank 0 of each tp rank waited
     for step in (SAVE_AT, 2 * SAVE_AT):
         name = f"checkpoint-{step}"
         assert _checkpoint_files(out / name) == _checkpoint_files(runs["dir"] / "full" / name), name

@@ -18,6 +18,7 @@ from ..io.file_mapping import is_file_mapping
 from ..mesh import device as devices
 from ..mesh import ranks
 from ..tensor_parallel.spec import ShardLayout, replace_tensor
+from .async_save import wait_for_pending_copy
 from .collect import is_dtensor, optimizer_class, parameter_names, source_param_groups
 from .metadata import INDEX_NAME, CheckpointIndex, TensorEntry, read_index
 from .ranks import RankInfo, current_rank
@@ -186,9 +187,11 @@ def load_model_checkpoint(
 ) -> None:
     """Load this rank's shards of the sharded checkpoint `load_dir` into the parallelized `model` (in place),
     and the optimizer state into `optimizer` when given (its param groups must match the saved ones).
-    Call it on every rank; meta (lazy) parameters are materialised from the checkpoint."""
+    Call it on every rank; meta (lazy) parameters are materialised from the checkpoint. An async save's snapshot
+    still being copied from these tensors is completed first."""
     from .save import check_expert_checkpoint
 
+    wait_for_pending_copy()  # the tensors are read into in place
     check_expert_checkpoint(model, optimizer, "load_model_checkpoint")
     rank = current_rank()
     directory = Path(load_dir)

@@ -52,12 +52,12 @@ def _stored_here(file: str, entries: Mapping[str, TensorEntry]) -> list[tuple[st
 
 def _in_order(
     entries: Mapping[str, TensorEntry], local: Mapping[str, LocalTensor], file: str, dense_file: str, writes: bool
-) -> Iterator[tuple[object, torch.Tensor]]:
-    """(shard, value) of every shard stored in `file` (this rank's: its experts' block, and at ep rank 0 the dense
-    tensors), in the index order, when this rank `writes` it; on the way, this rank's part of every all-gather of the
-    FSDP2 shards that its replica writes: the dense tensors of `dense_file` (gathered over dp x cp) and its experts'
-    (gathered over their replica group). Every rank walks the same index in the same order, so each all-gather has
-    all its ranks and no two ranks wait on each other in different groups."""
+) -> Iterator[tuple[object, LocalTensor, torch.Tensor]]:
+    """(shard, held tensor, value) of every shard stored in `file` (this rank's: its experts' block, and at ep rank 0
+    the dense tensors), in the index order, when this rank `writes` it; on the way, this rank's part of every
+    all-gather of the FSDP2 shards that its replica writes: the dense tensors of `dense_file` (gathered over dp x cp)
+    and its experts' (gathered over their replica group). Every rank walks the same index in the same order, so each
+    all-gather has all its ranks and no two ranks wait on each other in different groups."""
     for name, entry in entries.items():
         target = file if entry.experts else dense_file
         shard = next((s for s in entry.shards if s.file == target), None)
@@ -65,7 +65,7 @@ def _in_order(
         if shard is None or held is None:
             continue
         if writes and target == file:
-            yield shard, held.value()
+            yield shard, held, held.value()
         elif held.sharded_over_dp:
             held.value()
 
@@ -221,6 +221,11 @@ class PlannedSave:
     def live_values(self, file: str) -> Iterator[tuple[object, torch.Tensor]]:
         """(shard, tensor) of every shard of `file` this rank writes, straight from the model and optimizer (and
         its part of the FSDP2 all-gathers: a collective walk, the same on every rank)."""
+        return ((shard, value) for shard, _, value in self.snapshot_values(file))
+
+    def snapshot_values(self, file: str) -> Iterator[tuple[object, LocalTensor, torch.Tensor]]:
+        """`live_values` with the `LocalTensor` each value comes from (an async save decides from it when to copy
+        the value: an FSDP2 all-gather's output is already a copy, a parameter is the live tensor)."""
         name, table, local, dense = next(f for f in self.files() if f[0] == file)
         return _in_order(table, local, name, dense, writes=self.rank.writes_experts)
 
@@ -366,6 +371,7 @@ def save_model_checkpoint(
     progress: bool = False,
     async_save: bool = False,
     extra_files: Mapping[str, bytes] | None = None,
+    step_optimizer: torch.optim.Optimizer | None = None,
 ) -> Path | AsyncCheckpoint:
     """Save `model` (and `optimizer` state) from every rank into `output_dir`; call it on every rank.
 
@@ -373,9 +379,14 @@ def save_model_checkpoint(
     as_regular: also a consolidated Hugging Face checkpoint in the same directory (`from_pretrained` loads it).
     trainable_only: only the parameters that require a gradient (LoRA adapters over a frozen base the model was
     built from): a small checkpoint that `load_model_checkpoint` loads into the same kind of model.
-    async_save: copy this rank's shards to host memory now and write them in the background; returns an
-    `AsyncCheckpoint` whose `.wait()` returns the path once the checkpoint is in place (see `async_save.py`).
+    async_save: snapshot this rank's shards in host memory and write them in the background; returns an
+    `AsyncCheckpoint` whose `.wait()` returns the path once the checkpoint is in place (see `async_save.py`). The
+    weights and optimizer state are copied in the background too, before the next `step()` of `step_optimizer`
+    (default: `optimizer`), which waits for the copy; without an optimizer to wait in, they are copied in the call.
+    Change the weights by hand before that step only after `handle.wait_for_copy()`.
     extra_files: {name: bytes} this rank adds to the checkpoint directory before it is renamed into place.
+    step_optimizer: the optimizer that steps `model`, where it is not `optimizer` (a save without the optimizer's
+    state: the Trainer's `save_only_model`); only an async save uses it.
     Every split parameter carries its ShardSpec (head counts included), so resharding needs nothing else.
     A save, blocking or not, first waits for the async save still in flight (and raises its error).
     """
@@ -385,7 +396,7 @@ def save_model_checkpoint(
         check_async_supported()
         group = background_group()  # made before the plan: a collective of the default group
         save = plan_save(model, output_dir, as_regular, as_sharded, optimizer, **options, extra_files=extra_files)
-        return start_async_save(save, group)
+        return start_async_save(save, group, optimizer if step_optimizer is None else step_optimizer)
     save = plan_save(model, output_dir, as_regular, as_sharded, optimizer, **options, extra_files=extra_files)
     try:
         results = save.rank.run(lambda: save.write(save.live_values), f"writing shards into {save.tmp}")

@@ -180,13 +180,16 @@ class Parallelizer:
         optimizer: torch.optim.Optimizer | None = None,
         trainable_only: bool = False,
         async_save: bool = False,
+        step_optimizer: torch.optim.Optimizer | None = None,
     ) -> Path | AsyncCheckpoint:
         """Save a sharded checkpoint (per-rank safetensors + layout metadata) and/or a regular HF one.
 
         Call it on every rank. Every split parameter carries its shard spec, so the files reshard to any layout.
         `trainable_only`: just the parameters that train (LoRA adapters), for a model that rebuilds its frozen base.
         `async_save`: copy the shards to host memory and write them in the background; returns a handle whose
-        `.wait()` returns the path once the checkpoint is in place (the next save waits for it too).
+        `.wait()` returns the path once the checkpoint is in place (the next save waits for it too). The weights and
+        optimizer state are copied in the background before the next step of `optimizer` (or `step_optimizer`,
+        when the optimizer's state is not saved), which waits for the copy; with neither, they are copied in the call.
         """
         return save_model_checkpoint(
             model,
@@ -196,6 +199,7 @@ class Parallelizer:
             optimizer=optimizer,
             trainable_only=trainable_only,
             async_save=async_save,
+            step_optimizer=step_optimizer,
         )
 
     @classmethod

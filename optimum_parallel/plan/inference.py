@@ -28,6 +28,7 @@ from ..comm.region import SequenceRegion
 from ..mesh import device as devices
 from ..mesh import ranks
 from ..tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
+from ..tensor_parallel.random import share_rng_states
 
 LOGITS_MODES = ("auto", "full", "local")
 
@@ -168,13 +169,7 @@ def sync_generation(group: dist.ProcessGroup, args: tuple = (), kwargs: Mapping 
             f"generate on a tensor-parallel model: tp ranks {differing} hold other prompts than tp rank 0; every "
             "rank of a tp group must call generate with the same inputs (shard the data over dp, not tp)"
         )
-    source = ranks.group_ranks(group)[0]
-    states = devices.rng_states()
-    for kind, state in states.items():
-        on_wire = state.to(device)
-        dist.broadcast(on_wire, src=source, group=group)
-        states[kind] = on_wire.cpu()
-    devices.set_rng_states(states)
+    share_rng_states(group)
 
 
 def _generate_on_tp(self: nn.Module, *args, **kwargs):

@@ -212,6 +212,8 @@ def _on_host(op, *args, **kwargs):
             adopt.add(id(value))
         elif str(arg.type) == "Optional[Generator]" and value is None:  # random ops draw from the neuron generator
             value = down(_state.generator)
+        elif str(arg.type) == "Tensor" and isinstance(value, (bool, int, float)):  # a wrapped number arrives unwrapped
+            value = torch.tensor(value)
         else:
             continue
         if i < len(args):

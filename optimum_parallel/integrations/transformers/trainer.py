@@ -331,8 +331,9 @@ class ParallelTrainer(Trainer):
 
     @private_override
     def _save_checkpoint(self, model: nn.Module, trial) -> None:
-        """With `async_save`: the same checkpoint, its files snapshotted now and written in the background (the model
-        and optimizer shards, and the Trainer's RNG, scheduler, scaler and state files, made here in memory and
+        """With `async_save`: the same checkpoint, its files snapshotted and written in the background (the model
+        and optimizer shards, copied while the next step's forward and backward run and before its optimizer step,
+        which waits for the copy; the Trainer's RNG, scheduler, scaler and state files, made here in memory and
         written into the directory before it is renamed into place). The previous one is waited for first. Every
         save first checks that the copies of every replicated tensor (weights and optimizer state) agree."""
         check_replicas(plan_root(self.model), _inner(self.optimizer), self.mesh)
@@ -357,6 +358,7 @@ class ParallelTrainer(Trainer):
             trainable_only=self._adapters_only,
             async_save=True,
             extra_files=self._checkpoint_files(),
+            step_optimizer=_inner(self.optimizer),  # its next step waits for the copy of the weights and state
         )
 
     def _checkpoint_files(self) -> dict[str, bytes]:

@@ -78,9 +78,10 @@ class ParallelTrainingArguments(TrainingArguments):
     async_save: bool = field(
         default=False,
         metadata={
-            "help": "Write save_steps checkpoints in the background: each rank copies its shards (and RNG, scheduler, "
-            "state) to host memory in the step (one copy of its weights and optimizer state, freed once written); "
-            "the next save, save_model() and the end of training wait for it and raise its error."
+            "help": "Write save_steps checkpoints in the background: each rank snapshots its shards in host memory "
+            "(its RNG, scheduler and state in the step; its weights and optimizer state copied while the next step's "
+            "forward and backward run, its optimizer step waiting for the copy; freed once written); the next save, "
+            "save_model() and the end of training wait for it and raise its error."
         },
     )
 
