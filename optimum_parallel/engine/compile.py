@@ -22,7 +22,7 @@ from torch import nn
 
 from ..comm.compiled import merge_entries
 
-COMPILED_MARK = "_optimum_parallel_compiled"
+COMPILED_MARK = "_optimum_parallel_compiled"  # in a compiled block's __dict__: its CompileConfig
 
 
 @dataclass(frozen=True)
@@ -62,7 +62,10 @@ def check_compile_config(config: CompileConfig, key: str = "compile") -> None:
     """The backend is one torch knows and `mode` one of inductor's (raised naming `key`)."""
     known = torch._dynamo.list_backends(exclude_tags=())
     if config.backend not in known:
-        raise ValueError(f"{key}: backend {config.backend!r} is not known to torch; allowed: {', '.join(known)}")
+        hint = " (TorchNeuron, installed with its device, provides it)" if config.backend == "neuron" else ""
+        raise ValueError(
+            f"{key}: backend {config.backend!r} is not known to torch{hint}; allowed: {', '.join(known)}"
+        )
     if config.mode is not None:
         if config.backend != "inductor":
             raise ValueError(f"{key}: mode={config.mode!r} is inductor's; the backend is {config.backend!r}")
@@ -116,7 +119,7 @@ def compile_blocks(model: nn.Module, config: CompileConfig) -> list[nn.Module]:
         if block.__dict__.get(COMPILED_MARK):
             continue
         block.forward = torch.compile(block.forward, backend=backend, dynamic=config.dynamic)
-        block.__dict__[COMPILED_MARK] = True
+        block.__dict__[COMPILED_MARK] = config
     if blocks and not model.__dict__.get(COMPILED_MARK) and hasattr(getattr(model, "config", None), "use_cache"):
         model.register_forward_pre_hook(_no_cache_in_training, with_kwargs=True)
         model.__dict__[COMPILED_MARK] = True
