@@ -22,7 +22,7 @@ The goals (issue 35), per model:
     - the first step's compile time (first step - median step) at tp=2 <= 2x one process's.
 
 How to run
-    python scripts/bench_compile.py                                  # the three models of issue 35 (~20 min here)
+    python scripts/bench_compile.py                                  # the three models of issue 35 (~11 min here)
     python scripts/bench_compile.py --models small --steps 3 --warmup 1   # a quick run
 """
 
