@@ -277,3 +277,13 @@ def test_bad_compile_values_are_refused(value, words):
     with pytest.raises(ValueError) as error:
         check_compile_config(compile_config(value), "compile")
     assert all(word in str(error.value) for word in words), str(error.value)
+
+
+def test_neuron_compiler_gets_static_shapes():
+    """TorchNeuron's backend compiles with static shapes on every door (torch decides for the others)."""
+    from optimum_parallel.engine.compile import CompileConfig, compile_config
+
+    assert compile_config("neuron") == CompileConfig("neuron", dynamic=False)
+    assert compile_config({"backend": "neuron"}) == CompileConfig("neuron", dynamic=False)
+    assert compile_config({"backend": "neuron", "dynamic": True}) == CompileConfig("neuron", dynamic=True)
+    assert compile_config(True) == compile_config("inductor") == CompileConfig()

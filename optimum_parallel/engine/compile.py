@@ -21,6 +21,7 @@ import torch
 from torch import nn
 
 from ..comm.compiled import merge_entries
+from ..mesh import device as devices
 
 COMPILED_MARK = "_optimum_parallel_compiled"  # in a compiled block's __dict__: its CompileConfig
 
@@ -38,7 +39,8 @@ class CompileConfig:
 
 def compile_config(value: object, key: str = "compile") -> CompileConfig | None:
     """The caller's `compile=` value as a CompileConfig: False/None (off), True (inductor), a backend name, a dict of
-    CompileConfig's fields or a CompileConfig. The error names `key` and what is allowed."""
+    CompileConfig's fields or a CompileConfig (static shapes by default for TorchNeuron's backend). The error names
+    `key` and what is allowed."""
     if value is None or value is False:
         return None
     if value is True:
@@ -46,12 +48,12 @@ def compile_config(value: object, key: str = "compile") -> CompileConfig | None:
     if isinstance(value, CompileConfig):
         return value
     if isinstance(value, str) and value:
-        return CompileConfig(backend=value)
+        return CompileConfig(backend=value, dynamic=devices.compile_dynamic(value))
     if isinstance(value, dict):
         unknown = sorted(set(value) - {"backend", "mode", "dynamic"})
         if unknown:
             raise ValueError(f"{key} has unknown keys {unknown}; allowed: backend, mode, dynamic")
-        return CompileConfig(**value)
+        return CompileConfig(**{"dynamic": devices.compile_dynamic(value.get("backend", "inductor")), **value})
     raise ValueError(
         f"{key}={value!r} is not allowed; allowed: True, False, a backend name (e.g. 'inductor', 'neuron') or a dict "
         "with backend, mode, dynamic"
@@ -62,10 +64,8 @@ def check_compile_config(config: CompileConfig, key: str = "compile") -> None:
     """The backend is one torch knows and `mode` one of inductor's (raised naming `key`)."""
     known = torch._dynamo.list_backends(exclude_tags=())
     if config.backend not in known:
-        hint = " (TorchNeuron, installed with its device, provides it)" if config.backend == "neuron" else ""
-        raise ValueError(
-            f"{key}: backend {config.backend!r} is not known to torch{hint}; allowed: {', '.join(known)}"
-        )
+        hint = devices.missing_compiler_hint(config.backend)
+        raise ValueError(f"{key}: backend {config.backend!r} is not known to torch{hint}; allowed: {', '.join(known)}")
     if config.mode is not None:
         if config.backend != "inductor":
             raise ValueError(f"{key}: mode={config.mode!r} is inductor's; the backend is {config.backend!r}")

@@ -152,7 +152,7 @@ def _compile_setting(args: ParallelTrainingArguments) -> CompileConfig | None:
     if not args.torch_compile:
         return None
     backend = args.torch_compile_backend or "inductor"
-    return CompileConfig(backend, args.torch_compile_mode, False if backend == "neuron" else None)
+    return CompileConfig(backend, args.torch_compile_mode, devices.compile_dynamic(backend))
 
 
 def _launched_world_size() -> int:
