@@ -8,7 +8,7 @@ order the graph gives them, which is the same on every rank (the same program, c
 travels as its name (`group.group_name`), as in torch's functional collectives.
 
 The entry of a tp region (`enter`: identity forward, all-reduce backward; `sequence_gather` under sequence
-parallelism) is one op per column layer here; `merge_entries` (run by the compile backend, `compile/backend.py`)
+parallelism) is one op per column layer here; `merge_entries` (run by the blocks' backend, `engine/compile.py`)
 folds the entries of the same tensor into one, so q, k and v share one collective each way as they do eagerly.
 """
 
