@@ -146,6 +146,14 @@ def _overlappable(layer) -> bool:
     )
 
 
+def _traced_entry(x: torch.Tensor, group: ProcessGroup, sequence_parallel: bool) -> torch.Tensor:
+    """The entry as torch.compile traces it: one op per layer, no cache, no overlap. The compile backend folds the
+    entries of one tensor into one (`compiled.merge_entries`); the weight gradients are the compiled backward's."""
+    if sequence_parallel:
+        return gather_from_sequence_parallel_region(x, group, dim=SEQ_DIM)
+    return copy_to_tensor_parallel_region(x, group)
+
+
 class RegionEntry:
     """Enter the tp region once per input tensor (the last entry is held until the next one: a view of an
     activation that is alive anyway, plus weight aliases). One per model: on XLA, where one process may run several
@@ -159,6 +167,8 @@ class RegionEntry:
         """The entered input for a layer that computes its own output (no overlap)."""
         if not sequence_parallel and not torch.is_grad_enabled():
             return x
+        if torch.compiler.is_compiling():
+            return _traced_entry(x, group, sequence_parallel)
         entry = self._entry(x, group, sequence_parallel, layer=None)
         return entry.entered
 
@@ -167,6 +177,8 @@ class RegionEntry:
         sequence_parallel = layer.mode.splits_sequence()
         if not sequence_parallel and not torch.is_grad_enabled():  # inference: entering is the identity
             return F.linear(x, weight, bias)
+        if torch.compiler.is_compiling():
+            return F.linear(_traced_entry(x, layer.group, sequence_parallel), weight, bias)
         entry = self._entry(x, layer.group, sequence_parallel, layer)
         alias = entry.aliases.get(id(layer))
         if alias is not None and alias[0] is weight:

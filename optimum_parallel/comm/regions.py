@@ -6,7 +6,8 @@ gather (all-gather / split), and the sequence-dim pair all-gather / reduce-scatt
 Every collective is a torch.distributed call, or the same call on the group's `SharedMemoryGroup` for CPU
 tensors of ranks that share a host (see `shared_memory`); tests count both. Ranks and sizes come from
 `mesh.ranks`; on XLA devices a rank's slice is taken with indices that reach the device as data, so every rank
-runs the same compiled graph.
+runs the same compiled graph. Traced by torch.compile, each region op is the custom op of `compiled.py` instead
+(one graph node, the same transports).
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from torch.distributed import ProcessGroup, ReduceOp
 
 from ..mesh import device as devices
 from ..mesh import ranks
+from . import compiled
 from .shared_memory import shared_memory_group
 
 SEQ_DIM = 1  # activations are [batch, seq, hidden]: sequence parallelism splits dim 1
@@ -174,6 +176,8 @@ class _ReduceScatterToSequenceRegion(torch.autograd.Function):
 
 def copy_to_tensor_parallel_region(x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
     """Identity forward; all-reduce of the gradient backward (entry of a column-parallel block)."""
+    if torch.compiler.is_compiling():
+        return compiled.enter(x, compiled.group_name(group)) if x.requires_grad else x
     if not torch.is_grad_enabled():  # inference: no autograd node to build (a decode step calls these a lot)
         return x
     return _CopyToRegion.apply(x, group)
@@ -181,6 +185,8 @@ def copy_to_tensor_parallel_region(x: torch.Tensor, group: ProcessGroup) -> torc
 
 def reduce_from_tensor_parallel_region(x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
     """All-reduce forward; identity backward (exit of a row-parallel block)."""
+    if torch.compiler.is_compiling():
+        return compiled.reduce(x, compiled.group_name(group))
     if not torch.is_grad_enabled():
         return all_reduce(x, group)
     return _ReduceFromRegion.apply(x, group)
@@ -190,6 +196,8 @@ def scatter_to_tensor_parallel_region(
     x: torch.Tensor, group: ProcessGroup, dim: int = -1, sizes: list[int] | None = None
 ) -> torch.Tensor:
     """Keep this rank's slice of `dim` forward; all-gather the gradient backward."""
+    if torch.compiler.is_compiling():
+        return compiled.scatter(x, dim, compiled.group_name(group), sizes)
     return _ScatterToRegion.apply(x, dim, group, sizes)
 
 
@@ -197,6 +205,8 @@ def gather_from_tensor_parallel_region(
     x: torch.Tensor, group: ProcessGroup, dim: int = -1, sizes: list[int] | None = None
 ) -> torch.Tensor:
     """All-gather `dim` forward (uneven shards allowed through `sizes`); keep this rank's slice backward."""
+    if torch.compiler.is_compiling():
+        return compiled.gather(x, dim, compiled.group_name(group), sizes)
     if not torch.is_grad_enabled():
         return _all_gather(x, dim, group, sizes)
     return _GatherFromRegion.apply(x, dim, group, sizes)
@@ -204,6 +214,8 @@ def gather_from_tensor_parallel_region(
 
 def gather_from_sequence_parallel_region(x: torch.Tensor, group: ProcessGroup, dim: int = SEQ_DIM) -> torch.Tensor:
     """All-gather the sequence dim forward; reduce-scatter the gradient backward."""
+    if torch.compiler.is_compiling():
+        return compiled.sequence_gather(x, dim, compiled.group_name(group))
     return _GatherFromSequenceRegion.apply(x, dim, group)
 
 
@@ -211,9 +223,13 @@ def reduce_scatter_to_sequence_parallel_region(
     x: torch.Tensor, group: ProcessGroup, dim: int = SEQ_DIM
 ) -> torch.Tensor:
     """Reduce-scatter over the sequence dim forward; all-gather the gradient backward."""
+    if torch.compiler.is_compiling():
+        return compiled.sequence_reduce_scatter(x, dim, compiled.group_name(group))
     return _ReduceScatterToSequenceRegion.apply(x, dim, group)
 
 
 def scatter_to_sequence_parallel_region(x: torch.Tensor, group: ProcessGroup, dim: int = SEQ_DIM) -> torch.Tensor:
     """Keep this rank's sequence slice forward; all-gather the gradient backward."""
+    if torch.compiler.is_compiling():
+        return compiled.scatter(x, dim, compiled.group_name(group), None)
     return _ScatterToRegion.apply(x, dim, group, None)

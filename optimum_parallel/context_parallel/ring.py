@@ -43,33 +43,66 @@ def _ring(group: ProcessGroup | None) -> tuple[int, int]:
     return (0, 1) if group is None else (ranks.rank(group), ranks.world_size(group))
 
 
+def ring_forward(q, k, v, attend: Attend, chunks, group: ProcessGroup | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The output and its log-sum-exp (see `RingAttention`)."""
+    rank, size = _ring(group)
+    groups = q.shape[1] // k.shape[1]
+    mine = chunks(rank)
+    outs: list = [(None, None)] * len(mine)
+    keys = torch.stack([k, v])
+    for step in range(size):
+        exchange = _RingExchange(keys, group, _KEYS_TAG) if step + 1 < size else None
+        src = (rank - step) % size
+        parts = attend_chunks(q, keys[0], keys[1], mine, chunks(src), attend, groups)
+        outs = [merge(*o, *p) for o, p in zip(outs, parts, strict=True)]
+        if exchange is not None:
+            keys = exchange.wait()
+    b, h, _, d = q.shape
+    out = torch.cat([o if o is not None else q.new_zeros(b, h, attend.chunk, d) for o, _ in outs], dim=2)
+    lse = torch.cat(
+        [
+            s if s is not None else q.new_full((b, h, attend.chunk), NEG_INF, dtype=accumulation_dtype(q.dtype))
+            for _, s in outs
+        ],
+        dim=2,
+    )
+    return out, lse
+
+
+def ring_backward(dout, q, k, v, out, lse, attend: Attend, chunks, group: ProcessGroup | None):
+    """dq, dk, dv of `ring_forward`'s output given its gradient `dout`."""
+    rank, size = _ring(group)
+    groups = q.shape[1] // k.shape[1]
+    mine = chunks(rank)
+    dout = dout.contiguous()
+    dq = torch.zeros_like(q, dtype=accumulation_dtype(q.dtype))
+    keys = torch.stack([k, v])
+    travelling = None  # the gradient of the keys held now, from the ranks they visited before
+    for step in range(size):
+        exchange = _RingExchange(keys, group, _KEYS_TAG) if step + 1 < size else None
+        src = (rank - step) % size
+        dq_part, dk, dv = attend_chunks_backward(dout, q, keys[0], keys[1], out, lse, mine, chunks(src), attend, groups)
+        dq += dq_part
+        grads = torch.stack([dk, dv])
+        if travelling is not None:
+            grads += travelling.wait()
+        if size == 1:
+            travelling = grads
+            break
+        travelling = _RingExchange(grads, group, _GRADS_TAG)  # on to the next holder; after the last step
+        if exchange is not None:  # it reaches the owner
+            keys = exchange.wait()
+    grads = travelling if size == 1 else travelling.wait()
+    return dq.to(q.dtype), grads[0].to(k.dtype), grads[1].to(v.dtype)
+
+
 class RingAttention(torch.autograd.Function):
     """q (b, h, 2c, d), k and v (b, h_kv, 2c, d) hold this rank's two chunks; `chunks(r)` gives rank r's chunk
     ids. With `group=None` a single rank holds every chunk `chunks(0)` names (the all-to-all strategy)."""
 
     @staticmethod
     def forward(ctx, q, k, v, attend: Attend, chunks, group):
-        rank, size = _ring(group)
-        groups = q.shape[1] // k.shape[1]
-        mine = chunks(rank)
-        outs: list = [(None, None)] * len(mine)
-        keys = torch.stack([k, v])
-        for step in range(size):
-            exchange = _RingExchange(keys, group, _KEYS_TAG) if step + 1 < size else None
-            src = (rank - step) % size
-            parts = attend_chunks(q, keys[0], keys[1], mine, chunks(src), attend, groups)
-            outs = [merge(*o, *p) for o, p in zip(outs, parts, strict=True)]
-            if exchange is not None:
-                keys = exchange.wait()
-        b, h, _, d = q.shape
-        out = torch.cat([o if o is not None else q.new_zeros(b, h, attend.chunk, d) for o, _ in outs], dim=2)
-        lse = torch.cat(
-            [
-                s if s is not None else q.new_full((b, h, attend.chunk), NEG_INF, dtype=accumulation_dtype(q.dtype))
-                for _, s in outs
-            ],
-            dim=2,
-        )
+        out, lse = ring_forward(q, k, v, attend, chunks, group)
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.attend, ctx.chunks, ctx.group = attend, chunks, group
         return out
@@ -77,32 +110,8 @@ class RingAttention(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dout):
         q, k, v, out, lse = ctx.saved_tensors
-        attend, chunks, group = ctx.attend, ctx.chunks, ctx.group
-        rank, size = _ring(group)
-        groups = q.shape[1] // k.shape[1]
-        mine = chunks(rank)
-        dout = dout.contiguous()
-        dq = torch.zeros_like(q, dtype=accumulation_dtype(q.dtype))
-        keys = torch.stack([k, v])
-        travelling = None  # the gradient of the keys held now, from the ranks they visited before
-        for step in range(size):
-            exchange = _RingExchange(keys, group, _KEYS_TAG) if step + 1 < size else None
-            src = (rank - step) % size
-            dq_part, dk, dv = attend_chunks_backward(
-                dout, q, keys[0], keys[1], out, lse, mine, chunks(src), attend, groups
-            )
-            dq += dq_part
-            grads = torch.stack([dk, dv])
-            if travelling is not None:
-                grads += travelling.wait()
-            if size == 1:
-                travelling = grads
-                break
-            travelling = _RingExchange(grads, group, _GRADS_TAG)  # on to the next holder; after the last step
-            if exchange is not None:  # it reaches the owner
-                keys = exchange.wait()
-        grads = travelling if size == 1 else travelling.wait()
-        return dq.to(q.dtype), grads[0].to(k.dtype), grads[1].to(v.dtype), None, None, None
+        dq, dk, dv = ring_backward(dout, q, k, v, out, lse, ctx.attend, ctx.chunks, ctx.group)
+        return dq, dk, dv, None, None, None
 
 
 def ring_attention(q, k, v, attend: Attend, chunks, group: ProcessGroup | None) -> torch.Tensor:

@@ -26,6 +26,7 @@ from ..plan.apply import apply_checked_plan
 from ..state import find_state, parallel_state
 from ..styles.sequence_parallel import enter_sequence_region_at
 from ..tensor_parallel.random import share_rng_states
+from .compile import compile_blocks
 from .data_parallel import DataParallelConfig, apply_data_parallel
 from .full_model import install_save_pretrained
 from .lazy_optimizer import build_lazy_optimizer, is_lazy_optimizer
@@ -110,6 +111,10 @@ def compose_model(model: nn.Module, mesh: ParallelMesh, checked: CheckedRequest)
     materialize_lazy_model(model, request.device, read_checkpoint=request.read_checkpoint)
     if request.device is not None:
         move_to_device(model, request.device)
+    # Compile each decoder block's forward (traced at its first call, so wrappers added after this -- FSDP2, DDP,
+    #    adapters -- are what it sees); everything around the blocks stays eager.
+    if checked.compile is not None:
+        compile_blocks(model, checked.compile)
     # The habits a parallel model must not silently break: the ranks of a batch replica share one batch, and the
     #    copies of every replicated tensor stay equal (checked on a cadence; once per model).
     state = parallel_state(model)

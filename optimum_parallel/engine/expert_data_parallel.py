@@ -67,6 +67,8 @@ def reduce_expert_gradients(experts: list[nn.Module], runtime: ExpertParallelRun
     scale = 1.0 / runtime.ep
     for param in params:
         param.register_hook(lambda grad: grad * scale)
+    for param in params:  # a compiled block's dispatch cannot queue it from its backward: the gradients do
+        param.register_post_accumulate_grad_hook(lambda _param: runtime.backward_started())
     group = mesh.expert_replica_group
     runtime.after_backward.append(lambda: average_flat(params, group, fill_missing=True))
     runtime.gradients_reduced = True

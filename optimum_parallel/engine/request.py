@@ -18,6 +18,7 @@ from torch import nn
 
 from ..pipeline.split import SplitPoint
 from ..styles import ParallelStyle
+from .compile import CompileConfig
 from .data_parallel import DataParallelConfig
 
 
@@ -38,6 +39,7 @@ class RequestKeys:
     threshold: str = "dp_config['threshold']"
     reduce_dtype: str = "dp_config['reduce_dtype']"
     shared_batch: str = "shared_batch"
+    compile: str = "compile"
     sizes: Mapping[str, str] = field(
         default_factory=lambda: {
             "tp": "tensor_parallel_size",
@@ -56,12 +58,14 @@ CONFIG_KEYS = RequestKeys(  # parallelize(model, optimizer, mesh, config)
     schedule="pp_config['schedule']",
     num_microbatches="pp_config['num_microbatches']",
     sharding_level="dp_config['sharding_level']",
+    compile="config['compile']",
 )
 TRAINER_KEYS = RequestKeys(  # ParallelTrainingArguments
     sequence_parallel="sequence_parallel",
     schedule="pipeline_schedule",
     shard_size="shard_size",
     threshold="sharding_threshold_kb",
+    compile="torch_compile",
 )
 
 
@@ -82,7 +86,8 @@ class ParallelRequest:
     """Everything a caller asks of one parallelization (see the module docstring). `family` (a Parallelizer class)
     makes the plan when `plan` is None, after its own capability checks; `sections` are the config sections a caller
     named (Paddle's door: each needs a mesh dim to act on); `batch_sizes` and `gradient_accumulation_steps` are the
-    Trainer's (micro-batches must divide the batches)."""
+    Trainer's (micro-batches must divide the batches); `compile` is the caller's value (`engine/compile.py`'s
+    `compile_config` reads it)."""
 
     plan: Mapping[str, Any] | None = None
     family: type | None = None
@@ -101,6 +106,7 @@ class ParallelRequest:
     shared_batch: str = "check"  # the ranks of a batch replica: check they share the batch, broadcast it, or trust
     async_save: bool = False  # checkpoints written in the background (the Trainer's save_steps)
     push_to_hub: bool = False
+    compile: object = None  # each decoder block compiled: True, a backend name, a dict or a CompileConfig
     keys: RequestKeys = PARALLELIZER_KEYS
 
 
@@ -108,13 +114,14 @@ class ParallelRequest:
 class CheckedRequest:
     """A request `validate` accepted for one model and mesh: the plan as checked ({module name: styles}), the
     pipeline with its defaults filled (None without pp), the data parallelism to apply (None: none), the family's
-    fix-up after the plan."""
+    fix-up after the plan, how to compile the blocks (None: eager)."""
 
     request: ParallelRequest
     targets: dict[str, list[ParallelStyle]] | None
     pipeline: PipelineRequest | None
     data_parallel: DataParallelConfig | None
     after_plan: Callable[[nn.Module, object], None] | None = None
+    compile: CompileConfig | None = None
 
     @property
     def optimizer(self) -> torch.optim.Optimizer | None:

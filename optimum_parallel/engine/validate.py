@@ -26,6 +26,7 @@ from ..plan import check_plan
 from ..state import find_state
 from ..styles import ExpertParallel, optional
 from .capabilities import capabilities_of, model_types_with
+from .compile import check_compile_config, compile_config
 from .data_parallel import DataParallelConfig
 from .request import CheckedRequest, ParallelRequest, PipelineRequest, RequestKeys
 from .shared_batch import SHARED_BATCH
@@ -92,7 +93,8 @@ def validate(request: ParallelRequest, model: nn.Module, mesh: ParallelMesh) -> 
         check_expert_parallel(model, ep, declared=declared)
         if data_parallel is not None:
             check_expert_data_parallel(data_parallel.shard_size, ep, keys.shard_size)
-    return CheckedRequest(request, targets, pipeline, data_parallel, after_plan)
+    compiled = compile_config(request.compile, keys.compile)
+    return CheckedRequest(request, targets, pipeline, data_parallel, after_plan, compiled)
 
 
 # ---------------------------------------------------------------------------------------------- without model or mesh
@@ -137,6 +139,14 @@ def check_settings(request: ParallelRequest) -> None:
             )
     if request.data_parallel is not None:
         check_data_parallel_config(request.data_parallel, keys)
+    compiled = compile_config(request.compile, keys.compile)
+    if compiled is not None:
+        check_compile_config(compiled, keys.compile)
+        if devices.is_graph_device(request.device):
+            raise ValueError(
+                f"{keys.compile} on an XLA device is not supported (torch-xla traces the whole step into its own "
+                f"graph); allowed there: {keys.compile}=False"
+            )
     if request.async_save and request.push_to_hub:
         raise ValueError("async_save=True with push_to_hub=True is not supported; allowed there: async_save=False")
     if request.async_save and devices.is_graph_device(request.device):

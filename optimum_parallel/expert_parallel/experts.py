@@ -20,6 +20,7 @@ import torch
 from torch import nn
 from torch.distributed import ProcessGroup
 
+from ..comm.compiled import all_to_all
 from ..state import parallel_state
 from ..tensor_parallel.spec import ShardLayout, ShardSpec, local_parameter
 from .dispatch import all_to_all_rows, exchange_counts
@@ -154,7 +155,10 @@ def apply_expert_parallel(model: nn.Module, group: ProcessGroup, ep: int, rank: 
         if counter is not None:
             setattr(module, counter, count // ep)
         module.expert_parallel = runtime
-        module.forward = _ExpertParallelForward(module)
+        if hasattr(module, "_is_expert_parallel"):  # transformers' experts then skip the sentinel rows (`_traced`)
+            module._is_expert_parallel = True
+        module.ep_local_experts = count // ep
+        module.__class__ = _expert_parallel_class(type(module))
     return mapping
 
 
@@ -168,16 +172,27 @@ def expert_layout(param: torch.Tensor) -> ShardLayout | None:
     return getattr(param, "expert_layout", None)
 
 
+_EXPERT_PARALLEL_CLASSES: dict[type, type] = {}
+
+
+def _expert_parallel_class(cls: type) -> type:
+    """`cls` with the forward below, made once per class: the forward is the class's, so a compiled block guards on
+    the class, not on one object per module (one graph serves every block). `_local_forward` is `cls`'s own
+    (transformers' experts implementation dispatch included)."""
+    if cls in _EXPERT_PARALLEL_CLASSES.values():
+        return cls
+    if cls not in _EXPERT_PARALLEL_CLASSES:
+        members = {"forward": _ExpertParallelForward.forward, "_traced": _ExpertParallelForward._traced}
+        members.update(_local_forward=cls.forward, __module__=cls.__module__)
+        _EXPERT_PARALLEL_CLASSES[cls] = type(cls.__name__, (cls,), members)
+    return _EXPERT_PARALLEL_CLASSES[cls]
+
+
 class _ExpertParallelForward:
-    """The experts module's forward under ep (an instance attribute over the class's forward)."""
+    """The experts module's forward under ep (the methods of `_expert_parallel_class`; `self` is the module)."""
 
-    def __init__(self, module: nn.Module) -> None:
-        self.module = module
-        self.local_experts = expert_count(module)
-        self.local_forward = type(module).forward  # transformers' own (experts implementation dispatch included)
-
-    def __call__(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor):
-        module = self.module
+    def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor):
+        module = self
         runtime: ExpertParallelRuntime = module.expert_parallel
         if torch.is_grad_enabled() and not runtime.gradients_reduced:
             raise RuntimeError(
@@ -186,7 +201,9 @@ class _ExpertParallelForward:
                 "{'dp_config': {'sharding_level': 0}}), or train with ParallelTrainer; for evaluation run under "
                 "torch.no_grad()"
             )
-        ep, local = runtime.ep, self.local_experts
+        if torch.compiler.is_compiling():
+            return self._traced(hidden_states, top_k_index, top_k_weights)
+        ep, local = runtime.ep, module.ep_local_experts
         top_k = top_k_index.shape[-1]
         experts = top_k_index.reshape(-1)
         order = torch.argsort(experts, stable=True)  # (token, k) rows grouped by expert, so by destination rank
@@ -197,10 +214,42 @@ class _ExpertParallelForward:
         rows = all_to_all_rows(hidden_states[token_of_row], send_splits, recv_splits, runtime.group)
         local_expert = torch.arange(local, device=rows.device).repeat(ep).repeat_interleave(received.reshape(-1))
         ones = torch.ones(rows.shape[0], 1, dtype=top_k_weights.dtype, device=rows.device)
-        out = self.local_forward(module, rows, local_expert[:, None], ones)
+        out = module._local_forward(rows, local_expert[:, None], ones)
         if rows.shape[0] == 0:  # no row reached this rank: its experts still get (zero) gradients, as on the others
             out = out + sum(p.sum() for p in module.parameters(recurse=False)) * 0
         back = all_to_all_rows(out, recv_splits, send_splits, runtime.group, runtime.backward_started)
+        weights = top_k_weights.reshape(-1)[order].unsqueeze(-1)
+        combined = torch.zeros_like(hidden_states)
+        return combined.index_add(0, token_of_row, (back * weights).to(hidden_states.dtype))
+
+    def _traced(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor):
+        """The same dispatch with the shapes a compiled graph needs fixed: every rank sends each rank a block of as many
+        rows as it routes (all of them could go to one rank), its rows first, then padding marked with the sentinel
+        expert `local` (transformers' experts skip it, as under its own expert parallelism) and weighted 0. Equal
+        blocks make both exchanges `comm.compiled.all_to_all`s; no count leaves the graph."""
+        module = self
+        runtime: ExpertParallelRuntime = module.expert_parallel
+        group = runtime.group.group_name
+        ep, local = runtime.ep, module.ep_local_experts
+        top_k = top_k_index.shape[-1]
+        experts = top_k_index.reshape(-1)
+        rows = experts.shape[0]  # the block each rank gets from this one
+        order = torch.argsort(experts, stable=True)
+        token_of_row = order // top_k
+        destination = experts[order] // local
+        counts = torch.zeros(ep, dtype=torch.long, device=experts.device).index_add(
+            0, destination, torch.ones_like(destination)
+        )
+        first = torch.cumsum(counts, 0) - counts
+        slot = destination * rows + torch.arange(rows, device=experts.device) - first[destination]
+        send = hidden_states.new_zeros(ep * rows, hidden_states.shape[-1])
+        send = send.index_copy(0, slot, hidden_states[token_of_row])
+        ids = torch.full((ep * rows,), local, dtype=experts.dtype, device=experts.device)
+        ids = ids.index_copy(0, slot, experts[order] % local)
+        received, received_ids = all_to_all(send, group), all_to_all(ids, group)
+        weights = (received_ids < local).to(top_k_weights.dtype)[:, None]
+        out = module._local_forward(received, received_ids[:, None], weights)
+        back = all_to_all(out, group)[slot]
         weights = top_k_weights.reshape(-1)[order].unsqueeze(-1)
         combined = torch.zeros_like(hidden_states)
         return combined.index_add(0, token_of_row, (back * weights).to(hidden_states.dtype))

@@ -35,18 +35,20 @@ class PipelineParallelConfig:
 SECTIONS = {"dp_config": DataParallelConfig, "mp_config": TensorParallelConfig, "pp_config": PipelineParallelConfig}
 
 
-OPTIONS = ("shared_batch",)  # top-level settings beside the sections
+OPTIONS = ("shared_batch", "compile")  # top-level settings beside the sections
 
 
 @dataclass
 class ParallelConfig:
-    """The sections, and `shared_batch` ("check", "broadcast" or "trust": how the ranks of one batch replica get their
-    batch, see `engine/shared_batch.py`)."""
+    """The sections, `shared_batch` ("check", "broadcast" or "trust": how the ranks of one batch replica get their
+    batch, see `engine/shared_batch.py`) and `compile` (each decoder block through torch.compile: True, a backend
+    name or {"backend", "mode", "dynamic"}, see `engine/compile.py`)."""
 
     dp_config: DataParallelConfig | None = None
     mp_config: TensorParallelConfig | None = None
     pp_config: PipelineParallelConfig | None = None
     shared_batch: str = "check"
+    compile: object = False
 
     @classmethod
     def parse(cls, config: ParallelConfig | Mapping | None) -> ParallelConfig:
@@ -67,7 +69,7 @@ class ParallelConfig:
 
     @property
     def empty(self) -> bool:
-        return self.dp_config is None and self.mp_config is None and self.pp_config is None
+        return self.dp_config is None and self.mp_config is None and self.pp_config is None and not self.compile
 
 
 def _parse_section(key: str, section: type, value: object) -> object:

@@ -31,7 +31,8 @@ def parallelize(
     """Make `model` (and `optimizer`) parallel over `mesh` (default: the one `init_mesh`/`set_mesh` set).
 
     config: {"dp_config": {"sharding_level": 0-3}, "mp_config": {"parallelize_plan": {...}},
-    "pp_config": {"split_spec": ..., "global_spec": ...}} or a `ParallelConfig`.
+    "pp_config": {"split_spec": ..., "global_spec": ...}, "compile": True} or a `ParallelConfig` (`compile`: each
+    decoder block through torch.compile, see `engine/compile.py`).
     The cp size lives in the mesh (`init_mesh(cp=...)`), not in the config; data parallelism runs over dp x cp,
     and on a mesh with cp > 1 it runs without a dp_config too (at sharding level 0), as the cp ranks must average
     their gradients.
@@ -61,5 +62,6 @@ def config_request(config: ParallelConfig, optimizer: torch.optim.Optimizer | No
         optimizer=optimizer,
         sections=sections,
         shared_batch=config.shared_batch,
+        compile=config.compile,
         keys=CONFIG_KEYS,
     )

@@ -121,6 +121,7 @@ class Parallelizer:
         pipeline_parallel_schedule: str = "1f1b",
         context_parallel_strategy: str = "ring",
         shared_batch: str = "check",
+        compile: bool | str | dict = False,
     ) -> nn.Module:
         """Parallelize `model` over the current mesh (see `init_mesh`) and return it.
 
@@ -132,6 +133,8 @@ class Parallelizer:
         over cp and attention runs as `context_parallel_strategy`: "ring" or "all_to_all" (heads must divide by cp).
         The ranks of one batch replica (tp, cp, pp) must be given the same batch: `shared_batch` "check" (default)
         verifies it on new input shapes and every 100 forwards, "broadcast" takes the first rank's, "trust" skips.
+        `compile` compiles each decoder block with torch.compile: True (inductor), a backend name ("neuron" for
+        TorchNeuron) or {"backend": ..., "mode": ..., "dynamic": ...} (`engine/compile.py`).
         A bad request raises on every rank before anything changes (`validate`).
         """
         inner = plan_root(model)  # the transformers model inside a PeftModel: plans name its modules
@@ -146,6 +149,7 @@ class Parallelizer:
             device=device,
             read_checkpoint=checkpoint_dir is None,
             shared_batch=shared_batch,
+            compile=compile,
         )
         mesh = get_mesh()
         mapping = compose_model(inner, mesh, validate(request, inner, mesh))  # validated whole, then composed

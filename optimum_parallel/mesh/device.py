@@ -21,6 +21,18 @@ import torch.distributed as dist
 
 XLA = "xla"  # torch-xla's device type and backend name
 HOST = "cpu"
+NEURON_COMPILER = "neuron"  # TorchNeuron's torch.compile backend: static shapes, registered by its package
+
+
+def compile_dynamic(backend: str) -> bool | None:
+    """torch.compile's `dynamic` for the compiler `backend`: False for TorchNeuron's (static shapes, as transformers
+    asks of it), None (torch decides on the second shape seen) for the others."""
+    return False if backend == NEURON_COMPILER else None
+
+
+def missing_compiler_hint(backend: str) -> str:
+    """What to install when torch does not know the compiler `backend` ("" where there is nothing to say)."""
+    return " (TorchNeuron, installed with its device, provides it)" if backend == NEURON_COMPILER else ""
 
 
 def is_graph_device(device: torch.device | str | torch.Tensor | None) -> bool:

@@ -43,6 +43,10 @@ def share_rng_states(group: dist.ProcessGroup) -> None:
 _SEED_RANGE = 2**62
 
 
+def _compiling() -> bool:
+    return torch.compiler.is_compiling()
+
+
 class SplitRegions:
     """This rank's random streams for split work, entered after a column layer's forward in training mode (dropout
     is off in eval mode: nothing is drawn then) and left before the next row layer's (or at the end of the model's
@@ -69,10 +73,14 @@ class SplitRegions:
 
     def install(self, model: nn.Module, columns: list[nn.Module], rows: list[nn.Module]) -> None:
         """Enter after every column layer of `columns`, leave before every row layer of `rows`, and leave at the end
-        of every forward of `model` (whatever it ended in)."""
+        of every forward of `model` (whatever it ended in). Inside a compiled block the layers' hooks do nothing:
+        generators are not state a graph can swap, and the block's random numbers come from seeds the compiled
+        graph draws from the shared default stream (see `engine/compile.py`)."""
         for layer in columns:  # only in training mode: an eval forward draws nothing (sampling sees one device's RNG)
-            layer.register_forward_hook(lambda module, args, output: self.enter() if module.training else None)
+            layer.register_forward_hook(
+                lambda module, args, output: self.enter() if module.training and not _compiling() else None
+            )
         for layer in rows:
-            layer.register_forward_pre_hook(lambda module, args: self.leave())
+            layer.register_forward_pre_hook(lambda module, args: None if _compiling() else self.leave())
         model.register_forward_pre_hook(lambda module, args: self.leave())
         model.register_forward_hook(lambda module, args, output: self.leave(), always_call=True)

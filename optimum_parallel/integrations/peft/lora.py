@@ -252,7 +252,7 @@ def _forward(self, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
 class _JoinedEntry:
     """x and the adapters' u = A x of a block's column layers, entered into the tp region in one collective."""
 
-    source: weakref.ref
+    source: weakref.ref | None
     version: int
     entered: torch.Tensor  # x inside the region
     adapters: dict[tuple[int, str], torch.Tensor]  # (id(layer), adapter) -> its u inside the region
@@ -293,16 +293,35 @@ def _joined_entry(self, x: torch.Tensor, active: list[str]) -> _JoinedEntry:
     return joined
 
 
+def _traced_entry(self, x: torch.Tensor, active: list[str]) -> _JoinedEntry:
+    """The entry as torch.compile traces it: x enters as the base layer's would (the compile backend folds it with
+    its siblings'), each adapter's u = A x through an entry of its own (a collective of rank-r rows each way)."""
+    base = self.base_layer
+    entry, sequence_parallel = base.mode.entry, base.mode.splits_sequence()
+    adapters = {}
+    for name in active:
+        a = self.lora_A[name].weight
+        if sequence_parallel:  # A x on a slice of the sequence: A's gradient is summed over tp
+            a = copy_to_tensor_parallel_region(a, base.group)
+        u = F.linear(self.lora_dropout[name](x.to(a.dtype)), a).to(x.dtype)
+        adapters[name] = entry(u, base.group, sequence_parallel)  # by name: no id() for the graph to guard on
+    return _JoinedEntry(None, 0, entry(x, base.group, sequence_parallel), adapters)
+
+
 def _column_forward(self, x: torch.Tensor, active: list[str]) -> torch.Tensor:
     base = self.base_layer
-    if base.mode.entry is not None:
+    key = (lambda name: (id(self), name)) if not torch.compiler.is_compiling() else (lambda name: name)
+    if base.mode.entry is not None and torch.compiler.is_compiling():
+        joined = _traced_entry(self, x, active)
+        entered, adapters = joined.entered, joined.adapters
+    elif base.mode.entry is not None:
         joined = _joined_entry(self, x, active)
         entered, adapters = joined.entered, joined.adapters
     else:  # the block gathered the whole sequence already (sequence parallelism): A's gradient is summed over tp
         entered, adapters = x, {}
         for name in active:
             a = copy_to_tensor_parallel_region(self.lora_A[name].weight, base.group)
-            adapters[(id(self), name)] = F.linear(self.lora_dropout[name](x.to(a.dtype)), a)
+            adapters[key(name)] = F.linear(self.lora_dropout[name](x.to(a.dtype)), a)
     weight, bias = base.weight, base.bias
     if base.replica_group is not None:  # replicated heads: their gradients are summed over the replicas
         weight = copy_to_tensor_parallel_region(weight, base.replica_group)
@@ -312,7 +331,7 @@ def _column_forward(self, x: torch.Tensor, active: list[str]) -> torch.Tensor:
         b = self.lora_B[name].weight
         if base.replica_group is not None:
             b = copy_to_tensor_parallel_region(b, base.replica_group)
-        u = adapters[(id(self), name)]
+        u = adapters[key(name)]
         result = result + (F.linear(u.to(b.dtype), b) * self.scaling[name]).to(result.dtype)
     return result
 

@@ -157,8 +157,11 @@ class ParallelTrainerMixin:
     @private_override
     def _build_accelerator_args(self, **kwargs) -> dict[str, Any]:
         """No device placement by accelerate: parallelize placed the model, and moving a ZeRO optimizer's state
-        (a state_dict round trip) is not possible; batches are moved by `_prepare_inputs`."""
-        return {**super()._build_accelerator_args(**kwargs), "device_placement": False}
+        (a state_dict round trip) is not possible; batches are moved by `_prepare_inputs`. No whole-model
+        torch.compile by accelerate either: `torch_compile` compiled each decoder block (`engine/compile.py`)."""
+        args = {**super()._build_accelerator_args(**kwargs), "device_placement": False}
+        args.pop("dynamo_plugin", None)
+        return args
 
     def _prepare_data_loader(self, data_loader, device_placement=None, slice_fn_for_dispatch=None):
         """accelerate shards batches over the world; here over dp only, so the tp, pp and cp ranks of one replica

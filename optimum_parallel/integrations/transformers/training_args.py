@@ -11,6 +11,7 @@ from transformers import TrainingArguments
 from transformers.utils import is_torch_xla_available
 
 from ...context_parallel import STRATEGIES as CP_STRATEGIES
+from ...engine.compile import CompileConfig
 from ...engine.data_parallel import DataParallelConfig
 from ...engine.request import TRAINER_KEYS, ParallelRequest, PipelineRequest
 from ...engine.validate import check_settings
@@ -140,8 +141,18 @@ def trainer_request(
         shared_batch=args.shared_batch,
         async_save=args.async_save,
         push_to_hub=args.push_to_hub,
+        compile=_compile_setting(args),
         keys=TRAINER_KEYS,
     )
+
+
+def _compile_setting(args: ParallelTrainingArguments) -> CompileConfig | None:
+    """`torch_compile` with its backend and mode: each decoder block compiled (not the whole model, which the Trainer
+    would hand to accelerate); static shapes for the neuron backend, as transformers asks of it."""
+    if not args.torch_compile:
+        return None
+    backend = args.torch_compile_backend or "inductor"
+    return CompileConfig(backend, args.torch_compile_mode, devices.compile_dynamic(backend))
 
 
 def _launched_world_size() -> int:

@@ -1,0 +1,127 @@
+"""Context-parallel attention as torch custom ops, for a compiled decoder block (outputs contiguous, as their
+fake implementations say).
+
+Ring attention is one op (`ring_attention`: output and log-sum-exp) whose backward is another
+(`ring_attention_backward`): inside them the eager code runs unchanged (the key/value exchanges overlapped with the
+chunk pairs, the visibility of each pair read from the padding mask), and the graph sees one node with its shapes. The
+all-to-all strategy's exchanges are the graph's own ops (`comm.compiled.all_to_all`, its own adjoint) around the same
+op run on one rank. Which chunks a rank holds travels as a list of ints (every rank's, in rank order), the group as
+its name.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from ..comm import compiled as comm
+from ..mesh import ranks
+from .blocks import Attend, accumulation_dtype
+from .ring import ring_backward, ring_forward
+
+
+def _chunks(chunk_ids: list[int], size: int):
+    per_rank = len(chunk_ids) // size
+    return lambda rank: tuple(chunk_ids[rank * per_rank : (rank + 1) * per_rank])
+
+
+def _setting(group: str, key_mask, chunk, scale, window, softcap, chunk_ids):
+    process_group = torch._C._distributed_c10d._resolve_process_group(group) if group else None
+    size = ranks.world_size(process_group) if process_group is not None else 1
+    attend = Attend(chunk, scale, window, softcap, key_mask)
+    return attend, _chunks(list(chunk_ids), size), process_group
+
+
+@torch.library.custom_op("optimum_parallel::ring_attention", mutates_args=())
+def ring_attention(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    key_mask: Tensor | None,
+    chunk: int,
+    scale: float,
+    window: int | None,
+    softcap: float | None,
+    chunk_ids: list[int],
+    group: str,
+) -> tuple[Tensor, Tensor]:
+    """`ring.ring_forward` over the group named `group` ("": one rank holding every chunk): (out, lse)."""
+    attend, chunks, process_group = _setting(group, key_mask, chunk, scale, window, softcap, chunk_ids)
+    out, lse = ring_forward(q, k, v, attend, chunks, process_group)
+    return out.contiguous(), lse.contiguous()
+
+
+@torch.library.custom_op("optimum_parallel::ring_attention_backward", mutates_args=())
+def ring_attention_backward(
+    dout: Tensor,
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    out: Tensor,
+    lse: Tensor,
+    key_mask: Tensor | None,
+    chunk: int,
+    scale: float,
+    window: int | None,
+    softcap: float | None,
+    chunk_ids: list[int],
+    group: str,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """`ring.ring_backward`: (dq, dk, dv)."""
+    attend, chunks, process_group = _setting(group, key_mask, chunk, scale, window, softcap, chunk_ids)
+    dq, dk, dv = ring_backward(dout, q, k, v, out, lse, attend, chunks, process_group)
+    return dq.contiguous(), dk.clone(), dv.clone()  # dk and dv may be views of one buffer: outputs may not alias
+
+
+@ring_attention.register_fake
+def _(q, k, v, key_mask, chunk, scale, window, softcap, chunk_ids, group):
+    return q.new_empty(q.shape), q.new_empty(q.shape[:3], dtype=accumulation_dtype(q.dtype))
+
+
+@ring_attention_backward.register_fake
+def _(dout, q, k, v, out, lse, key_mask, chunk, scale, window, softcap, chunk_ids, group):
+    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
+
+
+def _setup(ctx, inputs, output):
+    q, k, v, key_mask, *settings = inputs
+    out, lse = output
+    ctx.save_for_backward(q, k, v, out, lse)
+    ctx.key_mask, ctx.settings = key_mask, settings
+
+
+def _backward(ctx, dout, _dlse):
+    q, k, v, out, lse = ctx.saved_tensors
+    dq, dk, dv = ring_attention_backward(dout, q, k, v, out, lse, ctx.key_mask, *ctx.settings)
+    return dq, dk, dv, None, None, None, None, None, None, None
+
+
+ring_attention.register_autograd(_backward, setup_context=_setup)
+
+
+def _sequence_to_heads(x: Tensor, group: str, cp: int) -> Tensor:
+    """As `ulysses._sequence_to_heads`, the exchange a graph op."""
+    b, h, length, d = x.shape
+    received = comm.all_to_all(x.view(b, cp, h // cp, length, d).transpose(0, 1).contiguous(), group)
+    return received.permute(1, 2, 0, 3, 4).reshape(b, h // cp, cp * length, d)
+
+
+def _heads_to_sequence(x: Tensor, group: str, cp: int) -> Tensor:
+    """As `ulysses._heads_to_sequence`."""
+    b, h, total, d = x.shape
+    received = comm.all_to_all(x.view(b, h, cp, total // cp, d).permute(2, 0, 1, 3, 4).contiguous(), group)
+    return received.transpose(0, 1).reshape(b, cp * h, total // cp, d)
+
+
+def traced_context_attention(q, k, v, attend: Attend, layout, group: str, strategy: str) -> Tensor:
+    """Context-parallel attention as a compiled graph runs it: q (b, h, 2c, d), k, v (b, h_kv, 2c, d) of this rank's
+    chunks -> its output chunks (b, h, 2c, d)."""
+    every = [i for rank in range(layout.cp) for i in layout.chunks_of(rank)]
+    settings = (attend.chunk, attend.scale, attend.window, attend.softcap)
+    if strategy == "ring":
+        out, _ = ring_attention(q, k, v, attend.key_mask, *settings, every, group)
+        return out
+    cp = layout.cp
+    q, k, v = (_sequence_to_heads(t, group, cp) for t in (q, k, v))
+    out, _ = ring_attention(q, k, v, attend.key_mask, *settings, every, "")
+    return _heads_to_sequence(out, group, cp)
