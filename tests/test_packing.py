@@ -128,9 +128,10 @@ def check_packed(
     form: str = "position_ids",
     flat: bool = False,
     model_type: str = "llama",
+    compile: bool | str = False,
 ) -> dict:
     """The parallel model on the packed batch (every dp replica gets it, so averages are exact) against the
-    documents run alone on one device."""
+    documents run alone on one device (`compile`: its decoder blocks compiled with that backend)."""
     import optimum_parallel as op
     from optimum_parallel.engine.compose import compose_training
 
@@ -150,6 +151,7 @@ def check_packed(
             sequence_parallel_enabled=sequence_parallel,
             context_parallel_strategy=strategy,
             pipeline_parallel_num_microbatches=2 if pp > 1 else 1,
+            compile=compile,
         )
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
     ref_optimizer = torch.optim.AdamW(reference.parameters(), lr=1e-2)
@@ -308,6 +310,13 @@ def test_context_and_tensor_parallel(pool):
 
 def test_pipeline_and_context_parallel(pool):
     _assert_exact(pool.run(check_packed, pp=2, cp=2, flat=True))
+
+
+@pytest.mark.parametrize("layout", [dict(tp=2, impl="sdpa"), dict(cp=2)], ids=["tp2", "cp2"])
+def test_compiled_blocks(pool, layout):
+    """Decoder blocks compiled (aot_eager): under tp the document mask reaches the compiled blocks as a tensor; under
+    cp a packed row's attention runs eagerly inside them (its document blocks are chosen in Python)."""
+    _assert_exact(pool.run(check_packed, compile="aot_eager", **layout))
 
 
 # ------------------------------------------------------------------------------------------------ the cp layout

@@ -93,21 +93,19 @@ def context_parallel_attention(
     layout = documents.layout if documents is not None else ChunkLayout(settings.cp, settings.layout_rank, length)
     scale = scaling if scaling is not None else default_scale(query.shape[-1])
     attend = Attend(layout.chunk, scale, sliding_window, softcap, key_mask, documents)
-    if torch.compiler.is_compiling() and documents is None:  # a compiled block: the same attention as graph ops
-        from .compiled import traced_context_attention
+    if torch.compiler.is_compiling():  # a compiled block: the same attention as graph ops (compiled.py)
+        from .compiled import eager_document_attention, traced_context_attention
 
-        name = settings.group.group_name
-        out = traced_context_attention(query, key, value, attend, layout, name, settings.strategy)
-    else:  # eager; a packed row's document blocks are chosen in Python, so a compiled block runs them eagerly
-        out = _eager_attention(query, key, value, attend, layout, settings)
+        if documents is not None:  # a packed row's document blocks are chosen in Python: run eagerly
+            out = eager_document_attention(query, key, value, attend, layout.chunks_of, settings)
+        else:
+            name = settings.group.group_name
+            out = traced_context_attention(query, key, value, attend, layout, name, settings.strategy)
+    elif settings.strategy == "ring":
+        out = ring_attention(query, key, value, attend, layout.chunks_of, settings.group)
+    else:
+        out = all_to_all_attention(query, key, value, attend, layout.chunks_of, settings.group)
     return out.transpose(1, 2).contiguous(), None
-
-
-@torch.compiler.disable
-def _eager_attention(query, key, value, attend: Attend, layout, settings) -> torch.Tensor:
-    if settings.strategy == "ring":
-        return ring_attention(query, key, value, attend, layout.chunks_of, settings.group)
-    return all_to_all_attention(query, key, value, attend, layout.chunks_of, settings.group)
 
 
 def register_attention() -> None:

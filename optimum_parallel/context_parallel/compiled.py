@@ -17,7 +17,9 @@ from torch import Tensor
 from ..comm import compiled as comm
 from ..mesh import ranks
 from .blocks import Attend, accumulation_dtype
+from .ring import ring_attention as eager_ring_attention
 from .ring import ring_backward, ring_forward
+from .ulysses import all_to_all_attention
 
 
 def _chunks(chunk_ids: list[int], size: int):
@@ -125,3 +127,12 @@ def traced_context_attention(q, k, v, attend: Attend, layout, group: str, strate
     q, k, v = (_sequence_to_heads(t, group, cp) for t in (q, k, v))
     out, _ = ring_attention(q, k, v, attend.key_mask, *settings, every, "")
     return _heads_to_sequence(out, group, cp)
+
+
+@torch.compiler.disable
+def eager_document_attention(q, k, v, attend: Attend, chunks_of, settings) -> Tensor:
+    """A packed row's attention inside a compiled block, run eagerly: which chunk pairs share a document is read in
+    Python from its boundaries (the one graph break a packed row costs under cp)."""
+    if settings.strategy == "ring":
+        return eager_ring_attention(q, k, v, attend, chunks_of, settings.group)
+    return all_to_all_attention(q, k, v, attend, chunks_of, settings.group)

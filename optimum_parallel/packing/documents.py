@@ -99,8 +99,8 @@ def pack(batch: dict) -> Packed | None:
         return None
     mask = batch.get("attention_mask")
     real = torch.ones(rows, length, dtype=torch.bool, device=device) if mask is None else mask.to(device).bool()
-    if real.dim() != 2:
-        return None  # a 4-D mask is the caller's own: left as it is
+    if real.dim() != 2 or real.shape[-1] != length:
+        return None  # a 4-D mask is the caller's own, a longer one covers cached keys: left as they are
     after_padding = torch.zeros_like(real)
     after_padding[:, 1:] = ~real[:, :-1]
     starts = (starts | after_padding) & real
@@ -156,7 +156,7 @@ def _isolate_padding(positions: torch.Tensor, real: torch.Tensor) -> torch.Tenso
 def packed_inputs(kwargs: dict, keep_flash_keys: bool = False) -> dict | None:
     """`kwargs` of a model forward in the packed form (see the module docstring), or None when they are not packed
     or carry a key/value cache (decoding is not packing)."""
-    if kwargs.get("past_key_values") is not None:
+    if kwargs.get("past_key_values") is not None or kwargs.get("cache") is not None:  # transformers 5 says `cache`
         return None
     packed = pack(kwargs)
     if packed is None:
