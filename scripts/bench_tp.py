@@ -149,7 +149,7 @@ def prepare_single(args: argparse.Namespace, threads: int) -> Prepared:
 def prepare_optimum_parallel(args: argparse.Namespace, shared_memory: bool = True) -> Prepared:
     """With `shared_memory=False` the tp group keeps gloo's sockets (as under OPTIMUM_PARALLEL_SHM=0)."""
     import optimum_parallel as op
-    from optimum_parallel.comm import regions as comm
+    from optimum_parallel.comm import collectives as comm
 
     mesh = op.init_mesh(tp=TP, timeout=PG_TIMEOUT)
     with mock.patch.dict(os.environ, OPTIMUM_PARALLEL_SHM="1" if shared_memory else "0"):

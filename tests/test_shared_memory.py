@@ -19,7 +19,7 @@ def _input(rank: int, shape: tuple[int, ...], dtype: torch.dtype, seed: int = 0)
 
 
 def check_collectives_match_gloo(ranks: list[int]) -> dict:
-    from optimum_parallel.comm import regions as comm
+    from optimum_parallel.comm import collectives as comm
     from optimum_parallel.comm.shared_memory import CAPACITY, shared_memory_group
 
     group = dist.new_group(ranks)
@@ -49,7 +49,7 @@ def check_collectives_match_gloo(ranks: list[int]) -> dict:
                 if not torch.allclose(ours.double(), reference.double(), rtol=tolerance, atol=tolerance):
                     mismatches.append(("against gloo", str(dtype), shape, str(op)))
     x = _input(rank, (2, 6, 3), torch.float32, seed=1)
-    gathered = comm._all_gather(x, 1, group)
+    gathered = comm.all_gather(x, 1, group)
     expected = torch.cat([_input(r, (2, 6, 3), torch.float32, seed=1) for r in members], dim=1)
     if not torch.equal(gathered, expected):
         mismatches.append(("all_gather",))
@@ -72,7 +72,7 @@ def test_collectives_match_gloo(pool, ranks):
 def check_async_in_order() -> list[bool]:
     """Two started all-reduces waited on in reverse order, then 50 more: slot sets are reused correctly; an op
     shared memory does not reduce goes through gloo."""
-    from optimum_parallel.comm import regions as comm
+    from optimum_parallel.comm import collectives as comm
 
     group = dist.new_group([0, 1, 2, 3])
     rank, ok = dist.get_rank(), []
@@ -97,7 +97,7 @@ def test_async_collectives_finish_in_order(pool):
 
 
 def check_cleanup_and_switch() -> dict:
-    from optimum_parallel.comm import regions as comm
+    from optimum_parallel.comm import collectives as comm
     from optimum_parallel.comm.shared_memory import shared_memory_group
 
     on = dist.new_group([0, 1, 2, 3])
@@ -124,7 +124,7 @@ def test_files_are_unlinked_and_env_turns_it_off(pool):
 
 
 def check_timeout() -> str:
-    from optimum_parallel.comm import regions as comm
+    from optimum_parallel.comm import collectives as comm
 
     group = dist.new_group([0, 1], timeout=timedelta(seconds=2))
     if dist.get_rank() > 1:
@@ -146,7 +146,7 @@ def test_missing_rank_times_out(pool):
 
 def check_tp_mesh_uses_shared_memory() -> bool:
     import optimum_parallel as op
-    from optimum_parallel.comm import regions as comm
+    from optimum_parallel.comm import collectives as comm
     from optimum_parallel.comm.shared_memory import shared_memory_group
 
     mesh = op.init_mesh(dp=2, tp=2)

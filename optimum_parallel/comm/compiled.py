@@ -20,7 +20,7 @@ from torch import Tensor
 from torch.distributed import ProcessGroup
 
 from ..mesh import ranks
-from . import regions
+from . import collectives
 
 _LIB = "optimum_parallel"
 
@@ -66,32 +66,32 @@ def enter(x: Tensor, group: str) -> Tensor:
 @torch.library.custom_op(f"{_LIB}::reduce", mutates_args=())
 def reduce(x: Tensor, group: str) -> Tensor:
     """All-reduce forward, identity backward (`reduce_from_tensor_parallel_region`)."""
-    return regions.all_reduce(x.clone(memory_format=torch.contiguous_format), _group(group))
+    return collectives.all_reduce(x.clone(memory_format=torch.contiguous_format), _group(group))
 
 
 @torch.library.custom_op(f"{_LIB}::gather", mutates_args=())
 def gather(x: Tensor, dim: int, group: str, sizes: list[int] | None) -> Tensor:
     """All-gather `dim` forward (uneven shards by `sizes`), this rank's slice backward."""
-    return _fresh(regions._all_gather(x, dim, _group(group), list(sizes) if sizes else None), x)
+    return _fresh(collectives.all_gather(x, dim, _group(group), list(sizes) if sizes else None), x)
 
 
 @torch.library.custom_op(f"{_LIB}::scatter", mutates_args=())
 def scatter(x: Tensor, dim: int, group: str, sizes: list[int] | None) -> Tensor:
     """This rank's slice of `dim` forward, all-gather backward."""
-    return _fresh(regions._split(x, dim, _group(group), list(sizes) if sizes else None), x)
+    return _fresh(collectives.split(x, dim, _group(group), list(sizes) if sizes else None), x)
 
 
 @torch.library.custom_op(f"{_LIB}::sequence_gather", mutates_args=())
 def sequence_gather(x: Tensor, dim: int, group: str) -> Tensor:
     """All-gather of the sequence forward, reduce-scatter backward (the entry under sequence parallelism)."""
-    return _fresh(regions._all_gather(x, dim, _group(group)), x)
+    return _fresh(collectives.all_gather(x, dim, _group(group)), x)
 
 
 @torch.library.custom_op(f"{_LIB}::sequence_reduce_scatter", mutates_args=())
 def sequence_reduce_scatter(x: Tensor, dim: int, group: str) -> Tensor:
     """Reduce-scatter of the sequence forward, all-gather backward (a row layer's exit under sequence
     parallelism)."""
-    return _fresh(regions._reduce_scatter(x.contiguous(), dim, _group(group)), x)
+    return _fresh(collectives.reduce_scatter(x.contiguous(), dim, _group(group)), x)
 
 
 @torch.library.custom_op(f"{_LIB}::all_to_all", mutates_args=())

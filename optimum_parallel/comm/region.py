@@ -39,15 +39,13 @@ from torch import nn
 from torch.distributed import ProcessGroup
 
 from ..mesh import ranks
+from .collectives import all_gather, start_all_reduce, start_reduce_scatter
 from .regions import (
     SEQ_DIM,
-    _all_gather,
     copy_to_tensor_parallel_region,
     gather_from_sequence_parallel_region,
     gather_from_tensor_parallel_region,
     scatter_to_sequence_parallel_region,
-    start_all_reduce,
-    start_reduce_scatter,
 )
 
 
@@ -82,7 +80,7 @@ class _OverlappedEntry(torch.autograd.Function):
     def forward(ctx, x, group, sequence_parallel, pending, *weights):
         ctx.group, ctx.sequence_parallel, ctx.pending = group, sequence_parallel, pending
         ctx.set_materialize_grads(False)
-        entered = _all_gather(x, SEQ_DIM, group) if sequence_parallel else x.view_as(x)
+        entered = all_gather(x, SEQ_DIM, group) if sequence_parallel else x.view_as(x)
         return (entered, *(w.view_as(w) for w in weights))
 
     @staticmethod

@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 from torch.distributed import ProcessGroup, ReduceOp
 
-from ..comm.regions import all_reduce
+from ..comm.collectives import all_reduce
 from ..mesh import ranks
 
 
