@@ -1,5 +1,6 @@
-"""What the benchmark scripts share: the random Llama they build (its arguments, config and batch), quiet
-transformers, and byte counts of tensors and of the process.
+"""What the benchmark scripts share: the random Llama they build (its arguments, config and batch; the ~0.5B one
+of the load and checkpoint benchmarks), a variant's step times, quiet transformers, and byte counts of tensors and of
+the process.
 
     parser = argparse.ArgumentParser(...)
     add_llama_args(parser, seq=256, layers=4, vocab=8192)
@@ -11,7 +12,9 @@ transformers, and byte counts of tensors and of the process.
 from __future__ import annotations
 
 import argparse
+import statistics
 from collections.abc import Iterable
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -20,6 +23,31 @@ from torch import nn
 from transformers import AutoModelForCausalLM, LlamaConfig
 
 Batch = dict[str, torch.Tensor]
+
+LLAMA_0_5B = dict(  # ~0.5B parameters: the Llama of bench_load.py and bench_checkpoint.py
+    vocab_size=32000,
+    hidden_size=1536,
+    intermediate_size=4096,
+    num_hidden_layers=16,
+    num_attention_heads=12,
+    num_key_value_heads=4,
+    max_position_embeddings=2048,
+    tie_word_embeddings=False,
+)
+
+
+@dataclass
+class StepResult:
+    """The step times (ms) and loss of one benchmark variant, or why it failed."""
+
+    name: str
+    times_ms: list[float] = field(default_factory=list)
+    loss: float | None = None
+    error: str | None = None
+
+    @property
+    def median(self) -> float:
+        return statistics.median(self.times_ms)
 
 
 def add_llama_args(

@@ -40,19 +40,10 @@ import time
 from pathlib import Path
 
 import torch
-from _common import proc_status_bytes, quiet_transformers, random_batch
+from _common import LLAMA_0_5B, proc_status_bytes, quiet_transformers, random_batch
 from _ranks import run_on_ranks
 
-CONFIG = dict(  # ~0.5B parameters (scripts/bench_load.py's Llama)
-    vocab_size=32000,
-    hidden_size=1536,
-    intermediate_size=4096,
-    num_hidden_layers=16,
-    num_attention_heads=12,
-    num_key_value_heads=4,
-    max_position_embeddings=2048,
-    tie_word_embeddings=False,
-)
+CONFIG = LLAMA_0_5B
 GIB = 1024**3
 
 # The process writer: every byte of the rank's shared-memory snapshot through sha256 and crc32, written, fsynced

@@ -30,11 +30,10 @@ from __future__ import annotations
 
 import argparse
 import os
-import statistics
 import sys
 import time
 import traceback
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from datetime import timedelta
 
 if "--cache" not in sys.argv:
@@ -43,7 +42,7 @@ if "--cache" not in sys.argv:
 import torch
 import torch.distributed as dist
 import transformers
-from _common import build_llama, llama_config, quiet_transformers, random_batch
+from _common import StepResult, build_llama, llama_config, quiet_transformers, random_batch
 from _ranks import run_on_ranks
 
 TP = 2
@@ -58,16 +57,8 @@ MODELS = {  # issue 35's three Llamas: hidden, layers, seq, vocab
 
 
 @dataclass
-class Result:
-    name: str
+class Result(StepResult):
     first_ms: float | None = None
-    times_ms: list[float] = field(default_factory=list)
-    loss: float | None = None
-    error: str | None = None
-
-    @property
-    def median(self) -> float:
-        return statistics.median(self.times_ms)
 
     @property
     def compile_s(self) -> float:

@@ -27,18 +27,9 @@ import sys
 import time
 from pathlib import Path
 
-from _common import local_tensor, proc_status_bytes
+from _common import LLAMA_0_5B, local_tensor, proc_status_bytes
 
-CONFIG = dict(  # ~0.5B parameters
-    vocab_size=32000,
-    hidden_size=1536,
-    intermediate_size=4096,
-    num_hidden_layers=16,
-    num_attention_heads=12,
-    num_key_value_heads=4,
-    max_position_embeddings=2048,
-    tie_word_embeddings=False,
-)
+CONFIG = LLAMA_0_5B
 IMPLS = ("optimum-parallel", "transformers")
 
 

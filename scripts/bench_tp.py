@@ -30,20 +30,27 @@ from __future__ import annotations
 import argparse
 import contextlib
 import os
-import statistics
 import sys
 import tempfile
 import time
 import traceback
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from datetime import timedelta
 from unittest import mock
 
 import torch
 import torch.distributed as dist
 import transformers
-from _common import Batch, add_llama_args, add_run_args, build_llama, llama_config, quiet_transformers, random_batch
+from _common import (
+    Batch,
+    StepResult,
+    add_llama_args,
+    add_run_args,
+    build_llama,
+    llama_config,
+    quiet_transformers,
+    random_batch,
+)
 from _ranks import run_on_ranks
 from torch import nn
 from transformers import AutoModelForCausalLM
@@ -62,18 +69,8 @@ Prepared = tuple[nn.Module, StepContext]
 # Model, batch, timing
 
 
-@dataclass
-class Result:
-    """The step times (ms) and loss of one variant, or why it failed."""
-
-    name: str
-    times_ms: list[float] = field(default_factory=list)
-    loss: float | None = None
-    error: str | None = None
-
-    @property
-    def median(self) -> float:
-        return statistics.median(self.times_ms)
+class Result(StepResult):
+    """The step times (ms) and loss of one variant, or why it failed; and their 90th percentile."""
 
     @property
     def p90(self) -> float:
