@@ -103,6 +103,7 @@ MOE: dict[str, dict] = {
         head_dim=8,
         num_key_value_heads=4,
     ),
+    "phimoe": dict(num_local_experts=4, num_experts_per_tok=2, intermediate_size=64),
 }
 
 

@@ -88,6 +88,10 @@ def context_parallel_attention(
         raise RuntimeError(f"{type(module).__name__} was not set up for context parallelism")
     if dropout and module.training:
         raise NotImplementedError("attention dropout is not supported under context parallelism; set it to 0")
+    if kwargs.get("s_aux") is not None:  # found before composing (engine/structure.py); a last guard, never silent
+        raise NotImplementedError(
+            f"{type(module).__name__}: attention sinks are not computed under context parallelism"
+        )
     key_mask, length = _read_mask(attention_mask)
     documents = marked_documents(attention_mask)
     layout = documents.layout if documents is not None else ChunkLayout(settings.cp, settings.layout_rank, length)

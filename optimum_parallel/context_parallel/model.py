@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import functools
 import inspect
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 
 import torch
 from torch import nn
@@ -39,18 +39,19 @@ def check_context_parallel(
     key: str = "context_parallel_strategy",
     *,
     supported: bool,
-    supported_types: Sequence[str] = (),
+    why: str | None = None,
 ) -> None:
     """Whether `model` can be made context-parallel over `cp` ranks with `strategy` (its q/k/v split over `tp`
     ranks first); raises before anything changes, naming `key` (the caller's name for the strategy). `supported`:
-    the model's family declares context parallelism (`Capabilities.context_parallel`), as `supported_types` do."""
+    the model's capabilities allow context parallelism; `why`: the module and layer that block it, where known."""
     check_strategy(strategy, key)
     config = getattr(model, "config", None)
     model_type = getattr(config, "model_type", None)
     if not supported or not hasattr(model, "lm_head"):
+        reason = why or "its family does not declare context parallelism"
         raise NotImplementedError(
-            f"context parallelism (cp={cp}) is not supported for {type(model).__name__} (model_type {model_type!r}); "
-            f"supported: causal LMs of model_type {', '.join(supported_types)}"
+            f"context parallelism (cp={cp}) is not supported for {type(model).__name__} (model_type {model_type!r}): "
+            f"{reason}; allowed for this model: cp=1"
         )
     if not any(hasattr(m, "num_key_value_groups") for m in model.modules()):
         raise NotImplementedError(f"no attention module found in {type(model).__name__} for context parallelism")

@@ -25,11 +25,12 @@ from ..pipeline.split import SplitPoint
 from ..plan import check_plan
 from ..state import find_state
 from ..styles import ExpertParallel, optional
-from .capabilities import capabilities_of, model_types_with
+from .capabilities import Capabilities
 from .compile import check_compile_config, compile_config
 from .data_parallel import DataParallelConfig
 from .request import CheckedRequest, ParallelRequest, PipelineRequest, RequestKeys
 from .shared_batch import SHARED_BATCH
+from .structure import derive_capabilities
 
 SHARDING_LEVELS = (0, 1, 2, 3)
 XLA_SHARDING_LEVELS = (0,)
@@ -51,8 +52,10 @@ def validate(request: ParallelRequest, model: nn.Module, mesh: ParallelMesh) -> 
         raise TypeError(f"mesh must be a ParallelMesh (from optimum_parallel.init_mesh), got {type(mesh).__name__}")
     _check_sections_act(request, mesh)
     plan, pipeline, after_plan = request.plan, _pipeline(request, model, mesh), None
+    # what the model supports beyond tp, resolved once: the family's declaration, else its structure
+    capabilities = request.family.capabilities_for(model) if request.family is not None else derive_capabilities(model)
     if request.family is not None:  # the family's own checks, then its plan
-        plan = _family_plan(request, model, mesh, pipeline)
+        plan = _family_plan(request, model, mesh, pipeline, capabilities)
         after_plan = request.family.after_plan
     targets = check_plan(model, plan, mesh) if plan else None
     if pipeline is not None:
@@ -73,12 +76,14 @@ def validate(request: ParallelRequest, model: nn.Module, mesh: ParallelMesh) -> 
     cp = mesh.size("cp")
     if cp > 1 and (state is None or state.context_parallel is None):
         tp = mesh.size("tp") if plan else 1  # q/k/v are split over tp by the plan: all_to_all sees local heads
-        supported = (
-            request.family.capabilities if request.family is not None else capabilities_of(model)
-        ).context_parallel
-        listed = model_types_with(lambda c: c.context_parallel) if not supported else ()
         check_context_parallel(
-            model, cp, request.context_parallel, tp, keys.context_parallel, supported=supported, supported_types=listed
+            model,
+            cp,
+            request.context_parallel,
+            tp,
+            keys.context_parallel,
+            supported=capabilities.context_parallel,
+            why=capabilities.reason("context"),
         )
     data_parallel = request.data_parallel
     if data_parallel is None and request.sections and (cp > 1 or mesh.size("ep") > 1):
@@ -343,18 +348,23 @@ def _pipeline(request: ParallelRequest, model: nn.Module, mesh: ParallelMesh) ->
 
 
 def _family_plan(
-    request: ParallelRequest, model: nn.Module, mesh: ParallelMesh, pipeline: PipelineRequest | None
+    request: ParallelRequest,
+    model: nn.Module,
+    mesh: ParallelMesh,
+    pipeline: PipelineRequest | None,
+    capabilities: Capabilities,
 ) -> Mapping | None:
     """The family's capabilities checked against the request, its own model check, then its plan."""
     family, keys = request.family, request.keys
-    if request.sequence_parallel and not family.capabilities.sequence_parallel:
+    if request.sequence_parallel and not capabilities.sequence_parallel:
+        why = capabilities.reason("sequence") or f"{family.__name__} does not support sequence parallelism"
         raise NotImplementedError(
-            f"{keys.sequence_parallel}=True: {family.__name__} does not support sequence parallelism; allowed for "
-            "this family: False"
+            f"{keys.sequence_parallel}=True is not supported: {why}; allowed for this model: False"
         )
-    if pipeline is not None and not family.capabilities.pipeline_parallel:
+    if pipeline is not None and not capabilities.pipeline_parallel:
+        why = capabilities.reason("pipeline") or f"{family.__name__} does not support pipeline parallelism"
         raise NotImplementedError(
-            f"{family.__name__} does not support pipeline parallelism (pp > 1); allowed for this family: pp=1"
+            f"pipeline parallelism (pp={mesh.size('pp')}) is not supported: {why}; allowed for this model: pp=1"
         )
     family.check(model, mesh)
     return family.plan(model, mesh, request.parallelize_embeddings, request.sequence_parallel)

@@ -6,8 +6,9 @@ Its style names are translated to this engine's styles: colwise/rowwise split in
 the module sits in an attention block (its parent has `head_dim`), the gathered/split-input variants,
 packed gate|up experts with the experts module as one tp region, replicated-with-grad-all-reduce
 norms and the vocab-parallel embedding. A plan using any other style is not supported (the model
-type is then reported unsupported rather than parallelized wrongly). Sequence parallelism is taken by
-the model types in `SEQUENCE_PARALLEL_TYPES` only, each verified against one process (`sequence_plan.py`).
+type is then reported unsupported rather than parallelized wrongly). What such a model supports beyond
+tensor parallelism (sp, pp, cp) is derived from its structure (`engine/structure.py`), its sequence
+parallelism planned from the same structure (`sequence_plan.py`).
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from functools import cache
 from torch import nn
 
 from ..engine.capabilities import Capabilities
+from ..engine.structure import derive_capabilities
 from ..mesh import ParallelMesh
 from ..styles import (
     ColWiseParallel,
@@ -55,12 +57,6 @@ KNOWN_BAD_PLANS = {
     "apertus": "its xIELU activation has learnable parameters inside the split MLP that the plan leaves unsummed",
     "doge": "its per-head attention parameters (A, dt_proj) are not split with the heads by the plan",
 }
-# Model types whose automatic plan takes sequence parallelism (the Llama-shaped decoder's, `sequence_plan.py`): each
-# checked against one process at tp=2 and tp=2 x ep=2 (tests/test_expert_parallel_sequence.py)
-SEQUENCE_PARALLEL_TYPES = frozenset({"olmoe", "granitemoe", "deepseek_v3"})
-# Model types whose automatic plan runs under context parallelism: checked against one process with ep
-# (tests/test_expert_parallel_cp.py); granitemoe's router aux loss fails on a shape under cp
-CONTEXT_PARALLEL_TYPES = frozenset({"olmoe"})
 
 
 def _config_class(model_type: str):
@@ -170,6 +166,11 @@ class AutoPlanParallelizer(Parallelizer):
     model_type: str = ""
 
     @classmethod
+    def capabilities_for(cls, model: nn.Module) -> Capabilities:
+        """Derived from the model's structure, layer by layer (`engine/structure.py`)."""
+        return derive_capabilities(model)
+
+    @classmethod
     def check(cls, model: nn.Module, mesh: ParallelMesh) -> None:
         _check_heads(model.config, mesh.tp_size)
         plan = tp_plan_of(model)
@@ -192,7 +193,7 @@ class AutoPlanParallelizer(Parallelizer):
                 causal = getattr(model, "loss_type", None) in CAUSAL_LOSS_TYPES
                 head.append(ColWiseParallel(gather_output=not causal))
         if sequence_parallel_enabled:
-            plan.update(sequence_parallel_plan(base, re.escape(prefix)))
+            plan.update(sequence_parallel_plan(model))
             head.append(SequenceParallelEnd())
         if head:
             plan["lm_head"] = optional(head)  # absent on the bare base model
@@ -201,10 +202,7 @@ class AutoPlanParallelizer(Parallelizer):
 
 @cache
 def _auto_parallelizer_class(model_type: str) -> type[Parallelizer]:
-    capabilities = Capabilities(
-        sequence_parallel=model_type in SEQUENCE_PARALLEL_TYPES, context_parallel=model_type in CONTEXT_PARALLEL_TYPES
-    )
-    attributes = {"model_type": model_type, "capabilities": capabilities}
+    attributes = {"model_type": model_type}
     return type(f"AutoPlanParallelizer[{model_type}]", (AutoPlanParallelizer,), attributes)
 
 

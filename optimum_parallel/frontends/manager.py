@@ -12,9 +12,9 @@ from importlib.metadata import EntryPoint
 
 from torch import nn
 
-from ..engine.capabilities import Capabilities, register_family_lookup
+from ..engine.capabilities import Capabilities
 from ..plugins import plugin_entry_points
-from .auto_plan import CONTEXT_PARALLEL_TYPES, SEQUENCE_PARALLEL_TYPES, auto_parallelizer, auto_plan_model_types
+from .auto_plan import auto_parallelizer, auto_plan_model_types
 from .parallelizer import Parallelizer
 
 ENTRY_POINT_GROUP = "optimum_parallel.parallelizers"
@@ -117,25 +117,17 @@ class ParallelizersManager:
     def capabilities_of(cls, model: nn.Module) -> Capabilities | None:
         """What `model`'s family supports (None: no family serves it)."""
         try:
-            return cls.parallelizer_for_model(model).capabilities
+            return cls.parallelizer_for_model(model).capabilities_for(model)
         except (UnsupportedModelError, TypeError):
             return None
 
     @classmethod
     def model_types_with(cls, predicate) -> list[str]:
-        """Model types whose family's capabilities satisfy `predicate`: the registered ones, base families first
-        (Llama's before those derived from it), then the automatic plans that declare more than tensor parallelism."""
+        """Model types whose hand-written family's capabilities satisfy `predicate`, base families first (Llama's
+        before those derived from it); an automatic plan's capabilities depend on each model's structure."""
         cls._discover()
         families = {t: p for t in list(cls._order) if (p := cls._registered(t)) is not None}
         found = sorted(
             (t for t, p in families.items() if predicate(p.capabilities)), key=lambda t: (len(families[t].__mro__), t)
         )
-        for model_type in sorted(SEQUENCE_PARALLEL_TYPES | CONTEXT_PARALLEL_TYPES):
-            automatic = auto_parallelizer(model_type)
-            if model_type not in found and automatic is not None and predicate(automatic.capabilities):
-                found.append(model_type)
         return found
-
-
-# the engine asks the families what they support through this registry (engine/capabilities.py)
-register_family_lookup(ParallelizersManager.capabilities_of, ParallelizersManager.model_types_with)

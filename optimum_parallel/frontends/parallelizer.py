@@ -43,6 +43,12 @@ class Parallelizer:
             cls.capabilities = replace(cls.capabilities, **legacy)
 
     @classmethod
+    def capabilities_for(cls, model: nn.Module) -> Capabilities:
+        """What this family supports on `model`: its declaration (a hand-written family knows); an automatic plan
+        derives it from the model's structure."""
+        return cls.capabilities
+
+    @classmethod
     def plan(
         cls, model: nn.Module, mesh: ParallelMesh, parallelize_embeddings: bool, sequence_parallel_enabled: bool
     ) -> dict:

@@ -320,7 +320,7 @@ def apply_pipeline(
     A bad request raises (`check_pipeline`) before anything changes."""
     pp = mesh.size("pp")
     ranges = check_pipeline(model, pp, split_spec, num_microbatches, schedule)
-    _, _, base = decoder_parts(model, split_spec)
+    _, _, roles = decoder_parts(model, split_spec)
     per_rank, placement = SCHEDULES[schedule]
     num_stages = pp * per_rank
     indices = stage_indices(mesh.rank("pp"), pp, per_rank, placement)
@@ -328,13 +328,14 @@ def apply_pipeline(
         split = ", ".join(f"stage {i}: layers {r.start}-{r.stop - 1}" for i, r in enumerate(ranges))
         print(f"[optimum-parallel] pipeline {pp} ranks x {per_rank} stages ({schedule}): {split}")
 
-    tied = model.lm_head.weight is base.embed_tokens.weight
+    tied = getattr(model, roles.head).weight is getattr(roles.base, roles.embedding).weight
     batches = batches or PipelineBatches()
     stages = [
-        DecoderStage(model, base, ranges[index], index, num_stages, batches.stage_inputs, sequence) for index in indices
+        DecoderStage(model, roles, ranges[index], index, num_stages, batches.stage_inputs, sequence)
+        for index in indices
     ]
     keep = {i for index in indices for i in ranges[index]}
-    prune_to_stages(model, base, keep, 0 in indices, num_stages - 1 in indices)
+    prune_to_stages(model, roles, keep, 0 in indices, num_stages - 1 in indices)
     pipeline = Pipeline(model, stages, mesh, schedule, num_microbatches, tied, batches)
     parallel_state(model).pipeline = pipeline
     model.run_train = pipeline.run_train

@@ -8,6 +8,7 @@ from collections.abc import Mapping
 
 from torch import nn
 
+from .decoder import DecoderRoles, decoder_roles
 from .split import SplitPoint, find_layer_list, stage_layers
 
 # name -> (stages per rank, placement: "loop" = r, r+pp, ...; "v" = r, 2pp-1-r)
@@ -55,18 +56,29 @@ def check_schedule(schedule: object, key: str = "pipeline_parallel_schedule") ->
         raise ValueError(f"{key}={schedule!r} is not allowed; allowed: {', '.join(SCHEDULES)}")
 
 
-def decoder_parts(model: nn.Module, split_spec: str | Mapping[str, SplitPoint]) -> tuple[str, nn.ModuleList, nn.Module]:
-    """(the layer list's prefix, the layer list, the base model holding embed_tokens / layers / norm)."""
+def decoder_parts(
+    model: nn.Module, split_spec: str | Mapping[str, SplitPoint]
+) -> tuple[str, nn.ModuleList, DecoderRoles]:
+    """(the layer list's prefix, the layer list, the roles of the base model's parts: embedding, final norm, head)."""
     prefix = split_spec if isinstance(split_spec, str) else next(iter(split_spec), "").rpartition(".")[0]
     layers = find_layer_list(model, prefix)
-    base = model.get_submodule(prefix.rpartition(".")[0])
-    if not all(hasattr(base, name) for name in ("embed_tokens", "norm")) or not hasattr(model, "lm_head"):
+    base_name, _, layers_name = prefix.rpartition(".")
+    roles = decoder_roles(model, model.get_submodule(base_name), layers_name)
+    missing = roles.missing()
+    if missing:
         raise NotImplementedError(
-            f"pipeline parallelism needs a decoder with embed_tokens, layers, norm and lm_head; "
-            f"{type(model).__name__} is not supported yet (supported: causal LMs laid out as model.embed_tokens, "
-            "model.layers, model.norm, lm_head)"
+            f"pipeline parallelism needs a decoder with a token embedding, a layer list, a final norm and an LM head; "
+            f"{type(model).__name__} has no {' and no '.join(missing)} found (allowed: causal LMs whose base model "
+            "holds the input embeddings, the layers and one final norm, and whose output embeddings are the head)"
         )
-    return prefix, layers, base
+    if roles.unplaced:
+        where = ", ".join(f"{base_name}.{name}" if base_name else name for name in roles.unplaced)
+        raise NotImplementedError(
+            f"pipeline parallelism (pp > 1) is not supported for {type(model).__name__}: {where} holds parameters "
+            "outside the decoder layers, the token embedding and the final norm, which no stage can place (allowed "
+            "for this model: pp=1)"
+        )
+    return prefix, layers, roles
 
 
 def check_pipeline(
@@ -84,11 +96,11 @@ def check_pipeline(
     check_schedule(schedule, schedule_key)
     if isinstance(num_microbatches, bool) or not isinstance(num_microbatches, int) or num_microbatches < pp:
         raise ValueError(f"{microbatches_key}={num_microbatches!r} is not allowed; it must be an int >= pp={pp}")
-    prefix, layers, base = decoder_parts(model, split_spec)
+    prefix, layers, roles = decoder_parts(model, split_spec)
     per_rank, placement = SCHEDULES[schedule]
     ranges = stage_layers(len(layers), pp * per_rank, split_spec, prefix)
-    head = getattr(model.lm_head, "weight", None)
-    if placement == "v" and head is not None and head is getattr(base.embed_tokens, "weight", None):
+    head = getattr(getattr(model, roles.head), "weight", None)
+    if placement == "v" and head is not None and head is getattr(getattr(roles.base, roles.embedding), "weight", None):
         # measured: the split weight-gradient pass miscounts the shared weight
         raise NotImplementedError(
             f"{schedule_key}={schedule!r} puts the first and last stage on one rank, which tied embeddings do not "

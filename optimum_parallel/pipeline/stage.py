@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 from ..comm.region import SequenceRegion
+from .decoder import DecoderRoles
 
 
 class _Placeholder(nn.Identity):
@@ -36,7 +37,7 @@ class DecoderStage(nn.Module):
     def __init__(
         self,
         model: nn.Module,
-        base: nn.Module,
+        roles: DecoderRoles,
         layers: range,
         stage_index: int,
         num_stages: int,
@@ -47,11 +48,13 @@ class DecoderStage(nn.Module):
         is_first, is_last = stage_index == 0, stage_index == num_stages - 1
         self.stage_index = stage_index
         object.__setattr__(self, "_model", model)  # not a submodule: a rank's stages share the model
+        base = roles.base
         object.__setattr__(self, "_base", base)
-        self.layers = nn.ModuleList(base.layers[i] for i in layers)
-        self.embed_tokens = base.embed_tokens if is_first else None
-        self.norm = base.norm if is_last else None
-        self.lm_head = model.lm_head if is_last else None
+        object.__setattr__(self, "_roles", roles)
+        self.layers = nn.ModuleList(getattr(base, roles.layers)[i] for i in layers)
+        self.embed_tokens = getattr(base, roles.embedding) if is_first else None
+        self.norm = getattr(base, roles.final_norm) if is_last else None
+        self.lm_head = getattr(model, roles.head) if is_last else None
         self.is_first, self.is_last = is_first, is_last
         # the layers' mask (and position) arguments from the padding mask that travels with the activations
         self.inputs = inputs or (lambda attention_mask: {"attention_mask": attention_mask})
@@ -60,15 +63,15 @@ class DecoderStage(nn.Module):
     @contextmanager
     def _stage_view(self):
         """The base model sees only this stage's layers (and no final norm unless it is the last stage)."""
-        modules = self._base._modules
-        saved = modules["layers"], modules["norm"]
-        modules["layers"] = self.layers
+        modules, roles = self._base._modules, self._roles
+        saved = modules[roles.layers], modules[roles.final_norm]
+        modules[roles.layers] = self.layers
         if not self.is_last:
-            modules["norm"] = nn.Identity()
+            modules[roles.final_norm] = nn.Identity()
         try:
             yield
         finally:
-            modules["layers"], modules["norm"] = saved
+            modules[roles.layers], modules[roles.final_norm] = saved
 
     def forward(self, x: torch.Tensor, attention_mask: torch.Tensor):
         inputs = {"input_ids": x} if self.is_first else {"inputs_embeds": x}
@@ -82,13 +85,14 @@ class DecoderStage(nn.Module):
         return hidden, attention_mask
 
 
-def prune_to_stages(model: nn.Module, base: nn.Module, keep: set[int], first: bool, last: bool) -> None:
+def prune_to_stages(model: nn.Module, roles: DecoderRoles, keep: set[int], first: bool, last: bool) -> None:
     """Drop every module this rank's stages do not use (layers become placeholders; names stay)."""
-    for index in range(len(base.layers)):
+    layers = getattr(roles.base, roles.layers)
+    for index in range(len(layers)):
         if index not in keep:
-            base.layers[index] = _Placeholder()
+            layers[index] = _Placeholder()
     if not first:
-        base.embed_tokens = None
+        setattr(roles.base, roles.embedding, None)
     if not last:
-        base.norm = None
-        model.lm_head = None
+        setattr(roles.base, roles.final_norm, None)
+        setattr(model, roles.head, None)

@@ -139,11 +139,11 @@ class MemoryPlanner:
 
     @property
     def supports_pipeline(self) -> bool:
-        return self.parallelizer.capabilities.pipeline_parallel and self._layer_prefix is not None
+        return self.parallelizer.capabilities_for(self.model).pipeline_parallel and self._layer_prefix is not None
 
     @property
     def supports_sequence_parallel(self) -> bool:
-        return self.parallelizer.capabilities.sequence_parallel
+        return self.parallelizer.capabilities_for(self.model).sequence_parallel
 
     # ---- parameters
 

@@ -374,9 +374,14 @@ def plan_file_parallelizer(path_or_doc: str | Path | Mapping) -> type[Paralleliz
                 raise ValueError(f"{key}={value} but the plan file was made with {key}={recorded}")
         return family.parallelize.__func__(cls, model, *args, **kwargs)
 
+    @classmethod
+    def capabilities_for(cls, model):  # the file's plan has sequence parallelism or not, whatever the structure allows
+        return replace(family.capabilities_for(model), sequence_parallel=bool(options.get("sequence_parallel")))
+
     attrs = {
         "plan": plan,
         "parallelize": parallelize,
+        "capabilities_for": capabilities_for,
         "capabilities": replace(family.capabilities, sequence_parallel=bool(options.get("sequence_parallel"))),
         "__doc__": f"{family.__name__} with the plan of a plan file.",
     }

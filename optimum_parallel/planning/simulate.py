@@ -85,7 +85,7 @@ def resolve_for_tp(
     parallelizer = None
     if plan is None:
         parallelizer = ParallelizersManager.parallelizer_for_model(model)
-        if sequence_parallel_enabled and not parallelizer.capabilities.sequence_parallel:
+        if sequence_parallel_enabled and not parallelizer.capabilities_for(model).sequence_parallel:
             raise ValueError(f"{parallelizer.__name__} does not support sequence parallelism")
         parallelizer.check(model, mesh)
         plan = parallelizer.plan(model, mesh, parallelize_embeddings, sequence_parallel_enabled)

@@ -1,0 +1,179 @@
+"""What a model's structure allows beyond tensor parallelism, found once per request from the modules it is made of,
+checked layer by layer, not looked up in a list of model types (a hand-written family's declaration still wins).
+
+- pipeline parallelism: a decoder stack (the base model's layer list, of the classes transformers marks
+  `_no_split_modules` where it marks any), its embedding, final norm and head found by role (`pipeline/decoder.py`), no
+  other parameter-holding module beside them;
+- sequence parallelism: the same stack, each layer's children norms (run on the slices), parameter-less, or blocks
+  (run on the whole sequence); the residual stream between blocks is then token-wise;
+- context parallelism: every token mixer of every layer (a child with a `layer_idx`, or holding a convolution over
+  the sequence) is attention through transformers' attention interface, without what the context-parallel attention
+  does not compute (attention sinks, chunked attention); gated delta nets, Mamba mixers, short convolutions and
+  lightning attention are refused by class and layer index.
+
+A refusal's reason names the module and the layer; `Capabilities.reason(layout)` gives it to the check that refuses.
+"""
+
+from __future__ import annotations
+
+import inspect
+from dataclasses import dataclass
+from functools import cache
+
+from torch import nn
+
+from ..pipeline.decoder import DecoderRoles, decoder_roles, is_norm
+from .capabilities import Capabilities
+
+ATTENTION_INTERFACE_MARKS = ("ALL_ATTENTION_FUNCTIONS", "attention_interface")
+
+
+@dataclass(frozen=True)
+class DecoderStack:
+    """A decoder's layer list and the roles of the parts around it; `prefix`: the layer list's dotted name."""
+
+    prefix: str
+    layers: nn.ModuleList
+    roles: DecoderRoles
+
+
+def _base_of(model: nn.Module) -> tuple[str, nn.Module]:
+    """(name, module) of the base model: `base_model_prefix`'s attribute, else the decoder transformers' `get_decoder`
+    gives, else a child named `model` (Llama 4's text model is `model`, its prefix `language_model`), else the model
+    itself."""
+    prefix = getattr(model, "base_model_prefix", "")
+    get_decoder = getattr(model, "get_decoder", None)
+    candidates = [getattr(model, prefix, None) if prefix else None, get_decoder() if callable(get_decoder) else None]
+    candidates.append(getattr(model, "model", None))
+    for base in candidates:
+        if isinstance(base, nn.Module) and base is not model:
+            name = next((n for n, m in model.named_modules() if m is base and n), None)
+            if name:
+                return name, base
+    return "", model
+
+
+def decoder_stack(model: nn.Module) -> DecoderStack | None:
+    """The decoder stack of `model` (None: no layer list found): the base model's `ModuleList` of the layer classes
+    transformers marks `_no_split_modules`, else its `layers`."""
+    base_name, base = _base_of(model)
+    marked = set(getattr(model, "_no_split_modules", None) or ())
+    lists = [(n, c) for n, c in base.named_children() if isinstance(c, nn.ModuleList) and len(c)]
+    found = [(n, c) for n, c in lists if marked and all(type(layer).__name__ in marked for layer in c)]
+    if not found:
+        found = [(n, c) for n, c in lists if n == "layers"]
+    if len(found) != 1:
+        return None
+    name, layers = found[0]
+    prefix = f"{base_name}.{name}" if base_name else name
+    return DecoderStack(prefix, layers, decoder_roles(model, base, name))
+
+
+@cache
+def _calls_attention_interface(cls: type) -> bool:
+    try:
+        source = inspect.getsource(cls.forward)
+    except (OSError, TypeError):
+        return False
+    return any(mark in source for mark in ATTENTION_INTERFACE_MARKS)
+
+
+def is_interface_attention(module: nn.Module) -> bool:
+    """Whether `module` (or a module inside it) computes its attention through transformers' attention interface."""
+    return any(_calls_attention_interface(type(m)) for m in module.modules())
+
+
+def is_token_mixer(module: nn.Module) -> bool:
+    """Whether a decoder layer's child mixes tokens: transformers gives every such mixer its layer's `layer_idx`
+    (attention, Mamba, delta nets, short convolutions); a 1-D convolution inside one mixes neighbouring tokens too."""
+    return hasattr(module, "layer_idx") or any(isinstance(m, nn.Conv1d) for m in module.modules())
+
+
+def _context_parallel_blocker(model: nn.Module, stack: DecoderStack) -> str | None:
+    """Why cp cannot run `model`'s layers (None: every token mixer is interface attention it computes)."""
+    config = getattr(model, "config", None)
+    chunk = getattr(config, "attention_chunk_size", None)
+    if stack.roles.unplaced:
+        base = stack.prefix.rpartition(".")[0]
+        names = ", ".join(f"{base}.{n}" if base else n for n in stack.roles.unplaced)
+        return f"{names} feed the layers inputs outside the residual stream that the cp split does not place"
+    for index, layer in enumerate(stack.layers):
+        for name, child in layer.named_children():
+            if not is_token_mixer(child):
+                continue
+            where = f"{stack.prefix}.{index}.{name} ({type(child).__name__})"
+            if not is_interface_attention(child):
+                return (
+                    f"{where} mixes tokens outside transformers' attention interface (a recurrent or convolutional "
+                    "mixer whose state would have to cross the cp ranks)"
+                )
+            if not any(hasattr(m, "num_key_value_groups") for m in child.modules()):
+                return f"{where} is not a query/key/value attention with key/value groups that the cp split routes"
+            if isinstance(getattr(child, "sinks", None), nn.Parameter):
+                return f"{where} has attention sinks, which the context-parallel attention does not compute"
+            if chunk and getattr(child, "use_rope", True):
+                return (
+                    f"{where} uses chunked attention (attention_chunk_size={chunk}), which the context-parallel "
+                    "attention does not compute"
+                )
+    if not hasattr(model, "lm_head"):
+        return f"{type(model).__name__} has no LM head (context parallelism runs causal language models)"
+    return None
+
+
+def _sequence_parallel_blocker(stack: DecoderStack) -> str | None:
+    """Why the residual stream between `stack`'s blocks cannot run on sequence slices (None: it can)."""
+    roles = stack.roles
+    base = stack.prefix.rpartition(".")[0]
+    if roles.final_norm is None:
+        return f"no final norm found beside {stack.prefix} (the region ends at the LM head, after the norm)"
+    if roles.unplaced:
+        names = ", ".join(f"{base}.{n}" if base else n for n in roles.unplaced)
+        return f"{names} feed the layers per-token inputs outside the residual stream"
+    return None
+
+
+def derive_capabilities(model: nn.Module) -> Capabilities:
+    """What `model`'s structure allows (see the module docstring), with the reason for each layout it refuses."""
+    stack = decoder_stack(model)
+    if stack is None:
+        reason = f"{type(model).__name__} has no decoder layer list (a ModuleList of its _no_split_modules classes)"
+        return Capabilities(refusals=(("sequence", reason), ("pipeline", reason), ("context", reason)))
+    refusals = []
+    missing = stack.roles.missing()
+    if missing or stack.roles.unplaced:
+        what = (
+            f"no {' and no '.join(missing)} found"
+            if missing
+            else f"{', '.join(stack.roles.unplaced)} hold(s) "
+            "parameters outside the decoder layers, the embedding and the final norm"
+        )
+        refusals.append(("pipeline", f"{type(model).__name__}: {what}"))
+    sequence = _sequence_parallel_blocker(stack)
+    if sequence is not None:
+        refusals.append(("sequence", sequence))
+    context = _context_parallel_blocker(model, stack)
+    if context is not None:
+        refusals.append(("context", context))
+    refused = {layout for layout, _ in refusals}
+    return Capabilities(
+        sequence_parallel="sequence" not in refused,
+        pipeline_parallel="pipeline" not in refused,
+        context_parallel="context" not in refused,
+        refusals=tuple(refusals),
+    )
+
+
+def sequence_parallel_blocks(layer: nn.Module) -> list[tuple[str, str]]:
+    """(child name, how it runs under sequence parallelism) for one decoder layer: 'slice' for norms (on the local
+    slice, gradients summed over tp), 'whole' for blocks with parameters (gathered at their entry), 'replicate' for
+    blocks holding stacked experts (replicated work on the whole sequence); parameter-less children run as they are."""
+    from ..expert_parallel import find_experts
+
+    found = []
+    for name, child in layer.named_children():
+        if is_norm(child):
+            found.append((name, "slice"))
+        elif next(child.parameters(), None) is not None:
+            found.append((name, "replicate" if find_experts(child) else "whole"))
+    return found

@@ -1,0 +1,44 @@
+"""The whole family matrix (`make test-families`): every family of `family_matrix.FAMILIES` at every layout its
+structure allows, against one process on the whole batch, or refused before anything changes naming the module.
+
+Each cell is appended to the results file `OP_MATRIX_RESULTS` (default `build/family-matrix.jsonl`), which
+`scripts/supported_models.py --results FILE` turns into the README's support table."""
+
+from __future__ import annotations
+
+import os
+from functools import cache
+from pathlib import Path
+
+import pytest
+from family_matrix import FAMILIES, WORLD_SIZE, check_layout, layouts_for, noise_floor, record, verdict
+
+RESULTS = Path(os.environ.get("OP_MATRIX_RESULTS", "build/family-matrix.jsonl"))
+CELLS = [(model_type, layout) for model_type in FAMILIES for layout in layouts_for(model_type)]
+__all__ = ["WORLD_SIZE"]  # the pool's size
+
+
+@cache
+def floor(model_type: str) -> dict[str, float]:
+    return noise_floor(model_type)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def fresh_results():
+    RESULTS.parent.mkdir(parents=True, exist_ok=True)
+    RESULTS.write_text("")
+
+
+@pytest.mark.parametrize("model_type,layout", CELLS, ids=[f"{t}-{lay}" for t, lay in CELLS])
+def test_family_layout(pool, model_type, layout):
+    try:
+        results = pool.run(check_layout, model_type, layout)
+    except (AssertionError, TimeoutError) as err:  # a rank raised something other than a refusal
+        last = [line for line in str(err).splitlines() if line.strip()][-1]
+        record(RESULTS, model_type, layout, "FAILED", last[:300], None)
+        raise
+    outcome, detail = verdict(results, floor(model_type))
+    record(RESULTS, model_type, layout, outcome, detail, results[0].get("held"))
+    assert outcome != "FAILED", f"{model_type} at {layout}: {detail} ({results[0]})"
+    if outcome == "refused":  # one error naming what blocks it and what is allowed
+        assert "allowed" in detail and ("model." in detail or "Model" in detail or "For" in detail), detail
