@@ -72,7 +72,9 @@ FAMILIES: dict[str, dict] = {
         linear_key_head_dim=16,
         linear_value_head_dim=16,
     ),
-    "gemma4_text": dict(sliding_window=8, hidden_size_per_layer_input=0, layer_types=["sliding_attention", "full_attention"]),
+    "gemma4_text": dict(
+        sliding_window=8, hidden_size_per_layer_input=0, layer_types=["sliding_attention", "full_attention"]
+    ),
     "llama4_text": dict(
         num_local_experts=4,
         num_experts_per_tok=1,
@@ -83,12 +85,25 @@ FAMILIES: dict[str, dict] = {
         no_rope_layers=[1, 0],
     ),
     "deepseek_v3": dict(
-        MLA, n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, n_shared_experts=1, n_group=1,
-        topk_group=1, first_k_dense_replace=1, head_dim=8, num_key_value_heads=4,
+        MLA,
+        n_routed_experts=4,
+        num_experts_per_tok=2,
+        moe_intermediate_size=32,
+        n_shared_experts=1,
+        n_group=1,
+        topk_group=1,
+        first_k_dense_replace=1,
+        head_dim=8,
+        num_key_value_heads=4,
     ),  # fmt: skip
     "glm4_moe": dict(
-        n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, n_shared_experts=1, n_group=1,
-        topk_group=1, first_k_dense_replace=1,
+        n_routed_experts=4,
+        num_experts_per_tok=2,
+        moe_intermediate_size=32,
+        n_shared_experts=1,
+        n_group=1,
+        topk_group=1,
+        first_k_dense_replace=1,
     ),  # fmt: skip
     "glm4": {},
     "olmo3": dict(sliding_window=8),
@@ -101,11 +116,29 @@ FAMILIES: dict[str, dict] = {
     "granitemoe": dict(num_local_experts=4, num_experts_per_tok=2, intermediate_size=64),
     "phimoe": dict(num_local_experts=4, num_experts_per_tok=2, intermediate_size=64),
     "ernie4_5_moe": dict(moe_num_experts=4, moe_k=2, moe_intermediate_size=32, moe_layer_start_index=1),
-    "falcon_h1": dict(mamba_d_ssm=64, mamba_n_heads=4, mamba_d_head=16, mamba_n_groups=1, mamba_d_state=8,
-                      mamba_d_conv=4, mamba_chunk_size=8),  # fmt: skip
-    "jamba": dict(num_experts=4, num_experts_per_tok=2, attn_layer_period=2, attn_layer_offset=1, expert_layer_period=2,
-                  expert_layer_offset=1, mamba_d_state=8, mamba_d_conv=4, mamba_expand=2, use_mamba_kernels=False),  # fmt: skip
-    "lfm2": dict(layer_types=["conv", "full_attention"], conv_L_cache=3, block_ff_dim=96, block_auto_adjust_ff_dim=False),
+    "falcon_h1": dict(
+        mamba_d_ssm=64,
+        mamba_n_heads=4,
+        mamba_d_head=16,
+        mamba_n_groups=1,
+        mamba_d_state=8,
+        mamba_d_conv=4,
+        mamba_chunk_size=8,
+    ),  # fmt: skip
+    "jamba": dict(
+        num_experts=4,
+        num_experts_per_tok=2,
+        attn_layer_period=2,
+        attn_layer_offset=1,
+        expert_layer_period=2,
+        expert_layer_offset=1,
+        mamba_d_state=8,
+        mamba_d_conv=4,
+        mamba_expand=2,
+    ),  # fmt: skip
+    "lfm2": dict(
+        layer_types=["conv", "full_attention"], conv_L_cache=3, block_ff_dim=96, block_auto_adjust_ff_dim=False
+    ),
 }
 MOE_TYPES = {
     "mixtral", "qwen3_moe", "gpt_oss", "qwen3_5_moe_text", "llama4_text", "deepseek_v3", "glm4_moe", "olmoe",
@@ -137,7 +170,7 @@ def build(config, seed: int = 0):
     model.eval()  # no dropout: identical math on every rank
     gen = torch.Generator().manual_seed(seed + 5)
     with torch.no_grad():  # biases and norm offsets initialised to zero would check nothing on the first step
-        for name, param in model.named_parameters():
+        for param in model.parameters():
             if not param.any():
                 param.copy_(0.02 * torch.randn(param.shape, generator=gen))
     return model
@@ -221,7 +254,8 @@ def _compare(reference, model, optimizer, batch, pipeline: bool) -> dict[str, fl
             continue
         if param.grad is None or expected[name].grad is None:
             raise AssertionError(f"{name}: a gradient on one side only")
-        grads[name] = _err(_whole(param.grad), _reference_slice(param, expected[name].grad), scales[name.rpartition(".")[0]])
+        scale = scales[name.rpartition(".")[0]]
+        grads[name] = _err(_whole(param.grad), _reference_slice(param, expected[name].grad), scale)
     errors = {"loss": _err(loss, ref_loss, ref_loss.abs().item())}
     errors["grad"] = max(grads.values())
     errors["worst"] = max(grads, key=grads.get)
@@ -244,7 +278,7 @@ def held_fraction(model, reference) -> float:
 
 
 def check_layout(model_type: str, layout: str) -> dict:
-    """One family at one layout on this rank: {'errors': ..., 'held': ...} or {'refused': message, 'untouched': bool}."""
+    """One family at one layout on this rank: {'errors', 'held'} or {'refused': the message, 'untouched': bool}."""
     import optimum_parallel as op
     from optimum_parallel.engine.compose import compose_training
 

@@ -1,13 +1,12 @@
 """Sequence parallelism with mixture-of-experts models: every MoE family at tp=2 (x dp=2) and tp=2 x ep=2 (x dp=2)
 with `sequence_parallel_enabled=True` against one process on the whole batch (loss, every gradient, the global
 gradient norm, the loss after 3 AdamW steps; gloo, 4 ranks). mixtral, qwen2_moe, qwen3_moe and gpt_oss have family
-parallelizers; olmoe, granitemoe, deepseek_v3 and phimoe take the automatic plan's sequence-parallel entries, derived from their
-structure (`frontends/sequence_plan.py`); refusals are the family matrix's (tests/test_family_matrix.py)."""
+parallelizers; olmoe, granitemoe, deepseek_v3 and phimoe take the automatic plan's sequence-parallel entries,
+derived from their structure (`frontends/sequence_plan.py`); refusals: tests/family_matrix.py."""
 
 from __future__ import annotations
 
 import pytest
-from _models import build_model, tiny_config
 from test_expert_parallel_layouts import TOL, check_level
 
 WORLD_SIZE = 4
