@@ -330,8 +330,13 @@ def verdict(results: list[dict], floor: dict[str, float]) -> tuple[str, str]:
     if any("refused" in r for r in results):
         return "FAILED", "some ranks refused: " + next(r["refused"] for r in results if "refused" in r)
     tol = tolerance(floor)
-    worst = max(max(r["errors"]["loss"], r["errors"]["grad"], r["errors"]["steps"]) for r in results)
+    errors = max((r["errors"] for r in results), key=lambda e: max(e["loss"], e["grad"], e["steps"]))
+    worst = max(errors["loss"], errors["grad"], errors["steps"])
     detail = f"worst {worst:.1e} (tol {tol:.1e})"
+    if worst > tol:
+        detail += (
+            f": loss {errors['loss']:.1e}, grad {errors['grad']:.1e} ({errors['worst']}), steps {errors['steps']:.1e}"
+        )
     return ("equal" if worst <= tol else "FAILED"), detail
 
 

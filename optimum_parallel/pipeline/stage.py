@@ -52,6 +52,7 @@ class DecoderStage(nn.Module):
         object.__setattr__(self, "_base", base)
         object.__setattr__(self, "_roles", roles)
         self.layers = nn.ModuleList(getattr(base, roles.layers)[i] for i in layers)
+        self.layer_indices = list(layers)
         self.embed_tokens = getattr(base, roles.embedding) if is_first else None
         self.norm = getattr(base, roles.final_norm) if is_last else None
         self.lm_head = getattr(model, roles.head) if is_last else None
@@ -62,16 +63,24 @@ class DecoderStage(nn.Module):
 
     @contextmanager
     def _stage_view(self):
-        """The base model sees only this stage's layers (and no final norm unless it is the last stage)."""
+        """The base model sees only this stage's layers (and no final norm unless it is the last stage); a config's
+        per-layer `layer_types` (which mask each layer takes, read by the layer's position in the list) follow."""
         modules, roles = self._base._modules, self._roles
         saved = modules[roles.layers], modules[roles.final_norm]
         modules[roles.layers] = self.layers
         if not self.is_last:
             modules[roles.final_norm] = nn.Identity()
+        config = getattr(self._base, "config", None)
+        layer_types = getattr(config, "layer_types", None)
+        per_layer = isinstance(layer_types, (list, tuple)) and len(layer_types) == len(saved[0])
+        if per_layer:
+            config.layer_types = [layer_types[i] for i in self.layer_indices]
         try:
             yield
         finally:
             modules[roles.layers], modules[roles.final_norm] = saved
+            if per_layer:
+                config.layer_types = layer_types
 
     def forward(self, x: torch.Tensor, attention_mask: torch.Tensor):
         inputs = {"input_ids": x} if self.is_first else {"inputs_embeds": x}
