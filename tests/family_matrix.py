@@ -6,8 +6,8 @@ Shared by `tests/test_family_matrix.py` (a handful in `make test`), `tests/famil
 matrix, `make test-families`) and `scripts/supported_models.py` (the README's table, from a run's results).
 
 Every replica of the data-parallel dim gets the same batch (left padding, -100 labels), so the replicas' average is
-the one-process gradient exactly. The tolerance is the contract's 1e-5, widened to a family's fp32 noise floor where
-that is higher: the same one-process run from weights perturbed by a relative 1e-7.
+the one-process gradient exactly. The tolerance is the contract's 1e-5, widened to twice a family's fp32 noise floor
+where that is higher: the same one-process run from weights perturbed by a relative 1e-7.
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ from transformers import AutoConfig, AutoModelForCausalLM
 WORLD_SIZE = 4
 TOL = 1e-5
 STEPS = 3
+LR = 1e-3  # a fine-tuning rate: 1e-2 turns fp32 noise in near-zero gradients into visible loss differences
 SEQ = 16
 
 BASE = dict(
@@ -240,9 +241,9 @@ def noise_floor(model_type: str) -> dict[str, float]:
 
 def _compare(reference, model, optimizer, batch, pipeline: bool) -> dict[str, float]:
     """Loss and every gradient now, then the loss over STEPS AdamW steps, against `reference` on the same batch."""
-    ref_optimizer = torch.optim.AdamW(reference.parameters(), lr=1e-2, weight_decay=0.1)
+    ref_optimizer = torch.optim.AdamW(reference.parameters(), lr=LR, weight_decay=0.1)
     if optimizer is None:
-        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.1)
     ref_loss = reference(**batch).loss
     ref_loss.backward()
     loss = _step(model, optimizer, batch, pipeline)
@@ -288,7 +289,7 @@ def check_layout(model_type: str, layout: str) -> dict:
     reference = build(config)
     model = copy.deepcopy(reference)
     before = dict(model.named_parameters())
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.1)
     held = None
     try:
         if mesh.size("tp") > 1 or mesh.size("pp") > 1 or mesh.size("cp") > 1:
@@ -314,7 +315,9 @@ def check_layout(model_type: str, layout: str) -> dict:
 
 
 def tolerance(floor: dict[str, float]) -> float:
-    return max(TOL, floor["loss"], floor["grad"], floor["steps"])
+    """The contract's 1e-5, or twice the family's noise floor where that is higher (one perturbation draws one
+    sample of the floor; Gemma 4's k/v norms over small random keys put it near 1e-3)."""
+    return max(TOL, 2 * max(floor["loss"], floor["grad"], floor["steps"]))
 
 
 def verdict(results: list[dict], floor: dict[str, float]) -> tuple[str, str]:

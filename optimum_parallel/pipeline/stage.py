@@ -26,6 +26,17 @@ class _Placeholder(nn.Identity):
         raise RuntimeError("this decoder layer lives on another pipeline stage")
 
 
+class _PassThrough(nn.Module):
+    """Stands in, during a stage's forward, for a decoder layer another stage runs: the hidden states go on as they
+    came (a transformers 5 decoder layer returns its hidden states)."""
+
+    def forward(self, *args, **kwargs):
+        return args[0] if args else kwargs["hidden_states"]
+
+
+_PASS_THROUGH = _PassThrough()
+
+
 class DecoderStage(nn.Module):
     """One pipeline stage of a decoder-only HF model. Its parameters are exactly the stage's ones.
 
@@ -51,8 +62,12 @@ class DecoderStage(nn.Module):
         base = roles.base
         object.__setattr__(self, "_base", base)
         object.__setattr__(self, "_roles", roles)
-        self.layers = nn.ModuleList(getattr(base, roles.layers)[i] for i in layers)
-        self.layer_indices = list(layers)
+        every_layer = getattr(base, roles.layers)
+        self.layers = nn.ModuleList(every_layer[i] for i in layers)
+        # what the base model iterates: every position, the other stages' layers passing the hidden states through,
+        # so a forward that reads per-layer data by position (config.layer_types[i], per-layer inputs) reads its own
+        view = nn.ModuleList(every_layer[i] if i in layers else _PASS_THROUGH for i in range(len(every_layer)))
+        object.__setattr__(self, "_layer_view", view)  # not registered: the stage's parameters are `layers`
         self.embed_tokens = getattr(base, roles.embedding) if is_first else None
         self.norm = getattr(base, roles.final_norm) if is_last else None
         self.lm_head = getattr(model, roles.head) if is_last else None
@@ -63,24 +78,17 @@ class DecoderStage(nn.Module):
 
     @contextmanager
     def _stage_view(self):
-        """The base model sees only this stage's layers (and no final norm unless it is the last stage); a config's
-        per-layer `layer_types` (which mask each layer takes, read by the layer's position in the list) follow."""
+        """The base model runs only this stage's layers, each at its own position (the others pass the hidden states
+        through), and no final norm unless it is the last stage."""
         modules, roles = self._base._modules, self._roles
         saved = modules[roles.layers], modules[roles.final_norm]
-        modules[roles.layers] = self.layers
+        modules[roles.layers] = self._layer_view
         if not self.is_last:
             modules[roles.final_norm] = nn.Identity()
-        config = getattr(self._base, "config", None)
-        layer_types = getattr(config, "layer_types", None)
-        per_layer = isinstance(layer_types, (list, tuple)) and len(layer_types) == len(saved[0])
-        if per_layer:
-            config.layer_types = [layer_types[i] for i in self.layer_indices]
         try:
             yield
         finally:
             modules[roles.layers], modules[roles.final_norm] = saved
-            if per_layer:
-                config.layer_types = layer_types
 
     def forward(self, x: torch.Tensor, attention_mask: torch.Tensor):
         inputs = {"input_ids": x} if self.is_first else {"inputs_embeds": x}
