@@ -193,7 +193,7 @@ class AutoPlanParallelizer(Parallelizer):
                 causal = getattr(model, "loss_type", None) in CAUSAL_LOSS_TYPES
                 head.append(ColWiseParallel(gather_output=not causal))
         if sequence_parallel_enabled:
-            plan.update(sequence_parallel_plan(model))
+            plan.update(sequence_parallel_plan(model, plan))
             head.append(SequenceParallelEnd())
         if head:
             plan["lm_head"] = optional(head)  # absent on the bare base model

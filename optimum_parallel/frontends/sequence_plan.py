@@ -16,7 +16,7 @@ import re
 from torch import nn
 
 from ..engine.structure import decoder_stack, derive_capabilities, sequence_parallel_blocks
-from ..styles import SequenceParallelBegin, SequenceParallelDisable, SequenceParallelEnable
+from ..styles import RowWiseParallel, SequenceParallelBegin, SequenceParallelDisable, SequenceParallelEnable, optional
 
 _STYLES = {
     "slice": SequenceParallelEnable,
@@ -25,9 +25,26 @@ _STYLES = {
 }
 
 
-def sequence_parallel_plan(model: nn.Module) -> dict:
-    """The plan entries of sequence parallelism for `model`'s decoder stack (full names as regexes); layers whose
-    children differ (dense first layers beside MoE ones, attention beside Mamba layers) get keys of their own."""
+def _row_exits(plan: dict) -> list[str]:
+    """The regexes of `plan` that put a row-parallel layer somewhere: where a tp region leaves, reduce-scattering
+    the sequence under sequence parallelism."""
+    found = []
+    for regex, value in plan.items():
+        styles = value.styles if isinstance(value, optional) else value
+        if any(isinstance(style, RowWiseParallel) for style in (styles if isinstance(styles, list) else [styles])):
+            found.append(regex)
+    return found
+
+
+def _leaves_through_row_layer(block: nn.Module, name: str, exits: list[str]) -> bool:
+    return any(re.fullmatch(regex, f"{name}.{sub}") for sub, _ in block.named_modules() if sub for regex in exits)
+
+
+def sequence_parallel_plan(model: nn.Module, plan: dict) -> dict:
+    """The plan entries of sequence parallelism for `model`'s decoder stack (full names as regexes), given its tp
+    `plan`; layers whose children differ (dense first layers beside MoE ones, attention beside Mamba layers) get
+    keys of their own. A block whose tp region never leaves through a row-parallel layer (Qwen 3.5's delta nets,
+    whose projections all gather their outputs) is replicated work on the whole sequence: gathered in, split out."""
     stack = decoder_stack(model)
     why = derive_capabilities(model).reason("sequence")
     if stack is None or why is not None:
@@ -38,8 +55,12 @@ def sequence_parallel_plan(model: nn.Module) -> dict:
     layers = re.escape(stack.prefix)
     plan: dict = {layers + r"\.0": SequenceParallelBegin(on="input")}
     groups: dict[tuple[str, str], list[int]] = {}  # (child, how it runs) -> the layers that have it
+    exits = _row_exits(plan)
     for index, layer in enumerate(stack.layers):
         for name, how in sequence_parallel_blocks(layer):
+            block = getattr(layer, name)
+            if how == "whole" and not _leaves_through_row_layer(block, f"{stack.prefix}.{index}.{name}", exits):
+                how = "replicate"
             groups.setdefault((name, how), []).append(index)
     for (name, how), indices in groups.items():
         which = r"\d+" if len(indices) == len(stack.layers) else "(" + "|".join(map(str, indices)) + ")"

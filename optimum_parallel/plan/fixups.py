@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from fractions import Fraction
+
 from torch import nn
 
 from ..tensor_parallel.layers import ColumnParallelLinear
@@ -28,33 +30,44 @@ def retie_shared_parameters(model: nn.Module, original: dict[str, nn.Parameter])
             setattr(module, leaf, shared)
 
 
+_LOCALIZED = "_optimum_parallel_heads_localized"
+
+
 def localize_attention_heads(model: nn.Module) -> None:
     """HF attention modules reshape with their own head counts (`num_heads`, `num_key_value_groups`, ...);
-    after q/k/v were split in whole heads those must be the rank's local counts. Covers the common HF
-    naming (q_proj/k_proj, query/key, q/k); families with other layouts fix theirs in `after_plan`."""
+    after q/k/v were split in whole heads those must be the rank's local counts: each count scaled by the share of
+    its projection this rank holds (a gated query projection, twice as wide as its heads -- Qwen 3.5 -- scales as
+    any other). Covers the common HF naming (q_proj/k_proj, query/key, q/k); families with other layouts fix theirs
+    in `after_plan`."""
     for module in model.modules():
         head_dim = getattr(module, "head_dim", None)
         if not isinstance(head_dim, int) or head_dim <= 0:
             continue
         columns = {name: unwrap(child) for name, child in module.named_children()}
-        local = {
-            name: divmod(child.weight.shape[0], head_dim)
+        share = {
+            name: Fraction(child.weight.shape[0], child.out_features)
             for name, child in columns.items()
-            if isinstance(child, ColumnParallelLinear) and not child.gather_output
+            if isinstance(child, ColumnParallelLinear)
+            and not child.gather_output
+            and child.weight.shape[0] % head_dim == 0
         }
-        whole = {name: heads for name, (heads, rest) in local.items() if rest == 0 and heads > 0}
-        q = next((whole[n] for n in ("q_proj", "query", "q") if n in whole), None)
-        kv = next((whole[n] for n in ("k_proj", "key", "k") if n in whole), None)
-        if q is None:
+        q = next((share[n] for n in ("q_proj", "query", "q") if n in share), None)
+        kv = next((share[n] for n in ("k_proj", "key", "k") if n in share), None)
+        if q is None or getattr(module, _LOCALIZED, False):  # scaled once, whatever applies a plan again
             continue
+        object.__setattr__(module, _LOCALIZED, True)
         for attr in ("num_heads", "num_attention_heads"):
-            if isinstance(getattr(module, attr, None), int):
-                setattr(module, attr, q)
+            _scale(module, attr, q)
         if kv:
-            if isinstance(getattr(module, "num_key_value_heads", None), int):
-                module.num_key_value_heads = kv
-            if hasattr(module, "num_key_value_groups"):
-                module.num_key_value_groups = q // kv
+            _scale(module, "num_key_value_heads", kv)
+            _scale(module, "num_key_value_groups", q / kv)
+
+
+def _scale(module: nn.Module, attr: str, share: Fraction) -> None:
+    """`module.attr` (a head count) times this rank's `share`, when the module has it and the result is whole."""
+    value = getattr(module, attr, None)
+    if isinstance(value, int) and not isinstance(value, bool) and (value * share).denominator == 1:
+        setattr(module, attr, int(value * share))
 
 
 def install_vocab_parallel_loss(model: nn.Module) -> None:
