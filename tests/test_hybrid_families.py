@@ -1,0 +1,159 @@
+"""Hybrid and unusual families through the automatic plan at tp=2 (2 gloo ranks): their Mamba / gated-delta-net /
+short-convolution mixers and the plain attention and MLPs their tp plan leaves whole are split by heads
+(`frontends/mixer_plan.py`), and logits, loss, every gradient and the loss over 3 AdamW steps equal the single-device
+transformers model (its torch fallbacks: no mamba-ssm / causal-conv1d / fla kernels are installed here). Each family
+also reports the share of the single-device parameter elements one rank holds (`held_fraction`; goal <= 0.75).
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.distributed as dist
+from test_families import TOKENS, assert_matches, compare_with_reference, load_model, make_inputs, save_tiny_model
+from transformers import AutoConfig
+from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+WORLD_SIZE = 2
+HELD_GOAL = 0.75
+ATTENTION = dict(num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=64)
+
+# Tiny configs (hidden 64, vocab 128): every layer kind of the family appears (a mixer layer and an attention layer,
+# dense and expert MLPs), with heads that split over 2 ranks. The family matrix imports this.
+TINY_CONFIGS: dict[str, dict] = {
+    "qwen3_5_text": dict(
+        ATTENTION,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        layer_types=["linear_attention", "full_attention"],
+        linear_num_key_heads=2,
+        linear_num_value_heads=4,
+        linear_key_head_dim=16,
+        linear_value_head_dim=16,
+        linear_conv_kernel_dim=4,
+    ),
+    "qwen3_5_moe_text": dict(
+        ATTENTION,
+        hidden_size=64,
+        num_hidden_layers=2,
+        layer_types=["linear_attention", "full_attention"],
+        linear_num_key_heads=2,
+        linear_num_value_heads=4,
+        linear_key_head_dim=16,
+        linear_value_head_dim=16,
+        linear_conv_kernel_dim=4,
+        num_experts=4,
+        num_experts_per_tok=2,
+        moe_intermediate_size=32,
+        shared_expert_intermediate_size=48,
+    ),
+    "falcon_h1": dict(  # every layer has attention and a Mamba2 mixer side by side; gated norm over 2 groups
+        ATTENTION,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        mamba_d_ssm=64,
+        mamba_n_heads=4,
+        mamba_d_head=16,
+        mamba_n_groups=2,
+        mamba_d_state=8,
+        mamba_d_conv=4,
+        mamba_chunk_size=8,
+        mamba_rms_norm=True,
+    ),
+    "lfm2": dict(
+        ATTENTION,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        layer_types=["conv", "full_attention"],
+        conv_L_cache=3,
+        block_auto_adjust_ff_dim=False,
+    ),
+    "kimi_linear": dict(
+        hidden_size=64,
+        intermediate_size=96,
+        moe_intermediate_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        kv_lora_rank=16,
+        qk_rope_head_dim=8,
+        qk_nope_head_dim=16,
+        v_head_dim=16,
+        layer_types=["linear_attention", "full_attention"],
+        mlp_layer_types=["dense", "sparse"],
+        linear_head_dim=16,
+        linear_num_heads=4,
+        linear_conv_kernel_dim=4,
+        num_local_experts=4,
+        num_experts_per_tok=2,
+        max_position_embeddings=64,
+    ),
+    "jamba": dict(  # layer 0: Mamba1 mixer + dense MLP, layer 1: attention + experts
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        attn_layer_period=2,
+        attn_layer_offset=1,
+        expert_layer_period=2,
+        expert_layer_offset=1,
+        num_experts=4,
+        num_experts_per_tok=2,
+        mamba_d_state=8,
+        mamba_dt_rank=4,
+        max_position_embeddings=64,
+    ),
+    "hunyuan_v1_dense": dict(
+        ATTENTION,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+    ),
+}
+CASES = [t for t in TINY_CONFIGS if t in CONFIG_MAPPING]
+
+
+def tiny_config(model_type: str, **overrides):
+    return AutoConfig.for_model(model_type, **{**TOKENS, **TINY_CONFIGS[model_type], **overrides})
+
+
+def held_fraction(model: torch.nn.Module, reference: torch.nn.Module) -> float:
+    """This rank's parameter elements / the single-device model's (0.5 at tp=2: every weight split)."""
+    return sum(p.numel() for p in model.parameters()) / sum(p.numel() for p in reference.parameters())
+
+
+def check_hybrid(model_dir: str, batch: dict, tp: int) -> dict:
+    import optimum_parallel as op
+
+    op.init_mesh(dp=dist.get_world_size() // tp, tp=tp)
+    reference = load_model(model_dir, "causal")
+    parallel = copy.deepcopy(reference)
+    optimizer = torch.optim.AdamW(parallel.parameters(), lr=1e-2, weight_decay=0.1)
+    parallelizer = op.ParallelizersManager.parallelizer_for_model(parallel)
+    parallel = parallelizer.parallelize(parallel)
+    optimizer = parallelizer.optimizer_for_mp(optimizer, parallel.orig_param_to_parallel_param)
+    held = held_fraction(parallel, reference)
+    errors = compare_with_reference(reference, parallel, optimizer, batch)
+    errors["held"] = held
+    errors["parallelizer"] = parallelizer.__name__
+    return errors
+
+
+@pytest.mark.parametrize("model_type", CASES)
+def test_hybrid_family_is_split_and_matches_single_device(pool, tmp_path, model_type):
+    config = tiny_config(model_type)
+    model_dir = save_tiny_model(tmp_path / model_type, config, "causal")
+    results = pool.run(check_hybrid, model_dir, make_inputs(config, "causal"), 2)
+    print(
+        f"\n{model_type}: held {results[0]['held']:.3f}, logits {results[0]['logits']:.1e}, loss {results[0]['loss']:.1e}, "
+        f"grad {results[0]['worst_grad']:.1e} ({results[0]['worst_grad_name']}), steps {results[0]['steps']:.1e}"
+    )
+    assert_matches(results)
+    assert all(r["held"] <= HELD_GOAL for r in results), [r["held"] for r in results]
