@@ -47,6 +47,7 @@ def localize_attention_heads(model: nn.Module) -> None:
         kv = next((whole[n] for n in ("k_proj", "key", "k") if n in whole), None)
         if q is None:
             continue
+        q = _gated_query_heads(module, columns, whole, head_dim) or q
         for attr in ("num_heads", "num_attention_heads"):
             if isinstance(getattr(module, attr, None), int):
                 setattr(module, attr, q)
@@ -55,6 +56,21 @@ def localize_attention_heads(model: nn.Module) -> None:
                 module.num_key_value_heads = kv
             if hasattr(module, "num_key_value_groups"):
                 module.num_key_value_groups = q // kv
+
+
+def _gated_query_heads(module: nn.Module, columns: dict, whole: dict, head_dim: int) -> int | None:
+    """Local query heads when the query projection packs more than `head_dim` features per head (Qwen3.5's q|gate):
+    the global heads are `num_key_value_groups` x the key heads, and this rank holds its share of them."""
+    groups = getattr(module, "num_key_value_groups", None)
+    name = next((n for n in ("q_proj", "query", "q") if n in whole), None)
+    key = next((columns[n] for n in ("k_proj", "key", "k") if n in whole), None)
+    if not isinstance(groups, int) or groups <= 0 or name is None or key is None:
+        return None
+    query = columns[name]
+    heads = groups * (key.out_features // head_dim)
+    if heads * head_dim == query.out_features or query.out_features % heads:
+        return None
+    return heads * query.weight.shape[0] // query.out_features
 
 
 def install_vocab_parallel_loss(model: nn.Module) -> None:
