@@ -42,7 +42,7 @@ from ..styles import (
     optional,
 )
 from ..styles.conv import DepthwiseConvParallel
-from ..styles.mixer import AllReduceOutputGradient, LocalAttributes, SplitBuffer
+from ..styles.mixer import AllReduceOutputGradient, EnteredColWiseParallel, LocalAttributes, SplitBuffer
 
 Entries = dict[str, list[ParallelStyle]]  # child name (relative, "" for the module itself) -> styles
 Recogniser = Callable[[nn.Module, int | None], "tuple[Entries | None, str] | None"]
@@ -247,18 +247,26 @@ def _attention(module: nn.Module, tp: int | None):
 
 def _latent_attention(module: nn.Module, tp: int | None):
     """Multi-head latent attention: q_proj or q_b_proj and kv_b_proj over whole heads, o_proj; the low-rank
-    down-projections and their norms stay replicated."""
+    down-projections and their norms stay replicated (the kv latent's norm with its gradient summed over tp)."""
     heads = _int(module, "num_heads")
     query = "q_proj" if _linear(module, "q_proj") is not None else "q_b_proj"
     q, kv_b, o = _linear(module, query), _linear(module, "kv_b_proj"), _linear(module, "o_proj")
     if None in (heads, q, kv_b, o) or q.out_features % heads or kv_b.out_features % heads:
         return None
+    kv_a = _linear(module, "kv_a_proj_with_mqa")
+    if kv_a is None:
+        return None
     entries: Entries = {
         query: [ColWiseParallel(units=heads)],
-        "kv_b_proj": [ColWiseParallel(units=heads)],
+        # the latent and the shared rotary key come out of one replicated projection: its output gradient is summed
+        # over tp there, once for both paths, so kv_b_proj (which reads the latent) takes no entry of its own
+        "kv_a_proj_with_mqa": [AllReduceOutputGradient()],
+        "kv_b_proj": [EnteredColWiseParallel(units=heads)],
         "o_proj": [RowWiseParallel(units=heads)],
         "": [LocalAttributes({"num_heads": [(heads, 1)]})],
     }
+    if _has_weight(getattr(module, "kv_a_layernorm", None)):
+        entries["kv_a_layernorm"] = [ReplicatedWithGradAllReduce()]
     return entries, ""
 
 

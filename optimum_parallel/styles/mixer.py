@@ -5,12 +5,14 @@ forward reads from its own attributes, buffers packed like a split projection, a
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from dataclasses import replace
 
 from torch import nn
 
 from ..comm.regions import copy_to_tensor_parallel_region
 from ..tensor_parallel.spec import ShardSpec
 from .base import ParallelStyle
+from .linear import ColWiseParallel
 
 Count = tuple[int, int]  # (heads or groups, size of one): a global size as held in whole units
 
@@ -88,3 +90,14 @@ class AllReduceOutputGradient(ParallelStyle):
 
         module.register_forward_hook(hook)
         return module
+
+
+class EnteredColWiseParallel(ColWiseParallel):
+    """A column split whose input has already entered the tp region (no entry of its own: its input gradient stays
+    this rank's partial sum). For latent attention's `kv_b_proj`: the whole latent it reads is made by a replicated
+    projection that also feeds the shared rotary key, so the gradient is summed once, at that projection's output
+    (`AllReduceOutputGradient`), for both paths."""
+
+    def apply(self, module, name, ctx):
+        ctx.modes[name] = replace(ctx.mode(name), entry=None)
+        return super().apply(module, name, ctx)
