@@ -185,7 +185,8 @@ class AutoPlanParallelizer(Parallelizer):
     def plan(cls, model, mesh, parallelize_embeddings, sequence_parallel_enabled):
         prefix = cls.base_model_prefix(model)
         plan = translate_tp_plan(model, tp_plan_of(model), prefix.replace(".", r"\."))
-        plan = merge_mixer_plan(plan, model, mesh.tp_size)  # mixers and blocks the tp plan leaves whole
+        if not sequence_parallel_enabled:  # mixers and blocks the tp plan leaves whole, split from their structure
+            plan = merge_mixer_plan(plan, model, mesh.tp_size)
         base = model.get_submodule(prefix[:-1]) if prefix else model
         head = []
         if parallelize_embeddings:

@@ -11,14 +11,16 @@ the styles of its children, split by heads (the module classes are never listed 
 - Mamba1 mixers (`in_proj` [x, z], `conv1d`, `x_proj` -> dt|B|C, `dt_proj`, `A_log` [channels, state]): split by
   channels; `x_proj` reduces over channels, so it is row-parallel and its whole dt|B|C output has its gradient summed
   over tp (each rank's channels use it); the dt/B/C norms stay replicated with summed gradients;
-- gated delta nets (`in_proj_qkv`, `in_proj_z`, `in_proj_b`, `in_proj_a`, `conv1d`, `A_log`, `dt_bias`, `norm`,
-  `out_proj`): split by key / value heads, the per-head-dim gated norm replicated;
+- gated delta nets (`in_proj_qkv`, `in_proj_z`, `in_proj_b`, `in_proj_a`, or `in_proj_qkvz` / `in_proj_ba` interleaved
+  per key head; `conv1d`, `A_log`, `dt_bias`, `norm`, `out_proj`): split by key / value heads, the per-head-dim gated
+  norm replicated with summed gradients;
 - Kimi's delta attention (`q/k/v_proj`, `conv1d`, `forget_gate`, `b_proj`, `g_a_proj` -> `g_b_proj`, `o_norm`,
   `o_proj`): split by heads; the low-rank `g_a_proj` / `forget_gate.f_a_proj` stay replicated;
 - short convolutions (`in_proj` packing [B, C, x], a depthwise `conv`, `out_proj`): split by channels;
 - attention (`head_dim`, `q_proj`/`k_proj`/`v_proj` and `o_proj`/`out_proj`/`dense`) and latent attention
   (`kv_b_proj`): Megatron's whole heads, kv heads replicated when fewer than ranks, per-head norms replicated with
-  summed gradients; MLPs (`gate_proj`/`up_proj`/`down_proj`, `w1`/`w3`/`w2`): column then row.
+  summed gradients; MLPs (`gate_proj`/`up_proj`/`down_proj`, `w1`/`w3`/`w2`, packed `input_linear`/`output_linear`):
+  column then row.
 
 `mixer_plan` gives regex -> style entries; `merge_mixer_plan` adds them to a translated tp plan (a mixer's entries
 replace the tp plan's for its children; attention and MLPs are only added where the tp plan names none of their
@@ -77,6 +79,15 @@ def _divides(units: int, tp: int | None) -> bool:
     return tp is None or units % tp == 0
 
 
+def _norm_groups(norm: nn.Module, width: int) -> int:
+    """The groups a gated norm over `width` features normalizes separately (`n_groups`, or `group_size` wide; 1: the
+    whole width at once)."""
+    groups, size = _int(norm, "n_groups"), _int(norm, "group_size")
+    if groups:
+        return groups
+    return width // size if size and width % size == 0 else 1
+
+
 def _mamba2(module: nn.Module, tp: int | None):
     """Mamba2-style mixer: in_proj [z | x | B | C | dt], conv1d over [x | B | C], per-head A_log / D / dt_bias."""
     in_proj, out_proj, conv = _linear(module, "in_proj"), _linear(module, "out_proj"), _depthwise(module, "conv1d")
@@ -90,8 +101,9 @@ def _mamba2(module: nn.Module, tp: int | None):
         return None
     norm = getattr(module, "norm", None)
     gated_norm = _has_weight(norm)
-    if gated_norm and tp is not None and groups % tp:
-        reason = f"its gated norm normalizes over n_groups={groups} groups of heads, which tp={tp} does not divide"
+    norm_groups = _norm_groups(norm, inner) if gated_norm else None
+    if norm_groups is not None and tp is not None and norm_groups % tp:
+        reason = f"its gated norm normalizes over {norm_groups} group(s) of heads, which tp={tp} does not divide"
         return None, reason
     parts, units = [inner, inner, bc, bc, heads], [heads, heads, groups, groups, heads]
     entries: Entries = {
@@ -113,10 +125,10 @@ def _mamba2(module: nn.Module, tp: int | None):
     for extra in ("groups_time_state_size",):
         if _int(module, extra) == bc:
             attrs[extra] = [(groups, state)]
-    if gated_norm:
-        entries["norm"] = [SplitParameter("weight", 0, groups)]
-        if _int(norm, "n_groups") is not None:
-            entries["norm"].append(LocalAttributes({"n_groups": [(groups, 1)]}))
+    if norm_groups is not None:
+        entries["norm"] = [SplitParameter("weight", 0, norm_groups)]
+        if _int(norm, "n_groups") is not None:  # (a `group_size` norm finds its local groups from its input)
+            entries["norm"].append(LocalAttributes({"n_groups": [(norm_groups, 1)]}))
     entries[""] = [*own, LocalAttributes(attrs)]
     return entries, ""
 
@@ -145,23 +157,28 @@ def _mamba1(module: nn.Module, tp: int | None):
 
 
 def _gated_delta_net(module: nn.Module, tp: int | None):
-    """Gated delta net with separate projections: in_proj_qkv [q | k | v], in_proj_z, in_proj_b, in_proj_a."""
-    names = ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a", "out_proj")
-    qkv, z, b, a, out = (_linear(module, n) for n in names)
-    conv = _depthwise(module, "conv1d")
+    """Gated delta net: in_proj_qkv [q | k | v] with in_proj_z / in_proj_b / in_proj_a (Qwen3.5), or in_proj_qkvz and
+    in_proj_ba interleaved per key head ([q_h | k_h | v_h.. | z_h..], Qwen3-Next: split in whole key heads)."""
+    conv, out = _depthwise(module, "conv1d"), _linear(module, "out_proj")
     k_heads, v_heads = _int(module, "num_k_heads"), _int(module, "num_v_heads")
     k_dim, v_dim = _int(module, "head_k_dim"), _int(module, "head_v_dim")
-    if None in (qkv, z, b, a, out, conv, k_heads, v_heads, k_dim, v_dim):
+    if None in (conv, out, k_heads, v_heads, k_dim, v_dim):
         return None
     key, value = k_heads * k_dim, v_heads * v_dim
-    entries: Entries = {
-        "in_proj_qkv": [PackedColWiseParallel([key, key, value], [k_heads, k_heads, v_heads])],
-        "in_proj_z": [ColWiseParallel(units=v_heads)],
-        "in_proj_b": [ColWiseParallel(units=v_heads)],
-        "in_proj_a": [ColWiseParallel(units=v_heads)],
-        "conv1d": [DepthwiseConvParallel([key, key, value], [k_heads, k_heads, v_heads])],
-        "out_proj": [RowWiseParallel(units=v_heads)],
-    }
+    separate = ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a")
+    if all(_linear(module, n) is not None for n in separate):
+        entries: Entries = {
+            "in_proj_qkv": [PackedColWiseParallel([key, key, value], [k_heads, k_heads, v_heads])],
+            "in_proj_z": [ColWiseParallel(units=v_heads)],
+            "in_proj_b": [ColWiseParallel(units=v_heads)],
+            "in_proj_a": [ColWiseParallel(units=v_heads)],
+        }
+    elif _linear(module, "in_proj_qkvz") is not None and _linear(module, "in_proj_ba") is not None:
+        entries = {"in_proj_qkvz": [ColWiseParallel(units=k_heads)], "in_proj_ba": [ColWiseParallel(units=k_heads)]}
+    else:
+        return None
+    entries["conv1d"] = [DepthwiseConvParallel([key, key, value], [k_heads, k_heads, v_heads])]
+    entries["out_proj"] = [RowWiseParallel(units=v_heads)]
     if _has_weight(getattr(module, "norm", None)):
         entries["norm"] = [ReplicatedWithGradAllReduce()]  # over one head's features: sees only this rank's heads
     attrs = {
@@ -271,13 +288,18 @@ def _latent_attention(module: nn.Module, tp: int | None):
 
 
 MLP_NAMES = (("gate_proj", "up_proj", "down_proj"), ("w1", "w3", "w2"))
+PACKED_MLP_NAMES = (("input_linear", "output_linear"),)  # gate|up packed in one projection
 
 
 def _mlp(module: nn.Module, tp: int | None):
-    """A gated MLP: two column-parallel input projections, one row-parallel output projection."""
+    """A gated MLP: two column-parallel input projections (or one packing gate|up), one row-parallel output."""
     for gate, up, down in MLP_NAMES:
         if all(_linear(module, n) is not None for n in (gate, up, down)):
             return {gate: [ColWiseParallel()], up: [ColWiseParallel()], down: [RowWiseParallel()]}, ""
+    for packed, down in PACKED_MLP_NAMES:
+        first, last = _linear(module, packed), _linear(module, down)
+        if first is not None and last is not None and first.out_features == 2 * last.in_features:
+            return {packed: [PackedColWiseParallel(2)], down: [RowWiseParallel()]}, ""
     return None
 
 
@@ -384,6 +406,7 @@ def check_mixers(model: nn.Module, tp: int) -> None:
             if count is None:
                 continue
             replicable = attr in ("num_k_heads", "n_groups") and count < tp and tp % count == 0
+            replicable = replicable and not (attr == "num_k_heads" and hasattr(module, "in_proj_qkvz"))
             if count % tp and not replicable:
                 allowed = [d for d in range(1, count + 1) if count % d == 0]
                 raise ValueError(
