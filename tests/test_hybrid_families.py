@@ -162,6 +162,26 @@ TINY_CONFIGS: dict[str, dict] = {
         moe_intermediate_size=32,
         shared_expert_intermediate_size=48,
     ),
+    "deepseek_v4": dict(  # heavily compressed attention, hash-routed experts, hyper-connections
+        hidden_size=64,
+        moe_intermediate_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        head_dim=16,
+        q_lora_rank=32,
+        n_routed_experts=4,
+        num_experts_per_tok=2,
+        o_groups=2,
+        o_lora_rank=16,
+        index_n_heads=2,
+        index_head_dim=16,
+        index_topk=8,
+        sliding_window=8,
+        max_position_embeddings=64,
+        num_nextn_predict_layers=0,
+        hc_mult=2,
+        hc_sinkhorn_iters=3,
+    ),
 }
 CASES = [(t, {}) for t in TINY_CONFIGS if t in CONFIG_MAPPING] + [
     # one B/C group over 2 ranks: replicated in in_proj and conv1d, its gradients summed over the replicas
