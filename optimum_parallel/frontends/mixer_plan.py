@@ -44,7 +44,13 @@ from ..styles import (
     optional,
 )
 from ..styles.conv import DepthwiseConvParallel
-from ..styles.mixer import AllReduceOutputGradient, EnteredColWiseParallel, LocalAttributes, SplitBuffer
+from ..styles.mixer import (
+    AllReduceOutputGradient,
+    EnteredColWiseParallel,
+    LocalAttributes,
+    LocalConfigAttributes,
+    SplitBuffer,
+)
 
 Entries = dict[str, list[ParallelStyle]]  # child name (relative, "" for the module itself) -> styles
 Recogniser = Callable[[nn.Module, int | None], "tuple[Entries | None, str] | None"]
@@ -287,6 +293,36 @@ def _latent_attention(module: nn.Module, tp: int | None):
     return entries, ""
 
 
+def _grouped_output_attention(module: nn.Module, tp: int | None):
+    """Attention with one shared kv head (`kv_proj`), a kv compressor, per-head `sinks` and a grouped low-rank output
+    (`o_a_proj` over `config.o_groups` groups of heads, then `o_b_proj`): q_b_proj, the sinks and the output groups
+    split by heads; the shared kv path and the compressor stay whole, their outputs' gradients summed over tp (every
+    rank's heads read them)."""
+    heads, head_dim = _int(module, "num_heads"), _int(module, "head_dim")
+    q_b, kv, o_a, o_b = (_linear(module, n) for n in ("q_b_proj", "kv_proj", "o_a_proj", "o_b_proj"))
+    sinks, config = _param(module, "sinks"), getattr(module, "config", None)
+    groups = _int(o_a, "n_groups") if o_a is not None else None
+    if None in (heads, head_dim, q_b, kv, o_a, o_b, sinks, groups) or getattr(config, "o_groups", None) != groups:
+        return None
+    if kv.out_features != head_dim or q_b.out_features != heads * head_dim or heads % groups:
+        return None
+    kv_out = "kv_norm" if _has_weight(getattr(module, "kv_norm", None)) else "kv_proj"
+    entries: Entries = {
+        "q_b_proj": [ColWiseParallel(units=heads)],
+        kv_out: [AllReduceOutputGradient()],
+        "o_a_proj": [SplitParameter("weight", 0, groups), LocalAttributes({"n_groups": [(groups, 1)]})],
+        "o_b_proj": [RowWiseParallel(units=groups)],
+        "": [
+            SplitParameter("sinks", 0, heads),
+            LocalAttributes({"num_heads": [(heads, 1)], "num_key_value_groups": [(heads, 1)]}),
+            LocalConfigAttributes({"o_groups": [(groups, 1)]}),
+        ],
+    }
+    if isinstance(getattr(module, "compressor", None), nn.Module):
+        entries["compressor"] = [AllReduceOutputGradient()]
+    return entries, ""
+
+
 MLP_NAMES = (("gate_proj", "up_proj", "down_proj"), ("w1", "w3", "w2"))
 PACKED_MLP_NAMES = (("input_linear", "output_linear"),)  # gate|up packed in one projection
 
@@ -305,7 +341,7 @@ def _mlp(module: nn.Module, tp: int | None):
 
 # Mixers first: their entries replace the tp plan's; the blocks after only fill what the tp plan leaves whole.
 MIXERS: tuple[Recogniser, ...] = (_mamba2, _mamba1, _gated_delta_net, _delta_attention, _short_conv)
-BLOCKS: tuple[Recogniser, ...] = (_latent_attention, _attention, _mlp)
+BLOCKS: tuple[Recogniser, ...] = (_grouped_output_attention, _latent_attention, _attention, _mlp)
 
 
 def _recognise(model: nn.Module, tp: int | None, recognisers) -> tuple[dict[str, Entries], dict[str, str]]:

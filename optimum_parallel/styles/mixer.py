@@ -7,6 +7,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import replace
 
+import torch
 from torch import nn
 
 from ..comm.regions import copy_to_tensor_parallel_region
@@ -85,8 +86,15 @@ class AllReduceOutputGradient(ParallelStyle):
     def apply(self, module, name, ctx):
         group = ctx.mesh.tp_group
 
+        def enter(value):
+            if isinstance(value, torch.Tensor) and value.requires_grad:
+                return copy_to_tensor_parallel_region(value, group)
+            return value
+
         def hook(_module, _args, output):
-            return copy_to_tensor_parallel_region(output, group)
+            if isinstance(output, tuple):  # (states, mask) and the like: the tensors that carry gradients
+                return tuple(enter(value) for value in output)
+            return enter(output)
 
         module.register_forward_hook(hook)
         return module
@@ -101,3 +109,46 @@ class EnteredColWiseParallel(ColWiseParallel):
     def apply(self, module, name, ctx):
         ctx.modes[name] = replace(ctx.mode(name), entry=None)
         return super().apply(module, name, ctx)
+
+
+class ConfigView:
+    """The module's shared config with a few attributes replaced for this rank (everything else read from and written
+    to the real config), for a forward that reshapes with `self.config.<count>`."""
+
+    def __init__(self, config, **overrides) -> None:
+        object.__setattr__(self, "_config", config)
+        object.__setattr__(self, "_overrides", overrides)
+
+    def __getattr__(self, name: str):
+        if name in ("_config", "_overrides") or name.startswith("__"):
+            raise AttributeError(name)
+        overrides = object.__getattribute__(self, "_overrides")
+        return overrides[name] if name in overrides else getattr(object.__getattribute__(self, "_config"), name)
+
+    def __setattr__(self, name: str, value) -> None:
+        if name in self._overrides:
+            self._overrides[name] = value
+        else:
+            setattr(self._config, name, value)
+
+
+class LocalConfigAttributes(ParallelStyle):
+    """Give the module a view of its `config` whose integer attributes `attrs` (as in `LocalAttributes`) are this
+    rank's sizes; the shared config keeps the global ones."""
+
+    def __init__(self, attrs: Mapping[str, Sequence[Count]]) -> None:
+        self.attrs = {name: tuple(tuple(c) for c in counts) for name, counts in attrs.items()}
+
+    def check(self, module, name, ctx):
+        super().check(module, name, ctx)
+        config = getattr(module, "config", None)
+        for attr, counts in self.attrs.items():
+            expected = sum(units * size for units, size in counts)
+            if getattr(config, attr, None) != expected:
+                raise ValueError(f"{name}.config.{attr} is not the {expected} its split parts {counts} make")
+
+    def apply(self, module, name, ctx):
+        tp = ctx.mesh.tp_size
+        local = {a: sum(local_units(u, tp) * size for u, size in counts) for a, counts in self.attrs.items()}
+        module.config = ConfigView(module.config, **local)
+        return module
