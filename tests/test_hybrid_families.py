@@ -379,3 +379,37 @@ def test_lazy_loading_reads_each_hybrids_slices(pool, tmp_path):
 # (q/k/v_conv1d concatenated into conv1d; ffn.experts.*.w1/w3 renamed and stacked), and lazy loading reads tensors
 # as stored (it raises, naming the conversion)
 CASES_LAZY = [t for t in ("falcon_h1", "jamba", "qwen3_5_text", "qwen3_next", "lfm2", "bamba") if t in CASES_ALL]
+
+
+def save_sharded(model_dir: str, ckpt: str) -> None:
+    import optimum_parallel as op
+
+    op.init_mesh(dp=dist.get_world_size() // 2, tp=2)
+    model = load_model(model_dir, "causal")
+    parallelizer = op.ParallelizersManager.parallelizer_for_model(model)
+    model = parallelizer.parallelize(model)
+    parallelizer.save_model_checkpoint(model, ckpt)
+
+
+CASES_CHECKPOINT = [t for t in ("falcon_h1", "jamba", "qwen3_5_text", "kimi_linear", "deepseek_v4") if t in CASES_ALL]
+
+
+@pytest.mark.parametrize("model_type", CASES_CHECKPOINT)
+def test_sharded_checkpoint_consolidates_to_the_model(pool, tmp_path, model_type):
+    """The mixers' split tensors (packed projections, convolution channels, per-head parameters) carry their layouts
+    into the sharded checkpoint: consolidating it gives back every tensor of the single-device model, bit for bit."""
+    from safetensors.torch import load_file
+
+    import optimum_parallel as op
+
+    config = tiny_config(model_type)
+    model_dir = save_tiny_model(tmp_path / model_type, config, "causal")
+    pool.run(save_sharded, model_dir, str(tmp_path / "ckpt"))
+    out = op.consolidate_checkpoint(tmp_path / "ckpt", tmp_path / "hf", progress=False)
+    tensors = {k: v for f in sorted(out.glob("*.safetensors")) for k, v in load_file(f).items()}
+    reference = load_model(model_dir, "causal")
+    expected = reference.state_dict()
+    missing = [n for n in expected if n not in tensors and n != "lm_head.weight"]
+    assert not missing, missing
+    for name, value in tensors.items():
+        assert torch.equal(value, expected[name]), f"{name} differs"
