@@ -8,6 +8,7 @@ also reports the share of the single-device parameter elements one rank holds (`
 from __future__ import annotations
 
 import copy
+import re
 
 import pytest
 import torch
@@ -413,3 +414,32 @@ def test_sharded_checkpoint_consolidates_to_the_model(pool, tmp_path, model_type
     assert not missing, missing
     for name, value in tensors.items():
         assert torch.equal(value, expected[name]), f"{name} differs"
+
+
+# What a rank keeps whole at tp=2 besides the embeddings and head: norms, routers and gates, the low-rank and shared
+# (single kv head) down-projections whose outputs every head reads, DeepSeek-V4's compressor and hyper-connections.
+WHOLE = re.compile(
+    r".*(norm|layernorm)\.weight|.*\.(router|gate|shared_expert_gate)\.\w+|.*\.(f_a_proj|g_a_proj|q_a_proj|kv_a_proj_with_mqa|kv_proj)\.weight"
+    r"|.*\.compressor\..*|.*_hc\.\w+"
+)
+
+
+@pytest.mark.parametrize("model_type", CASES_ALL)
+def test_every_mixer_is_planned_and_only_small_parts_stay_whole(model_type):
+    """Rank-free, on one process: the structure-derived plan names every mixer, and per layer only norms, routers,
+    gates and low-rank / shared projections stay whole (`replicated_by_layer`)."""
+    from transformers import AutoModelForCausalLM
+
+    from optimum_parallel.frontends.auto_plan import auto_parallelizer
+    from optimum_parallel.frontends.mixer_plan import mixer_plan, mixers_left_whole, replicated_by_layer
+    from optimum_parallel.mesh.simulated import SimulatedMesh
+
+    model = AutoModelForCausalLM.from_config(tiny_config(model_type))
+    assert mixer_plan(model, "model.", tp=2), "no mixer or block recognised"
+    assert not mixers_left_whole(model, 2)
+    plan = auto_parallelizer(model).plan(model, SimulatedMesh(2), True, False)
+    whole = replicated_by_layer(model, plan)
+    for layer, names in whole.items():
+        if layer:
+            left = [n for n in names if not WHOLE.fullmatch(f"{layer}.{n}")]
+            assert not left, f"{model_type} {layer}: {left} stay whole"
