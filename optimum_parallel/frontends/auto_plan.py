@@ -33,6 +33,7 @@ from ..styles import (
     optional,
 )
 from ..tensor_parallel.spec import check_attention_heads
+from .mixer_plan import check_mixers, merge_mixer_plan
 from .parallelizer import Parallelizer
 from .sequence_plan import sequence_parallel_plan
 
@@ -173,6 +174,7 @@ class AutoPlanParallelizer(Parallelizer):
     @classmethod
     def check(cls, model: nn.Module, mesh: ParallelMesh) -> None:
         _check_heads(model.config, mesh.tp_size)
+        check_mixers(model, mesh.tp_size)
         plan = tp_plan_of(model)
         if not plan:
             raise ValueError(f"{type(model).__name__}'s config carries no base_model_tp_plan to build a plan from")
@@ -184,6 +186,8 @@ class AutoPlanParallelizer(Parallelizer):
     def plan(cls, model, mesh, parallelize_embeddings, sequence_parallel_enabled):
         prefix = cls.base_model_prefix(model)
         plan = translate_tp_plan(model, tp_plan_of(model), prefix.replace(".", r"\."))
+        if not sequence_parallel_enabled:  # mixers and blocks the tp plan leaves whole, split from their structure
+            plan = merge_mixer_plan(plan, model, mesh.tp_size)
         base = model.get_submodule(prefix[:-1]) if prefix else model
         head = []
         if parallelize_embeddings:

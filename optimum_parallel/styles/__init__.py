@@ -1,6 +1,7 @@
 """Parallel styles: the values of a plan, each saying how one module is parallelized."""
 
 from .base import ParallelStyle, PlanContext, optional
+from .conv import DepthwiseConvParallel
 from .expert_parallel import ExpertParallel
 from .experts import TensorParallelExperts
 from .hooks import PrepareLayerInput, PrepareLayerOutput, ReplicatedWithGradAllReduce
@@ -17,6 +18,7 @@ from .sequence_parallel import (
 __all__ = [
     "ColWiseConv1D",
     "ColWiseParallel",
+    "DepthwiseConvParallel",
     "ExpertParallel",
     "LocalColWiseEmbedding",
     "PackedColWiseParallel",
