@@ -1,0 +1,299 @@
+"""Vision-language models (llava, gemma3, qwen2_5_vl, qwen3_vl, ...): a Parallelizer for a composite image-text
+model, derived from its structure.
+
+Such a model is a language model (`model.language_model`, what `get_decoder()` returns), a vision tower (`vision_tower`,
+`visual`, `vision_model`) and a projector (`multi_modal_projector`, `visual.merger`) feeding image features into the
+language model's input embeddings. Its config carries no `base_model_tp_plan` of its own; its text sub-config does.
+
+- The language model gets the plan its text model type gets alone (the registered family, else the automatic plan
+  from the text config's `base_model_tp_plan` when that splits the decoder layers, else the structural plan below),
+  re-rooted at the language model's prefix; the LM head (at the top) is vocab-parallel with the vocab-parallel loss.
+- Every attention block elsewhere (vision tower, pooling heads) is split by whole heads where tp divides its heads
+  (q/k/v or a packed qkv column-parallel, the output projection row-parallel, per-head norms replicated with their
+  gradients summed), every two-layer MLP (fc1/fc2, linear_fc1/linear_fc2, linear_1/linear_2, gate|up/down, a
+  Sequential Linear-act-Linear) column- then row-parallel where tp divides its hidden width. Everything else (patch
+  embeddings, position embeddings, norms on whole activations, Gemma 3's projection matrix) is replicated: each tp
+  rank computes it on the same whole activations, so its gradient is already whole (the region ops of the split
+  layers after it all-reduce their input gradients). `vision_report` says per module which.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import replace
+from functools import cache
+
+from torch import nn
+
+from ..engine.capabilities import Capabilities
+from ..mesh import ParallelMesh
+from ..styles import (
+    ColWiseParallel,
+    PackedColWiseParallel,
+    ReplicatedWithGradAllReduce,
+    RowWiseParallel,
+    SequenceParallelEnd,
+    optional,
+)
+from ..tensor_parallel import ColumnParallelLinear
+from ..tensor_parallel.spec import check_attention_heads
+from .auto_plan import auto_parallelizer, tp_plan_of
+from .parallelizer import Parallelizer
+
+VISION_NAMES = ("vision_tower", "visual", "vision_model")
+PROJECTOR_NAMES = ("multi_modal_projector", "mm_projector", "merger")
+QUERY_KEY_VALUE = ("q_proj", "k_proj", "v_proj")
+PACKED_QKV = ("qkv",)
+ATTENTION_OUT = ("o_proj", "out_proj", "proj")
+# (inputs, output) Linear children of a two-layer MLP, by name
+MLP_PAIRS = (
+    (("fc1",), "fc2"),
+    (("linear_fc1",), "linear_fc2"),
+    (("linear_1",), "linear_2"),
+    (("gate_proj", "up_proj"), "down_proj"),
+    (("0",), "2"),  # nn.Sequential(Linear, activation, Linear)
+)
+
+
+class MultimodalParts:
+    """Where the parts of a composite image-text model sit: the language model's prefix ('model.language_model.'),
+    the vision tower's and the projector's (None when absent)."""
+
+    def __init__(self, model: nn.Module) -> None:
+        decoder = model.get_decoder() if hasattr(model, "get_decoder") else None
+        names = {id(module): name for name, module in model.named_modules()}
+        if not isinstance(decoder, nn.Module) or id(decoder) not in names or decoder is model:
+            raise ValueError(f"{type(model).__name__} has no language model (get_decoder()) to parallelize")
+        self.language_model: nn.Module = decoder
+        self.language_prefix = names[id(decoder)] + "."
+        self.vision_prefix = self._find(model, VISION_NAMES)
+        self.projector_prefix = self._find(model, ("multi_modal_projector", "mm_projector"))
+
+    @staticmethod
+    def _find(model: nn.Module, attributes: tuple[str, ...]) -> str | None:
+        for name, module in model.named_modules():
+            if name.rpartition(".")[2] in attributes and isinstance(module, nn.Module):
+                return name + "."
+        return None
+
+    def outside_language_model(self, name: str) -> bool:
+        return not name.startswith(self.language_prefix) and name != self.language_prefix[:-1]
+
+
+def _linear(module: nn.Module | None) -> nn.Linear | None:
+    return module if isinstance(module, nn.Linear) else None
+
+
+def _heads(module: nn.Module) -> int | None:
+    """The query heads of an attention module (its `head_dim` and q/k/v or packed qkv Linear children)."""
+    head_dim = getattr(module, "head_dim", None)
+    if not isinstance(head_dim, int) or head_dim <= 0:
+        return None
+    query = _linear(getattr(module, "q_proj", None))
+    if query is not None and query.out_features % head_dim == 0:
+        return query.out_features // head_dim
+    packed = _linear(getattr(module, "qkv", None))
+    if packed is not None and packed.out_features % (3 * head_dim) == 0:
+        return packed.out_features // (3 * head_dim)
+    return None
+
+
+def attention_styles(name: str, module: nn.Module, tp: int) -> tuple[dict[str, object], str]:
+    """The plan of one attention module `name` (regex keys) and what happens to it, in words."""
+    heads, head_dim = _heads(module), getattr(module, "head_dim", 0)
+    if heads is None:
+        return {}, "replicated (no q/k/v or qkv projections with whole heads)"
+    out = next((child for child in ATTENTION_OUT if _linear(getattr(module, child, None)) is not None), None)
+    if heads % tp or out is None:
+        why = f"{heads} heads do not divide by tp={tp}" if heads % tp else "no output projection found"
+        return {}, f"replicated ({why})"
+    base = re.escape(name) + r"\."
+    plan: dict[str, object] = {base + re.escape(out): RowWiseParallel(units=heads)}
+    if _linear(getattr(module, "q_proj", None)) is not None:
+        for child in QUERY_KEY_VALUE:
+            linear = _linear(getattr(module, child, None))
+            if linear is not None:
+                plan[base + child] = ColWiseParallel(units=linear.out_features // head_dim)
+    else:
+        plan[base + "qkv"] = PackedColWiseParallel(3, units=heads)
+    for child_name, child in module.named_children():  # per-head norms act on this rank's heads only
+        weight = getattr(child, "weight", None)
+        if not isinstance(child, nn.Linear) and weight is not None and tuple(weight.shape) == (head_dim,):
+            plan[base + re.escape(child_name)] = ReplicatedWithGradAllReduce()
+    return plan, f"split: {heads} heads, {heads // tp} per rank"
+
+
+def mlp_styles(name: str, module: nn.Module, tp: int) -> tuple[dict[str, object], str] | None:
+    """The plan of a two-layer MLP `name` (its inputs column-, its output row-parallel), or None if it is not one."""
+    for inputs, output in MLP_PAIRS:
+        ins = [_linear(getattr(module, child, None)) for child in inputs]
+        out = _linear(getattr(module, output, None))
+        if out is None or any(linear is None for linear in ins):
+            continue
+        if any(linear.out_features != out.in_features for linear in ins):
+            continue
+        if isinstance(module, nn.Sequential) and len(module) != 3:
+            continue
+        width = out.in_features
+        if width % tp:
+            return {}, f"replicated (hidden width {width} does not divide by tp={tp})"
+        base = re.escape(name) + r"\."
+        plan: dict[str, object] = {base + re.escape(child): ColWiseParallel() for child in inputs}
+        plan[base + re.escape(output)] = RowWiseParallel()
+        return plan, f"split: hidden width {width}, {width // tp} per rank"
+    return None
+
+
+def vision_plan(model: nn.Module, parts: MultimodalParts, tp: int) -> tuple[dict[str, object], dict[str, str]]:
+    """The plan of everything outside the language model, and per attention block / MLP what happens to it."""
+    plan: dict[str, object] = {}
+    report: dict[str, str] = {}
+    for name, module in model.named_modules():
+        if not name or not parts.outside_language_model(name) or name.startswith(parts.language_prefix):
+            continue
+        if any(name.startswith(done + ".") for done in report):
+            continue  # inside a block already planned
+        if _heads(module) is not None:
+            styles, what = attention_styles(name, module, tp)
+        elif (found := mlp_styles(name, module, tp)) is not None:
+            styles, what = found
+        else:
+            continue
+        plan.update(styles)
+        report[name] = what
+    return plan, report
+
+
+def vision_report(model: nn.Module, tp: int) -> dict[str, str]:
+    """Per attention block and MLP outside the language model: split (how) or replicated (why)."""
+    return vision_plan(model, MultimodalParts(model), tp)[1]
+
+
+# ------------------------------------------------------------------------------------------------ the text plan
+
+
+def structural_text_plan(language_model: nn.Module, tp: int) -> dict[str, object]:
+    """The Megatron plan of a decoder derived from its layers (attention by whole heads, MLPs, vocab-parallel
+    embedding), for a text model with neither a family nor an automatic plan that splits its layers."""
+    plan: dict[str, object] = {}
+    for name, module in language_model.named_modules():
+        if _heads(module) is not None:
+            plan.update(attention_styles(name, module, tp)[0])
+        elif (found := mlp_styles(name, module, tp)) is not None:
+            plan.update(found[0])
+    if isinstance(getattr(language_model, "embed_tokens", None), nn.Embedding):
+        plan["embed_tokens"] = RowWiseParallel()
+    return plan
+
+
+class MultimodalParallelizer(Parallelizer):
+    """A composite image-text model: the text family's plan re-rooted at the language model, plus the vision tower's
+    and projector's structural plan (module docstring). `text_family` None: the structural text plan."""
+
+    text_family: type[Parallelizer] | None = None
+    model_type = ""
+
+    @classmethod
+    def check(cls, model: nn.Module, mesh: ParallelMesh) -> None:
+        parts = MultimodalParts(model)
+        if mesh.size("pp") > 1:
+            raise NotImplementedError(
+                f"{type(model).__name__} with pp={mesh.size('pp')} is not supported: the first pipeline stage would "
+                f"have to run the vision tower ({parts.vision_prefix[:-1] if parts.vision_prefix else 'absent'}) "
+                "and merge the image features into the language model's inputs_embeds, which the decoder stages do "
+                "not do; allowed for vision-language models: pp=1"
+            )
+        if mesh.size("cp") > 1:
+            raise NotImplementedError(
+                f"{type(model).__name__} with cp={mesh.size('cp')} is not supported: the image features are merged "
+                f"into the whole sequence before {parts.language_prefix[:-1]} runs, and context parallelism splits "
+                "the model's inputs (input_ids, the M-RoPE position ids, token_type_ids) before that merge; allowed "
+                "for vision-language models: cp=1"
+            )
+        if cls.text_family is not None:
+            cls.text_family.check(parts.language_model, mesh)
+        else:
+            config = parts.language_model.config
+            heads, kv = getattr(config, "num_attention_heads", None), getattr(config, "num_key_value_heads", None)
+            if isinstance(heads, int):
+                check_attention_heads(
+                    mesh.tp_size, ("num_attention_heads", heads), ("num_key_value_heads", kv) if kv else None
+                )
+
+    @classmethod
+    def plan(cls, model, mesh, parallelize_embeddings, sequence_parallel_enabled):
+        parts = MultimodalParts(model)
+        language = parts.language_model
+        if cls.text_family is not None:
+            text = dict(cls.text_family.plan(language, mesh, parallelize_embeddings, sequence_parallel_enabled))
+        else:
+            if sequence_parallel_enabled:
+                raise NotImplementedError(
+                    f"sequence_parallel_enabled=True: {type(language).__name__} has no family with a sequence-parallel "
+                    "plan; allowed for this model: False"
+                )
+            text = structural_text_plan(language, mesh.tp_size)
+            if not parallelize_embeddings:
+                text.pop("embed_tokens", None)
+        head = text.pop("lm_head", None)
+        prefix = re.escape(parts.language_prefix)
+        plan: dict[str, object] = {prefix + f"(?:{key})": style for key, style in text.items()}
+        if head is None and parallelize_embeddings:  # an automatic text plan has no head: the language model has none
+            head = optional([ColWiseParallel(), *([SequenceParallelEnd()] if sequence_parallel_enabled else [])])
+        if head is not None and isinstance(getattr(model, "lm_head", None), nn.Linear):
+            plan["lm_head"] = head
+        plan.update(vision_plan(model, parts, mesh.tp_size)[0])
+        return plan
+
+    @classmethod
+    def after_plan(cls, model: nn.Module, mesh: ParallelMesh) -> None:
+        parts = MultimodalParts(model)
+        if cls.text_family is not None:
+            cls.text_family.after_plan(parts.language_model, mesh)
+        for module in model.modules():  # a packed qkv reshapes with the module's own head count
+            packed = getattr(module, "qkv", None)
+            head_dim = getattr(module, "head_dim", None)
+            if isinstance(packed, ColumnParallelLinear) and isinstance(head_dim, int) and hasattr(module, "num_heads"):
+                module.num_heads = packed.weight.shape[0] // (3 * head_dim)
+
+    @classmethod
+    def pipeline_split_spec(cls, model: nn.Module) -> str:
+        return MultimodalParts(model).language_prefix + "layers"
+
+
+def _text_family_of(text_config, registered) -> type[Parallelizer] | None:
+    family = registered(getattr(text_config, "model_type", ""))
+    if family is not None:
+        return family
+    automatic = auto_parallelizer(text_config)
+    plan = tp_plan_of(text_config) or {}
+    if automatic is not None and any(key.startswith("layers.") for key in plan):
+        return automatic
+    return None
+
+
+@cache
+def _multimodal_class(model_type: str, text_family: type[Parallelizer] | None) -> type[Parallelizer]:
+    text = text_family.capabilities if text_family is not None else Capabilities()
+    capabilities = replace(Capabilities(), sequence_parallel=text.sequence_parallel, activations=text.activations)
+    capabilities = replace(capabilities, pipeline_parallel=True, context_parallel=True)  # refused by name in check()
+    attributes = {"model_type": model_type, "text_family": text_family, "capabilities": capabilities}
+    return type(f"MultimodalParallelizer[{model_type}]", (MultimodalParallelizer,), attributes)
+
+
+def multimodal_parallelizer(model_type_or_model, registered) -> type[Parallelizer] | None:
+    """The Parallelizer of a composite image-text model (a config with `text_config` and `vision_config`), or None.
+    `registered(model_type)` gives the registered family of a model type (the manager's registry)."""
+    if isinstance(model_type_or_model, str):
+        from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+        try:
+            config = CONFIG_MAPPING[model_type_or_model]()
+        except Exception:  # unknown type, or a config class that cannot be built with defaults
+            return None
+    else:
+        config = getattr(model_type_or_model, "config", model_type_or_model)
+    text_config = getattr(config, "text_config", None)
+    if text_config is None or getattr(config, "vision_config", None) is None:
+        return None
+    return _multimodal_class(getattr(config, "model_type", ""), _text_family_of(text_config, registered))
