@@ -14,7 +14,6 @@ import copy
 import pytest
 import torch
 import torch.distributed as dist
-from _checks import worst_loss_over_steps
 from _models import rel_err
 from test_families import assert_matches, compare_with_reference
 from transformers import AutoModelForImageTextToText, Gemma3Config, LlavaConfig, Qwen2_5_VLConfig, Qwen3VLConfig
@@ -238,13 +237,27 @@ def check_vlm_data_parallel(model_dir: str, level: int, halves: list[dict]) -> d
     return {"worst_step": max(errors)}
 
 
-@pytest.mark.parametrize("level", [0, 3])
-@pytest.mark.parametrize("model_type", list(TINY_VLM_CONFIGS))
+# composable DDP (`replicate`, levels 0-1, engine/data_parallel.py) all-reduces no gradient at all when one parameter
+# gets none (its reducer waits for it): llava never reads its CLIP tower's post_layernorm. `find_unused_parameters=True`
+# there fixes it (checked by hand); left to the engine's owner.
+UNUSED_PARAMETER = pytest.mark.xfail(
+    strict=True, reason="replicate() without find_unused_parameters: llava's vision_tower.post_layernorm gets no grad"
+)
+DP_CASES = [
+    pytest.param(model_type, level, marks=UNUSED_PARAMETER if (model_type, level) == ("llava", 0) else ())
+    for model_type in TINY_VLM_CONFIGS
+    for level in (0, 3)
+]
+
+
+@pytest.mark.parametrize("model_type,level", DP_CASES)
 def test_vlm_dp2_tp2_matches_whole_batch(pool, model_dirs, model_type, level):
     config = TINY_VLM_CONFIGS[model_type]()
     halves = [make_vlm_inputs(config, seed=1), make_vlm_inputs(config, seed=2)]
-    for rank, result in enumerate(pool.run(check_vlm_data_parallel, model_dirs[model_type], level, halves)):
+    results = pool.run(check_vlm_data_parallel, model_dirs[model_type], level, halves)
+    for rank, result in enumerate(results):
         assert result["worst_step"] <= TOL, f"rank {rank}: {result}"
+    print(model_type, level, max(r["worst_step"] for r in results))
 
 
 def check_bad_image_tokens(model_dir: str, batch: dict) -> str | None:
@@ -268,5 +281,3 @@ def test_image_tokens_not_matching_the_images_raise_on_every_rank(pool, model_di
     assert messages[0] is not None and "image" in messages[0].lower(), messages
     assert len(set(messages)) == 1, messages
 
-
-__all__ = ["TINY_VLM_CONFIGS", "held_fraction", "make_vlm_inputs", "worst_loss_over_steps"]
