@@ -281,3 +281,29 @@ def test_image_tokens_not_matching_the_images_raise_on_every_rank(pool, model_di
     assert messages[0] is not None and "image" in messages[0].lower(), messages
     assert len(set(messages)) == 1, messages
 
+
+
+def check_vlm_generate(model_dir: str, batch: dict, new_tokens: int = 6) -> dict:
+    """Greedy `generate` with the images at tp=2 against one process: the same tokens, and the same logits of the
+    prompt (no labels: full-vocabulary logits)."""
+    import optimum_parallel as op
+
+    op.init_mesh(dp=dist.get_world_size() // 2, tp=2)
+    reference = load_vlm(model_dir)
+    parallel = copy.deepcopy(reference)
+    parallel = op.ParallelizersManager.parallelizer_for_model(parallel).parallelize(parallel)
+    inputs = {key: value for key, value in batch.items() if key != "labels"}
+    options = dict(max_new_tokens=new_tokens, do_sample=False, pad_token_id=0)
+    with torch.no_grad():
+        logits = rel_err(parallel(**inputs).logits, reference(**inputs).logits)
+        got, want = parallel.generate(**inputs, **options), reference.generate(**inputs, **options)
+    return {"logits": logits, "tokens": got.tolist(), "expected": want.tolist()}
+
+
+@pytest.mark.parametrize("model_type", list(TINY_VLM_CONFIGS))
+def test_vlm_generate_with_images_at_tp2_matches_single_device(pool, model_dirs, model_type):
+    config = TINY_VLM_CONFIGS[model_type]()
+    batch = make_vlm_inputs(config)
+    for rank, result in enumerate(pool.run(check_vlm_generate, model_dirs[model_type], batch)):
+        assert result["tokens"] == result["expected"], f"rank {rank}: {result}"
+        assert result["logits"] <= TOL, f"rank {rank}: {result}"
