@@ -307,3 +307,57 @@ def test_vlm_generate_with_images_at_tp2_matches_single_device(pool, model_dirs,
     for rank, result in enumerate(pool.run(check_vlm_generate, model_dirs[model_type], batch)):
         assert result["tokens"] == result["expected"], f"rank {rank}: {result}"
         assert result["logits"] <= TOL, f"rank {rank}: {result}"
+
+
+def check_vlm_loading_and_saving(model_dir: str, out_dir: str, batch: dict) -> dict:
+    """At tp=2: a lazy load reads this rank's slices (same parameters, same loss as a full load); after one AdamW
+    step a sharded checkpoint saved and loaded into a fresh parallel model gives the same loss; `save_pretrained` of
+    the parallel model is what one device would write (rank 0 compares it after the call)."""
+    import optimum_parallel as op
+
+    mesh = op.init_mesh(dp=dist.get_world_size() // 2, tp=2)
+    reference = load_vlm(model_dir)
+    with op.lazy_load_for_parallelism(tensor_parallel_size=2):
+        lazy = AutoModelForImageTextToText.from_pretrained(model_dir, attn_implementation="eager")
+    lazy.eval()
+    parallelizer = op.ParallelizersManager.parallelizer_for_model(lazy)
+    lazy = parallelizer.parallelize(lazy)
+    ref_params = dict(reference.named_parameters())
+    differing = []
+    for name, param in lazy.named_parameters():
+        layout = getattr(param, "shard_layout", None)
+        expected = layout.slice(ref_params[name]) if layout is not None else ref_params[name]
+        if param.device.type == "meta" or not torch.equal(param.detach(), expected.detach()):
+            differing.append(name)
+    result = {"lazy_differing": differing, "lazy_loss": rel_err(lazy(**batch).loss, reference(**batch).loss)}
+    # one step, then a sharded checkpoint (with the optimizer), and a whole-model save_pretrained
+    optimizer = torch.optim.AdamW(lazy.parameters(), lr=1e-2)
+    lazy(**batch).loss.backward()
+    optimizer.step()
+    optimizer.zero_grad()
+    ckpt, pretrained = f"{out_dir}/sharded", f"{out_dir}/pretrained"
+    parallelizer.save_model_checkpoint(lazy, ckpt, optimizer=optimizer)
+    lazy.save_pretrained(pretrained)
+    with torch.no_grad():
+        trained_loss = lazy(**batch).loss
+    fresh = parallelizer.parallelize(load_vlm(model_dir), checkpoint_dir=ckpt)
+    with torch.no_grad():
+        result["sharded_loss"] = rel_err(fresh(**batch).loss, trained_loss)
+    if mesh.rank("tp") == 0 and dist.get_rank() == 0:
+        op.consolidate_checkpoint(ckpt, f"{out_dir}/consolidated", progress=False)
+    dist.barrier()
+    with torch.no_grad():
+        for key, path in (("pretrained_loss", pretrained), ("consolidated_loss", f"{out_dir}/consolidated")):
+            result[key] = rel_err(load_vlm(path)(**batch).loss, trained_loss)
+    return result
+
+
+@pytest.mark.parametrize("model_type", list(TINY_VLM_CONFIGS))
+def test_vlm_lazy_load_checkpoints_and_save_pretrained(pool, model_dirs, model_type, tmp_path):
+    batch = make_vlm_inputs(TINY_VLM_CONFIGS[model_type]())
+    results = pool.run(check_vlm_loading_and_saving, model_dirs[model_type], str(tmp_path), batch)
+    for rank, result in enumerate(results):
+        assert not result["lazy_differing"], f"rank {rank}: {result}"
+        for key in ("lazy_loss", "sharded_loss", "pretrained_loss", "consolidated_loss"):
+            assert result[key] <= TOL, f"rank {rank}: {key} {result}"
+    print(model_type, results[0])
