@@ -361,3 +361,60 @@ def test_vlm_lazy_load_checkpoints_and_save_pretrained(pool, model_dirs, model_t
         for key in ("lazy_loss", "sharded_loss", "pretrained_loss", "consolidated_loss"):
             assert result[key] <= TOL, f"rank {rank}: {key} {result}"
     print(model_type, results[0])
+
+
+def vlm_examples(config, rows: int = 8) -> list[dict]:
+    """`rows` examples (one image each) as a dataset of dicts: the Trainer's default collator stacks them."""
+    batch = {}
+    for seed in range(rows // 2):
+        half = make_vlm_inputs(config, seed=10 + seed)
+        batch = {k: torch.cat([batch[k], v]) if k in batch else v for k, v in half.items()}
+    return [{key: value[row] for key, value in batch.items()} for row in range(rows)]
+
+
+def trainer_args(output_dir: str, per_device: int) -> dict:
+    return dict(
+        output_dir=output_dir, per_device_train_batch_size=per_device, learning_rate=5e-3, weight_decay=0.1,
+        num_train_epochs=1, logging_steps=1, seed=0, save_strategy="no", report_to="none", disable_tqdm=True,
+        use_cpu=True, ddp_timeout=60, max_grad_norm=1.0,
+    )  # fmt: skip
+
+
+def losses_of(log_history: list[dict]) -> dict[int, tuple[float, float]]:
+    return {e["step"]: (e["loss"], e["grad_norm"]) for e in log_history if "loss" in e and "grad_norm" in e}
+
+
+def train_vlm_parallel(model_dir: str, output_dir: str, dataset: list[dict]) -> dict:
+    from optimum_parallel.integrations.transformers.trainer import ParallelTrainer
+    from optimum_parallel.integrations.transformers.training_args import ParallelTrainingArguments
+
+    args = ParallelTrainingArguments(**trainer_args(output_dir, per_device=2), tensor_parallel_size=2)
+    trainer = ParallelTrainer(
+        model_dir,
+        args,
+        model_class=AutoModelForImageTextToText,
+        model_kwargs={"dtype": torch.float32, "attn_implementation": "eager"},
+        train_dataset=dataset,
+    )
+    trainer.train()
+    return losses_of(trainer.state.log_history)
+
+
+def test_vlm_parallel_trainer_dp2_tp2_matches_single_device_trainer(pool, model_dirs, tmp_path):
+    from transformers import Trainer, TrainingArguments
+
+    model_type = "gemma3"  # llava's unused post_layernorm trips composable DDP (see UNUSED_PARAMETER)
+    dataset = vlm_examples(TINY_VLM_CONFIGS[model_type]())
+    model = AutoModelForImageTextToText.from_pretrained(
+        model_dirs[model_type], dtype=torch.float32, attn_implementation="eager"
+    )
+    reference = Trainer(model, TrainingArguments(**trainer_args(str(tmp_path / "ref"), 4)), train_dataset=dataset)
+    reference.train()
+    expected = losses_of(reference.state.log_history)
+    results = pool.run(train_vlm_parallel, model_dirs[model_type], str(tmp_path / "parallel"), dataset)
+    assert sorted(expected) == [1, 2], expected
+    for rank, result in enumerate(results):
+        pairs = [pair for step in expected for pair in zip(result[step], expected[step], strict=True)]
+        worst = max(abs(a - b) / abs(b) for a, b in pairs)  # loss and grad norm, relative
+        assert worst <= TOL, (rank, worst, result, expected)
+    print(model_type, "trainer", expected, results[0])
