@@ -10,6 +10,7 @@ tokens raise the same error on every rank; the layouts a vision-language model c
 from __future__ import annotations
 
 import copy
+import math
 
 import pytest
 import torch
@@ -418,3 +419,37 @@ def test_vlm_parallel_trainer_dp2_tp2_matches_single_device_trainer(pool, model_
         worst = max(abs(a - b) / abs(b) for a, b in pairs)  # loss and grad norm, relative
         assert worst <= TOL, (rank, worst, result, expected)
     print(model_type, "trainer", expected, results[0])
+
+
+SP_REFUSED = {  # model type -> what the refusal names
+    "gemma3": "Gemma3TextParallelizer has no sequence-parallel plan",
+    "qwen3_vl": "deepstack",
+}
+
+
+@pytest.mark.parametrize("model_type", list(TINY_VLM_CONFIGS))
+def test_vlm_sequence_parallel_matches_single_device_or_is_refused_by_name(pool, model_dirs, model_type):
+    config = TINY_VLM_CONFIGS[model_type]()
+    if model_type in SP_REFUSED:
+        messages = pool.run(refusal, model_dirs[model_type], {"tp": 2}, sequence_parallel_enabled=True)
+        assert len(set(messages)) == 1 and SP_REFUSED[model_type] in str(messages[0]), messages
+        print(model_type, "sp", messages[0])
+        return
+    results = pool.run(check_vlm_tp, model_dirs[model_type], 2, make_vlm_inputs(config), True)
+    assert_matches(results)
+    print(model_type, "sp", {k: v for k, v in results[0].items() if k != "vision"})
+
+
+def refusal(model_dir: str, sizes: dict, **settings) -> str | None:
+    """The error `parallelize` raises for this layout on this rank (None: accepted), weights untouched."""
+    import optimum_parallel as op
+
+    op.init_mesh(dp=dist.get_world_size() // math.prod(sizes.values()), **sizes)
+    model = load_vlm(model_dir)
+    before = dict(model.named_parameters())
+    try:
+        op.ParallelizersManager.parallelizer_for_model(model).parallelize(model, **settings)
+    except (NotImplementedError, ValueError) as err:
+        assert all(p is before[n] for n, p in model.named_parameters()), "weights moved before the error"
+        return f"{type(err).__name__}: {err}"
+    return None

@@ -19,8 +19,8 @@ language model's input embeddings. Its config carries no `base_model_tp_plan` of
 
 from __future__ import annotations
 
+import inspect
 import re
-from dataclasses import replace
 from functools import cache
 
 from torch import nn
@@ -37,8 +37,9 @@ from ..styles import (
 )
 from ..tensor_parallel import ColumnParallelLinear
 from ..tensor_parallel.spec import check_attention_heads
-from .auto_plan import auto_parallelizer, tp_plan_of
+from .auto_plan import AutoPlanParallelizer, auto_parallelizer, tp_plan_of
 from .parallelizer import Parallelizer
+from .sequence_plan import llama_shaped, sequence_parallel_plan
 
 VISION_NAMES = ("vision_tower", "visual", "vision_model")
 PROJECTOR_NAMES = ("multi_modal_projector", "mm_projector", "merger")
@@ -186,6 +187,30 @@ def structural_text_plan(language_model: nn.Module, tp: int) -> dict[str, object
     return plan
 
 
+def check_sequence_parallel(parts: MultimodalParts, text_family: type[Parallelizer] | None) -> None:
+    """Sequence parallelism splits the language model's hidden states from its first layer on: refused, naming the
+    module, where its text family has no sequence-parallel plan, its decoder is not Llama-shaped, or the language
+    model adds image features to the hidden states of its layers (Qwen3-VL's deepstack)."""
+    language, name = parts.language_model, parts.language_prefix[:-1]
+    if "deepstack_visual_embeds" in inspect.signature(type(language).forward).parameters:
+        raise NotImplementedError(
+            f"sequence_parallel_enabled=True: {name} ({type(language).__name__}) adds the vision tower's deepstack "
+            "features to the hidden states of its first layers at the image positions of the whole sequence, which "
+            "sequence parallelism splits; allowed for this model: False"
+        )
+    automatic = text_family is None or issubclass(text_family, AutoPlanParallelizer)
+    if not automatic and not text_family.capabilities.sequence_parallel:
+        raise NotImplementedError(
+            f"sequence_parallel_enabled=True: {name}'s family {text_family.__name__} has no sequence-parallel plan; "
+            "allowed for this model: False"
+        )
+    if automatic and not llama_shaped(language):  # a structural or automatic text plan takes the Llama-shaped one
+        raise NotImplementedError(
+            f"sequence_parallel_enabled=True: {name} ({type(language).__name__}) is not a Llama-shaped decoder "
+            "(layers of norms, one self_attn and one MLP block, then norm); allowed for this model: False"
+        )
+
+
 class MultimodalParallelizer(Parallelizer):
     """A composite image-text model: the text family's plan re-rooted at the language model, plus the vision tower's
     and projector's structural plan (module docstring). `text_family` None: the structural text plan."""
@@ -224,22 +249,25 @@ class MultimodalParallelizer(Parallelizer):
     def plan(cls, model, mesh, parallelize_embeddings, sequence_parallel_enabled):
         parts = MultimodalParts(model)
         language = parts.language_model
+        if sequence_parallel_enabled:
+            check_sequence_parallel(parts, cls.text_family)
         if cls.text_family is not None:
             text = dict(cls.text_family.plan(language, mesh, parallelize_embeddings, sequence_parallel_enabled))
         else:
-            if sequence_parallel_enabled:
-                raise NotImplementedError(
-                    f"sequence_parallel_enabled=True: {type(language).__name__} has no family with a sequence-parallel "
-                    "plan; allowed for this model: False"
-                )
             text = structural_text_plan(language, mesh.tp_size)
             if not parallelize_embeddings:
                 text.pop("embed_tokens", None)
+            if sequence_parallel_enabled:
+                text.update(sequence_parallel_plan(language, ""))
         head = text.pop("lm_head", None)
+        if cls.text_family is None or issubclass(cls.text_family, AutoPlanParallelizer):
+            head = None  # the language model alone has no LM head: its automatic plan left it whole
         prefix = re.escape(parts.language_prefix)
         plan: dict[str, object] = {prefix + f"(?:{key})": style for key, style in text.items()}
-        if head is None and parallelize_embeddings:  # an automatic text plan has no head: the language model has none
-            head = optional([ColWiseParallel(), *([SequenceParallelEnd()] if sequence_parallel_enabled else [])])
+        if head is None:  # vocab-parallel (with the vocab-parallel loss), gathering the sequence under sp
+            styles = [ColWiseParallel()] if parallelize_embeddings else []
+            styles += [SequenceParallelEnd()] if sequence_parallel_enabled else []
+            head = optional(styles) if styles else None
         if head is not None and isinstance(getattr(model, "lm_head", None), nn.Linear):
             plan["lm_head"] = head
         plan.update(vision_plan(model, parts, mesh.tp_size)[0])
@@ -275,8 +303,8 @@ def _text_family_of(text_config, registered) -> type[Parallelizer] | None:
 @cache
 def _multimodal_class(model_type: str, text_family: type[Parallelizer] | None) -> type[Parallelizer]:
     text = text_family.capabilities if text_family is not None else Capabilities()
-    capabilities = replace(Capabilities(), sequence_parallel=text.sequence_parallel, activations=text.activations)
-    capabilities = replace(capabilities, pipeline_parallel=True, context_parallel=True)  # refused by name in check()
+    # sp, pp and cp are refused by name where they cannot run (`check_sequence_parallel`, `check`)
+    capabilities = Capabilities(True, True, True, activations=text.activations)
     attributes = {"model_type": model_type, "text_family": text_family, "capabilities": capabilities}
     return type(f"MultimodalParallelizer[{model_type}]", (MultimodalParallelizer,), attributes)
 
