@@ -453,3 +453,12 @@ def refusal(model_dir: str, sizes: dict, **settings) -> str | None:
         assert all(p is before[n] for n, p in model.named_parameters()), "weights moved before the error"
         return f"{type(err).__name__}: {err}"
     return None
+
+
+@pytest.mark.parametrize("dim,what", [("pp", "vision tower"), ("cp", "merged into the whole sequence")])
+@pytest.mark.parametrize("model_type", list(TINY_VLM_CONFIGS))
+def test_vlm_pipeline_and_context_parallel_are_refused_by_name(pool, model_dirs, model_type, dim, what):
+    messages = pool.run(refusal, model_dirs[model_type], {"tp": 2, dim: 2})
+    assert len(set(messages)) == 1 and messages[0] is not None, messages
+    assert f"{dim}=2" in messages[0] and what in messages[0], messages[0]
+    print(model_type, dim, messages[0])
