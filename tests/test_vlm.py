@@ -462,3 +462,24 @@ def test_vlm_pipeline_and_context_parallel_are_refused_by_name(pool, model_dirs,
     assert len(set(messages)) == 1 and messages[0] is not None, messages
     assert f"{dim}=2" in messages[0] and what in messages[0], messages[0]
     print(model_type, dim, messages[0])
+
+
+def _vision_heads(config, heads: int):
+    vision = config.vision_config
+    setattr(vision, "num_heads" if hasattr(vision, "num_heads") else "num_attention_heads", heads)
+    return config
+
+
+@pytest.mark.parametrize("model_type", ["llava", "qwen2_5_vl"])
+def test_vlm_tp4_with_vision_heads_tp_cannot_split_replicates_them(pool, tmp_path, model_type):
+    """tp=4: 2 kv heads over 4 ranks in the language model; the vision tower's 2 heads stay whole on every rank
+    (its MLPs still split), and the model still matches one process."""
+    config = _vision_heads(TINY_VLM_CONFIGS[model_type](), 2)
+    torch.manual_seed(0)
+    AutoModelForImageTextToText.from_config(config).save_pretrained(tmp_path / model_type)
+    results = pool.run(check_vlm_tp, str(tmp_path / model_type), 4, make_vlm_inputs(config))
+    assert_matches(results)
+    report = results[0]["vision"]
+    attention = {name: what for name, what in report.items() if "attn" in name}
+    assert attention and all("replicated (2 heads do not divide by tp=4)" in w for w in attention.values()), report
+    print(model_type, "tp4", {k: v for k, v in results[0].items() if k != "vision"}, report)
