@@ -116,9 +116,11 @@ def make_vlm_inputs(config, batch: int = 2, seq: int = 32, seed: int = 1, image_
         block, grid = _image_block(config, row)
         if row == 0 and image_tokens_delta:
             position = block.index(IMAGE)
-            block = block[:position] + [IMAGE] * max(0, block.count(IMAGE) + image_tokens_delta) + [
-                t for t in block[position:] if t != IMAGE
-            ]
+            block = (
+                block[:position]
+                + [IMAGE] * max(0, block.count(IMAGE) + image_tokens_delta)
+                + [t for t in block[position:] if t != IMAGE]
+            )
         pad = 3 if row % 2 == 0 else 0
         before = torch.randint(3, 128, (3,), generator=gen).tolist()
         after = torch.randint(3, 128, (seq - pad - 1 - len(before) - len(block),), generator=gen).tolist()
@@ -281,7 +283,6 @@ def test_image_tokens_not_matching_the_images_raise_on_every_rank(pool, model_di
     messages = pool.run(check_bad_image_tokens, model_dirs[model_type], batch)
     assert messages[0] is not None and "image" in messages[0].lower(), messages
     assert len(set(messages)) == 1, messages
-
 
 
 def check_vlm_generate(model_dir: str, batch: dict, new_tokens: int = 6) -> dict:

@@ -106,7 +106,9 @@ class ParallelizersManager:
         registered = cls._registered(model_type)
         if registered is not None:
             return registered
-        automatic = auto_parallelizer(model_type_or_model) or multimodal_parallelizer(model_type_or_model, cls._registered)
+        automatic = auto_parallelizer(model_type_or_model) or multimodal_parallelizer(
+            model_type_or_model, cls._registered
+        )
         if automatic is None:  # a vision-language model's text config supported: `multimodal.py`
             raise UnsupportedModelError(
                 f"model type {model_type!r} is not supported; supported: "
