@@ -16,7 +16,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from _models import rel_err
-from test_families import assert_matches, compare_with_reference
+from test_families import assert_matches, compare_with_reference, grad_err
 from transformers import AutoModelForImageTextToText, Gemma3Config, LlavaConfig, Qwen2_5_VLConfig, Qwen3VLConfig
 
 TOL = 1e-5
@@ -140,6 +140,7 @@ def make_vlm_inputs(config, batch: int = 2, seq: int = 32, seed: int = 1, image_
     attention_mask = (torch.arange(seq) >= torch.tensor([3 if r % 2 == 0 else 0 for r in range(batch)])[:, None]).long()
     labels = input_ids.clone()
     labels[(attention_mask == 0) | (input_ids == IMAGE)] = -100
+    labels[:, 1:][attention_mask[:, :-1] == 0] = -100  # predicted from a padding position: no target (as cp_batch)
     labels[:, seq // 2] = -100
     inputs = {
         "input_ids": input_ids,
@@ -456,9 +457,12 @@ def refusal(model_dir: str, sizes: dict, **settings) -> str | None:
     return None
 
 
-@pytest.mark.parametrize("dim,what", [("pp", "vision tower"), ("cp", "merged into the whole sequence")])
-@pytest.mark.parametrize("model_type", list(TINY_VLM_CONFIGS))
-def test_vlm_pipeline_and_context_parallel_are_refused_by_name(pool, model_dirs, model_type, dim, what):
+@pytest.mark.parametrize(
+    "model_type,dim,what",
+    [(model_type, "pp", "vision tower") for model_type in TINY_VLM_CONFIGS]
+    + [("gemma3", "cp", "token_type_ids"), ("qwen3_vl", "cp", "deepstack")],
+)
+def test_vlm_layouts_refused_by_name(pool, model_dirs, model_type, dim, what):
     messages = pool.run(refusal, model_dirs[model_type], {"tp": 2, dim: 2})
     assert len(set(messages)) == 1 and messages[0] is not None, messages
     assert f"{dim}=2" in messages[0] and what in messages[0], messages[0]
@@ -484,3 +488,70 @@ def test_vlm_tp4_with_vision_heads_tp_cannot_split_replicates_them(pool, tmp_pat
     attention = {name: what for name, what in report.items() if "attn" in name}
     assert attention and all("replicated (2 heads do not divide by tp=4)" in w for w in attention.values()), report
     print(model_type, "tp4", {k: v for k, v in results[0].items() if k != "vision"}, report)
+
+
+def check_vlm_context_parallel(model_dir: str, batch: dict, sharding_level: int, steps: int = 3) -> dict:
+    """cp=2 x tp=2 (data parallelism over the cp ranks sums their partial gradients) against one process: loss,
+    every gradient, the logits of the real tokens (gathered over cp under no_grad) and the loss over `steps` steps."""
+    import optimum_parallel as op
+    from optimum_parallel.engine.compose import compose_training
+    from test_context_parallel import _whole
+
+    mesh = op.init_mesh(cp=2, tp=2)
+    reference = load_vlm(model_dir)
+    model = copy.deepcopy(reference)
+    model = op.ParallelizersManager.parallelizer_for_model(model).parallelize(model)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    model, optimizer = compose_training(model, optimizer, mesh, {}, op.DataParallelConfig(sharding_level=sharding_level))
+    ref_optimizer = torch.optim.AdamW(reference.parameters(), lr=1e-2)
+    loss, ref_loss = model(**batch).loss, reference(**batch).loss
+    loss.backward()
+    ref_loss.backward()
+    first_loss = rel_err(loss, ref_loss)
+    expected = dict(reference.named_parameters())
+    scale: dict[str, float] = {}  # a key bias's gradient is rounding noise: measured on its module's scale
+    for name, param in expected.items():
+        if param.grad is not None:
+            owner = name.rpartition(".")[0]
+            scale[owner] = max(scale.get(owner, 0.0), param.grad.abs().max().item())
+    grads = {}
+    for name, param in model.named_parameters():
+        layout, full = getattr(param, "shard_layout", None), expected[name].grad
+        if full is None:
+            assert param.grad is None, name
+            continue
+        full = layout.slice(full) if layout is not None else full
+        grads[name] = grad_err(_whole(param.grad), full, scale[name.rpartition(".")[0]])
+    with torch.no_grad():
+        logits, ref_logits = model(**batch).logits, reference(**batch).logits
+    real = batch["attention_mask"].bool()
+    losses = []
+    for _ in range(steps):
+        for opt in (optimizer, ref_optimizer):
+            opt.step()
+            opt.zero_grad()
+        loss, ref_loss = model(**batch).loss, reference(**batch).loss
+        loss.backward()
+        ref_loss.backward()
+        losses.append(rel_err(loss, ref_loss))
+    worst = max(grads, key=grads.get)
+    return {
+        "loss": first_loss,
+        "grad": grads[worst],
+        "worst": worst,
+        "logits": rel_err(logits[real], ref_logits[real]),
+        "logits_shape": tuple(logits.shape),
+        "steps": max(losses),
+    }
+
+
+@pytest.mark.parametrize("model_type", ["llava", "qwen2_5_vl"])
+def test_vlm_context_parallel_matches_single_device(pool, model_dirs, model_type):
+    """cp=2 x tp=2: the sequence is cut at the language model's entry, after the image features are merged; the
+    M-RoPE position ids (qwen2_5_vl) are cut with it. FSDP2 (level 3) sums the cp ranks' gradients."""
+    batch = make_vlm_inputs(TINY_VLM_CONFIGS[model_type](), seq=30)  # 30 tokens: padded to 32 inside
+    results = pool.run(check_vlm_context_parallel, model_dirs[model_type], batch, 3)
+    for rank, result in enumerate(results):
+        assert result["logits_shape"][:2] == (2, 30), result
+        assert max(result["loss"], result["grad"], result["logits"], result["steps"]) <= TOL, f"rank {rank}: {result}"
+    print(model_type, "cp", results[0])

@@ -211,6 +211,27 @@ def check_sequence_parallel(parts: MultimodalParts, text_family: type[Paralleliz
         )
 
 
+def check_context_parallel_parts(model: nn.Module, parts: MultimodalParts, cp: int) -> None:
+    """Context parallelism cuts the sequence at the language model's entry, after the image features are merged
+    (`context_parallel.model.composite_decoder`), and builds causal masks from the chunks' global positions: refused,
+    naming the module, where the image tokens attend otherwise (Gemma 3's bidirectional image blocks from
+    `token_type_ids`) or image features enter inside the layers (Qwen3-VL's deepstack)."""
+    language, name = parts.language_model, parts.language_prefix[:-1]
+    owner = model.get_submodule(name.rpartition(".")[0]) if "." in name else model
+    if "token_type_ids" in inspect.signature(type(owner).forward).parameters:
+        raise NotImplementedError(
+            f"{type(model).__name__} with cp={cp} is not supported: {type(owner).__name__} lets each image's tokens "
+            "attend to one another both ways (its token_type_ids mask), and context parallelism's ring attention "
+            "builds causal masks only; allowed for this model: cp=1"
+        )
+    if "deepstack_visual_embeds" in inspect.signature(type(language).forward).parameters:
+        raise NotImplementedError(
+            f"{type(model).__name__} with cp={cp} is not supported: {name} ({type(language).__name__}) adds the vision "
+            "tower's deepstack features to the hidden states of its first layers at the image positions of the "
+            "whole sequence, which context parallelism cuts; allowed for this model: cp=1"
+        )
+
+
 class MultimodalParallelizer(Parallelizer):
     """A composite image-text model: the text family's plan re-rooted at the language model, plus the vision tower's
     and projector's structural plan (module docstring). `text_family` None: the structural text plan."""
@@ -229,12 +250,7 @@ class MultimodalParallelizer(Parallelizer):
                 "not do; allowed for vision-language models: pp=1"
             )
         if mesh.size("cp") > 1:
-            raise NotImplementedError(
-                f"{type(model).__name__} with cp={mesh.size('cp')} is not supported: the image features are merged "
-                f"into the whole sequence before {parts.language_prefix[:-1]} runs, and context parallelism splits "
-                "the model's inputs (input_ids, the M-RoPE position ids, token_type_ids) before that merge; allowed "
-                "for vision-language models: cp=1"
-            )
+            check_context_parallel_parts(model, parts, mesh.size("cp"))
         if cls.text_family is not None:
             cls.text_family.check(parts.language_model, mesh)
         else:
