@@ -493,16 +493,18 @@ def test_vlm_tp4_with_vision_heads_tp_cannot_split_replicates_them(pool, tmp_pat
 def check_vlm_context_parallel(model_dir: str, batch: dict, sharding_level: int, steps: int = 3) -> dict:
     """cp=2 x tp=2 (data parallelism over the cp ranks sums their partial gradients) against one process: loss,
     every gradient, the logits of the real tokens (gathered over cp under no_grad) and the loss over `steps` steps."""
+    from test_context_parallel import _whole
+
     import optimum_parallel as op
     from optimum_parallel.engine.compose import compose_training
-    from test_context_parallel import _whole
 
     mesh = op.init_mesh(cp=2, tp=2)
     reference = load_vlm(model_dir)
     model = copy.deepcopy(reference)
     model = op.ParallelizersManager.parallelizer_for_model(model).parallelize(model)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    model, optimizer = compose_training(model, optimizer, mesh, {}, op.DataParallelConfig(sharding_level=sharding_level))
+    data_parallel = op.DataParallelConfig(sharding_level=sharding_level)
+    model, optimizer = compose_training(model, optimizer, mesh, {}, data_parallel)
     ref_optimizer = torch.optim.AdamW(reference.parameters(), lr=1e-2)
     loss, ref_loss = model(**batch).loss, reference(**batch).loss
     loss.backward()
