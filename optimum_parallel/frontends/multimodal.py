@@ -19,6 +19,7 @@ language model's input embeddings. Its config carries no `base_model_tp_plan` of
 
 from __future__ import annotations
 
+import functools
 import inspect
 import re
 from functools import cache
@@ -26,7 +27,9 @@ from functools import cache
 from torch import nn
 
 from ..engine.capabilities import Capabilities
+from ..context_parallel.layout import pad_sequence
 from ..mesh import ParallelMesh
+from ..state import parallel_state
 from ..styles import (
     ColWiseParallel,
     PackedColWiseParallel,
@@ -211,24 +214,34 @@ def check_sequence_parallel(parts: MultimodalParts, text_family: type[Paralleliz
         )
 
 
+def _cut_deepstack_features(model: nn.Module, language: nn.Module, args: tuple, kwargs: dict):
+    """Under cp: Qwen3-VL's language model adds deepstack image features at `visual_pos_masks` (batch, seq) of the
+    whole sequence; this rank keeps the mask of its chunks and those features, in its chunks' order (the layout the
+    model's entry cut the labels with)."""
+    mask, features = kwargs.get("visual_pos_masks"), kwargs.get("deepstack_visual_embeds")
+    layout = parallel_state(model).sequence_layout
+    if mask is None or features is None or layout is None:
+        return None
+    whole = pad_sequence(mask.bool(), layout.length, False)
+    ordinal = (whole.reshape(-1).long().cumsum(0) - 1).reshape(whole.shape)  # each image token's feature row
+    local = layout.take(whole)
+    rows = layout.take(ordinal)[local]
+    return args, {**kwargs, "visual_pos_masks": local, "deepstack_visual_embeds": [f[rows] for f in features]}
+
+
 def check_context_parallel_parts(model: nn.Module, parts: MultimodalParts, cp: int) -> None:
     """Context parallelism cuts the sequence at the language model's entry, after the image features are merged
     (`context_parallel.model.composite_decoder`), and builds causal masks from the chunks' global positions: refused,
     naming the module, where the image tokens attend otherwise (Gemma 3's bidirectional image blocks from
-    `token_type_ids`) or image features enter inside the layers (Qwen3-VL's deepstack)."""
-    language, name = parts.language_model, parts.language_prefix[:-1]
+    `token_type_ids`). Image features added inside the layers (Qwen3-VL's deepstack) are cut with the sequence
+    (`_cut_deepstack_features`)."""
+    name = parts.language_prefix[:-1]
     owner = model.get_submodule(name.rpartition(".")[0]) if "." in name else model
     if "token_type_ids" in inspect.signature(type(owner).forward).parameters:
         raise NotImplementedError(
             f"{type(model).__name__} with cp={cp} is not supported: {type(owner).__name__} lets each image's tokens "
             "attend to one another both ways (its token_type_ids mask), and context parallelism's ring attention "
             "builds causal masks only; allowed for this model: cp=1"
-        )
-    if "deepstack_visual_embeds" in inspect.signature(type(language).forward).parameters:
-        raise NotImplementedError(
-            f"{type(model).__name__} with cp={cp} is not supported: {name} ({type(language).__name__}) adds the vision "
-            "tower's deepstack features to the hidden states of its first layers at the image positions of the "
-            "whole sequence, which context parallelism cuts; allowed for this model: cp=1"
         )
 
 
@@ -294,6 +307,10 @@ class MultimodalParallelizer(Parallelizer):
         parts = MultimodalParts(model)
         if cls.text_family is not None:
             cls.text_family.after_plan(parts.language_model, mesh)
+        language = parts.language_model
+        if mesh.size("cp") > 1 and "deepstack_visual_embeds" in inspect.signature(type(language).forward).parameters:
+            hook = functools.partial(_cut_deepstack_features, model)  # runs before context parallelism's own cut
+            language.register_forward_pre_hook(hook, with_kwargs=True)
         for module in model.modules():  # a packed qkv reshapes with the module's own head count
             packed = getattr(module, "qkv", None)
             head_dim = getattr(module, "head_dim", None)
