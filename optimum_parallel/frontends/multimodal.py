@@ -26,8 +26,8 @@ from functools import cache
 
 from torch import nn
 
-from ..engine.capabilities import Capabilities
 from ..context_parallel.layout import pad_sequence
+from ..engine.capabilities import Capabilities
 from ..mesh import ParallelMesh
 from ..state import parallel_state
 from ..styles import (
