@@ -334,10 +334,13 @@ def _text_family_of(text_config, registered) -> type[Parallelizer] | None:
 
 
 @cache
-def _multimodal_class(model_type: str, text_family: type[Parallelizer] | None) -> type[Parallelizer]:
+def _multimodal_class(
+    model_type: str, text_family: type[Parallelizer] | None, context_parallel: bool
+) -> type[Parallelizer]:
     text = text_family.capabilities if text_family is not None else Capabilities()
-    # sp, pp and cp are refused by name where they cannot run (`check_sequence_parallel`, `check`)
-    capabilities = Capabilities(True, True, True, activations=text.activations)
+    # sp and pp are refused by name in `plan` / `check` (the family door); cp is declared only where it runs, so a
+    # door without the family (an explicit plan) refuses it too
+    capabilities = Capabilities(True, True, context_parallel, activations=text.activations)
     attributes = {"model_type": model_type, "text_family": text_family, "capabilities": capabilities}
     return type(f"MultimodalParallelizer[{model_type}]", (MultimodalParallelizer,), attributes)
 
@@ -357,4 +360,13 @@ def multimodal_parallelizer(model_type_or_model, registered) -> type[Parallelize
     text_config = getattr(config, "text_config", None)
     if text_config is None or getattr(config, "vision_config", None) is None:
         return None
-    return _multimodal_class(getattr(config, "model_type", ""), _text_family_of(text_config, registered))
+    context_parallel = False
+    if isinstance(model_type_or_model, nn.Module):
+        try:
+            parts = MultimodalParts(model_type_or_model)
+            check_context_parallel_parts(model_type_or_model, parts, 2)
+            context_parallel = parts.vision_prefix is not None
+        except (ValueError, NotImplementedError):
+            pass
+    text_family = _text_family_of(text_config, registered)
+    return _multimodal_class(getattr(config, "model_type", ""), text_family, context_parallel)
