@@ -307,9 +307,11 @@ def check_vlm_generate(model_dir: str, batch: dict, new_tokens: int = 6) -> dict
 def test_vlm_generate_with_images_at_tp2_matches_single_device(pool, model_dirs, model_type):
     config = TINY_VLM_CONFIGS[model_type]()
     batch = make_vlm_inputs(config)
-    for rank, result in enumerate(pool.run(check_vlm_generate, model_dirs[model_type], batch)):
+    results = pool.run(check_vlm_generate, model_dirs[model_type], batch)
+    for rank, result in enumerate(results):
         assert result["tokens"] == result["expected"], f"rank {rank}: {result}"
         assert result["logits"] <= TOL, f"rank {rank}: {result}"
+    print(model_type, "generate", max(r["logits"] for r in results), results[0]["tokens"][0][-6:])
 
 
 def check_vlm_loading_and_saving(model_dir: str, out_dir: str, batch: dict) -> dict:
