@@ -369,12 +369,34 @@ def test_vlm_lazy_load_checkpoints_and_save_pretrained(pool, model_dirs, model_t
 
 
 def vlm_examples(config, rows: int = 8) -> list[dict]:
-    """`rows` examples (one image each) as a dataset of dicts: the Trainer's default collator stacks them."""
-    batch = {}
+    """`rows` examples (one image each) as a dataset of dicts, each with its own image's pixel_values (a Qwen image's
+    patches, and its grid), as a processor gives them one by one."""
+    examples = []
     for seed in range(rows // 2):
-        half = make_vlm_inputs(config, seed=10 + seed)
-        batch = {k: torch.cat([batch[k], v]) if k in batch else v for k, v in half.items()}
-    return [{key: value[row] for key, value in batch.items()} for row in range(rows)]
+        pair = make_vlm_inputs(config, seed=10 + seed)
+        grids = pair.get("image_grid_thw")
+        patches = pair["pixel_values"].split(grids.prod(-1).tolist()) if grids is not None else pair["pixel_values"]
+        for row in range(2):
+            example = {k: v[row] for k, v in pair.items() if k not in ("pixel_values", "image_grid_thw")}
+            example["pixel_values"] = patches[row]
+            if grids is not None:
+                example["image_grid_thw"] = grids[row : row + 1]
+            examples.append(example)
+    return examples
+
+
+def collate_vlm(examples: list[dict]) -> dict:
+    """Rows stacked; pixel_values stacked (one image per row) or, for Qwen's patches and grids, concatenated."""
+    qwen = "image_grid_thw" in examples[0]
+    batch = {
+        k: torch.stack([e[k] for e in examples]) for k in examples[0] if k not in ("pixel_values", "image_grid_thw")
+    }
+    if qwen:
+        batch["pixel_values"] = torch.cat([e["pixel_values"] for e in examples])
+        batch["image_grid_thw"] = torch.cat([e["image_grid_thw"] for e in examples])
+    else:
+        batch["pixel_values"] = torch.stack([e["pixel_values"] for e in examples])
+    return batch
 
 
 def trainer_args(output_dir: str, per_device: int) -> dict:
@@ -389,40 +411,62 @@ def losses_of(log_history: list[dict]) -> dict[int, tuple[float, float]]:
     return {e["step"]: (e["loss"], e["grad_norm"]) for e in log_history if "loss" in e and "grad_norm" in e}
 
 
-def train_vlm_parallel(model_dir: str, output_dir: str, dataset: list[dict]) -> dict:
+def train_vlm_parallel(model_dir: str, output_dir: str, dataset: list[dict], loss_kwargs: bool = False) -> dict:
+    """`loss_kwargs`: the model told to take the Trainer's token count (`accepts_loss_kwargs`), which Qwen-VL's
+    classes decline, so that each dp replica's loss divides by the global batch's labelled tokens."""
     from optimum_parallel.integrations.transformers.trainer import ParallelTrainer
     from optimum_parallel.integrations.transformers.training_args import ParallelTrainingArguments
 
     args = ParallelTrainingArguments(**trainer_args(output_dir, per_device=2), tensor_parallel_size=2)
+    model = model_dir
+    if loss_kwargs:
+        model = AutoModelForImageTextToText.from_pretrained(model_dir, dtype=torch.float32, attn_implementation="eager")
+        model.accepts_loss_kwargs = True
     trainer = ParallelTrainer(
-        model_dir,
+        model,
         args,
         model_class=AutoModelForImageTextToText,
         model_kwargs={"dtype": torch.float32, "attn_implementation": "eager"},
         train_dataset=dataset,
+        data_collator=collate_vlm,
     )
     trainer.train()
     return losses_of(trainer.state.log_history)
 
 
-def test_vlm_parallel_trainer_dp2_tp2_matches_single_device_trainer(pool, model_dirs, tmp_path):
+# Qwen2.5-VL / Qwen3-VL's classes set `accepts_loss_kwargs = False`: the Trainer then gives the model no token count,
+# each dp replica's loss is its own token mean, and the step the mean of the replicas' means (1e-4 off here), not the
+# whole batch's. Told to take the count (`accepts_loss_kwargs = True` on the instance) it matches; left to the Trainer's
+# owner (integrations/transformers/trainer.py).
+LOSS_KWARGS = pytest.mark.xfail(strict=True, reason="accepts_loss_kwargs=False: mean of the dp replicas' token means")
+TRAINER_CASES = [
+    pytest.param("gemma3", False),
+    pytest.param("qwen2_5_vl", True),
+    pytest.param("qwen2_5_vl", False, marks=LOSS_KWARGS),
+]  # not llava: see UNUSED_PARAMETER
+
+
+@pytest.mark.parametrize("model_type,loss_kwargs", TRAINER_CASES)
+def test_vlm_parallel_trainer_dp2_tp2_matches_single_device_trainer(
+    pool, model_dirs, tmp_path, model_type, loss_kwargs
+):
     from transformers import Trainer, TrainingArguments
 
-    model_type = "gemma3"  # llava's unused post_layernorm trips composable DDP (see UNUSED_PARAMETER)
     dataset = vlm_examples(TINY_VLM_CONFIGS[model_type]())
     model = AutoModelForImageTextToText.from_pretrained(
         model_dirs[model_type], dtype=torch.float32, attn_implementation="eager"
     )
-    reference = Trainer(model, TrainingArguments(**trainer_args(str(tmp_path / "ref"), 4)), train_dataset=dataset)
+    args = TrainingArguments(**trainer_args(str(tmp_path / "ref"), 4))
+    reference = Trainer(model, args, train_dataset=dataset, data_collator=collate_vlm)
     reference.train()
     expected = losses_of(reference.state.log_history)
-    results = pool.run(train_vlm_parallel, model_dirs[model_type], str(tmp_path / "parallel"), dataset)
+    results = pool.run(train_vlm_parallel, model_dirs[model_type], str(tmp_path / "parallel"), dataset, loss_kwargs)
     assert sorted(expected) == [1, 2], expected
     for rank, result in enumerate(results):
         pairs = [pair for step in expected for pair in zip(result[step], expected[step], strict=True)]
         worst = max(abs(a - b) / abs(b) for a, b in pairs)  # loss and grad norm, relative
         assert worst <= TOL, (rank, worst, result, expected)
-    print(model_type, "trainer", expected, results[0])
+    print(model_type, "trainer", loss_kwargs, worst, expected, results[0])
 
 
 SP_REFUSED = {  # model type -> what the refusal names
