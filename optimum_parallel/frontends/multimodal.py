@@ -15,6 +15,13 @@ language model's input embeddings. Its config carries no `base_model_tp_plan` of
   embeddings, position embeddings, norms on whole activations, Gemma 3's projection matrix) is replicated: each tp
   rank computes it on the same whole activations, so its gradient is already whole (the region ops of the split
   layers after it all-reduce their input gradients). `vision_report` says per module which.
+
+Beyond tp: data parallelism at every level composes as for text models; sequence parallelism runs on the language
+model where its text plan has it (a registered family's, or the Llama-shaped one) and is refused by name where the
+language model adds image features inside its layers (Qwen3-VL's deepstack); context parallelism cuts the sequence at
+the language model's entry, after the image features are merged (`context_parallel.model.composite_decoder`; Qwen3-VL's
+deepstack positions cut with it here) and is refused for bidirectional image blocks (Gemma 3's token_type_ids);
+pipeline parallelism is refused by name (the first stage would have to run the vision tower and merge its features).
 """
 
 from __future__ import annotations
@@ -45,9 +52,8 @@ from .parallelizer import Parallelizer
 from .sequence_plan import llama_shaped, sequence_parallel_plan
 
 VISION_NAMES = ("vision_tower", "visual", "vision_model")
-PROJECTOR_NAMES = ("multi_modal_projector", "mm_projector", "merger")
+PROJECTOR_NAMES = ("multi_modal_projector", "mm_projector")  # Qwen's projector is inside its vision tower (merger)
 QUERY_KEY_VALUE = ("q_proj", "k_proj", "v_proj")
-PACKED_QKV = ("qkv",)
 ATTENTION_OUT = ("o_proj", "out_proj", "proj")
 # (inputs, output) Linear children of a two-layer MLP, by name
 MLP_PAIRS = (
@@ -71,7 +77,7 @@ class MultimodalParts:
         self.language_model: nn.Module = decoder
         self.language_prefix = names[id(decoder)] + "."
         self.vision_prefix = self._find(model, VISION_NAMES)
-        self.projector_prefix = self._find(model, ("multi_modal_projector", "mm_projector"))
+        self.projector_prefix = self._find(model, PROJECTOR_NAMES)
 
     @staticmethod
     def _find(model: nn.Module, attributes: tuple[str, ...]) -> str | None:
