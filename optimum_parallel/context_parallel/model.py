@@ -56,6 +56,7 @@ def check_context_parallel(
     if not any(hasattr(m, "num_key_value_groups") for m in model.modules()):
         raise NotImplementedError(f"no attention module found in {type(model).__name__} for context parallelism")
     if strategy == "all_to_all":
+        config = getattr(config, "text_config", None) or config  # an image-text model: its language model's heads
         heads = config.num_attention_heads
         kv_heads = getattr(config, "num_key_value_heads", None) or heads
         # per tp rank: whole heads; fewer kv heads than tp ranks are replicated, one per rank
@@ -67,18 +68,23 @@ def apply_context_parallel(model: nn.Module, group, strategy: str = "ring") -> N
     a model parallelized by the Parallelizer, then given data parallelism by `parallelize`, comes here twice)."""
     if parallel_state(model).context_parallel is not None:
         return
-    config = model.config
-    attention = [m for m in model.modules() if hasattr(m, "num_key_value_groups")]
+    decoder = composite_decoder(model)
+    scope = decoder if decoder is not None else model  # a vision tower's attention runs on whole images
+    attention = [m for m in scope.modules() if hasattr(m, "num_key_value_groups")]
     cp, rank = ranks.world_size(group), ranks.rank(group)
     settings = ContextParallelAttention(group, rank, cp, strategy)
     for module in attention:
         parallel_state(module).context_parallel = settings
     register_attention()
-    config._attn_implementation = ATTENTION_KEY
+    scope.config._attn_implementation = ATTENTION_KEY
     model.loss_function = ContextParallelLoss(model.loss_function, group)
     parallel_state(model).context_parallel = settings
     router_loss = install_router_loss(model, group)
-    model.register_forward_pre_hook(functools.partial(_split_inputs, router_loss=router_loss), with_kwargs=True)
+    if decoder is None:
+        model.register_forward_pre_hook(functools.partial(_split_inputs, router_loss=router_loss), with_kwargs=True)
+    else:  # the labels at the model's entry, the embeddings (image features merged in) at the language model's
+        model.register_forward_pre_hook(_split_labels, with_kwargs=True)
+        decoder.register_forward_pre_hook(functools.partial(_split_decoder_inputs, owner=model), with_kwargs=True)
     model.register_forward_hook(functools.partial(_after_forward, router_loss=router_loss))
     refuse(model, "generate", NotImplementedError, NO_GENERATE)
 
@@ -193,6 +199,67 @@ def _split_inputs(model: nn.Module, args: tuple, kwargs: dict, router_loss: Rout
         split["output_router_logits"] = False  # the aux loss is added after the forward, over the whole rows
         router_loss.mask = cut.layout.take(split["attention_mask"][:, 0, 0, :]).reshape(-1)
         router_loss.labels = split.get("labels") is not None
+    return (), split
+
+
+def composite_decoder(model: nn.Module) -> nn.Module | None:
+    """The language model of a composite image-text model (its config has a `vision_config`), None for a decoder.
+    Such a model merges its image features into the whole sequence's embeddings before its language model runs: the
+    sequence is cut at the language model's entry (`_split_decoder_inputs`), the labels at the model's
+    (`_split_labels`)."""
+    if getattr(getattr(model, "config", None), "vision_config", None) is None:
+        return None
+    decoder = model.get_decoder() if hasattr(model, "get_decoder") else None
+    return decoder if isinstance(decoder, nn.Module) and decoder is not model else None
+
+
+def _bound_arguments(module: nn.Module, args: tuple, kwargs: dict) -> dict:
+    bound = _forward_signature(type(module)).bind_partial(module, *args, **kwargs).arguments
+    bound.pop("self", None)
+    return {**bound, **bound.pop("kwargs", {})}
+
+
+def _split_labels(model: nn.Module, args: tuple, kwargs: dict):
+    """A composite image-text model's entry: the whole inputs go on (the images are merged into the whole
+    sequence), the labels are shifted and cut as the language model's entry will cut the sequence."""
+    if kwargs.get("past_key_values") is not None:
+        raise NotImplementedError("key/value caches are not supported under context parallelism")
+    inputs = _bound_arguments(model, args, kwargs)
+    if packed_inputs(inputs) is not None:
+        raise NotImplementedError(
+            f"packed rows are not supported under context parallelism for {type(model).__name__} (its image "
+            "features are merged before the sequence is cut); pass one sequence per row"
+        )
+    check_gradients_reduced(model)
+    state = parallel_state(model)
+    settings = state.context_parallel
+    tokens = inputs.get("input_ids")
+    tokens = inputs.get("inputs_embeds") if tokens is None else tokens
+    if tokens is None:
+        raise ValueError("a context-parallel model needs input_ids or inputs_embeds")
+    layout = ChunkLayout.for_sequence(tokens.shape[1], settings.cp, settings.layout_rank)
+    labels = inputs.get("labels")
+    if labels is not None:
+        inputs["labels"] = layout.take(pad_sequence(labels[:, 1:], layout.length, IGNORE_INDEX))
+    inputs["use_cache"] = False
+    state.sequence_length, state.sequence_layout = tokens.shape[1], layout
+    return (), inputs
+
+
+def _split_decoder_inputs(decoder: nn.Module, args: tuple, kwargs: dict, owner: nn.Module):
+    """The language model's entry: this rank's chunks of the merged embeddings and of the position ids (M-RoPE's
+    (3 or 4, batch, seq) ones cut along the sequence like the others), the whole padding mask as the marker."""
+    inputs = _bound_arguments(decoder, args, kwargs)
+    positions = inputs.get("position_ids")
+    multi = positions is not None and positions.dim() == 3
+    if multi:
+        inputs.pop("position_ids")
+    split, cut = split_batch(parallel_state(owner).context_parallel, inputs)
+    if multi:
+        padded, length = cut.layout.length, cut.length
+        more = positions[..., -1:] + torch.arange(1, padded - length + 1, device=positions.device)
+        whole = torch.cat([positions, more], dim=-1)
+        split["position_ids"] = torch.stack([cut.layout.take(rows) for rows in whole])
     return (), split
 
 

@@ -15,6 +15,7 @@ from torch import nn
 from ..engine.capabilities import Capabilities
 from ..plugins import plugin_entry_points
 from .auto_plan import auto_parallelizer, auto_plan_model_types
+from .multimodal import multimodal_parallelizer
 from .parallelizer import Parallelizer
 
 ENTRY_POINT_GROUP = "optimum_parallel.parallelizers"
@@ -95,7 +96,8 @@ class ParallelizersManager:
     def is_model_supported(cls, model_type_or_model: str | nn.Module) -> bool:
         if cls._registered(cls._model_type(model_type_or_model)) is not None:
             return True
-        return auto_parallelizer(model_type_or_model) is not None
+        automatic = auto_parallelizer(model_type_or_model)
+        return (automatic or multimodal_parallelizer(model_type_or_model, cls._registered)) is not None
 
     @classmethod
     def parallelizer_for_model(cls, model_type_or_model: str | nn.Module) -> type[Parallelizer]:
@@ -104,8 +106,10 @@ class ParallelizersManager:
         registered = cls._registered(model_type)
         if registered is not None:
             return registered
-        automatic = auto_parallelizer(model_type_or_model)
-        if automatic is None:
+        automatic = auto_parallelizer(model_type_or_model) or multimodal_parallelizer(
+            model_type_or_model, cls._registered
+        )
+        if automatic is None:  # a vision-language model's text config supported: `multimodal.py`
             raise UnsupportedModelError(
                 f"model type {model_type!r} is not supported; supported: "
                 f"{', '.join(cls.get_supported_model_types(include_auto=False))}, and model types whose config "

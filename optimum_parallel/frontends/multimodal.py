@@ -1,0 +1,379 @@
+"""Vision-language models (llava, gemma3, qwen2_5_vl, qwen3_vl, ...): a Parallelizer for a composite image-text
+model, derived from its structure.
+
+Such a model is a language model (`model.language_model`, what `get_decoder()` returns), a vision tower (`vision_tower`,
+`visual`, `vision_model`) and a projector (`multi_modal_projector`, `visual.merger`) feeding image features into the
+language model's input embeddings. Its config carries no `base_model_tp_plan` of its own; its text sub-config does.
+
+- The language model gets the plan its text model type gets alone (the registered family, else the automatic plan
+  from the text config's `base_model_tp_plan` when that splits the decoder layers, else the structural plan below),
+  re-rooted at the language model's prefix; the LM head (at the top) is vocab-parallel with the vocab-parallel loss.
+- Every attention block elsewhere (vision tower, pooling heads) is split by whole heads where tp divides its heads
+  (q/k/v or a packed qkv column-parallel, the output projection row-parallel, per-head norms replicated with their
+  gradients summed), every two-layer MLP (fc1/fc2, linear_fc1/linear_fc2, linear_1/linear_2, gate|up/down, a
+  Sequential Linear-act-Linear) column- then row-parallel where tp divides its hidden width. Everything else (patch
+  embeddings, position embeddings, norms on whole activations, Gemma 3's projection matrix) is replicated: each tp
+  rank computes it on the same whole activations, so its gradient is already whole (the region ops of the split
+  layers after it all-reduce their input gradients). `vision_report` says per module which.
+
+Beyond tp: data parallelism at every level composes as for text models; sequence parallelism runs on the language
+model where its text plan has it (a registered family's, or the Llama-shaped one) and is refused by name where the
+language model adds image features inside its layers (Qwen3-VL's deepstack); context parallelism cuts the sequence at
+the language model's entry, after the image features are merged (`context_parallel.model.composite_decoder`; Qwen3-VL's
+deepstack positions cut with it here) and is refused for bidirectional image blocks (Gemma 3's token_type_ids);
+pipeline parallelism is refused by name (the first stage would have to run the vision tower and merge its features).
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import re
+from functools import cache
+
+from torch import nn
+
+from ..context_parallel.layout import pad_sequence
+from ..engine.capabilities import Capabilities
+from ..engine.structure import derive_capabilities
+from ..mesh import ParallelMesh
+from ..state import parallel_state
+from ..styles import (
+    ColWiseParallel,
+    PackedColWiseParallel,
+    ReplicatedWithGradAllReduce,
+    RowWiseParallel,
+    SequenceParallelEnd,
+    optional,
+)
+from ..tensor_parallel import ColumnParallelLinear
+from ..tensor_parallel.spec import check_attention_heads
+from .auto_plan import AutoPlanParallelizer, auto_parallelizer, tp_plan_of
+from .parallelizer import Parallelizer
+from .sequence_plan import sequence_parallel_plan
+
+VISION_NAMES = ("vision_tower", "visual", "vision_model")
+PROJECTOR_NAMES = ("multi_modal_projector", "mm_projector")  # Qwen's projector is inside its vision tower (merger)
+QUERY_KEY_VALUE = ("q_proj", "k_proj", "v_proj")
+ATTENTION_OUT = ("o_proj", "out_proj", "proj")
+# (inputs, output) Linear children of a two-layer MLP, by name
+MLP_PAIRS = (
+    (("fc1",), "fc2"),
+    (("linear_fc1",), "linear_fc2"),
+    (("linear_1",), "linear_2"),
+    (("gate_proj", "up_proj"), "down_proj"),
+    (("0",), "2"),  # nn.Sequential(Linear, activation, Linear)
+)
+
+
+class MultimodalParts:
+    """Where the parts of a composite image-text model sit: the language model's prefix ('model.language_model.'),
+    the vision tower's and the projector's (None when absent)."""
+
+    def __init__(self, model: nn.Module) -> None:
+        decoder = model.get_decoder() if hasattr(model, "get_decoder") else None
+        names = {id(module): name for name, module in model.named_modules()}
+        if not isinstance(decoder, nn.Module) or id(decoder) not in names or decoder is model:
+            raise ValueError(f"{type(model).__name__} has no language model (get_decoder()) to parallelize")
+        self.language_model: nn.Module = decoder
+        self.language_prefix = names[id(decoder)] + "."
+        self.vision_prefix = self._find(model, VISION_NAMES)
+        self.projector_prefix = self._find(model, PROJECTOR_NAMES)
+
+    @staticmethod
+    def _find(model: nn.Module, attributes: tuple[str, ...]) -> str | None:
+        for name, module in model.named_modules():
+            if name.rpartition(".")[2] in attributes and isinstance(module, nn.Module):
+                return name + "."
+        return None
+
+    def outside_language_model(self, name: str) -> bool:
+        return not name.startswith(self.language_prefix) and name != self.language_prefix[:-1]
+
+
+def _linear(module: nn.Module | None) -> nn.Linear | None:
+    return module if isinstance(module, nn.Linear) else None
+
+
+def _heads(module: nn.Module) -> int | None:
+    """The query heads of an attention module (its `head_dim` and q/k/v or packed qkv Linear children)."""
+    head_dim = getattr(module, "head_dim", None)
+    if not isinstance(head_dim, int) or head_dim <= 0:
+        return None
+    query = _linear(getattr(module, "q_proj", None))
+    if query is not None and query.out_features % head_dim == 0:
+        return query.out_features // head_dim
+    packed = _linear(getattr(module, "qkv", None))
+    if packed is not None and packed.out_features % (3 * head_dim) == 0:
+        return packed.out_features // (3 * head_dim)
+    return None
+
+
+def attention_styles(name: str, module: nn.Module, tp: int) -> tuple[dict[str, object], str]:
+    """The plan of one attention module `name` (regex keys) and what happens to it, in words."""
+    heads, head_dim = _heads(module), getattr(module, "head_dim", 0)
+    if heads is None:
+        return {}, "replicated (no q/k/v or qkv projections with whole heads)"
+    out = next((child for child in ATTENTION_OUT if _linear(getattr(module, child, None)) is not None), None)
+    if heads % tp or out is None:
+        why = f"{heads} heads do not divide by tp={tp}" if heads % tp else "no output projection found"
+        return {}, f"replicated ({why})"
+    base = re.escape(name) + r"\."
+    plan: dict[str, object] = {base + re.escape(out): RowWiseParallel(units=heads)}
+    if _linear(getattr(module, "q_proj", None)) is not None:
+        for child in QUERY_KEY_VALUE:
+            linear = _linear(getattr(module, child, None))
+            if linear is not None:
+                plan[base + child] = ColWiseParallel(units=linear.out_features // head_dim)
+    else:
+        plan[base + "qkv"] = PackedColWiseParallel(3, units=heads)
+    for child_name, child in module.named_children():  # per-head norms act on this rank's heads only
+        weight = getattr(child, "weight", None)
+        if not isinstance(child, nn.Linear) and weight is not None and tuple(weight.shape) == (head_dim,):
+            plan[base + re.escape(child_name)] = ReplicatedWithGradAllReduce()
+    return plan, f"split: {heads} heads, {heads // tp} per rank"
+
+
+def mlp_styles(name: str, module: nn.Module, tp: int) -> tuple[dict[str, object], str] | None:
+    """The plan of a two-layer MLP `name` (its inputs column-, its output row-parallel), or None if it is not one."""
+    for inputs, output in MLP_PAIRS:
+        ins = [_linear(getattr(module, child, None)) for child in inputs]
+        out = _linear(getattr(module, output, None))
+        if out is None or any(linear is None for linear in ins):
+            continue
+        if any(linear.out_features != out.in_features for linear in ins):
+            continue
+        if isinstance(module, nn.Sequential) and len(module) != 3:
+            continue
+        width = out.in_features
+        if width % tp:
+            return {}, f"replicated (hidden width {width} does not divide by tp={tp})"
+        base = re.escape(name) + r"\."
+        plan: dict[str, object] = {base + re.escape(child): ColWiseParallel() for child in inputs}
+        plan[base + re.escape(output)] = RowWiseParallel()
+        return plan, f"split: hidden width {width}, {width // tp} per rank"
+    return None
+
+
+def vision_plan(model: nn.Module, parts: MultimodalParts, tp: int) -> tuple[dict[str, object], dict[str, str]]:
+    """The plan of everything outside the language model, and per attention block / MLP what happens to it."""
+    plan: dict[str, object] = {}
+    report: dict[str, str] = {}
+    for name, module in model.named_modules():
+        if not name or not parts.outside_language_model(name) or name.startswith(parts.language_prefix):
+            continue
+        if any(name.startswith(done + ".") for done in report):
+            continue  # inside a block already planned
+        if _heads(module) is not None:
+            styles, what = attention_styles(name, module, tp)
+        elif (found := mlp_styles(name, module, tp)) is not None:
+            styles, what = found
+        else:
+            continue
+        plan.update(styles)
+        report[name] = what
+    return plan, report
+
+
+def vision_report(model: nn.Module, tp: int) -> dict[str, str]:
+    """Per attention block and MLP outside the language model: split (how) or replicated (why)."""
+    return vision_plan(model, MultimodalParts(model), tp)[1]
+
+
+# ------------------------------------------------------------------------------------------------ the text plan
+
+
+def structural_text_plan(language_model: nn.Module, tp: int) -> dict[str, object]:
+    """The Megatron plan of a decoder derived from its layers (attention by whole heads, MLPs, vocab-parallel
+    embedding), for a text model with neither a family nor an automatic plan that splits its layers."""
+    plan: dict[str, object] = {}
+    for name, module in language_model.named_modules():
+        if _heads(module) is not None:
+            plan.update(attention_styles(name, module, tp)[0])
+        elif (found := mlp_styles(name, module, tp)) is not None:
+            plan.update(found[0])
+    if isinstance(getattr(language_model, "embed_tokens", None), nn.Embedding):
+        plan["embed_tokens"] = RowWiseParallel()
+    return plan
+
+
+def check_sequence_parallel(parts: MultimodalParts, text_family: type[Parallelizer] | None) -> None:
+    """Sequence parallelism splits the language model's hidden states from its first layer on: refused, naming the
+    module, where its text family has no sequence-parallel plan, its decoder is not Llama-shaped, or the language
+    model adds image features to the hidden states of its layers (Qwen3-VL's deepstack)."""
+    language, name = parts.language_model, parts.language_prefix[:-1]
+    if "deepstack_visual_embeds" in inspect.signature(type(language).forward).parameters:
+        raise NotImplementedError(
+            f"sequence_parallel_enabled=True: {name} ({type(language).__name__}) adds the vision tower's deepstack "
+            "features to the hidden states of its first layers at the image positions of the whole sequence, which "
+            "sequence parallelism splits; allowed for this model: False"
+        )
+    automatic = text_family is None or issubclass(text_family, AutoPlanParallelizer)
+    if not automatic and not text_family.capabilities.sequence_parallel:
+        raise NotImplementedError(
+            f"sequence_parallel_enabled=True: {name}'s family {text_family.__name__} has no sequence-parallel plan; "
+            "allowed for this model: False"
+        )
+    why = derive_capabilities(language).reason("sequence") if automatic else None
+    if why is not None:  # a structural or automatic text plan takes the sequence plan derived from the structure
+        raise NotImplementedError(
+            f"sequence_parallel_enabled=True: {name} ({type(language).__name__}): {why}; allowed for this model: False"
+        )
+
+
+def _cut_deepstack_features(model: nn.Module, language: nn.Module, args: tuple, kwargs: dict):
+    """Under cp: Qwen3-VL's language model adds deepstack image features at `visual_pos_masks` (batch, seq) of the
+    whole sequence; this rank keeps the mask of its chunks and those features, in its chunks' order (the layout the
+    model's entry cut the labels with)."""
+    mask, features = kwargs.get("visual_pos_masks"), kwargs.get("deepstack_visual_embeds")
+    layout = parallel_state(model).sequence_layout
+    if mask is None or features is None or layout is None:
+        return None
+    whole = pad_sequence(mask.bool(), layout.length, False)
+    ordinal = (whole.reshape(-1).long().cumsum(0) - 1).reshape(whole.shape)  # each image token's feature row
+    local = layout.take(whole)
+    rows = layout.take(ordinal)[local]
+    return args, {**kwargs, "visual_pos_masks": local, "deepstack_visual_embeds": [f[rows] for f in features]}
+
+
+def check_context_parallel_parts(model: nn.Module, parts: MultimodalParts, cp: int) -> None:
+    """Context parallelism cuts the sequence at the language model's entry, after the image features are merged
+    (`context_parallel.model.composite_decoder`), and builds causal masks from the chunks' global positions: refused,
+    naming the module, where the image tokens attend otherwise (Gemma 3's bidirectional image blocks from
+    `token_type_ids`). Image features added inside the layers (Qwen3-VL's deepstack) are cut with the sequence
+    (`_cut_deepstack_features`)."""
+    name = parts.language_prefix[:-1]
+    owner = model.get_submodule(name.rpartition(".")[0]) if "." in name else model
+    if "token_type_ids" in inspect.signature(type(owner).forward).parameters:
+        raise NotImplementedError(
+            f"{type(model).__name__} with cp={cp} is not supported: {type(owner).__name__} lets each image's tokens "
+            "attend to one another both ways (its token_type_ids mask), and context parallelism's ring attention "
+            "builds causal masks only; allowed for this model: cp=1"
+        )
+
+
+class MultimodalParallelizer(Parallelizer):
+    """A composite image-text model: the text family's plan re-rooted at the language model, plus the vision tower's
+    and projector's structural plan (module docstring). `text_family` None: the structural text plan."""
+
+    text_family: type[Parallelizer] | None = None
+    model_type = ""
+
+    @classmethod
+    def check(cls, model: nn.Module, mesh: ParallelMesh) -> None:
+        parts = MultimodalParts(model)
+        if mesh.size("pp") > 1:
+            raise NotImplementedError(
+                f"{type(model).__name__} with pp={mesh.size('pp')} is not supported: the first pipeline stage would "
+                f"have to run the vision tower ({parts.vision_prefix[:-1] if parts.vision_prefix else 'absent'}) "
+                "and merge the image features into the language model's inputs_embeds, which the decoder stages do "
+                "not do; allowed for vision-language models: pp=1"
+            )
+        if mesh.size("cp") > 1:
+            check_context_parallel_parts(model, parts, mesh.size("cp"))
+        if cls.text_family is not None:
+            cls.text_family.check(parts.language_model, mesh)
+        else:
+            config = parts.language_model.config
+            heads, kv = getattr(config, "num_attention_heads", None), getattr(config, "num_key_value_heads", None)
+            if isinstance(heads, int):
+                check_attention_heads(
+                    mesh.tp_size, ("num_attention_heads", heads), ("num_key_value_heads", kv) if kv else None
+                )
+
+    @classmethod
+    def plan(cls, model, mesh, parallelize_embeddings, sequence_parallel_enabled):
+        parts = MultimodalParts(model)
+        language = parts.language_model
+        if sequence_parallel_enabled:
+            check_sequence_parallel(parts, cls.text_family)
+        if cls.text_family is not None:
+            text = dict(cls.text_family.plan(language, mesh, parallelize_embeddings, sequence_parallel_enabled))
+        else:
+            text = structural_text_plan(language, mesh.tp_size)
+            if not parallelize_embeddings:
+                text.pop("embed_tokens", None)
+            if sequence_parallel_enabled:
+                text.update(sequence_parallel_plan(language, text))
+        head = text.pop("lm_head", None)
+        if cls.text_family is None or issubclass(cls.text_family, AutoPlanParallelizer):
+            head = None  # the language model alone has no LM head: its automatic plan left it whole
+        prefix = re.escape(parts.language_prefix)
+        plan: dict[str, object] = {prefix + f"(?:{key})": style for key, style in text.items()}
+        if head is None:  # vocab-parallel (with the vocab-parallel loss), gathering the sequence under sp
+            styles = [ColWiseParallel()] if parallelize_embeddings else []
+            styles += [SequenceParallelEnd()] if sequence_parallel_enabled else []
+            head = optional(styles) if styles else None
+        if head is not None and isinstance(getattr(model, "lm_head", None), nn.Linear):
+            plan["lm_head"] = head
+        plan.update(vision_plan(model, parts, mesh.tp_size)[0])
+        return plan
+
+    @classmethod
+    def after_plan(cls, model: nn.Module, mesh: ParallelMesh) -> None:
+        parts = MultimodalParts(model)
+        if cls.text_family is not None:
+            cls.text_family.after_plan(parts.language_model, mesh)
+        language = parts.language_model
+        if mesh.size("cp") > 1 and "deepstack_visual_embeds" in inspect.signature(type(language).forward).parameters:
+            hook = functools.partial(_cut_deepstack_features, model)  # runs before context parallelism's own cut
+            language.register_forward_pre_hook(hook, with_kwargs=True)
+        for module in model.modules():  # a packed qkv reshapes with the module's own head count
+            packed = getattr(module, "qkv", None)
+            head_dim = getattr(module, "head_dim", None)
+            if isinstance(packed, ColumnParallelLinear) and isinstance(head_dim, int) and hasattr(module, "num_heads"):
+                module.num_heads = packed.weight.shape[0] // (3 * head_dim)
+
+    @classmethod
+    def pipeline_split_spec(cls, model: nn.Module) -> str:
+        return MultimodalParts(model).language_prefix + "layers"
+
+
+def _text_family_of(text_config, registered) -> type[Parallelizer] | None:
+    family = registered(getattr(text_config, "model_type", ""))
+    if family is not None:
+        return family
+    automatic = auto_parallelizer(text_config)
+    plan = tp_plan_of(text_config) or {}
+    if automatic is not None and any(key.startswith("layers.") for key in plan):
+        return automatic
+    return None
+
+
+@cache
+def _multimodal_class(
+    model_type: str, text_family: type[Parallelizer] | None, context_parallel: bool
+) -> type[Parallelizer]:
+    text = text_family.capabilities if text_family is not None else Capabilities()
+    # sp and pp are refused by name in `plan` / `check` (the family door); cp is declared only where it runs, so a
+    # door without the family (an explicit plan) refuses it too
+    capabilities = Capabilities(True, True, context_parallel, activations=text.activations)
+    attributes = {"model_type": model_type, "text_family": text_family, "capabilities": capabilities}
+    return type(f"MultimodalParallelizer[{model_type}]", (MultimodalParallelizer,), attributes)
+
+
+def multimodal_parallelizer(model_type_or_model, registered) -> type[Parallelizer] | None:
+    """The Parallelizer of a composite image-text model (a config with `text_config` and `vision_config`), or None.
+    `registered(model_type)` gives the registered family of a model type (the manager's registry)."""
+    if isinstance(model_type_or_model, str):
+        from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+        try:
+            config = CONFIG_MAPPING[model_type_or_model]()
+        except Exception:  # unknown type, or a config class that cannot be built with defaults
+            return None
+    else:
+        config = getattr(model_type_or_model, "config", model_type_or_model)
+    text_config = getattr(config, "text_config", None)
+    if text_config is None or getattr(config, "vision_config", None) is None:
+        return None
+    context_parallel = False
+    if isinstance(model_type_or_model, nn.Module):
+        try:
+            parts = MultimodalParts(model_type_or_model)
+            check_context_parallel_parts(model_type_or_model, parts, 2)
+            context_parallel = parts.vision_prefix is not None
+        except (ValueError, NotImplementedError):
+            pass
+    text_family = _text_family_of(text_config, registered)
+    return _multimodal_class(getattr(config, "model_type", ""), text_family, context_parallel)
