@@ -74,6 +74,7 @@ class TokenStatistics:
     correct: torch.Tensor  # the label is the argmax (the first of equal maxima, as torch.argmax picks)
     mean_logit: torch.Tensor  # the mean logit over the whole vocabulary
     log_prob: torch.Tensor  # log p(label), without gradient
+    log_sum_sq_probs: torch.Tensor  # log(sum_v p_v^2), WPO's weights
 
 
 @torch.no_grad()
@@ -85,7 +86,7 @@ def token_statistics(
     vocab_size: int | None = None,
     ignore_index: int = IGNORE_INDEX,
 ) -> TokenStatistics:
-    """Entropy, argmax correctness, mean logit and log p(label) per token of vocab-parallel `logits` (see
+    """Entropy, argmax correctness, mean logit, log p(label) and log sum p^2 per token of vocab-parallel `logits` (see
     `token_log_probs` for the arguments; `vocab_size`: the whole vocabulary, default V_local when `group` is None).
     Two all-reduces over `group` of O(tokens) numbers: the maxima, then the sums."""
     x = logits.reshape(-1, logits.shape[-1]).float()
@@ -103,10 +104,10 @@ def token_statistics(
     shifted = x - row_max[:, None]
     exp = shifted.exp()
     label_logit = x.gather(-1, local_target.clamp(0, local - 1)[:, None]).squeeze(-1).masked_fill(~ours, 0.0)
-    sums = torch.stack([exp.sum(-1), (exp * shifted).sum(-1), x.sum(-1), label_logit])
+    sums = torch.stack([exp.sum(-1), (exp * shifted).sum(-1), x.sum(-1), label_logit, exp.square().sum(-1)])
     if group is not None:
         sums = all_reduce(sums, group)
-    sum_exp, shifted_sum_exp, logit_sum, label_logit = sums
+    sum_exp, shifted_sum_exp, logit_sum, label_logit, sum_sq_exp = sums
     ignored = target == ignore_index
     log_z = sum_exp.log()  # of the shifted logits
     entropy = log_z - shifted_sum_exp / sum_exp
@@ -118,6 +119,7 @@ def token_statistics(
         correct=(correct & ~ignored).reshape(shape),
         mean_logit=(logit_sum / (vocab_size or local)).masked_fill(ignored, 0.0).reshape(shape),
         log_prob=log_prob.masked_fill(ignored, 0.0).reshape(shape),
+        log_sum_sq_probs=(sum_sq_exp.log() - 2 * log_z).masked_fill(ignored, 0.0).reshape(shape),
     )
 
 
