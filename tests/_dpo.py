@@ -96,6 +96,45 @@ def train_parallel_dpo(hf_dir: str, output_dir: str, options: dict, layout: dict
     return metrics_per_step(trainer.state.log_history)
 
 
+def perturbed_copy(hf_dir: str, out_dir, scale: float = 1e-7) -> str:
+    """The checkpoint at `hf_dir` with every weight perturbed by relative `scale`: TRL's run from it measures the
+    fp32 noise floor of each metric."""
+    import shutil
+
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32)
+    gen = torch.Generator().manual_seed(17)
+    with torch.no_grad():
+        for param in model.parameters():
+            param.mul_(1 + scale * torch.randn(param.shape, generator=gen))
+    model.save_pretrained(out_dir)
+    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+        if (src := f"{hf_dir}/{name}") and __import__("os").path.exists(src):
+            shutil.copy(src, out_dir)
+    return str(out_dir)
+
+
+def noise_floor(expected: dict, perturbed: dict) -> dict[str, float]:
+    """Per metric, the largest |difference| over the steps between TRL's runs from the weights and from the
+    perturbed weights."""
+    return {
+        key: max(abs(perturbed[step][key] - values[key]) for step, values in expected.items()) for key in expected[1]
+    }
+
+
+def check_against(got: dict, expected: dict, noise: dict, tol: float, floor: float = 1e-3) -> dict[str, float]:
+    """The worst relative error of each metric (see `relative_errors`); asserts each step's error is within `tol`
+    relative, or 10 x the metric's fp32 noise floor where that is larger (the rewards are differences of log-probs:
+    their noise is that of the log-probs, ~1e-7 of |logps|, on values near 0)."""
+    worst = relative_errors(got, expected, floor)
+    for step, values in expected.items():
+        for key, value in values.items():
+            allowed = max(tol * max(abs(value), floor), 10 * noise[key])
+            assert abs(got[step][key] - value) <= allowed, (step, key, got[step][key], value, allowed)
+    return worst
+
+
 def relative_errors(got: dict, expected: dict, floor: float = 1e-3) -> dict[str, float]:
     """The worst relative error of each metric over the steps (|expected| below `floor` counts as `floor`: the
     rewards of step 1 are 0, policy and reference being equal)."""

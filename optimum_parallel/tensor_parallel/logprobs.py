@@ -19,6 +19,7 @@ from torch import nn
 from torch.distributed import ProcessGroup, ReduceOp
 
 from ..comm.collectives import all_reduce
+from ..mesh import ranks
 from .layers import ColumnParallelLinear
 from .loss import vocab_parallel_cross_entropy
 
@@ -42,7 +43,9 @@ def vocab_slice(model: nn.Module) -> VocabSlice:
     head = get_head() if get_head is not None else None
     head = getattr(head, "base_layer", head)  # an adapter wrapping the head
     if isinstance(head, ColumnParallelLinear) and not head.gather_output:
-        return VocabSlice(head.group, head.weight.shard_layout.ranges[0][0], head.out_features)
+        layout = getattr(head.weight, "shard_layout", None)  # FSDP2 replaces the parameter: then the shard sizes
+        start = layout.ranges[0][0] if layout is not None else sum(head.output_sizes[: ranks.rank(head.group)])
+        return VocabSlice(head.group, start, head.out_features)
     if head is None or not hasattr(head, "weight"):
         raise ValueError(f"{type(model).__name__} has no output embeddings (get_output_embeddings() is None)")
     return VocabSlice(None, 0, head.weight.shape[0])

@@ -28,7 +28,7 @@ from typing import Any
 
 import torch
 from torch.utils.data import DataLoader
-from transformers import AutoModelForCausalLM, PreTrainedModel
+from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel, set_seed
 from trl import DPOConfig, DPOTrainer
 
 from ...engine.compose import compose_model
@@ -87,6 +87,19 @@ def check_preference_dataset(dataset: Any) -> None:
             )
 
 
+class _BaseAsReference(torch.nn.Module):
+    """Stands for the reference while TRL's `DPOTrainer.__init__` runs, when the mixin (not TRL) made the PEFT model
+    from `peft_config`: TRL would otherwise take the policy for a pretrained adapter and copy it as the reference
+    ("ref" adapter), where with `peft_config` its reference is the base model, adapters disabled. Removed after."""
+
+    def __init__(self, config) -> None:
+        super().__init__()
+        self.config = config
+
+    def forward(self, *args, **kwargs):
+        raise RuntimeError("the placeholder reference of ParallelDPOTrainer was called")
+
+
 def _is_peft(model: Any) -> bool:
     from accelerate.utils import is_peft_model
 
@@ -115,6 +128,7 @@ class ParallelDPOTrainer(ParallelTrainerMixin, DPOTrainer):
         check_preference_dataset(kwargs["train_dataset"])
         if ref_model is not None and ref_model is model:
             raise ValueError("`model` and `ref_model` cannot be the same object; omit `ref_model` for a copy")
+        base_as_reference = ref_model is None and kwargs.get("peft_config") is not None
         if ref_model is None and not (args.precompute_ref_log_probs or kwargs.get("peft_config") or _is_peft(model)):
             ref_model = model if isinstance(model, (str, os.PathLike)) else model.config._name_or_path
             if not ref_model:
@@ -127,7 +141,13 @@ class ParallelDPOTrainer(ParallelTrainerMixin, DPOTrainer):
             if isinstance(model, PreTrainedModel):
                 kwargs_for_ref.setdefault("dtype", model.dtype)
             ref_model = self._parallel_reference(ref_model, args, model_class, kwargs_for_ref)
+        if base_as_reference:
+            config = model.config if isinstance(model, PreTrainedModel) else AutoConfig.from_pretrained(model)
+            ref_model = _BaseAsReference(config)
+        set_seed(args.seed)  # as TRL, before the policy is built: a PEFT adapter's init draws the same numbers
         super().__init__(model, args, model_class=model_class, model_kwargs=model_kwargs, ref_model=ref_model, **kwargs)
+        if isinstance(self.ref_model, _BaseAsReference):
+            self.ref_model = None
         if self.aux_loss_enabled:
             raise ValueError(
                 f"router_aux_loss_coef={self.router_aux_loss_coef} is not supported by ParallelDPOTrainer (the "
@@ -158,7 +178,7 @@ class ParallelDPOTrainer(ParallelTrainerMixin, DPOTrainer):
         """The parallel fused head on the policy (its base under PEFT) and the reference, where TRL put its own."""
         policy = self.model.get_base_model() if _is_peft(self.model) else self.model
         install_fused_head(plan_root(policy))
-        if self.ref_model is not None:
+        if self.ref_model is not None and not isinstance(self.ref_model, _BaseAsReference):
             install_fused_head(plan_root(self.ref_model))
 
     @private_override
@@ -174,6 +194,8 @@ class ParallelDPOTrainer(ParallelTrainerMixin, DPOTrainer):
                 "Dataset or set `precompute_ref_log_probs=False`."
             )
         self._install_fused_heads()
+        if isinstance(self.ref_model, _BaseAsReference):
+            self.ref_model = None  # the base, adapters disabled (TRL's `compute_ref_log_probs` reads this)
         loader = DataLoader(dataset, batch_size=batch_size, collate_fn=self.data_collator, shuffle=False)
         model = self.ref_model or self.model
         chosen, rejected = [], []
