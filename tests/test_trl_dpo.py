@@ -1,8 +1,8 @@
-"""TRL's DPOTrainer on a parallel model: ParallelDPOTrainer at tp=2, tp=2 + sp and cp=2 logs, step by step, the loss,
-rewards, log-probabilities and the other metrics TRL's DPOTrainer logs on one process (sigmoid, ipo, apo_zero; Llama
-and Qwen3; a reference loaded in parallel, precomputed, or a LoRA policy's base); the options a layout cannot run
-and a dataset without chosen / rejected are refused on every rank before any step (gloo, 2 ranks). dp=2 x tp=2 at
-sharding level 3: test_trl_dpo_dp.py."""
+"""TRL's DPOTrainer on a parallel model: ParallelDPOTrainer at tp=2, tp=2 + sp, cp=2 and pp=2 logs, step by step,
+the loss, rewards, log-probabilities and the other metrics TRL's DPOTrainer logs on one process (sigmoid, ipo,
+apo_zero; Llama and Qwen3; a reference loaded in parallel, precomputed, or a LoRA policy's base); the options a layout
+cannot run and a dataset without chosen / rejected are refused on every rank before any step (gloo, 2 ranks). dp=2 x
+tp=2 at sharding level 3, dp=2 x cp=2 and pp=2 x tp=2: test_trl_dpo_dp.py."""
 
 from __future__ import annotations
 
@@ -25,6 +25,7 @@ TOL = 1e-5  # relative, per step and metric, or 10 x the fp32 noise floor where 
 TP2 = {"tensor_parallel_size": 2}
 SP = {"tensor_parallel_size": 2, "sequence_parallel": True}
 CP2 = {"context_parallel_size": 2}
+PP2 = {"pipeline_parallel_size": 2, "pipeline_parallel_num_microbatches": 2}
 
 
 @pytest.fixture(scope="module")
@@ -69,10 +70,15 @@ CASES = {
     "cp2-ipo": ("llama", {"loss_type": ["ipo"]}, CP2),
     "sp-apo_zero": ("llama", {"loss_type": ["apo_zero"]}, SP),
     "cp2-apo_zero": ("llama", {"loss_type": ["apo_zero"]}, CP2),
+    "pp2-sigmoid": ("llama", {}, PP2),
+    "pp2-ipo": ("llama", {"loss_type": ["ipo"]}, PP2),
+    "pp2-apo_zero": ("llama", {"loss_type": ["apo_zero"]}, PP2),
     "qwen3-tp2-sigmoid": ("qwen3", {}, TP2),
+    "qwen3-pp2-sigmoid": ("qwen3", {}, PP2),
     "qwen3-cp2-sigmoid": ("qwen3", {}, CP2),
     "tp2-precomputed-reference": ("llama", {"precompute_ref_log_probs": True}, TP2),
     "cp2-precomputed-reference": ("llama", {"precompute_ref_log_probs": True}, CP2),
+    "pp2-precomputed-reference": ("llama", {"precompute_ref_log_probs": True}, PP2),
 }
 
 
@@ -121,11 +127,11 @@ def refused(hf_dir: str, output_dir: str, option: dict, layout: dict, dataset_ro
 @pytest.mark.parametrize(
     "option,layout,words",
     [
-        ({"pipeline_parallel_size": 2}, {}, "pipeline_parallel_size=2"),
+        (PP2, CP2, "pipeline_parallel_size=2 with context_parallel_size=2"),
         ({"sync_ref_model": True}, TP2, "sync_ref_model=True"),
         ({"use_liger_kernel": True}, TP2, "use_liger_kernel=True"),
     ],
-    ids=["pp", "sync_ref_model", "liger"],
+    ids=["pp-with-cp", "sync_ref_model", "liger"],
 )
 def test_options_a_layout_cannot_run_are_refused_by_name(pool, hf_dirs, tmp_path, option, layout, words):
     for message in pool.run(refused, hf_dirs["llama"], str(tmp_path), option, layout):

@@ -1,6 +1,6 @@
 """TRL's DPOTrainer on a parallel model with data parallelism: dp=2 x tp=2 at sharding level 3 (FSDP2) and dp=2 x cp=2
-(level 0), each replica half of TRL's batch, log, step by step, what TRL's DPOTrainer logs on one process with the
-whole batch (sigmoid, ipo, apo_zero) (gloo, 4 ranks)."""
+(level 0), each replica half of TRL's batch, and pp=2 x tp=2 log, step by step, what TRL's DPOTrainer logs on one
+process with the whole batch (sigmoid, ipo, apo_zero) (gloo, 4 ranks)."""
 
 from __future__ import annotations
 
@@ -15,6 +15,7 @@ TOL = 1e-5  # relative, or 10 x the fp32 noise floor where larger (see `_dpo.che
 HALF_BATCH = {"per_device_train_batch_size": 2}  # per replica: TRL's batch of 4 over 2 replicas
 DP_TP_L3 = {"tensor_parallel_size": 2, "sharding_level": 3, **HALF_BATCH}
 DP_CP = {"context_parallel_size": 2, "sharding_level": 0, **HALF_BATCH}
+PP_TP = {"pipeline_parallel_size": 2, "pipeline_parallel_num_microbatches": 2, "tensor_parallel_size": 2}
 
 
 @pytest.fixture(scope="module")
@@ -33,7 +34,7 @@ def reference(tmp_path_factory):
     return run
 
 
-@pytest.mark.parametrize("layout", [DP_TP_L3, DP_CP], ids=["dp2-tp2-level3", "dp2-cp2"])
+@pytest.mark.parametrize("layout", [DP_TP_L3, DP_CP, PP_TP], ids=["dp2-tp2-level3", "dp2-cp2", "pp2-tp2"])
 @pytest.mark.parametrize("loss_type", ["sigmoid", "ipo", "apo_zero"])
 def test_dpo_with_data_parallelism_matches_trl_on_one_process(pool, reference, tmp_path, loss_type, layout):
     hf_dir, expected, noise = reference(loss_type)

@@ -4,7 +4,7 @@
 `SFTTrainer` (dataset preparation, packing, padding-free collation, checkpoints) over a tp / sp / pp / cp / dp / ep
 mesh; packed rows keep every document to itself on every layout (`optimum_parallel.packing`).
 `ParallelDPOTrainer(model, args=ParallelDPOConfig(...), train_dataset=..., processing_class=...)` is TRL's
-`DPOTrainer` over a tp / sp / cp / dp mesh, its policy and reference both parallel. Both read per-token
+`DPOTrainer` over a tp / sp / cp / pp / dp mesh, its policy and reference both parallel. Both read per-token
 log-probabilities, entropy and token accuracy with the vocab-parallel log-softmax
 (`optimum_parallel.tensor_parallel.logprobs`), never gathering the vocabulary."""
 

@@ -1,4 +1,4 @@
-"""TRL's `DPOTrainer` with `ParallelTrainerMixin`: preference optimisation on a tp / sp / cp / dp (sharding levels
+"""TRL's `DPOTrainer` with `ParallelTrainerMixin`: preference optimisation on a tp / sp / cp / pp / dp (sharding levels
 0-3) mesh, equal to TRL's `DPOTrainer` on one process.
 
 TRL's trainer is used as it is (dataset preparation, the collator that puts chosen and rejected rows in one batch,
@@ -7,17 +7,21 @@ every loss type, the metrics); what changes is where the per-token log-probabili
 - the policy and the reference are both parallel on the same mesh. The reference (no `ref_model`: the policy's
   checkpoint, as TRL loads it) is loaded with `lazy_load_for_parallelism`, each rank reading its slice, frozen, and
   run without a graph; `precompute_ref_log_probs=True` computes its log-probabilities once before training (with
-  the policy, as TRL does, and no reference kept); a PEFT policy's reference is its base with the adapters disabled;
+  the policy, as TRL does, and no reference kept); a PEFT policy made from `peft_config` has its base with the
+  adapters disabled as reference (as TRL);
 - TRL's fused LM head, which multiplies the hidden states by `lm_head.weight` (a vocabulary slice under tp) and
   scores whole rows (a rank holds chunks of them under cp), is replaced by the parallel one (`fused_head.py`): the
   vocab-parallel log-softmax, the per-token numbers gathered over cp, so that TRL's sums over each completion, its
-  losses and its metrics are those of one process.
+  losses and its metrics are those of one process;
+- under pp a step is two passes (`training_step`): the pipeline's forward without a graph gives the log-probabilities
+  (scored on the last stage, sent to every stage), TRL computes its loss and metrics from them and the loss is
+  backpropagated to them only; then the pipeline's forward and backward of sum(weight x log p) over the tokens, the
+  weights being that gradient, give the parameters the gradient of TRL's loss (one forward more than TRL's step).
 
-Refused before anything changes, by name (`check_dpo_options`): `pipeline_parallel_size > 1` (the DPO loss couples
-the chosen and rejected rows of a pair and the reference's log-probabilities, which the pipeline's per-micro-batch
-token loss cannot carry), `use_liger_kernel`, `sync_ref_model` (the policy's FSDP2 shards and the replicated
-reference do not line up), and a MoE model's `router_aux_loss_coef != 0`. A dataset without `chosen` / `rejected`
-raises TRL's error on every rank before any collective.
+Refused before anything changes, by name (`check_dpo_options`): pp together with cp (the pipeline's pass scores whole
+rows), `use_liger_kernel`, `sync_ref_model` (the policy's FSDP2 shards and the replicated reference do not line up),
+and a MoE model's `router_aux_loss_coef != 0`. A dataset without `chosen` / `rejected` raises TRL's error on every
+rank before any collective.
 """
 
 from __future__ import annotations
@@ -35,11 +39,12 @@ from ...engine.compose import compose_model
 from ...engine.validate import validate
 from ...frontends.manager import ParallelizersManager
 from ...plan.wrappers import plan_root
+from ...tensor_parallel.logprobs import IGNORE_INDEX, token_log_probs, vocab_slice
 from ..transformers.internals import check_overrides, private_override
 from ..transformers.lazy_loading import lazy_load_for_parallelism
 from ..transformers.trainer import ParallelTrainerMixin, _mesh_for
 from ..transformers.training_args import ParallelTrainingArguments, trainer_request
-from .fused_head import install_fused_head
+from .fused_head import FusedHead, install_fused_head
 
 
 @dataclass
@@ -49,12 +54,11 @@ class ParallelDPOConfig(ParallelTrainingArguments, DPOConfig):
 
 def check_dpo_options(args: DPOConfig) -> None:
     """ValueError naming the first TRL option that cannot work on the layout `args` asks for."""
-    if args.pipeline_parallel_size > 1:
+    if args.pipeline_parallel_size > 1 and args.context_parallel_size > 1:
         raise ValueError(
-            f"pipeline_parallel_size={args.pipeline_parallel_size} is not supported by ParallelDPOTrainer: the DPO "
-            "loss of a pair needs its chosen and rejected rows and the reference's log-probabilities together, and "
-            "the pipeline's loss is a per-micro-batch token loss; allowed: 1 (use tensor_parallel_size, "
-            "context_parallel_size and sharding_level to split the model)"
+            f"pipeline_parallel_size={args.pipeline_parallel_size} with context_parallel_size="
+            f"{args.context_parallel_size} is not supported by ParallelDPOTrainer (the pipeline's log-probabilities "
+            "are scored on whole rows); allowed with pp > 1: context_parallel_size=1"
         )
     if args.use_liger_kernel:
         raise ValueError(
@@ -109,6 +113,9 @@ def _is_peft(model: Any) -> bool:
 class ParallelDPOTrainer(ParallelTrainerMixin, DPOTrainer):
     """TRL's `DPOTrainer` on a parallel model (see the module docstring); `args` is a `ParallelDPOConfig`, `model` a
     transformers model or a checkpoint path, `ref_model` None (the policy's checkpoint), a model or a path."""
+
+    # under pp the dataset keeps TRL's columns (the collator makes the batches)
+    pipeline_columns = ("prompt_ids", "chosen_ids", "rejected_ids", "ref_chosen_logps", "ref_rejected_logps")
 
     def __init__(
         self,
@@ -177,9 +184,44 @@ class ParallelDPOTrainer(ParallelTrainerMixin, DPOTrainer):
     def _install_fused_heads(self) -> None:
         """The parallel fused head on the policy (its base under PEFT) and the reference, where TRL put its own."""
         policy = self.model.get_base_model() if _is_peft(self.model) else self.model
-        install_fused_head(plan_root(policy))
+        self._policy_head: FusedHead = install_fused_head(plan_root(policy))
         if self.ref_model is not None and not isinstance(self.ref_model, _BaseAsReference):
             install_fused_head(plan_root(self.ref_model))
+
+    def training_step(self, model, inputs: dict[str, Any], num_items_in_batch=None) -> torch.Tensor:
+        """Under pp, two passes: TRL's loss and metrics from log-probabilities the pipeline computes without a graph
+        (its forward, scored on the last stage, sent to every stage), backpropagated to those log-probabilities only;
+        then the pipeline's forward and backward of sum(token weight x log p), the weights being that gradient: the
+        parameters get the gradient of TRL's loss, for every loss type (it is computed on the whole batch)."""
+        if self._pipeline is None:
+            return super().training_step(model, inputs, num_items_in_batch)
+        model.train()
+        inputs = self._prepare_inputs(inputs)
+        with self.compute_loss_context_manager():
+            loss = self.compute_loss(model, inputs) / self.current_gradient_accumulation_steps
+        leaf = self._policy_head.pipeline_log_probs
+        (weights,) = torch.autograd.grad(loss, leaf)
+        labels = inputs["input_ids"].masked_fill(inputs["completion_mask"] == 0, IGNORE_INDEX)
+        root = plan_root(model)
+        vocab = root.config.get_text_config().vocab_size
+        surrogate = _WeightedLogProbs(root, weights, vocab)
+        previous, root.loss_function = root.loss_function, surrogate
+        try:
+            with self.accelerator.autocast():
+                model.run_train(
+                    input_ids=inputs["input_ids"],
+                    labels=surrogate.encode(labels),
+                    attention_mask=inputs.get("attention_mask"),
+                )
+        finally:
+            root.loss_function = previous
+        return loss.detach()
+
+    def prediction_step(self, model, inputs: dict[str, Any], prediction_loss_only: bool, ignore_keys=None):
+        """TRL's (the DPO loss and metrics); under pp its fused forward runs through the pipeline."""
+        if self._pipeline is None:
+            return super().prediction_step(model, inputs, prediction_loss_only, ignore_keys)
+        return DPOTrainer.prediction_step(self, model, inputs, prediction_loss_only, ignore_keys)
 
     @private_override
     def _precompute_ref_logps(self, dataset, name: str, batch_size: int):
@@ -206,6 +248,31 @@ class ParallelDPOTrainer(ParallelTrainerMixin, DPOTrainer):
             rejected.append(ref_rejected.float().cpu())
         dataset = dataset.add_column("ref_chosen_logps", torch.cat(chosen).tolist())
         return dataset.add_column("ref_rejected_logps", torch.cat(rejected).tolist())
+
+
+class _WeightedLogProbs:
+    """The loss the pipeline backpropagates under pp: sum over tokens of weight x log p(label), each micro-batch's
+    share on the last stage. The labels it is given carry each token's place in the batch (`encode`: label +
+    vocab x (flat index + 1)), so every share finds its weights whatever rows its micro-batch holds."""
+
+    def __init__(self, model, weights: torch.Tensor, vocab_size: int) -> None:
+        self.model, self.weights, self.vocab_size = model, weights, vocab_size
+
+    def encode(self, labels: torch.Tensor) -> torch.Tensor:
+        index = torch.arange(labels.numel(), device=labels.device).view(labels.shape)
+        return torch.where(labels == IGNORE_INDEX, labels, labels + self.vocab_size * (index + 1))
+
+    def __call__(self, logits, labels, **kwargs) -> torch.Tensor:
+        targets = torch.nn.functional.pad(labels, (0, 1), value=IGNORE_INDEX)[..., 1:]
+        ignored = targets == IGNORE_INDEX
+        place = torch.where(ignored, self.vocab_size, targets) // self.vocab_size - 1  # flat index, row-major (B, L)
+        length = self.weights.shape[1] + 1
+        rows, columns = place // length, (place % length - 1).clamp(min=0)
+        weights = self.weights.to(logits.device)[rows.clamp(min=0), columns].masked_fill(ignored, 0.0)
+        head = vocab_slice(self.model)
+        log_probs = token_log_probs(logits, (targets % self.vocab_size).masked_fill(ignored, IGNORE_INDEX),
+                                    head.group, head.vocab_start)  # fmt: skip
+        return (log_probs * weights).sum()
 
 
 check_overrides(ParallelDPOTrainer, DPOTrainer)
