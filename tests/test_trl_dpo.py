@@ -92,6 +92,16 @@ def test_dpo_matches_trl_on_one_process(pool, hf_dirs, reference, tmp_path, case
         print(case, rank, {k: f"{v:.1e}" for k, v in worst.items()})
 
 
+@pytest.mark.parametrize("layout", [TP2, CP2, PP2], ids=["tp2", "cp2", "pp2"])
+def test_evaluation_matches_trl_on_one_process(pool, hf_dirs, tmp_path, tmp_path_factory, layout):
+    expected = trl_reference(hf_dirs["llama"], str(tmp_path_factory.mktemp("ref")), evaluate=True)
+    assert "loss" in expected[1] and "rewards/margins" in expected[1], expected
+    noise = dict.fromkeys(expected[1], 0.0)
+    for rank, got in enumerate(pool.run(train_parallel_dpo, hf_dirs["llama"], str(tmp_path), {}, layout, True)):
+        worst = check_against(got, expected, noise, TOL)
+        print("evaluate", layout, rank, {k: f"{v:.1e}" for k, v in worst.items()})
+
+
 def train_lora_dpo(hf_dir: str, output_dir: str, layout: dict) -> dict:
     return train_parallel_dpo(hf_dir, output_dir, {"peft_config": lora()}, layout)
 
