@@ -152,3 +152,32 @@ def test_a_dataset_without_chosen_and_rejected_gets_trls_error_on_every_rank(poo
     rows = [{"prompt": "t5 t6", "completion": " t7"}] * 4
     for message in pool.run(refused, hf_dirs["llama"], str(tmp_path), {}, TP2, rows):
         assert message.startswith("KeyError") and "chosen" in message, message
+
+
+def fused_head_check(layout: dict) -> tuple[bool, float]:
+    import torch
+    from _models import build_model, tiny_config
+
+    import optimum_parallel as op
+    from optimum_parallel.integrations.trl import install_fused_head
+
+    reference = build_model(tiny_config("llama"), seed=0)
+    model = build_model(tiny_config("llama"), seed=0)
+    op.init_mesh(**layout)
+    model = op.ParallelizersManager.parallelizer_for_model(model).parallelize(model)
+    install_fused_head(model)
+    ids = torch.randint(3, 128, (2, 6), generator=torch.Generator().manual_seed(0))
+    same = torch.equal(model.generate(input_ids=ids, max_new_tokens=4, do_sample=False),
+                       reference.generate(input_ids=ids, max_new_tokens=4, do_sample=False))  # fmt: skip
+    labels = ids.masked_fill(torch.arange(6) < 2, -100)
+    got = model(input_ids=ids, labels=labels, fused_lm_head=True).log_probs
+    expected = torch.log_softmax(reference(input_ids=ids).logits[:, :-1].double(), -1)
+    expected = expected.gather(-1, ids[:, 1:, None]).squeeze(-1) * (labels[:, 1:] != -100)
+    return same, ((got - expected).abs().max() / expected.abs().max()).item()
+
+
+def test_fused_head_scores_labels_and_keeps_generate(pool):
+    """The parallel fused head (what GRPO and DPO read) at tp=2: log p(label) as one device gives it, and
+    `generate` (which checks its arguments against the forward's signature) unchanged."""
+    for same, err in pool.run(fused_head_check, {"tp": 2}):
+        assert same and err <= TOL, (same, err)

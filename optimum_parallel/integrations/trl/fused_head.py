@@ -13,6 +13,8 @@ as for the cp loss, `context_parallel/loss.py`).
 
 from __future__ import annotations
 
+import inspect
+
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -61,6 +63,8 @@ class FusedHead:
     def __init__(self, model: nn.Module) -> None:
         self.model = model
         self.pipeline_log_probs: torch.Tensor | None = None
+        # the model's own signature: `generate` checks its keyword arguments against it (as TRL's fused forward keeps)
+        self.__signature__ = inspect.signature(type(model).forward.__get__(model))
 
     def __call__(self, *args, fused_lm_head=False, labels=None, shift_labels=None, num_items_in_batch=None, **kwargs):
         model = self.model
