@@ -25,6 +25,8 @@ LATER = (
     "ParallelTrainingArguments",
     "ParallelSFTTrainer",  # and TRL (an optional dependency)
     "ParallelSFTConfig",
+    "ParallelDPOTrainer",
+    "ParallelDPOConfig",
     "MemoryPlanner",
     "estimate_memory",
     "suggest_layouts",
