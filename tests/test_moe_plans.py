@@ -52,10 +52,19 @@ def test_errors_name_what_does_not_fit():
         resolve_for_tp(model, 3, plan)
 
 
-def test_only_verified_automatic_plans_take_sequence_parallelism():
+def test_automatic_plans_take_what_their_structure_allows():
+    """sp / pp / cp of an automatic plan come from the model's layers (engine/structure.py), not from a list of
+    types: a Llama-shaped MoE takes all three; a Mamba mixer blocks cp, naming its layer and class."""
     import optimum_parallel as op
 
-    for model_type in ("olmoe", "granitemoe", "deepseek_v3"):
-        assert op.ParallelizersManager.parallelizer_for_model(model_type).capabilities.sequence_parallel, model_type
-    for model_type in ("olmo2", "phimoe", "jamba"):
-        assert not op.ParallelizersManager.parallelizer_for_model(model_type).capabilities.sequence_parallel, model_type
+    for model_type in ("olmoe", "granitemoe", "deepseek_v3", "phimoe"):
+        model = meta_model(model_type)
+        found = op.ParallelizersManager.parallelizer_for_model(model).capabilities_for(model)
+        assert found.sequence_parallel and found.pipeline_parallel and found.context_parallel, (model_type, found)
+    from family_matrix import family_config
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(family_config("jamba"))
+    found = op.ParallelizersManager.parallelizer_for_model(model).capabilities_for(model)
+    assert found.sequence_parallel and found.pipeline_parallel and not found.context_parallel, found
+    assert "model.layers.0.mamba (JambaMambaMixer)" in found.reason("context"), found

@@ -53,9 +53,9 @@ def sequence_parallel_plan(model: nn.Module, plan: dict) -> dict:
             "model: False"
         )
     layers = re.escape(stack.prefix)
-    plan: dict = {layers + r"\.0": SequenceParallelBegin(on="input")}
-    groups: dict[tuple[str, str], list[int]] = {}  # (child, how it runs) -> the layers that have it
     exits = _row_exits(plan)
+    entries: dict = {layers + r"\.0": SequenceParallelBegin(on="input")}
+    groups: dict[tuple[str, str], list[int]] = {}  # (child, how it runs) -> the layers that have it
     for index, layer in enumerate(stack.layers):
         for name, how in sequence_parallel_blocks(layer):
             block = getattr(layer, name)
@@ -64,7 +64,8 @@ def sequence_parallel_plan(model: nn.Module, plan: dict) -> dict:
             groups.setdefault((name, how), []).append(index)
     for (name, how), indices in groups.items():
         which = r"\d+" if len(indices) == len(stack.layers) else "(" + "|".join(map(str, indices)) + ")"
-        plan[layers + rf"\.{which}\." + re.escape(name)] = _STYLES[how]()
+        entries[layers + rf"\.{which}\." + re.escape(name)] = _STYLES[how]()
     base = stack.prefix.rpartition(".")[0]
-    plan[re.escape(f"{base}.{stack.roles.final_norm}" if base else stack.roles.final_norm)] = SequenceParallelEnable()
-    return plan
+    final_norm = f"{base}.{stack.roles.final_norm}" if base else stack.roles.final_norm
+    entries[re.escape(final_norm)] = SequenceParallelEnable()
+    return entries
