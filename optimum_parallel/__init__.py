@@ -58,6 +58,8 @@ _EXPORTS = {  # public name -> the module defining it
     "ParallelTrainerMixin": ".integrations.transformers.trainer",
     "ParallelSFTTrainer": ".integrations.trl",
     "ParallelSFTConfig": ".integrations.trl",
+    "ParallelGRPOTrainer": ".integrations.trl",
+    "ParallelGRPOConfig": ".integrations.trl",
     "save_plan": ".planning.plan_files",
     "load_plan": ".planning.plan_files",
     "check_plan_fits": ".planning.plan_files",
