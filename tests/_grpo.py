@@ -139,3 +139,14 @@ def worst_errors(got: dict, expected: dict) -> dict[str, float]:
             err = abs(got[step][key] - value) / (abs(value) if value != 0 else 1.0)
             worst[key] = max(worst.get(key, 0.0), err)
     return worst
+
+
+def print_table(layout: str, got: dict, expected: dict) -> None:
+    """The steps' loss and kl next to TRL's, with their relative errors (seen with `pytest -s`)."""
+    print(f"\n{layout}: step | loss (TRL) | loss ({layout}) | rel err | kl (TRL) | kl ({layout}) | rel err")
+    for step in sorted(expected):
+        row = [step]
+        for key in ("loss", "kl"):
+            want, have = expected[step][key], got[step][key]
+            row += [f"{want:.9g}", f"{have:.9g}", f"{abs(have - want) / abs(want) if want else abs(have):.2e}"]
+        print(" | ".join(str(x) for x in row))

@@ -13,8 +13,8 @@ What differs from TRL on one process, and why:
 - every gather and reduction TRL makes over the processes (rewards, lengths, token counts, metrics, completion logs)
   runs over the batch replicas (`_ReplicaView`): the tp ranks hold copies, so gathering over the world would count
   each completion tp times and split the reward groups wrongly;
-- the per-token log-probabilities and entropies come from the model's local logits (this rank's slice of the
-  vocabulary under tp) with the vocab-parallel log-softmax (`tensor_parallel.logprobs`), never whole logits: TRL's
+- the per-token log-probabilities and entropies come from the model's local logits of the completion positions (this
+  rank's slice of the vocabulary under tp) through `tensor_parallel.logprobs`, never whole logits: TRL's
   fused LM head multiplies the hidden states by `lm_head.weight`, which under tp is a shard of the vocabulary;
 - with `beta > 0` the reference model is loaded as TRL loads it (from the policy's checkpoint path), lazily and
   parallel on the same mesh (each rank reads its slices), frozen.
@@ -41,14 +41,13 @@ from transformers import AutoModelForCausalLM, set_seed
 from trl import GRPOConfig, GRPOTrainer
 from trl.trainer import grpo_trainer as trl_grpo
 
-from ...comm.collectives import all_reduce
 from ...engine.compose import compose_model
 from ...engine.validate import validate
 from ...frontends.manager import ParallelizersManager
 from ...mesh import ParallelMesh, ranks
 from ...plan import logits_mode
 from ...tensor_parallel.layers import ColumnParallelLinear
-from ...tensor_parallel.loss import vocab_parallel_cross_entropy
+from ...tensor_parallel.logprobs import token_entropy, token_log_probs, vocab_slice
 from ...tensor_parallel.random import share_rng_states
 from ..transformers.internals import InternalsChanged, check_overrides, private_override
 from ..transformers.lazy_loading import lazy_load_for_parallelism
@@ -65,9 +64,13 @@ for _name in TRL_MODULE_GLOBALS:
 
 
 @dataclass
-class ParallelGRPOConfig(ParallelTrainingArguments, GRPOConfig):
+class ParallelGRPOConfig(GRPOConfig, ParallelTrainingArguments):
     """TRL's `GRPOConfig` plus the mesh settings of `ParallelTrainingArguments`. The generation batch is counted in
-    batch replicas (world / (tp * pp * cp)), as TRL counts it in processes on a data-parallel run."""
+    batch replicas (world / (tp * pp * cp)), as TRL counts it in processes on a data-parallel run.
+
+    `GRPOConfig` comes first so that its defaults (learning_rate 1e-6, remove_unused_columns False, logging_steps
+    10, bf16, ...) win over `TrainingArguments`' own, which `ParallelTrainingArguments` inherits: dataclass fields
+    take the default of the last class in reverse MRO order that declares them."""
 
     def __post_init__(self) -> None:
         asked = self.generation_batch_size, self.steps_per_generation
@@ -222,46 +225,12 @@ def _vocab_parallel_head(model: nn.Module) -> ColumnParallelLinear | None:
     return next(found, None)
 
 
-def _vocab_parallel_entropy(logits: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
-    """Entropy of softmax(logits) per token, the logits split over the vocabulary (no gradient): log Z - E[logit],
-    from three O(tokens) reductions over tp (max, sum of exp, sum of exp * logit)."""
-    logits = logits.detach().float()
-    top = logits.amax(dim=-1)
-    all_reduce(top, group, op=dist.ReduceOp.MAX)
-    shifted = logits - top.unsqueeze(-1)
-    exp = shifted.exp()
-    sums = torch.stack([exp.sum(dim=-1), (exp * shifted).sum(dim=-1)])
-    all_reduce(sums, group)
-    return sums[0].log() - sums[1] / sums[0]
-
-
-def completion_logps(
-    logits: torch.Tensor, targets: torch.Tensor, head: ColumnParallelLinear | None, entropy: bool = False
-) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """log softmax(logits)[target] per token (0 where target is -100) and, if asked, the entropy (no gradient);
-    `logits` are this rank's vocabulary slice when `head` is vocab-parallel, never gathered."""
-    ignored = targets == -100
-    if head is not None and ranks.world_size(head.group) > 1:
-        vocab_start = head.weight.shard_layout.ranges[0][0]
-        flat = logits.reshape(-1, logits.shape[-1])
-        losses = vocab_parallel_cross_entropy(flat, targets.reshape(-1), head.group, vocab_start)
-        logps = -losses.view(targets.shape)
-        entropies = _vocab_parallel_entropy(logits, head.group) if entropy else None
-    else:
-        log_probs = logits.float().log_softmax(dim=-1)
-        logps = log_probs.gather(-1, targets.clamp_min(0).unsqueeze(-1)).squeeze(-1).masked_fill(ignored, 0.0)
-        entropies = -(log_probs.detach().exp() * log_probs.detach()).sum(dim=-1) if entropy else None
-    return logps, (entropies.masked_fill(ignored, 0.0) if entropies is not None else None)
-
-
 class ParallelGRPOTrainer(ParallelTrainerMixin, GRPOTrainer):
     """TRL's `GRPOTrainer` on a parallel model (see the module docstring); `args` is a `ParallelGRPOConfig`.
 
     `ParallelGRPOTrainer(model_or_path, reward_funcs=..., args=ParallelGRPOConfig(...), train_dataset=...,
     processing_class=tokenizer)`; launch with torchrun.
     """
-
-    pipeline_columns = ("prompt",)
 
     def __init__(self, model, reward_funcs=None, args: ParallelGRPOConfig | None = None, **kwargs: Any) -> None:
         if not isinstance(args, ParallelGRPOConfig):
@@ -393,19 +362,19 @@ class ParallelGRPOTrainer(ParallelTrainerMixin, GRPOTrainer):
             raise ValueError("ParallelGRPOTrainer scores text-only models; allowed inputs: input_ids, attention_mask")
         if compute_aux_loss:
             raise ValueError("router_aux_loss_coef is not supported by ParallelGRPOTrainer; allowed: 0.0")
-        head = _vocab_parallel_head(model)
+        where = vocab_slice(self.accelerator.unwrap_model(model))  # this rank's vocabulary slice (tp) or all of it
         batch_size = batch_size or input_ids.size(0)
         logps, entropies = [], []
         for start in range(0, input_ids.size(0), batch_size):
             ids, mask = input_ids[start : start + batch_size], attention_mask[start : start + batch_size]
             targets = ids[:, -logits_to_keep:].masked_fill(mask[:, -logits_to_keep:] == 0, -100)
-            local = logits_mode(model, "local") if head is not None else contextlib.nullcontext()
+            local = logits_mode(model, "local") if where.group is not None else contextlib.nullcontext()
             with local, self.accelerator.autocast():
                 output = model(input_ids=ids, attention_mask=mask, logits_to_keep=logits_to_keep + 1, use_cache=False)
             logits = output.logits[:, :-1] / self.temperature  # position t scores token t + 1
-            chunk_logps, chunk_entropies = completion_logps(logits, targets, head, entropy=compute_entropy)
-            logps.append(chunk_logps)
-            entropies.append(chunk_entropies)
+            logps.append(token_log_probs(logits, targets, where.group, where.vocab_start))
+            if compute_entropy:
+                entropies.append(token_entropy(logits, targets, where.group, where.vocab_start))
         return torch.cat(logps), (torch.cat(entropies) if compute_entropy else None), None
 
 
