@@ -25,6 +25,8 @@ LATER = (
     "ParallelTrainingArguments",
     "ParallelSFTTrainer",  # and TRL (an optional dependency)
     "ParallelSFTConfig",
+    "ParallelGRPOTrainer",  # TRL too
+    "ParallelGRPOConfig",
     "MemoryPlanner",
     "estimate_memory",
     "suggest_layouts",

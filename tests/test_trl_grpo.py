@@ -1,7 +1,7 @@
-"""TRL's GRPOTrainer on a parallel model (gloo, 2 ranks): ParallelGRPOTrainer at tp=2 logs, step by step, the loss,
-kl, reward and entropy TRL's GRPOTrainer logs on one process (completions fixed by the prompt and its place in the
-batch, so sampling is the same whatever the layout); with real sampling both ranks of the replica draw the same
-completions; a reward function returning the wrong count raises TRL's error on every rank before any step; the
+"""TRL's GRPOTrainer on a parallel model (gloo, 2 ranks): ParallelGRPOTrainer at tp=2 (with and without sequence
+parallelism) logs, step by step, the loss, kl, reward and entropy TRL's GRPOTrainer logs on one process (completions
+fixed by the prompt and its place in the batch, so sampling is the same whatever the layout); with real sampling both
+ranks of the replica draw the same completions; a reward function returning the wrong count raises TRL's error on every rank before any step; the
 layouts and options it cannot run are refused by name; `examples/grpo.py` runs under torchrun.
 (dp=2 x tp=2 on 4 ranks: test_trl_grpo_dp.py.)"""
 
@@ -41,15 +41,17 @@ def reference(hf_dir, tmp_path_factory) -> dict:
     return trl_reference(hf_dir, str(tmp_path_factory.mktemp("reference")))
 
 
-def test_tp2_matches_trl_on_one_process(pool, hf_dir, reference, tmp_path):
-    results = pool.run(train_parallel, hf_dir, str(tmp_path), tensor_parallel_size=2)
+@pytest.mark.parametrize("sequence_parallel", [False, True], ids=["tp2", "tp2-sp"])
+def test_tp2_matches_trl_on_one_process(pool, hf_dir, reference, tmp_path, sequence_parallel):
+    layout = {"tensor_parallel_size": 2, "sequence_parallel": sequence_parallel}
+    results = pool.run(train_parallel, hf_dir, str(tmp_path), **layout)
     assert sorted(reference) == [1, 2, 3] and reference[1]["kl"] == 0.0 and reference[2]["kl"] > 0
     for rank, result in enumerate(results):
         got = result["logged"]
         assert sorted(got) == sorted(reference), (rank, got)
         worst = worst_errors(got, reference)
         if rank == 0:
-            print_table("tp=2", got, reference)
+            print_table("tp=2" + (" + sp" if sequence_parallel else ""), got, reference)
         assert max(worst.values()) <= TOL, (rank, worst, got, reference)
 
 

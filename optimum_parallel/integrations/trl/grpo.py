@@ -369,9 +369,12 @@ class ParallelGRPOTrainer(ParallelTrainerMixin, GRPOTrainer):
             ids, mask = input_ids[start : start + batch_size], attention_mask[start : start + batch_size]
             targets = ids[:, -logits_to_keep:].masked_fill(mask[:, -logits_to_keep:] == 0, -100)
             local = logits_mode(model, "local") if where.group is not None else contextlib.nullcontext()
+            # only the completion's positions reach the LM head; under sequence parallelism the whole sequence does
+            # (a forward keeping some logits runs the plain tp path, see plan/inference.py: sp would be off)
+            keep = {} if self.args.sequence_parallel else {"logits_to_keep": logits_to_keep + 1}
             with local, self.accelerator.autocast():
-                output = model(input_ids=ids, attention_mask=mask, logits_to_keep=logits_to_keep + 1, use_cache=False)
-            logits = output.logits[:, :-1] / self.temperature  # position t scores token t + 1
+                output = model(input_ids=ids, attention_mask=mask, use_cache=False, **keep)
+            logits = output.logits[:, -logits_to_keep - 1 : -1] / self.temperature  # position t scores token t + 1
             logps.append(token_log_probs(logits, targets, where.group, where.vocab_start))
             if compute_entropy:
                 entropies.append(token_entropy(logits, targets, where.group, where.vocab_start))
