@@ -1,9 +1,9 @@
 """TRL's GRPOTrainer on a parallel model (gloo, 2 ranks): ParallelGRPOTrainer at tp=2 (with and without sequence
 parallelism) logs, step by step, the loss, kl, reward and entropy TRL's GRPOTrainer logs on one process (completions
 fixed by the prompt and its place in the batch, so sampling is the same whatever the layout); with real sampling both
-ranks of the replica draw the same completions; a reward function returning the wrong count raises TRL's error on every rank before any step; the
-layouts and options it cannot run are refused by name; `examples/grpo.py` runs under torchrun.
-(dp=2 x tp=2 on 4 ranks: test_trl_grpo_dp.py.)"""
+ranks of the replica draw the same completions; a reward function returning the wrong count raises TRL's error on
+every rank before any step; the layouts and options it cannot run are refused by name; `examples/grpo.py` runs under
+torchrun. (dp=2 x tp=2 on 4 ranks: test_trl_grpo_dp.py.)"""
 
 from __future__ import annotations
 
