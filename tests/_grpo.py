@@ -96,8 +96,15 @@ def logged(log_history: list[dict]) -> dict[int, dict[str, float]]:
     return {e["step"]: {k: e[k] for k in METRICS if k in e} for e in log_history if "loss" in e}
 
 
-def trl_reference(hf_dir: str, output_dir: str, **options) -> dict[int, dict[str, float]]:
-    """TRL's GRPOTrainer on this one process (fixed completions), its logged metrics per step."""
+def lora_config():
+    """LoRA adapters on attention and MLP projections (column- and row-parallel under tp)."""
+    from peft import LoraConfig
+
+    return LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "down_proj"], lora_dropout=0.0)
+
+
+def trl_reference(hf_dir: str, output_dir: str, peft: bool = False, **options) -> dict[int, dict[str, float]]:
+    """TRL's GRPOTrainer on this one process (fixed completions; LoRA adapters with `peft`), its metrics per step."""
     from transformers import AutoTokenizer
     from trl import GRPOConfig, GRPOTrainer
 
@@ -107,14 +114,15 @@ def trl_reference(hf_dir: str, output_dir: str, **options) -> dict[int, dict[str
     args = GRPOConfig(**grpo_args(output_dir, **options))
     trainer = FixedGRPOTrainer(
         hf_dir, reward_funcs=[even_tokens, short], args=args, train_dataset=prompts(),
-        processing_class=AutoTokenizer.from_pretrained(hf_dir),
+        processing_class=AutoTokenizer.from_pretrained(hf_dir), peft_config=lora_config() if peft else None,
     )  # fmt: skip
     trainer.train()
     return logged(trainer.state.log_history)
 
 
-def train_parallel(hf_dir: str, output_dir: str, fixed: bool = True, **options) -> dict:
-    """ParallelGRPOTrainer on this rank (fixed completions unless `fixed=False`): its logged metrics per step."""
+def train_parallel(hf_dir: str, output_dir: str, fixed: bool = True, peft: bool = False, **options) -> dict:
+    """ParallelGRPOTrainer on this rank (fixed completions unless `fixed=False`; LoRA adapters with `peft`): its
+    logged metrics per step and the completions it logged."""
     from transformers import AutoTokenizer
 
     from optimum_parallel.integrations.trl import ParallelGRPOConfig, ParallelGRPOTrainer
@@ -126,6 +134,7 @@ def train_parallel(hf_dir: str, output_dir: str, fixed: bool = True, **options) 
     trainer = (FixedParallelGRPOTrainer if fixed else ParallelGRPOTrainer)(
         hf_dir, reward_funcs=[even_tokens, short], args=args, train_dataset=prompts(),
         processing_class=AutoTokenizer.from_pretrained(hf_dir), model_kwargs={"dtype": torch.float32},
+        peft_config=lora_config() if peft else None,
     )  # fmt: skip
     trainer.train()
     return {"logged": logged(trainer.state.log_history), "completions": list(trainer._logs["completion"])}

@@ -55,6 +55,19 @@ def test_tp2_matches_trl_on_one_process(pool, hf_dir, reference, tmp_path, seque
         assert max(worst.values()) <= TOL, (rank, worst, got, reference)
 
 
+def test_lora_at_tp2_matches_trl_on_one_process(pool, hf_dir, tmp_path):
+    """LoRA adapters (`peft_config`) with beta > 0: TRL's reference is the policy without its fresh adapters."""
+    expected = trl_reference(hf_dir, str(tmp_path / "reference"), peft=True)
+    results = pool.run(train_parallel, hf_dir, str(tmp_path / "parallel"), peft=True, tensor_parallel_size=2)
+    assert expected[2]["kl"] > 0
+    for rank, result in enumerate(results):
+        got = result["logged"]
+        worst = worst_errors(got, expected)
+        if rank == 0:
+            print_table("tp=2 LoRA", got, expected)
+        assert max(worst.values()) <= TOL, (rank, worst, got, expected)
+
+
 def test_sampling_is_identical_on_the_ranks_of_a_replica(pool, hf_dir, tmp_path):
     """Real sampling (the parallel model's generate, temperature 1): both tp ranks log the same completions."""
     results = pool.run(train_parallel, hf_dir, str(tmp_path), fixed=False, tensor_parallel_size=2, max_steps=2)

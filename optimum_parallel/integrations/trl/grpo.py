@@ -17,7 +17,12 @@ What differs from TRL on one process, and why:
   rank's slice of the vocabulary under tp) through `tensor_parallel.logprobs`, never whole logits: TRL's
   fused LM head multiplies the hidden states by `lm_head.weight`, which under tp is a shard of the vocabulary;
 - with `beta > 0` the reference model is loaded as TRL loads it (from the policy's checkpoint path), lazily and
-  parallel on the same mesh (each rank reads its slices), frozen.
+  parallel on the same mesh (each rank reads its slices), frozen; with LoRA adapters (`peft_config`, added after the
+  split) TRL's own reference, a copy of the fresh adapters, is used;
+- with `steps_per_generation > 1` TRL shuffles the generation batch with the default generator, which the parallel
+  model's training-mode forwards also draw from (the seeds of their split regions, `tensor_parallel/random.py`): the
+  micro-batches are cut differently from one process. The loss of the optimizer step (dapo, grpo with equal
+  micro-batches) does not depend on the cut; metrics averaged per micro-batch (`kl`, `entropy`) do.
 
 Refused before training, by name (`check_grpo_options`): pipeline and context parallelism (generation and the
 per-token log-probs need the whole sequence through `model.forward` on every rank of a replica), vLLM, continuous
@@ -236,6 +241,7 @@ class ParallelGRPOTrainer(ParallelTrainerMixin, GRPOTrainer):
         if not isinstance(args, ParallelGRPOConfig):
             raise TypeError(f"ParallelGRPOTrainer needs ParallelGRPOConfig arguments, got {type(args).__name__}")
         check_grpo_options(args, kwargs)
+        set_seed(args.seed)  # as TRL seeds before it builds the model: adapters (peft_config) start as TRL's do
         self._replica_view: _ReplicaView | None = None
         with _swapped_globals({"create_model_from_path": self._load_reference}):  # the reference, when beta > 0
             super().__init__(model, args=args, reward_funcs=reward_funcs, **kwargs)
