@@ -85,15 +85,23 @@ def grpo_args(output_dir: str, **extra) -> dict:
         output_dir=output_dir, per_device_train_batch_size=12, max_steps=STEPS, learning_rate=2e-2, logging_steps=1,
         seed=0, report_to="none", disable_tqdm=True, use_cpu=True, bf16=False, gradient_checkpointing=False,
         num_generations=4, max_completion_length=COMPLETION_LENGTH, beta=0.1, save_strategy="no", ddp_timeout=60,
+        eval_strategy="steps", eval_steps=STEPS,
+        per_device_eval_batch_size=extra.get("per_device_train_batch_size", 12),
     ) | extra  # fmt: skip
 
 
 METRICS = ("loss", "kl", "reward", "entropy", "completions/mean_length")
+EVAL_METRICS = ("eval_loss", "eval_kl", "eval_reward", "eval_entropy")
 
 
 def logged(log_history: list[dict]) -> dict[int, dict[str, float]]:
-    """Per step: the loss, kl, mean reward, entropy and mean completion length TRL logged."""
-    return {e["step"]: {k: e[k] for k in METRICS if k in e} for e in log_history if "loss" in e}
+    """Per step: the loss, kl, mean reward, entropy and mean completion length TRL logged, and after the last step
+    the evaluation's (on `prompts(6)`: 24 completions, whole groups in every batch)."""
+    steps = {e["step"]: {k: e[k] for k in METRICS if k in e} for e in log_history if "loss" in e}
+    for entry in log_history:
+        if "eval_loss" in entry:
+            steps[entry["step"]].update({k: entry[k] for k in EVAL_METRICS if k in entry})
+    return steps
 
 
 def lora_config():
@@ -114,7 +122,8 @@ def trl_reference(hf_dir: str, output_dir: str, peft: bool = False, **options) -
     args = GRPOConfig(**grpo_args(output_dir, **options))
     trainer = FixedGRPOTrainer(
         hf_dir, reward_funcs=[even_tokens, short], args=args, train_dataset=prompts(),
-        processing_class=AutoTokenizer.from_pretrained(hf_dir), peft_config=lora_config() if peft else None,
+        eval_dataset=prompts(6), processing_class=AutoTokenizer.from_pretrained(hf_dir),
+        peft_config=lora_config() if peft else None,
     )  # fmt: skip
     trainer.train()
     return logged(trainer.state.log_history)
@@ -133,7 +142,8 @@ def train_parallel(hf_dir: str, output_dir: str, fixed: bool = True, peft: bool 
     args = ParallelGRPOConfig(**grpo_args(output_dir, **options))
     trainer = (FixedParallelGRPOTrainer if fixed else ParallelGRPOTrainer)(
         hf_dir, reward_funcs=[even_tokens, short], args=args, train_dataset=prompts(),
-        processing_class=AutoTokenizer.from_pretrained(hf_dir), model_kwargs={"dtype": torch.float32},
+        eval_dataset=prompts(6), processing_class=AutoTokenizer.from_pretrained(hf_dir),
+        model_kwargs={"dtype": torch.float32},
         peft_config=lora_config() if peft else None,
     )  # fmt: skip
     trainer.train()
@@ -159,3 +169,4 @@ def print_table(layout: str, got: dict, expected: dict) -> None:
             want, have = expected[step][key], got[step][key]
             row += [f"{want:.9g}", f"{have:.9g}", f"{abs(have - want) / abs(want) if want else abs(have):.2e}"]
         print(" | ".join(str(x) for x in row))
+    print("worst relative error per metric:", {k: f"{v:.1e}" for k, v in worst_errors(got, expected).items()})

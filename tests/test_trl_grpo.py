@@ -46,6 +46,7 @@ def test_tp2_matches_trl_on_one_process(pool, hf_dir, reference, tmp_path, seque
     layout = {"tensor_parallel_size": 2, "sequence_parallel": sequence_parallel}
     results = pool.run(train_parallel, hf_dir, str(tmp_path), **layout)
     assert sorted(reference) == [1, 2, 3] and reference[1]["kl"] == 0.0 and reference[2]["kl"] > 0
+    assert {"eval_loss", "eval_kl", "eval_reward"} <= set(reference[3])  # an evaluation after step 3
     for rank, result in enumerate(results):
         got = result["logged"]
         assert sorted(got) == sorted(reference), (rank, got)
@@ -84,7 +85,7 @@ def bad_reward(hf_dir: str, output_dir: str) -> dict:
 
     from optimum_parallel.integrations.trl import ParallelGRPOConfig, ParallelGRPOTrainer
 
-    args = ParallelGRPOConfig(**grpo_args(output_dir, tensor_parallel_size=2))
+    args = ParallelGRPOConfig(**grpo_args(output_dir, tensor_parallel_size=2, eval_strategy="no"))
     trainer = ParallelGRPOTrainer(
         hf_dir, reward_funcs=wrong_count, args=args, train_dataset=prompts(),
         processing_class=AutoTokenizer.from_pretrained(hf_dir),
@@ -112,7 +113,7 @@ def refused(hf_dir: str, output_dir: str, options: dict) -> str:
 
     extra = {k: options.pop(k) for k in ("rollout_func",) if k in options}
     try:
-        args = ParallelGRPOConfig(**grpo_args(output_dir, **options))
+        args = ParallelGRPOConfig(**grpo_args(output_dir, eval_strategy="no", **options))
         ParallelGRPOTrainer(hf_dir, reward_funcs=even_tokens, args=args, train_dataset=prompts(),
                             processing_class=AutoTokenizer.from_pretrained(hf_dir), **extra)  # fmt: skip
     except ValueError as err:

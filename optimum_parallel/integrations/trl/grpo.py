@@ -35,6 +35,7 @@ and multimodal inputs.
 from __future__ import annotations
 
 import contextlib
+import pickle
 from collections.abc import Iterator
 from dataclasses import dataclass, replace
 from typing import Any
@@ -230,6 +231,14 @@ def _vocab_parallel_head(model: nn.Module) -> ColumnParallelLinear | None:
     return next(found, None)
 
 
+def _picklable(value: object) -> bool:
+    try:
+        pickle.dumps(value)
+    except Exception:  # noqa: BLE001 - whatever pickling raises
+        return False
+    return True
+
+
 class ParallelGRPOTrainer(ParallelTrainerMixin, GRPOTrainer):
     """TRL's `GRPOTrainer` on a parallel model (see the module docstring); `args` is a `ParallelGRPOConfig`.
 
@@ -297,6 +306,18 @@ class ParallelGRPOTrainer(ParallelTrainerMixin, GRPOTrainer):
         with self._over_replicas():
             return super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
 
+    def prediction_step(self, model, inputs, prediction_loss_only, ignore_keys=None):
+        """TRL's evaluation loss, made the whole evaluation batch's on every replica (the mean of the replicas'
+        shares): the Trainer repeats each rank's loss per example, gathers them over dp and keeps only the first
+        `remainder` examples of the last batch (accelerate's gather_for_metrics), which would weigh the replicas'
+        shares unevenly where one process weighs one loss."""
+        loss, logits, labels = super().prediction_step(model, inputs, prediction_loss_only, ignore_keys)
+        if loss is not None and self.mesh.size("batch") > 1:
+            loss = loss.detach().clone()
+            dist.all_reduce(loss, group=self.mesh.group("batch"))
+            loss = loss / self.mesh.size("batch")
+        return loss, logits, labels
+
     # ------------------------------------------------------------------ generation
 
     @private_override
@@ -317,16 +338,20 @@ class ParallelGRPOTrainer(ParallelTrainerMixin, GRPOTrainer):
         every replica (in replica order, as TRL's gather), what the functions logged, or the first error raised."""
         leader = self.mesh.rank("peers") == 0
         payload: Any = None
+        own_error: Exception | None = None
         if leader:
             try:
                 with _swapped_globals({"gather": lambda tensor: tensor}):  # this replica's rows; shared below
                     payload = super()._calculate_rewards(inputs, prompts, completions, completion_ids_list).cpu()
             except Exception as err:  # noqa: BLE001 - raised again below, on every rank
-                payload = err
+                own_error = err
+                payload = err if _picklable(err) else RuntimeError(f"{type(err).__name__}: {err}")
             payload = (payload, dict(self._pending_metrics), dict(self._pending_extra_logs))
         everyone: list = [None] * ranks.world_size()
         dist.all_gather_object(everyone, (self.mesh.rank("batch"), payload))
         failed = [p[0] for _, p in everyone if p is not None and isinstance(p[0], BaseException)]
+        if own_error is not None:
+            raise own_error
         if failed:
             raise failed[0]
         mine = next(p for b, p in everyone if p is not None and b == self.mesh.rank("batch"))
