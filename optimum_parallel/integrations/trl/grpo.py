@@ -22,7 +22,12 @@ What differs from TRL on one process, and why:
 - with `steps_per_generation > 1` TRL shuffles the generation batch with the default generator, which the parallel
   model's training-mode forwards also draw from (the seeds of their split regions, `tensor_parallel/random.py`): the
   micro-batches are cut differently from one process. The loss of the optimizer step (dapo, grpo with equal
-  micro-batches) does not depend on the cut; metrics averaged per micro-batch (`kl`, `entropy`) do.
+  micro-batches) does not depend on the cut; metrics averaged per micro-batch (`kl`, `entropy`) do;
+- the evaluation loss is the whole evaluation batch's on every replica (`prediction_step`);
+- at dp > 1 `loss_type="bnpo"` is each replica's token mean averaged over the replicas, as TRL's is each process's
+  (one process: the token mean of the whole batch); the other loss types are the whole batch's;
+- under sequence parallelism the per-token forward runs the whole sequence through the LM head (a forward keeping
+  only some positions' logits would run without sp).
 
 Refused before training, by name (`check_grpo_options`): pipeline and context parallelism (generation and the
 per-token log-probs need the whole sequence through `model.forward` on every rank of a replica), vLLM, continuous
