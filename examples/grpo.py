@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import time
 from pathlib import Path
 
 import torch
@@ -77,7 +78,7 @@ def grpo_options(output_dir: str, steps: int) -> dict:
     return dict(
         output_dir=output_dir, max_steps=steps, per_device_train_batch_size=32, num_generations=8,
         max_completion_length=3, learning_rate=1e-2, beta=0.0, logging_steps=1, seed=0, report_to="none",
-        disable_tqdm=True, save_strategy="no", bf16=False, gradient_checkpointing=False, use_cpu=True,
+        disable_tqdm=True, save_strategy="no", bf16=False, gradient_checkpointing=False,
     )  # fmt: skip
 
 
@@ -98,14 +99,12 @@ def main() -> None:
     cli = parser.parse_args()
     world = int(os.environ.get("WORLD_SIZE", "1"))
     out = Path(cli.output_dir)
-    model_dir = out / "model"
-    if int(os.environ.get("RANK", "0")) == 0 and not (model_dir / "config.json").exists():
+    model_dir, ready = out / "model", out / "model" / ".ready"
+    if int(os.environ.get("RANK", "0")) == 0 and not ready.exists():
         tiny_model(model_dir)
-    if world > 1:
-        import torch.distributed as dist
-
-        dist.init_process_group("gloo")  # the model directory is written before any rank reads it
-        dist.barrier()
+        ready.touch()
+    while not ready.exists():  # the other ranks read the checkpoint once it is whole
+        time.sleep(0.1)
     options = grpo_options(str(out / "run"), cli.steps)
     common = dict(reward_funcs=sum_reward, train_dataset=toy_dataset(), processing_class=toy_tokenizer(),
                   callbacks=[PrintReward()])  # fmt: skip
