@@ -58,6 +58,8 @@ _EXPORTS = {  # public name -> the module defining it
     "ParallelTrainerMixin": ".integrations.transformers.trainer",
     "ParallelSFTTrainer": ".integrations.trl",
     "ParallelSFTConfig": ".integrations.trl",
+    "ParallelDPOTrainer": ".integrations.trl",
+    "ParallelDPOConfig": ".integrations.trl",
     "ParallelGRPOTrainer": ".integrations.trl",
     "ParallelGRPOConfig": ".integrations.trl",
     "save_plan": ".planning.plan_files",

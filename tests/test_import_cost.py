@@ -25,7 +25,9 @@ LATER = (
     "ParallelTrainingArguments",
     "ParallelSFTTrainer",  # and TRL (an optional dependency)
     "ParallelSFTConfig",
-    "ParallelGRPOTrainer",  # TRL too
+    "ParallelDPOTrainer",
+    "ParallelDPOConfig",
+    "ParallelGRPOTrainer",
     "ParallelGRPOConfig",
     "MemoryPlanner",
     "estimate_memory",

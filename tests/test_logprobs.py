@@ -44,7 +44,8 @@ def reference(logits: torch.Tensor, labels: torch.Tensor):
     (picked * weights).sum().backward()
     entropy = -(log_probs.exp() * log_probs).sum(-1) * mask
     correct = (logits.argmax(-1) == labels) & mask
-    return picked.detach(), logits.grad, entropy.detach(), correct, (logits.mean(-1) * mask).detach()
+    sq = (log_probs.exp().square().sum(-1).log() * mask).detach()
+    return picked.detach(), logits.grad, entropy.detach(), correct, (logits.mean(-1) * mask).detach(), sq
 
 
 def rel(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -77,7 +78,7 @@ def split_check(seed: int) -> dict:
 def test_vocab_parallel_matches_log_softmax(pool):
     for seed in (0, 1):
         logits, labels = whole(seed)
-        picked, grad, entropy, correct, mean_logit = reference(logits, labels)
+        picked, grad, entropy, correct, mean_logit, sq = reference(logits, labels)
         assert correct[1, 0] and correct[1, 1] and not correct[2, 0]  # the tie: argmax is the first maximum
         results = pool.run(split_check, seed)
         full_grad = torch.cat([r["grad"] for r in results], dim=-1)
@@ -88,11 +89,12 @@ def test_vocab_parallel_matches_log_softmax(pool):
             assert rel(r["entropy"], entropy) <= TOL and rel(r["stats"].entropy, entropy) <= TOL
             assert torch.equal(r["correct"], correct) and torch.equal(r["stats"].correct, correct)
             assert rel(r["stats"].mean_logit, mean_logit) <= TOL
+            assert rel(r["stats"].log_sum_sq_probs, sq) <= TOL
 
 
 def test_whole_logits_on_one_rank():
     logits, labels = whole(2)
-    picked, grad, entropy, correct, mean_logit = reference(logits, labels)
+    picked, grad, entropy, correct, mean_logit, sq = reference(logits, labels)
     local = logits.clone().requires_grad_()
     log_probs = token_log_probs(local, labels)
     weights = torch.linspace(0.5, 2.0, labels.numel(), dtype=torch.float64).reshape(labels.shape).float()
@@ -100,7 +102,7 @@ def test_whole_logits_on_one_rank():
     assert rel(log_probs, picked) <= TOL and rel(local.grad, grad) <= TOL
     stats = token_statistics(logits, labels)
     assert rel(stats.entropy, entropy) <= TOL and torch.equal(stats.correct, correct)
-    assert rel(stats.mean_logit, mean_logit) <= TOL
+    assert rel(stats.mean_logit, mean_logit) <= TOL and rel(stats.log_sum_sq_probs, sq) <= TOL
     assert rel(F.log_softmax(logits, -1).gather(-1, labels.clamp(min=0)[..., None]).squeeze(-1)
                * (labels != -100), stats.log_prob) <= TOL  # fmt: skip
 

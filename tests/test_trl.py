@@ -1,7 +1,8 @@
 """TRL's SFTTrainer with packing (BFD packing, padding-free rows) on a parallel model: ParallelSFTTrainer at tp=2, cp=2
-and pp=2 (and with `padding_free=True` alone, at cp=2 and pp=2) logs, step by step, the losses TRL's SFTTrainer logs
-on one process on the same dataset, and its saved model loads with `from_pretrained`; the TRL options a layout
-cannot run are refused before training, by name (gloo, 2 ranks)."""
+and pp=2 (and with `padding_free=True` alone, at cp=2 and pp=2) logs, step by step, the losses, entropy,
+mean_token_accuracy and num_tokens TRL's SFTTrainer logs on one process on the same dataset, and its saved model
+loads with `from_pretrained`; the TRL options a layout cannot run are refused before training, by name (gloo,
+2 ranks)."""
 
 from __future__ import annotations
 
@@ -61,6 +62,14 @@ def losses(log_history: list[dict]) -> dict[int, float]:
     return {entry["step"]: entry["loss"] for entry in log_history if "loss" in entry}
 
 
+TOKEN_METRICS = ("entropy", "mean_token_accuracy", "num_tokens")
+
+
+def token_metrics(log_history: list[dict]) -> dict[int, dict[str, float]]:
+    """TRL's metrics from its fused LM head, per step."""
+    return {e["step"]: {k: e[k] for k in TOKEN_METRICS if k in e} for e in log_history if "loss" in e}
+
+
 PADDING_FREE = {"packing": False, "padding_free": True, "max_length": None}  # each batch flattened in one row
 
 
@@ -89,9 +98,9 @@ def reference(hf_dir, tmp_path_factory):
 
     AttentionInterface.register("documents", document_attention)
 
-    done: dict[tuple, dict[int, float]] = {}
+    done: dict[tuple, dict] = {}
 
-    def run(**options) -> dict[int, float]:
+    def run(**options) -> dict:
         key = tuple(sorted(options.items()))
         if key not in done:
             model = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32, attn_implementation="documents")
@@ -101,7 +110,10 @@ def reference(hf_dir, tmp_path_factory):
             trainer = SFTTrainer(model, args, train_dataset=data, processing_class=tokenizer)
             assert trainer.padding_free  # BFD packing or flattening: one padding-free row, position ids restarting
             trainer.train()
-            done[key] = losses(trainer.state.log_history)
+            done[key] = {
+                "losses": losses(trainer.state.log_history),
+                "metrics": token_metrics(trainer.state.log_history),
+            }
         return done[key]
 
     return run
@@ -126,7 +138,12 @@ def train_sft(hf_dir: str, output_dir: str, **layout) -> dict:
     trainer.train()
     trained = {name: tensor.double().sum().item() for name, tensor in op.full_state_dict(trainer.model).items()}
     trainer.save_model(output_dir + "/final")
-    return {"losses": losses(trainer.state.log_history), "final": output_dir + "/final", "trained": trained}
+    return {
+        "losses": losses(trainer.state.log_history),
+        "metrics": token_metrics(trainer.state.log_history),
+        "final": output_dir + "/final",
+        "trained": trained,
+    }
 
 
 @pytest.mark.parametrize(
@@ -144,13 +161,22 @@ def test_packed_sft_matches_trl_on_one_process(pool, hf_dir, reference, tmp_path
     from transformers import AutoModelForCausalLM
 
     results = pool.run(train_sft, hf_dir, str(tmp_path), **layout)
-    expected = reference(**{k: v for k, v in layout.items() if k in PADDING_FREE})
+    reference_run = reference(**{k: v for k, v in layout.items() if k in PADDING_FREE})
+    expected = reference_run["losses"]
     assert sorted(expected) == list(range(1, STEPS + 1))
     for rank, result in enumerate(results):
         got = result["losses"]
         assert sorted(got) == sorted(expected), (rank, got)
         worst = max(abs(got[s] - expected[s]) / abs(expected[s]) for s in expected)
         assert worst <= TOL, (rank, got, expected)
+        # entropy, token accuracy and token count, as TRL's fused head gives them on one process
+        metrics = result["metrics"]
+        for step, values in reference_run["metrics"].items():
+            assert sorted(metrics[step]) == sorted(TOKEN_METRICS), (rank, step, metrics[step])
+            for key in TOKEN_METRICS:
+                err = abs(metrics[step][key] - values[key]) / max(abs(values[key]), 1e-3)
+                print(layout, rank, step, key, metrics[step][key], values[key], f"{err:.1e}")
+                assert err <= TOL, (rank, step, key, metrics[step][key], values[key])
     # the consolidated model is the trained one (its weights are not compared with TRL's: after AdamW's normalised
     # steps, gradients within fp32 noise of each other move their near-zero elements by +-lr apart)
     loaded = AutoModelForCausalLM.from_pretrained(results[0]["final"], dtype=torch.float32).state_dict()

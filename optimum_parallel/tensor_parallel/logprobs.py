@@ -19,6 +19,7 @@ from torch import nn
 from torch.distributed import ProcessGroup, ReduceOp
 
 from ..comm.collectives import all_reduce
+from ..mesh import ranks
 from .layers import ColumnParallelLinear
 from .loss import vocab_parallel_cross_entropy
 
@@ -42,7 +43,9 @@ def vocab_slice(model: nn.Module) -> VocabSlice:
     head = get_head() if get_head is not None else None
     head = getattr(head, "base_layer", head)  # an adapter wrapping the head
     if isinstance(head, ColumnParallelLinear) and not head.gather_output:
-        return VocabSlice(head.group, head.weight.shard_layout.ranges[0][0], head.out_features)
+        layout = getattr(head.weight, "shard_layout", None)  # FSDP2 replaces the parameter: then the shard sizes
+        start = layout.ranges[0][0] if layout is not None else sum(head.output_sizes[: ranks.rank(head.group)])
+        return VocabSlice(head.group, start, head.out_features)
     if head is None or not hasattr(head, "weight"):
         raise ValueError(f"{type(model).__name__} has no output embeddings (get_output_embeddings() is None)")
     return VocabSlice(None, 0, head.weight.shape[0])
@@ -74,6 +77,7 @@ class TokenStatistics:
     correct: torch.Tensor  # the label is the argmax (the first of equal maxima, as torch.argmax picks)
     mean_logit: torch.Tensor  # the mean logit over the whole vocabulary
     log_prob: torch.Tensor  # log p(label), without gradient
+    log_sum_sq_probs: torch.Tensor  # log(sum_v p_v^2), WPO's weights
 
 
 @torch.no_grad()
@@ -85,7 +89,7 @@ def token_statistics(
     vocab_size: int | None = None,
     ignore_index: int = IGNORE_INDEX,
 ) -> TokenStatistics:
-    """Entropy, argmax correctness, mean logit and log p(label) per token of vocab-parallel `logits` (see
+    """Entropy, argmax correctness, mean logit, log p(label) and log sum p^2 per token of vocab-parallel `logits` (see
     `token_log_probs` for the arguments; `vocab_size`: the whole vocabulary, default V_local when `group` is None).
     Two all-reduces over `group` of O(tokens) numbers: the maxima, then the sums."""
     x = logits.reshape(-1, logits.shape[-1]).float()
@@ -103,10 +107,10 @@ def token_statistics(
     shifted = x - row_max[:, None]
     exp = shifted.exp()
     label_logit = x.gather(-1, local_target.clamp(0, local - 1)[:, None]).squeeze(-1).masked_fill(~ours, 0.0)
-    sums = torch.stack([exp.sum(-1), (exp * shifted).sum(-1), x.sum(-1), label_logit])
+    sums = torch.stack([exp.sum(-1), (exp * shifted).sum(-1), x.sum(-1), label_logit, exp.square().sum(-1)])
     if group is not None:
         sums = all_reduce(sums, group)
-    sum_exp, shifted_sum_exp, logit_sum, label_logit = sums
+    sum_exp, shifted_sum_exp, logit_sum, label_logit, sum_sq_exp = sums
     ignored = target == ignore_index
     log_z = sum_exp.log()  # of the shifted logits
     entropy = log_z - shifted_sum_exp / sum_exp
@@ -118,6 +122,7 @@ def token_statistics(
         correct=(correct & ~ignored).reshape(shape),
         mean_logit=(logit_sum / (vocab_size or local)).masked_fill(ignored, 0.0).reshape(shape),
         log_prob=log_prob.masked_fill(ignored, 0.0).reshape(shape),
+        log_sum_sq_probs=(sum_sq_exp.log() - 2 * log_z).masked_fill(ignored, 0.0).reshape(shape),
     )
 
 

@@ -4,8 +4,10 @@ What differs from TRL on one process, and why:
 
 - the loss is the model's own (transformers' loss, vocab-parallel under tp, summed over cp, weighted by the batch's
   token count as TRL weights it): TRL's fused LM head multiplies the hidden states by `lm_head.weight`, which under tp
-  is a shard of the vocabulary, and scores the labels of a whole row, which under cp a rank does not hold. So the
-  metrics that head feeds (`entropy`, `mean_token_accuracy`, `num_tokens`) are not logged;
+  is a shard of the vocabulary, and scores the labels of a whole row, which under cp a rank does not hold. The metrics
+  that head feeds TRL (`entropy`, `mean_token_accuracy`) come from the logits that loss reads, with the vocab-parallel
+  reductions, summed over cp and the replicas, on the last stage under pp (`metrics.py`); `num_tokens` counts each
+  replica's batch once (TRL counts over every process);
 - what needs that head or the whole logits on every rank is refused before training, naming the option
   (`check_sft_options`): `loss_type='dft'`, `use_liger_kernel`, and under tp / cp / pp `compute_loss_func` and
   `label_smoothing_factor`; under pp the router aux loss of a MoE model (`router_aux_loss_coef`), which the pipeline's
@@ -14,15 +16,20 @@ What differs from TRL on one process, and why:
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 from typing import Any
 
+import torch
+import torch.distributed as dist
 from transformers import Trainer
 from trl import SFTConfig, SFTTrainer
 
+from ...plan.wrappers import plan_root
 from ..transformers.internals import check_overrides
 from ..transformers.trainer import PIPELINE_COLUMNS, ParallelTrainerMixin
 from ..transformers.training_args import ParallelTrainingArguments
+from .metrics import TokenMetrics
 
 
 @dataclass
@@ -80,11 +87,61 @@ class ParallelSFTTrainer(ParallelTrainerMixin, SFTTrainer):
         check_sft_options(args, kwargs.get("compute_loss_func"))
         super().__init__(model, args, **kwargs)
         _check_router_loss(self, args)
+        self._token_metrics = TokenMetrics.install(plan_root(self.model))
 
     def compute_loss(self, model, inputs, return_outputs: bool = False, num_items_in_batch=None):
-        """The model's own loss (see the module docstring), without a key/value cache."""
+        """The model's own loss (see the module docstring), without a key/value cache; TRL's token metrics from its
+        logits."""
         inputs["use_cache"] = False
-        return Trainer.compute_loss(self, model, inputs, return_outputs, num_items_in_batch)
+        with self._recording():
+            result = Trainer.compute_loss(self, model, inputs, return_outputs, num_items_in_batch)
+        self._log_token_metrics("train" if self.model.training else "eval", inputs)
+        return result
+
+    def training_step(self, model, inputs, num_items_in_batch=None):
+        """Under pp the pipeline runs the step (no `compute_loss`): the metrics are read after it."""
+        if self._pipeline is None:
+            return super().training_step(model, inputs, num_items_in_batch)
+        with self._recording():
+            loss = super().training_step(model, inputs, num_items_in_batch)
+        self._log_token_metrics("train", inputs)
+        return loss
+
+    def prediction_step(self, model, inputs, prediction_loss_only: bool, ignore_keys=None):
+        """Under pp the pipeline runs the evaluation forward (no `compute_loss`): the metrics are read after it."""
+        if self._pipeline is None:
+            return super().prediction_step(model, inputs, prediction_loss_only, ignore_keys)
+        with self._recording():
+            result = super().prediction_step(model, inputs, prediction_loss_only, ignore_keys)
+        self._log_token_metrics("eval", inputs)
+        return result
+
+    @contextlib.contextmanager
+    def _recording(self):
+        self._token_metrics.recording = True
+        try:
+            yield
+        finally:
+            self._token_metrics.recording = False
+
+    def _log_token_metrics(self, mode: str, inputs: dict[str, Any]) -> None:
+        """TRL's `entropy`, `mean_token_accuracy` and `num_tokens` (of the whole batch: the dp replicas' counts
+        added, each replica's tp / pp / cp ranks counted once)."""
+        last = None if self._pipeline is None else self._pipeline.num_microbatches  # one loss call each
+        found = self._token_metrics.collect(self.mesh, self.args.device, last)
+        entropy, accuracy = found if found is not None else (0.0, 0.0)
+        self._metrics[mode]["entropy"].append(entropy)
+        self._metrics[mode]["mean_token_accuracy"].append(accuracy)
+        if mode == "train":
+            if inputs.get("attention_mask") is not None:
+                tokens = inputs["attention_mask"].sum()
+            else:  # padding-free: one row of real tokens
+                tokens = torch.tensor(inputs["position_ids"].size(1))
+            tokens = tokens.to(self.args.device)
+            if self.mesh.size("batch") > 1:
+                dist.all_reduce(tokens, group=self.mesh.group("batch"))
+            self._total_train_tokens += int(tokens.item())
+        self._metrics[mode]["num_tokens"] = [self._total_train_tokens]
 
 
 check_overrides(ParallelSFTTrainer, SFTTrainer)

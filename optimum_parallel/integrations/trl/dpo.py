@@ -1,0 +1,278 @@
+"""TRL's `DPOTrainer` with `ParallelTrainerMixin`: preference optimisation on a tp / sp / cp / pp / dp (sharding levels
+0-3) mesh, equal to TRL's `DPOTrainer` on one process.
+
+TRL's trainer is used as it is (dataset preparation, the collator that puts chosen and rejected rows in one batch,
+every loss type, the metrics); what changes is where the per-token log-probabilities come from:
+
+- the policy and the reference are both parallel on the same mesh. The reference (no `ref_model`: the policy's
+  checkpoint, as TRL loads it) is loaded with `lazy_load_for_parallelism`, each rank reading its slice, frozen, and
+  run without a graph; `precompute_ref_log_probs=True` computes its log-probabilities once before training (with
+  the policy, as TRL does, and no reference kept); a PEFT policy made from `peft_config` has its base with the
+  adapters disabled as reference (as TRL);
+- TRL's fused LM head, which multiplies the hidden states by `lm_head.weight` (a vocabulary slice under tp) and
+  scores whole rows (a rank holds chunks of them under cp), is replaced by the parallel one (`fused_head.py`): the
+  vocab-parallel log-softmax, the per-token numbers gathered over cp, so that TRL's sums over each completion, its
+  losses and its metrics are those of one process;
+- under pp a step is two passes (`training_step`): the pipeline's forward without a graph gives the log-probabilities
+  (scored on the last stage, sent to every stage), TRL computes its loss and metrics from them and the loss is
+  backpropagated to them only; then the pipeline's forward and backward of sum(weight x log p) over the tokens, the
+  weights being that gradient, give the parameters the gradient of TRL's loss (one forward more than TRL's step).
+
+Refused before anything changes, by name (`check_dpo_options`): pp together with cp (the pipeline's pass scores whole
+rows), `use_liger_kernel`, `sync_ref_model` (the policy's FSDP2 shards and the replicated reference do not line up),
+and a MoE model's `router_aux_loss_coef != 0`. A dataset without `chosen` / `rejected` raises TRL's error on every
+rank before any collective.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, replace
+from typing import Any
+
+import torch
+from torch.utils.data import DataLoader
+from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel, set_seed
+from trl import DPOConfig, DPOTrainer
+
+from ...engine.compose import compose_model
+from ...engine.validate import validate
+from ...frontends.manager import ParallelizersManager
+from ...plan.wrappers import plan_root
+from ...tensor_parallel.logprobs import IGNORE_INDEX, token_log_probs, vocab_slice
+from ..transformers.internals import check_overrides, private_override
+from ..transformers.lazy_loading import lazy_load_for_parallelism
+from ..transformers.trainer import ParallelTrainerMixin, _mesh_for
+from ..transformers.training_args import ParallelTrainingArguments, trainer_request
+from .fused_head import FusedHead, install_fused_head
+
+
+@dataclass
+class ParallelDPOConfig(ParallelTrainingArguments, DPOConfig):
+    """TRL's `DPOConfig` plus the mesh and parallelism settings of `ParallelTrainingArguments`."""
+
+
+def check_dpo_options(args: DPOConfig) -> None:
+    """ValueError naming the first TRL option that cannot work on the layout `args` asks for."""
+    if args.pipeline_parallel_size > 1 and args.context_parallel_size > 1:
+        raise ValueError(
+            f"pipeline_parallel_size={args.pipeline_parallel_size} with context_parallel_size="
+            f"{args.context_parallel_size} is not supported by ParallelDPOTrainer (the pipeline's log-probabilities "
+            "are scored on whole rows); allowed with pp > 1: context_parallel_size=1"
+        )
+    if args.use_liger_kernel:
+        raise ValueError(
+            "use_liger_kernel=True is not supported by ParallelDPOTrainer (Liger's kernels replace the modules the "
+            "parallel layout is built on); allowed: False"
+        )
+    if args.sync_ref_model:
+        raise ValueError(
+            "sync_ref_model=True is not supported by ParallelDPOTrainer (the policy's data-parallel shards and the "
+            "reference's parameters are laid out differently); allowed: False"
+        )
+
+
+def check_preference_dataset(dataset: Any) -> None:
+    """TRL's preparation of a preference dataset reads `chosen` and `rejected` (after extracting the prompt when
+    there is none): its error, raised here on every rank, before TRL's rank-0-first preparation (where the other
+    ranks would wait for rank 0 at a barrier it never reaches)."""
+    from trl.data_utils import extract_prompt
+
+    first = next(iter(dataset), None)
+    if first is None or "prompt_ids" in first:
+        return
+    if "prompt" not in first:
+        first = extract_prompt(first)  # TRL's own function: its KeyError for a missing chosen / rejected
+    for key in ("chosen", "rejected"):
+        if key not in first:
+            raise KeyError(
+                f"{key!r}: a preference dataset needs the columns 'chosen' and 'rejected' (and 'prompt', or a "
+                f"prompt shared by both); got {sorted(first)}"
+            )
+
+
+class _BaseAsReference(torch.nn.Module):
+    """Stands for the reference while TRL's `DPOTrainer.__init__` runs, when the mixin (not TRL) made the PEFT model
+    from `peft_config`: TRL would otherwise take the policy for a pretrained adapter and copy it as the reference
+    ("ref" adapter), where with `peft_config` its reference is the base model, adapters disabled. Removed after."""
+
+    def __init__(self, config) -> None:
+        super().__init__()
+        self.config = config
+
+    def forward(self, *args, **kwargs):
+        raise RuntimeError("the placeholder reference of ParallelDPOTrainer was called")
+
+
+def _is_peft(model: Any) -> bool:
+    from accelerate.utils import is_peft_model
+
+    return isinstance(model, torch.nn.Module) and is_peft_model(model)
+
+
+class ParallelDPOTrainer(ParallelTrainerMixin, DPOTrainer):
+    """TRL's `DPOTrainer` on a parallel model (see the module docstring); `args` is a `ParallelDPOConfig`, `model` a
+    transformers model or a checkpoint path, `ref_model` None (the policy's checkpoint), a model or a path."""
+
+    # under pp the dataset keeps TRL's columns (the collator makes the batches)
+    pipeline_columns = ("prompt_ids", "chosen_ids", "rejected_ids", "ref_chosen_logps", "ref_rejected_logps")
+
+    def __init__(
+        self,
+        model: PreTrainedModel | str | os.PathLike,
+        ref_model: PreTrainedModel | str | os.PathLike | None = None,
+        args: ParallelDPOConfig | None = None,
+        *,
+        model_class: type = AutoModelForCausalLM,
+        model_kwargs: dict[str, Any] | None = None,
+        **kwargs: Any,
+    ) -> None:
+        if not isinstance(args, ParallelDPOConfig):
+            raise TypeError(f"ParallelDPOTrainer needs ParallelDPOConfig arguments, got {type(args).__name__}")
+        check_dpo_options(args)
+        if kwargs.get("train_dataset") is None:
+            raise ValueError("`train_dataset` is required")
+        check_preference_dataset(kwargs["train_dataset"])
+        if ref_model is not None and ref_model is model:
+            raise ValueError("`model` and `ref_model` cannot be the same object; omit `ref_model` for a copy")
+        base_as_reference = ref_model is None and kwargs.get("peft_config") is not None
+        if ref_model is None and not (args.precompute_ref_log_probs or kwargs.get("peft_config") or _is_peft(model)):
+            ref_model = model if isinstance(model, (str, os.PathLike)) else model.config._name_or_path
+            if not ref_model:
+                raise ValueError(
+                    "ref_model: the policy was given as a model without a checkpoint path (config._name_or_path is "
+                    "empty); pass ref_model (a model or a checkpoint path) or precompute_ref_log_probs=True"
+                )
+        if ref_model is not None:
+            kwargs_for_ref = dict(model_kwargs or {})
+            if isinstance(model, PreTrainedModel):
+                kwargs_for_ref.setdefault("dtype", model.dtype)
+            ref_model = self._parallel_reference(ref_model, args, model_class, kwargs_for_ref)
+        if base_as_reference:
+            config = model.config if isinstance(model, PreTrainedModel) else AutoConfig.from_pretrained(model)
+            ref_model = _BaseAsReference(config)
+        set_seed(args.seed)  # as TRL, before the policy is built: a PEFT adapter's init draws the same numbers
+        super().__init__(model, args, model_class=model_class, model_kwargs=model_kwargs, ref_model=ref_model, **kwargs)
+        if isinstance(self.ref_model, _BaseAsReference):
+            self.ref_model = None
+        if self.aux_loss_enabled:
+            raise ValueError(
+                f"router_aux_loss_coef={self.router_aux_loss_coef} is not supported by ParallelDPOTrainer (the "
+                "parallel fused head computes no router aux loss); allowed: router_aux_loss_coef=0.0"
+            )
+        self._install_fused_heads()
+        self._tp_size = self.get_tp_size()  # TRL divides its token count over the world by this
+
+    def _parallel_reference(
+        self, ref: PreTrainedModel | str | os.PathLike, args: ParallelDPOConfig, model_class: type, kwargs: dict
+    ) -> PreTrainedModel:
+        """The reference on the policy's mesh (tp / sp / cp; replicated over dp), frozen; from a path, each rank
+        reads its slice only."""
+        request = trainer_request(args, device=args.device)
+        mesh = _mesh_for(request, args.ddp_timeout)
+        if isinstance(ref, (str, os.PathLike)):
+            sizes = args.tensor_parallel_size, args.pipeline_parallel_size, args.expert_parallel_size
+            with lazy_load_for_parallelism(*sizes):
+                ref = model_class.from_pretrained(ref, **kwargs)
+        inner = plan_root(ref)
+        family = ParallelizersManager.parallelizer_for_model(ref)
+        checked = validate(replace(request, family=family, optimizer=None), inner, mesh)
+        compose_model(inner, mesh, checked)
+        ref.requires_grad_(False)
+        return ref.eval()
+
+    def _install_fused_heads(self) -> None:
+        """The parallel fused head on the policy (its base under PEFT) and the reference, where TRL put its own."""
+        policy = self.model.get_base_model() if _is_peft(self.model) else self.model
+        self._policy_head: FusedHead = install_fused_head(plan_root(policy))
+        if self.ref_model is not None and not isinstance(self.ref_model, _BaseAsReference):
+            install_fused_head(plan_root(self.ref_model))
+
+    def training_step(self, model, inputs: dict[str, Any], num_items_in_batch=None) -> torch.Tensor:
+        """Under pp, two passes: TRL's loss and metrics from log-probabilities the pipeline computes without a graph
+        (its forward, scored on the last stage, sent to every stage), backpropagated to those log-probabilities only;
+        then the pipeline's forward and backward of sum(token weight x log p), the weights being that gradient: the
+        parameters get the gradient of TRL's loss, for every loss type (it is computed on the whole batch)."""
+        if self._pipeline is None:
+            return super().training_step(model, inputs, num_items_in_batch)
+        model.train()
+        inputs = self._prepare_inputs(inputs)
+        with self.compute_loss_context_manager():
+            loss = self.compute_loss(model, inputs) / self.current_gradient_accumulation_steps
+        leaf = self._policy_head.pipeline_log_probs
+        (weights,) = torch.autograd.grad(loss, leaf)
+        labels = inputs["input_ids"].masked_fill(inputs["completion_mask"] == 0, IGNORE_INDEX)
+        root = plan_root(model)
+        vocab = root.config.get_text_config().vocab_size
+        surrogate = _WeightedLogProbs(root, weights, vocab)
+        previous, root.loss_function = root.loss_function, surrogate
+        try:
+            with self.accelerator.autocast():
+                model.run_train(
+                    input_ids=inputs["input_ids"],
+                    labels=surrogate.encode(labels),
+                    attention_mask=inputs.get("attention_mask"),
+                )
+        finally:
+            root.loss_function = previous
+        return loss.detach()
+
+    def prediction_step(self, model, inputs: dict[str, Any], prediction_loss_only: bool, ignore_keys=None):
+        """TRL's (the DPO loss and metrics); under pp its fused forward runs through the pipeline."""
+        if self._pipeline is None:
+            return super().prediction_step(model, inputs, prediction_loss_only, ignore_keys)
+        return DPOTrainer.prediction_step(self, model, inputs, prediction_loss_only, ignore_keys)
+
+    @private_override
+    def _precompute_ref_logps(self, dataset, name: str, batch_size: int):
+        """The reference's log-probabilities of every row, added as columns (TRL's columns). Every rank runs every
+        batch in order (the tp / cp ranks of a batch run its collectives together), so no rank waits on another's
+        data; TRL's cache file is not written."""
+        from datasets import IterableDataset
+
+        if isinstance(dataset, IterableDataset):
+            raise ValueError(
+                "`precompute_ref_log_probs=True` is not supported with IterableDataset. Please use a map-style "
+                "Dataset or set `precompute_ref_log_probs=False`."
+            )
+        self._install_fused_heads()
+        if isinstance(self.ref_model, _BaseAsReference):
+            self.ref_model = None  # the base, adapters disabled (TRL's `compute_ref_log_probs` reads this)
+        loader = DataLoader(dataset, batch_size=batch_size, collate_fn=self.data_collator, shuffle=False)
+        model = self.ref_model or self.model
+        chosen, rejected = [], []
+        for batch in loader:
+            batch = {k: v.to(self.args.device) if torch.is_tensor(v) else v for k, v in batch.items()}
+            ref_chosen, ref_rejected = self.compute_ref_log_probs(model, batch)
+            chosen.append(ref_chosen.float().cpu())
+            rejected.append(ref_rejected.float().cpu())
+        dataset = dataset.add_column("ref_chosen_logps", torch.cat(chosen).tolist())
+        return dataset.add_column("ref_rejected_logps", torch.cat(rejected).tolist())
+
+
+class _WeightedLogProbs:
+    """The loss the pipeline backpropagates under pp: sum over tokens of weight x log p(label), each micro-batch's
+    share on the last stage. The labels it is given carry each token's place in the batch (`encode`: label +
+    vocab x (flat index + 1)), so every share finds its weights whatever rows its micro-batch holds."""
+
+    def __init__(self, model, weights: torch.Tensor, vocab_size: int) -> None:
+        self.model, self.weights, self.vocab_size = model, weights, vocab_size
+
+    def encode(self, labels: torch.Tensor) -> torch.Tensor:
+        index = torch.arange(labels.numel(), device=labels.device).view(labels.shape)
+        return torch.where(labels == IGNORE_INDEX, labels, labels + self.vocab_size * (index + 1))
+
+    def __call__(self, logits, labels, **kwargs) -> torch.Tensor:
+        targets = torch.nn.functional.pad(labels, (0, 1), value=IGNORE_INDEX)[..., 1:]
+        ignored = targets == IGNORE_INDEX
+        place = torch.where(ignored, self.vocab_size, targets) // self.vocab_size - 1  # flat index, row-major (B, L)
+        length = self.weights.shape[1] + 1
+        rows, columns = place // length, (place % length - 1).clamp(min=0)
+        weights = self.weights.to(logits.device)[rows.clamp(min=0), columns].masked_fill(ignored, 0.0)
+        head = vocab_slice(self.model)
+        log_probs = token_log_probs(logits, (targets % self.vocab_size).masked_fill(ignored, IGNORE_INDEX),
+                                    head.group, head.vocab_start)  # fmt: skip
+        return (log_probs * weights).sum()
+
+
+check_overrides(ParallelDPOTrainer, DPOTrainer)
