@@ -13,7 +13,7 @@ pytest.importorskip("trl")
 from _grpo import print_table, save_tiny_llama, train_parallel, trl_reference, worst_errors  # noqa: E402
 
 WORLD_SIZE = 4
-TOL = 1e-5  # relative, per step (fp32; seen: ~7e-7)
+TOL = 1e-5  # relative, per step and metric (fp32; seen: up to 1.4e-6)
 
 
 @pytest.fixture(scope="module")
