@@ -71,6 +71,18 @@ def test_lora_at_tp2_matches_trl_on_one_process(pool, hf_dir, tmp_path):
         assert max(worst.values()) <= TOL, (rank, worst, got, expected)
 
 
+SYNC = {"sync_ref_model": True, "ref_model_sync_steps": 1, "ref_model_mixup_alpha": 0.5}
+
+
+def test_sync_ref_model_at_tp2_matches_trl_on_one_process(pool, hf_dir, tmp_path):
+    """TRL's callback mixes the policy into the reference after every step: both parallel, shard by shard."""
+    expected = trl_reference(hf_dir, str(tmp_path / "reference"), **SYNC)
+    results = pool.run(train_parallel, hf_dir, str(tmp_path / "parallel"), tensor_parallel_size=2, **SYNC)
+    for rank, result in enumerate(results):
+        worst = worst_errors(result["logged"], expected)
+        assert max(worst.values()) <= TOL, (rank, worst, result["logged"], expected)
+
+
 def test_sampling_is_identical_on_the_ranks_of_a_replica(pool, hf_dir, tmp_path):
     """Real sampling (the parallel model's generate, temperature 1): both tp ranks log the same completions."""
     results = pool.run(train_parallel, hf_dir, str(tmp_path), fixed=False, tensor_parallel_size=2, max_steps=2)
@@ -136,8 +148,9 @@ def rollout(prompts, trainer):
         ({"tensor_parallel_size": 2, "cast_lm_head_to_fp32": True}, "cast_lm_head_to_fp32=True"),
         ({"tensor_parallel_size": 2, "rollout_func": rollout}, "rollout_func"),
         ({"tensor_parallel_size": 2, "per_device_train_batch_size": 2}, "generation_batch_size (2) must be divisible"),
+        ({"sync_ref_model": True, "sharding_level": 3}, "sync_ref_model=True is not supported with sharding_level=3"),
     ],
-    ids=["pp", "cp", "entropy_coef", "cast_lm_head_to_fp32", "rollout_func", "generation_batch"],
+    ids=["pp", "cp", "entropy_coef", "cast_lm_head_to_fp32", "rollout_func", "generation_batch", "sync_ref_fsdp2"],
 )
 def test_what_a_layout_cannot_run_is_refused_by_name(pool, hf_dir, tmp_path, options, words):
     for message in pool.run(refused, hf_dir, str(tmp_path), options):

@@ -33,6 +33,7 @@ Refused before training, by name (`check_grpo_options`): pipeline and context pa
 per-token log-probs need the whole sequence through `model.forward` on every rank of a replica), vLLM, continuous
 batching, Liger, `cast_lm_head_to_fp32` under tp (it replaces the vocab-parallel head with a plain linear),
 `rollout_func`, `tools` and `environment_factory` on a replica of several ranks (they would run on every rank),
+`sync_ref_model` with FSDP2 (`sharding_level` 2-3: the policy's shards and the reference's whole tensors do not mix),
 the entropy bonus (`entropy_coef`, `use_adaptive_entropy`: its gradient through the entropy), a MoE router aux loss,
 and multimodal inputs.
 """
@@ -155,6 +156,12 @@ def check_grpo_options(args: ParallelGRPOConfig, kwargs: dict[str, Any]) -> None
         raise ValueError(
             "cast_lm_head_to_fp32=True is not supported with tensor_parallel_size > 1 (TRL replaces the LM head's "
             "forward with a plain linear over this rank's vocabulary slice); allowed there: False"
+        )
+    if args.sync_ref_model and args.sharding_level >= 2:
+        raise ValueError(
+            f"sync_ref_model=True is not supported with sharding_level={args.sharding_level} (FSDP2 shards the "
+            "policy's parameters over dp, the reference's are whole, and TRL's callback mixes them element by "
+            "element); allowed there: sync_ref_model=False, or sharding_level 0-1"
         )
     if args.ranks_per_replica > 1:
         for name in ("rollout_func", "tools", "environment_factory"):
