@@ -60,6 +60,8 @@ _EXPORTS = {  # public name -> the module defining it
     "ParallelSFTConfig": ".integrations.trl",
     "ParallelDPOTrainer": ".integrations.trl",
     "ParallelDPOConfig": ".integrations.trl",
+    "ParallelGRPOTrainer": ".integrations.trl",
+    "ParallelGRPOConfig": ".integrations.trl",
     "save_plan": ".planning.plan_files",
     "load_plan": ".planning.plan_files",
     "check_plan_fits": ".planning.plan_files",

@@ -27,6 +27,8 @@ LATER = (
     "ParallelSFTConfig",
     "ParallelDPOTrainer",
     "ParallelDPOConfig",
+    "ParallelGRPOTrainer",
+    "ParallelGRPOConfig",
     "MemoryPlanner",
     "estimate_memory",
     "suggest_layouts",

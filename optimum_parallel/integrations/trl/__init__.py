@@ -6,18 +6,24 @@ mesh; packed rows keep every document to itself on every layout (`optimum_parall
 `ParallelDPOTrainer(model, args=ParallelDPOConfig(...), train_dataset=..., processing_class=...)` is TRL's
 `DPOTrainer` over a tp / sp / cp / pp / dp mesh, its policy and reference both parallel. Both read per-token
 log-probabilities, entropy and token accuracy with the vocab-parallel log-softmax
-(`optimum_parallel.tensor_parallel.logprobs`), never gathering the vocabulary."""
+(`optimum_parallel.tensor_parallel.logprobs`), never gathering the vocabulary.
+`ParallelGRPOTrainer(model, reward_funcs=..., args=ParallelGRPOConfig(...), train_dataset=...)` is TRL's
+`GRPOTrainer` over a tp / sp / dp mesh: completions sampled by the parallel model's own generate, each scored once."""
 
 from .dpo import ParallelDPOConfig, ParallelDPOTrainer, check_dpo_options
 from .fused_head import install_fused_head
+from .grpo import ParallelGRPOConfig, ParallelGRPOTrainer, check_grpo_options
 from .sft import ParallelSFTConfig, ParallelSFTTrainer, check_sft_options
 
 __all__ = [
     "ParallelDPOConfig",
     "ParallelDPOTrainer",
+    "ParallelGRPOConfig",
+    "ParallelGRPOTrainer",
     "ParallelSFTConfig",
     "ParallelSFTTrainer",
     "check_dpo_options",
+    "check_grpo_options",
     "check_sft_options",
     "install_fused_head",
 ]

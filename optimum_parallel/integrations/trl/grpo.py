@@ -1,0 +1,427 @@
+"""TRL's `GRPOTrainer` with `ParallelTrainerMixin`: completions generated, scored and trained on by the parallel model.
+
+What differs from TRL on one process, and why:
+
+- the prompts are sharded over the batch replicas (dp) only: every rank of a replica (its tp ranks) gets the same
+  prompts, and `ParallelGRPOConfig` sizes the generation batch with the replica count, not the process count;
+- completions come from the parallel model's own `generate` (tp-synchronised: the ranks of a replica check that they
+  hold the same prompts and sample with their first rank's generator, so they draw the same tokens); after TRL's
+  per-process seeding every replica's ranks share the seed `seed + replica index` (TRL: `seed + process index`);
+- the reward functions run once per completion, on the first rank of each replica; the rewards (and whatever the
+  functions logged) reach the replica's other ranks and the other replicas in one collective, and a reward function's
+  error (TRL's own, e.g. a wrong number of rewards) is raised on every rank;
+- every gather and reduction TRL makes over the processes (rewards, lengths, token counts, metrics, completion logs)
+  runs over the batch replicas (`_ReplicaView`): the tp ranks hold copies, so gathering over the world would count
+  each completion tp times and split the reward groups wrongly;
+- the per-token log-probabilities and entropies come from the model's local logits of the completion positions (this
+  rank's slice of the vocabulary under tp) through `tensor_parallel.logprobs`, never whole logits: TRL's
+  fused LM head multiplies the hidden states by `lm_head.weight`, which under tp is a shard of the vocabulary;
+- with `beta > 0` the reference model is loaded as TRL loads it (from the policy's checkpoint path), lazily and
+  parallel on the same mesh (each rank reads its slices), frozen; with LoRA adapters (`peft_config`, added after the
+  split) TRL's own reference, a copy of the fresh adapters, is used;
+- with `steps_per_generation > 1` TRL shuffles the generation batch with the default generator, which the parallel
+  model's training-mode forwards also draw from (the seeds of their split regions, `tensor_parallel/random.py`): the
+  micro-batches are cut differently from one process. The loss of the optimizer step (dapo, grpo with equal
+  micro-batches) does not depend on the cut; metrics averaged per micro-batch (`kl`, `entropy`) do;
+- the evaluation loss is the whole evaluation batch's on every replica (`prediction_step`);
+- at dp > 1 `loss_type="bnpo"` is each replica's token mean averaged over the replicas, as TRL's is each process's
+  (one process: the token mean of the whole batch); the other loss types are the whole batch's;
+- under sequence parallelism the per-token forward runs the whole sequence through the LM head (a forward keeping
+  only some positions' logits would run without sp).
+
+Refused before training, by name (`check_grpo_options`): pipeline and context parallelism (generation and the
+per-token log-probs need the whole sequence through `model.forward` on every rank of a replica), vLLM, continuous
+batching, Liger, `cast_lm_head_to_fp32` under tp (it replaces the vocab-parallel head with a plain linear),
+`rollout_func`, `tools` and `environment_factory` on a replica of several ranks (they would run on every rank),
+`sync_ref_model` with FSDP2 (`sharding_level` 2-3: the policy's shards and the reference's whole tensors do not mix),
+the entropy bonus (`entropy_coef`, `use_adaptive_entropy`: its gradient through the entropy), a MoE router aux loss,
+and multimodal inputs.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import pickle
+from collections.abc import Iterator
+from dataclasses import dataclass, replace
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from transformers import AutoModelForCausalLM, set_seed
+from trl import GRPOConfig, GRPOTrainer
+from trl.trainer import grpo_trainer as trl_grpo
+
+from ...engine.compose import compose_model
+from ...engine.validate import validate
+from ...frontends.manager import ParallelizersManager
+from ...mesh import ParallelMesh, ranks
+from ...plan import logits_mode
+from ...tensor_parallel.layers import ColumnParallelLinear
+from ...tensor_parallel.logprobs import token_entropy, token_log_probs, vocab_slice
+from ...tensor_parallel.random import share_rng_states
+from ..transformers.internals import InternalsChanged, check_overrides, private_override
+from ..transformers.lazy_loading import lazy_load_for_parallelism
+from ..transformers.trainer import ParallelTrainerMixin
+from ..transformers.training_args import ParallelTrainingArguments, trainer_request
+
+TRL_MODULE_GLOBALS = ("gather", "gather_object", "create_model_from_path")  # what `_swapped_globals` swaps
+for _name in TRL_MODULE_GLOBALS:
+    if not callable(getattr(trl_grpo, _name, None)):
+        raise InternalsChanged(
+            f"trl.trainer.grpo_trainer.{_name} no longer exists; ParallelGRPOTrainer swaps it (see the module "
+            "docstring). Install a TRL version this release supports."
+        )
+
+
+@dataclass
+class ParallelGRPOConfig(GRPOConfig, ParallelTrainingArguments):
+    """TRL's `GRPOConfig` plus the mesh settings of `ParallelTrainingArguments`. The generation batch is counted in
+    batch replicas (world / (tp * pp * cp)), as TRL counts it in processes on a data-parallel run.
+
+    `GRPOConfig` comes first so that its defaults (learning_rate 1e-6, remove_unused_columns False, logging_steps
+    10, bf16, ...) win over `TrainingArguments`' own, which `ParallelTrainingArguments` inherits: dataclass fields
+    take the default of the last class in reverse MRO order that declares them."""
+
+    def __post_init__(self) -> None:
+        asked = self.generation_batch_size, self.steps_per_generation
+        super().__post_init__()  # TRL sized the generation batch with world_size processes: sized again below
+        self.generation_batch_size, self.steps_per_generation = asked
+        _size_generation_batch(self, max(1, self.world_size // self.ranks_per_replica))
+
+    @property
+    def ranks_per_replica(self) -> int:
+        """The ranks sharing one batch (tp x pp x cp)."""
+        return self.tensor_parallel_size * self.pipeline_parallel_size * self.context_parallel_size
+
+
+def _size_generation_batch(args: GRPOConfig, replicas: int) -> None:
+    """TRL's `GRPOConfig.__post_init__` sizing (same rules, same errors) with `replicas` in place of processes."""
+    per_step = args.per_device_train_batch_size * replicas
+    if args.generation_batch_size is None and args.steps_per_generation is None:
+        args.steps_per_generation = args.gradient_accumulation_steps
+        args.generation_batch_size = per_step * args.steps_per_generation
+    elif args.generation_batch_size is not None and args.steps_per_generation is None:
+        if args.generation_batch_size % per_step != 0:
+            raise ValueError(
+                f"generation_batch_size ({args.generation_batch_size}) must be divisible by the global batch size "
+                f"({per_step})."
+            )
+        args.steps_per_generation = args.generation_batch_size // per_step
+    elif args.generation_batch_size is None and args.steps_per_generation is not None:
+        args.generation_batch_size = per_step * args.steps_per_generation
+    else:
+        raise ValueError(
+            "'generation_batch_size' and 'steps_per_generation' can not be both configured at the same time"
+        )
+    if args.do_eval and args.eval_strategy != "no":
+        num_generations = args.num_generations_eval or args.num_generations
+        if (args.per_device_eval_batch_size * replicas) % num_generations != 0:
+            raise ValueError(
+                f"The global eval batch size ({args.per_device_eval_batch_size} * {replicas}) must be "
+                f"divisible by the number of generations used for evaluation ({num_generations})."
+            )
+    if args.generation_batch_size % args.num_generations != 0:
+        raise ValueError(
+            f"generation_batch_size ({args.generation_batch_size}) must be divisible by num_generations "
+            f"({args.num_generations})."
+        )
+
+
+def check_grpo_options(args: ParallelGRPOConfig, kwargs: dict[str, Any]) -> None:
+    """ValueError naming the first GRPO option the layout `args` asks for cannot run (see the module docstring)."""
+    for name in ("pipeline_parallel_size", "context_parallel_size"):
+        if getattr(args, name) > 1:
+            raise ValueError(
+                f"{name}={getattr(args, name)} is not supported by ParallelGRPOTrainer: generation and the per-token "
+                "log-probs run the whole sequence through model.forward on every rank of a replica; allowed: 1 "
+                "(use tensor_parallel_size, sequence_parallel and data parallelism)"
+            )
+    flags = {
+        "use_vllm": "vLLM generates outside the parallel model",
+        "use_transformers_continuous_batching": "generate_batch is not synchronised over the tp ranks",
+        "use_liger_kernel": "Liger's kernels replace the forward the parallel layout is built on",
+        "use_adaptive_entropy": "the entropy bonus needs the entropy's gradient through the vocab-parallel logits",
+    }
+    for name, why in flags.items():
+        if getattr(args, name, False):
+            raise ValueError(f"{name}=True is not supported by ParallelGRPOTrainer ({why}); allowed: False")
+    if args.entropy_coef != 0.0:
+        raise ValueError(
+            f"entropy_coef={args.entropy_coef} is not supported by ParallelGRPOTrainer (the entropy bonus needs the "
+            "entropy's gradient through the vocab-parallel logits); allowed: 0.0"
+        )
+    if args.tensor_parallel_size > 1 and args.cast_lm_head_to_fp32:
+        raise ValueError(
+            "cast_lm_head_to_fp32=True is not supported with tensor_parallel_size > 1 (TRL replaces the LM head's "
+            "forward with a plain linear over this rank's vocabulary slice); allowed there: False"
+        )
+    if args.sync_ref_model and args.sharding_level >= 2:
+        raise ValueError(
+            f"sync_ref_model=True is not supported with sharding_level={args.sharding_level} (FSDP2 shards the "
+            "policy's parameters over dp, the reference's are whole, and TRL's callback mixes them element by "
+            "element); allowed there: sync_ref_model=False, or sharding_level 0-1"
+        )
+    if args.ranks_per_replica > 1:
+        for name in ("rollout_func", "tools", "environment_factory"):
+            if kwargs.get(name):
+                raise ValueError(
+                    f"{name} is not supported by ParallelGRPOTrainer with {args.ranks_per_replica} ranks per batch "
+                    f"replica (it would run on every one of them); allowed there: None"
+                )
+
+
+class _ReplicaView:
+    """accelerate's Accelerator as TRL's GRPO code asks it, with the batch replicas as the processes: gathers and
+    reductions run over the mesh's `batch` group, `process_index` / `num_processes` are the replica's. Everything
+    else (autocast, backward, sync_gradients, ...) is the Accelerator's own."""
+
+    def __init__(self, accelerator, mesh: ParallelMesh) -> None:
+        self._accelerator = accelerator
+        self._group = mesh.group("batch")
+        self.num_processes = mesh.size("batch")
+        self.process_index = mesh.rank("batch")
+
+    def __getattr__(self, name: str):
+        return getattr(self._accelerator, name)
+
+    def gather(self, tensor: torch.Tensor) -> torch.Tensor:
+        if self.num_processes == 1:
+            return tensor
+        flat = tensor if tensor.dim() else tensor[None]
+        wire = flat.to(torch.uint8) if flat.dtype == torch.bool else flat.contiguous()  # gloo gathers no bools
+        parts = [torch.empty_like(wire) for _ in range(self.num_processes)]
+        dist.all_gather(parts, wire, group=self._group)
+        return torch.cat(parts).to(flat.dtype)
+
+    gather_for_metrics = gather
+
+    def reduce(self, tensor: torch.Tensor, reduction: str = "sum", scale: float = 1.0) -> torch.Tensor:
+        out = tensor.clone() * scale
+        if self.num_processes > 1:
+            dist.all_reduce(out, group=self._group)
+        return out / self.num_processes if reduction == "mean" else out
+
+    def pad_across_processes(self, tensor: torch.Tensor, dim: int = 0, pad_index=0, pad_first: bool = False):
+        if self.num_processes == 1:
+            return tensor
+        size = torch.tensor([tensor.shape[dim]], device=tensor.device)
+        longest = int(self.gather(size).max())
+        if longest == tensor.shape[dim]:
+            return tensor
+        shape = list(tensor.shape)
+        shape[dim] = longest - tensor.shape[dim]
+        pad = tensor.new_full(shape, pad_index)
+        return torch.cat([pad, tensor] if pad_first else [tensor, pad], dim=dim)
+
+    def gather_object(self, obj: list) -> list:
+        """accelerate's `gather_object` (lists concatenated in replica order) over the replicas."""
+        if self.num_processes == 1:
+            return obj
+        parts: list = [None] * self.num_processes
+        dist.all_gather_object(parts, obj, group=self._group)
+        return [item for part in parts for item in part]
+
+
+@contextlib.contextmanager
+def _swapped_globals(values: dict[str, Any]) -> Iterator[None]:
+    """TRL's grpo_trainer module reaches a few accelerate/TRL functions by module-level name; swap them for a block."""
+    saved = {name: getattr(trl_grpo, name) for name in values}
+    for name, value in values.items():
+        setattr(trl_grpo, name, value)
+    try:
+        yield
+    finally:
+        for name, value in saved.items():
+            setattr(trl_grpo, name, value)
+
+
+def _vocab_parallel_head(model: nn.Module) -> ColumnParallelLinear | None:
+    """The model's LM head if it is split over the vocabulary (through any wrapper: DDP, PEFT), else None."""
+    found = (m for m in model.modules() if isinstance(m, ColumnParallelLinear) and hasattr(m, "logits_mode"))
+    return next(found, None)
+
+
+def _picklable(value: object) -> bool:
+    try:
+        pickle.dumps(value)
+    except Exception:  # noqa: BLE001 - whatever pickling raises
+        return False
+    return True
+
+
+class ParallelGRPOTrainer(ParallelTrainerMixin, GRPOTrainer):
+    """TRL's `GRPOTrainer` on a parallel model (see the module docstring); `args` is a `ParallelGRPOConfig`.
+
+    `ParallelGRPOTrainer(model_or_path, reward_funcs=..., args=ParallelGRPOConfig(...), train_dataset=...,
+    processing_class=tokenizer)`; launch with torchrun.
+    """
+
+    def __init__(self, model, reward_funcs=None, args: ParallelGRPOConfig | None = None, **kwargs: Any) -> None:
+        if not isinstance(args, ParallelGRPOConfig):
+            raise TypeError(f"ParallelGRPOTrainer needs ParallelGRPOConfig arguments, got {type(args).__name__}")
+        check_grpo_options(args, kwargs)
+        set_seed(args.seed)  # as TRL seeds before it builds the model: adapters (peft_config) start as TRL's do
+        self._replica_view: _ReplicaView | None = None
+        with _swapped_globals({"create_model_from_path": self._load_reference}):  # the reference, when beta > 0
+            super().__init__(model, args=args, reward_funcs=reward_funcs, **kwargs)
+        if self.aux_loss_enabled:
+            raise ValueError(
+                f"router_aux_loss_coef={self.router_aux_loss_coef} is not supported by ParallelGRPOTrainer (the "
+                "per-token log-probs come from the logits, not TRL's fused head that adds the router loss); "
+                "allowed: 0.0"
+            )
+        # TRL seeded every process apart (seed + process index): the ranks of a replica sample, shuffle and draw
+        # alike, so they share seed + replica index (one process: the seed TRL gives process 0)
+        set_seed(args.seed + self.mesh.rank("batch"))
+        share_rng_states(self.mesh.group("peers"))
+
+    def _load_reference(self, model_id: str, **model_init_kwargs: Any) -> nn.Module:
+        """TRL's reference model (`create_model_from_path(policy's path, ...)`), loaded lazily and made parallel on
+        the policy's mesh with the policy's layout; frozen, in eval mode."""
+        model_init_kwargs.pop("device_map", None)
+        args = self.args
+        sizes = args.tensor_parallel_size, args.pipeline_parallel_size, args.expert_parallel_size
+        with lazy_load_for_parallelism(*sizes):
+            reference = AutoModelForCausalLM.from_pretrained(model_id, **model_init_kwargs)
+        parallelizer = ParallelizersManager.parallelizer_for_model(reference)
+        request = replace(trainer_request(args, device=args.device), family=parallelizer, compile=None)
+        compose_model(reference, self.mesh, validate(request, reference, self.mesh))
+        return reference.eval().requires_grad_(False)
+
+    # ------------------------------------------------------------------ the batch replicas as TRL's processes
+
+    @contextlib.contextmanager
+    def _over_replicas(self) -> Iterator[None]:
+        """TRL's gathers and reductions over the batch replicas for the block (see `_ReplicaView`)."""
+        if self._replica_view is not None:  # already inside
+            yield
+            return
+        accelerator = self.accelerator
+        view = self._replica_view = _ReplicaView(accelerator, self.mesh)
+        self.accelerator = view
+        try:
+            with _swapped_globals({"gather_object": view.gather_object, "gather": view.gather}):
+                yield
+        finally:
+            self.accelerator, self._replica_view = accelerator, None
+
+    @private_override
+    def _prepare_inputs(self, generation_batch):
+        """TRL's generation, scoring and buffering, with the replicas as its processes."""
+        with self._over_replicas():
+            return super()._prepare_inputs(generation_batch)
+
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        """TRL's clipped policy loss and its metrics, with the replicas as its processes."""
+        with self._over_replicas():
+            return super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
+
+    def prediction_step(self, model, inputs, prediction_loss_only, ignore_keys=None):
+        """TRL's evaluation loss, made the whole evaluation batch's on every replica (the mean of the replicas'
+        shares): the Trainer repeats each rank's loss per example, gathers them over dp and keeps only the first
+        `remainder` examples of the last batch (accelerate's gather_for_metrics), which would weigh the replicas'
+        shares unevenly where one process weighs one loss."""
+        loss, logits, labels = super().prediction_step(model, inputs, prediction_loss_only, ignore_keys)
+        if loss is not None and self.mesh.size("batch") > 1:
+            loss = loss.detach().clone()
+            dist.all_reduce(loss, group=self.mesh.group("batch"))
+            loss = loss / self.mesh.size("batch")
+        return loss, logits, labels
+
+    # ------------------------------------------------------------------ generation
+
+    @private_override
+    def _generate_single_turn(self, prompt_ids, images, multimodal_fields, num_generations, has_tool_images=False):
+        """TRL's generation through the parallel model's tp-synchronised `generate`, sampling from full-vocabulary
+        logits even inside an evaluation that keeps them local."""
+        full = _vocab_parallel_head(self.model) is not None
+        with logits_mode(self.model, "full") if full else contextlib.nullcontext():
+            return super()._generate_single_turn(
+                prompt_ids, images, multimodal_fields, num_generations, has_tool_images
+            )
+
+    # ------------------------------------------------------------------ rewards
+
+    @private_override
+    def _calculate_rewards(self, inputs, prompts, completions, completion_ids_list):
+        """The reward functions on each replica's first rank only; one all-gather hands every rank the rewards of
+        every replica (in replica order, as TRL's gather), what the functions logged, or the first error raised."""
+        leader = self.mesh.rank("peers") == 0
+        payload: Any = None
+        own_error: Exception | None = None
+        if leader:
+            try:
+                with _swapped_globals({"gather": lambda tensor: tensor}):  # this replica's rows; shared below
+                    payload = super()._calculate_rewards(inputs, prompts, completions, completion_ids_list).cpu()
+            except Exception as err:  # noqa: BLE001 - raised again below, on every rank
+                own_error = err
+                payload = err if _picklable(err) else RuntimeError(f"{type(err).__name__}: {err}")
+            payload = (payload, dict(self._pending_metrics), dict(self._pending_extra_logs))
+        everyone: list = [None] * ranks.world_size()
+        dist.all_gather_object(everyone, (self.mesh.rank("batch"), payload))
+        failed = [p[0] for _, p in everyone if p is not None and isinstance(p[0], BaseException)]
+        if own_error is not None:
+            raise own_error
+        if failed:
+            raise failed[0]
+        mine = next(p for b, p in everyone if p is not None and b == self.mesh.rank("batch"))
+        if not leader:  # what the reward functions logged through log_metric / log_extra, as on the leader
+            self._pending_metrics.update(mine[1])
+            self._pending_extra_logs.update(mine[2])
+        rows = sorted((b, p[0]) for b, p in everyone if p is not None)
+        return torch.cat([r for _, r in rows]).to(self.accelerator.device)
+
+    # ------------------------------------------------------------------ per-token log-probabilities
+
+    @private_override
+    def _get_per_token_logps_and_entropies(
+        self,
+        model,
+        input_ids,
+        attention_mask,
+        logits_to_keep,
+        batch_size=None,
+        compute_entropy=False,
+        compute_aux_loss=False,
+        pixel_values=None,
+        image_grid_thw=None,
+        num_images=None,
+        pixel_attention_mask=None,
+        spatial_shapes=None,
+        num_tiles=None,
+        image_sizes=None,
+        token_type_ids=None,
+        mm_token_type_ids=None,
+        image_position_ids=None,
+    ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+        """TRL's per-token log-probs of the completion tokens (0 on padding) and their entropies, from the model's
+        local logits of the completion positions (this rank's vocabulary slice under tp), divided by the
+        temperature as TRL's fused head divides them."""
+        extra = (pixel_values, image_grid_thw, pixel_attention_mask, spatial_shapes, image_sizes, token_type_ids,
+                 mm_token_type_ids, image_position_ids)  # fmt: skip
+        if any(value is not None for value in extra):
+            raise ValueError("ParallelGRPOTrainer scores text-only models; allowed inputs: input_ids, attention_mask")
+        if compute_aux_loss:
+            raise ValueError("router_aux_loss_coef is not supported by ParallelGRPOTrainer; allowed: 0.0")
+        where = vocab_slice(self.accelerator.unwrap_model(model))  # this rank's vocabulary slice (tp) or all of it
+        batch_size = batch_size or input_ids.size(0)
+        logps, entropies = [], []
+        for start in range(0, input_ids.size(0), batch_size):
+            ids, mask = input_ids[start : start + batch_size], attention_mask[start : start + batch_size]
+            targets = ids[:, -logits_to_keep:].masked_fill(mask[:, -logits_to_keep:] == 0, -100)
+            local = logits_mode(model, "local") if where.group is not None else contextlib.nullcontext()
+            # only the completion's positions reach the LM head; under sequence parallelism the whole sequence does
+            # (a forward keeping some logits runs the plain tp path, see plan/inference.py: sp would be off)
+            keep = {} if self.args.sequence_parallel else {"logits_to_keep": logits_to_keep + 1}
+            with local, self.accelerator.autocast():
+                output = model(input_ids=ids, attention_mask=mask, use_cache=False, **keep)
+            logits = output.logits[:, -logits_to_keep - 1 : -1] / self.temperature  # position t scores token t + 1
+            logps.append(token_log_probs(logits, targets, where.group, where.vocab_start))
+            if compute_entropy:
+                entropies.append(token_entropy(logits, targets, where.group, where.vocab_start))
+        return torch.cat(logps), (torch.cat(entropies) if compute_entropy else None), None
+
+
+check_overrides(ParallelGRPOTrainer, GRPOTrainer)

@@ -1,0 +1,168 @@
+"""TRL's GRPOTrainer on a parallel model (gloo, 2 ranks): ParallelGRPOTrainer at tp=2 (with and without sequence
+parallelism) logs, step by step, the loss, kl, reward and entropy TRL's GRPOTrainer logs on one process (completions
+fixed by the prompt and its place in the batch, so sampling is the same whatever the layout); with real sampling both
+ranks of the replica draw the same completions; a reward function returning the wrong count raises TRL's error on
+every rank before any step; the layouts and options it cannot run are refused by name; `examples/grpo.py` runs under
+torchrun. (dp=2 x tp=2 on 4 ranks: test_trl_grpo_dp.py.)"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("trl")
+
+from _grpo import (  # noqa: E402
+    grpo_args,
+    print_table,
+    prompts,
+    save_tiny_llama,
+    train_parallel,
+    trl_reference,
+    worst_errors,
+)
+
+WORLD_SIZE = 2
+TOL = 1e-5  # relative, per step and metric (fp32; seen: up to 3.5e-6, the LoRA run's kl of ~1e-3)
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture(scope="module")
+def hf_dir(tmp_path_factory) -> str:
+    return save_tiny_llama(str(tmp_path_factory.mktemp("hf") / "llama"))
+
+
+@pytest.fixture(scope="module")
+def reference(hf_dir, tmp_path_factory) -> dict:
+    return trl_reference(hf_dir, str(tmp_path_factory.mktemp("reference")))
+
+
+@pytest.mark.parametrize("sequence_parallel", [False, True], ids=["tp2", "tp2-sp"])
+def test_tp2_matches_trl_on_one_process(pool, hf_dir, reference, tmp_path, sequence_parallel):
+    layout = {"tensor_parallel_size": 2, "sequence_parallel": sequence_parallel}
+    if sequence_parallel:  # every length even, so sp splits every forward (it splits lengths tp divides)
+        layout["pad_to_multiple_of"] = 2
+    results = pool.run(train_parallel, hf_dir, str(tmp_path), **layout)
+    assert sorted(reference) == [1, 2, 3] and reference[1]["kl"] == 0.0 and reference[2]["kl"] > 0
+    assert {"eval_loss", "eval_kl", "eval_reward"} <= set(reference[3])  # an evaluation after step 3
+    for rank, result in enumerate(results):
+        got = result["logged"]
+        assert sorted(got) == sorted(reference), (rank, got)
+        worst = worst_errors(got, reference)
+        if rank == 0:
+            print_table("tp=2" + (" + sp" if sequence_parallel else ""), got, reference)
+        assert max(worst.values()) <= TOL, (rank, worst, got, reference)
+
+
+def test_lora_at_tp2_matches_trl_on_one_process(pool, hf_dir, tmp_path):
+    """LoRA adapters (`peft_config`) with beta > 0: TRL's reference is the policy without its fresh adapters."""
+    expected = trl_reference(hf_dir, str(tmp_path / "reference"), peft=True)
+    results = pool.run(train_parallel, hf_dir, str(tmp_path / "parallel"), peft=True, tensor_parallel_size=2)
+    assert expected[2]["kl"] > 0
+    for rank, result in enumerate(results):
+        got = result["logged"]
+        worst = worst_errors(got, expected)
+        if rank == 0:
+            print_table("tp=2 LoRA", got, expected)
+        assert max(worst.values()) <= TOL, (rank, worst, got, expected)
+
+
+SYNC = {"sync_ref_model": True, "ref_model_sync_steps": 1, "ref_model_mixup_alpha": 0.5}
+
+
+def test_sync_ref_model_at_tp2_matches_trl_on_one_process(pool, hf_dir, tmp_path):
+    """TRL's callback mixes the policy into the reference after every step: both parallel, shard by shard."""
+    expected = trl_reference(hf_dir, str(tmp_path / "reference"), **SYNC)
+    results = pool.run(train_parallel, hf_dir, str(tmp_path / "parallel"), tensor_parallel_size=2, **SYNC)
+    for rank, result in enumerate(results):
+        worst = worst_errors(result["logged"], expected)
+        assert max(worst.values()) <= TOL, (rank, worst, result["logged"], expected)
+
+
+def test_sampling_is_identical_on_the_ranks_of_a_replica(pool, hf_dir, tmp_path):
+    """Real sampling (the parallel model's generate, temperature 1): both tp ranks log the same completions."""
+    results = pool.run(train_parallel, hf_dir, str(tmp_path), fixed=False, tensor_parallel_size=2, max_steps=2)
+    assert results[0]["completions"] and results[0]["completions"] == results[1]["completions"]
+    assert results[0]["logged"] == results[1]["logged"]
+
+
+def wrong_count(completions, **kwargs) -> list[float]:
+    return [0.0] * (len(completions) - 1)
+
+
+def bad_reward(hf_dir: str, output_dir: str) -> dict:
+    from transformers import AutoTokenizer
+
+    from optimum_parallel.integrations.trl import ParallelGRPOConfig, ParallelGRPOTrainer
+
+    args = ParallelGRPOConfig(**grpo_args(output_dir, tensor_parallel_size=2, eval_strategy="no"))
+    trainer = ParallelGRPOTrainer(
+        hf_dir, reward_funcs=wrong_count, args=args, train_dataset=prompts(),
+        processing_class=AutoTokenizer.from_pretrained(hf_dir),
+    )  # fmt: skip
+    before = [p.detach().clone() for p in trainer.model.parameters()]
+    try:
+        trainer.train()
+    except ValueError as err:
+        unchanged = all((a == p.detach()).all() for a, p in zip(before, trainer.model.parameters(), strict=True))
+        return {"error": str(err), "step": trainer.state.global_step, "unchanged": unchanged}
+    return {"error": None}
+
+
+def test_a_reward_function_returning_the_wrong_count_raises_trls_error_on_every_rank(pool, hf_dir, tmp_path):
+    for result in pool.run(bad_reward, hf_dir, str(tmp_path)):
+        assert result["error"] and "'wrong_count' returned 11 rewards, but 12 were expected" in result["error"]
+        assert result["step"] == 0 and result["unchanged"], result
+
+
+def refused(hf_dir: str, output_dir: str, options: dict) -> str:
+    from _grpo import even_tokens
+    from transformers import AutoTokenizer
+
+    from optimum_parallel.integrations.trl import ParallelGRPOConfig, ParallelGRPOTrainer
+
+    extra = {k: options.pop(k) for k in ("rollout_func",) if k in options}
+    try:
+        args = ParallelGRPOConfig(**grpo_args(output_dir, eval_strategy="no", **options))
+        ParallelGRPOTrainer(hf_dir, reward_funcs=even_tokens, args=args, train_dataset=prompts(),
+                            processing_class=AutoTokenizer.from_pretrained(hf_dir), **extra)  # fmt: skip
+    except ValueError as err:
+        return str(err)
+    return "no error"
+
+
+def rollout(prompts, trainer):
+    raise AssertionError("never called")
+
+
+@pytest.mark.parametrize(
+    "options,words",
+    [
+        ({"pipeline_parallel_size": 2, "pipeline_parallel_num_microbatches": 2}, "pipeline_parallel_size=2"),
+        ({"context_parallel_size": 2}, "context_parallel_size=2"),
+        ({"tensor_parallel_size": 2, "entropy_coef": 0.01}, "entropy_coef=0.01"),
+        ({"tensor_parallel_size": 2, "cast_lm_head_to_fp32": True}, "cast_lm_head_to_fp32=True"),
+        ({"tensor_parallel_size": 2, "rollout_func": rollout}, "rollout_func"),
+        ({"tensor_parallel_size": 2, "per_device_train_batch_size": 2}, "generation_batch_size (2) must be divisible"),
+        ({"sync_ref_model": True, "sharding_level": 3}, "sync_ref_model=True is not supported with sharding_level=3"),
+    ],
+    ids=["pp", "cp", "entropy_coef", "cast_lm_head_to_fp32", "rollout_func", "generation_batch", "sync_ref_fsdp2"],
+)
+def test_what_a_layout_cannot_run_is_refused_by_name(pool, hf_dir, tmp_path, options, words):
+    for message in pool.run(refused, hf_dir, str(tmp_path), options):
+        assert words in message, message
+        assert "allowed" in message or "divisible" in message, message
+
+
+def test_example_runs_under_torchrun(tmp_path):
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    example = str(ROOT / "examples" / "grpo.py")
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", example,
+               "--output-dir", str(tmp_path), "--steps", "4"]  # fmt: skip
+    done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert "mean reward" in done.stdout, done.stdout[-3000:]
