@@ -9,6 +9,7 @@ parallelism a stage sends the whole sequence and the next one splits it again at
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable
 from contextlib import contextmanager
 
@@ -28,13 +29,25 @@ class _Placeholder(nn.Identity):
 
 class _PassThrough(nn.Module):
     """Stands in, during a stage's forward, for a decoder layer another stage runs: the hidden states go on as they
-    came (a transformers 5 decoder layer returns its hidden states)."""
+    came, in what the layer returns (a transformers 5 decoder layer returns its hidden states; a few, Falcon-H1's,
+    still a tuple starting with them)."""
+
+    def __init__(self, as_tuple: bool) -> None:
+        super().__init__()
+        self.as_tuple = as_tuple
 
     def forward(self, *args, **kwargs):
-        return args[0] if args else kwargs["hidden_states"]
+        hidden = args[0] if args else kwargs["hidden_states"]
+        return (hidden,) if self.as_tuple else hidden
 
 
-_PASS_THROUGH = _PassThrough()
+_PASS_THROUGH = {as_tuple: _PassThrough(as_tuple) for as_tuple in (False, True)}
+
+
+def _pass_through_for(layer: nn.Module) -> _PassThrough:
+    """The stand-in returning what `layer`'s forward returns (its annotation says whether that is a tuple)."""
+    returned = inspect.signature(type(layer).forward).return_annotation
+    return _PASS_THROUGH["tuple" in str(returned).lower()]
 
 
 class DecoderStage(nn.Module):
@@ -66,7 +79,9 @@ class DecoderStage(nn.Module):
         self.layers = nn.ModuleList(every_layer[i] for i in layers)
         # what the base model iterates: every position, the other stages' layers passing the hidden states through,
         # so a forward that reads per-layer data by position (config.layer_types[i], per-layer inputs) reads its own
-        view = nn.ModuleList(every_layer[i] if i in layers else _PASS_THROUGH for i in range(len(every_layer)))
+        view = nn.ModuleList(
+            every_layer[i] if i in layers else _pass_through_for(every_layer[i]) for i in range(len(every_layer))
+        )
         object.__setattr__(self, "_layer_view", view)  # not registered: the stage's parameters are `layers`
         self.embed_tokens = getattr(base, roles.embedding) if is_first else None
         self.norm = getattr(base, roles.final_norm) if is_last else None

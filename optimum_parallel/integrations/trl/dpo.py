@@ -48,8 +48,9 @@ from .fused_head import FusedHead, install_fused_head
 
 
 @dataclass
-class ParallelDPOConfig(ParallelTrainingArguments, DPOConfig):
-    """TRL's `DPOConfig` plus the mesh and parallelism settings of `ParallelTrainingArguments`."""
+class ParallelDPOConfig(DPOConfig, ParallelTrainingArguments):
+    """TRL's `DPOConfig` plus the mesh and parallelism settings of `ParallelTrainingArguments`; `DPOConfig` first, so
+    TRL's defaults (learning rate, bf16, logging_steps, ...) win over `TrainingArguments`' own, as with TRL alone."""
 
 
 def check_dpo_options(args: DPOConfig) -> None:

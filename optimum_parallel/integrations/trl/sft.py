@@ -33,8 +33,9 @@ from .metrics import TokenMetrics
 
 
 @dataclass
-class ParallelSFTConfig(ParallelTrainingArguments, SFTConfig):
-    """TRL's `SFTConfig` plus the mesh and parallelism settings of `ParallelTrainingArguments`."""
+class ParallelSFTConfig(SFTConfig, ParallelTrainingArguments):
+    """TRL's `SFTConfig` plus the mesh and parallelism settings of `ParallelTrainingArguments`; `SFTConfig` first, so
+    TRL's defaults (learning rate, bf16, logging_steps, ...) win over `TrainingArguments`' own, as with TRL alone."""
 
 
 def check_sft_options(args: SFTConfig, compute_loss_func: Any = None) -> None:
