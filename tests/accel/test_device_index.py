@@ -1,0 +1,58 @@
+"""The lane's worker set-up (`_accel._worker`: LOCAL_RANK=rank, its own `init_process_group`, then `init_mesh`) on
+a machine with one device: every rank selects device index 0. The simulated device reports one device; here it also
+reports itself uninitialised until a device is set, as CUDA does, so torch's `init_device_mesh` would pick
+`LOCAL_RANK` itself (`set_device(1)`: "invalid device ordinal" on a one-GPU machine) unless `init_mesh` set the index
+first. scripts/device_check.sh runs this lane on one GPU."""
+
+from __future__ import annotations
+
+import simulated_neuron
+import torch
+from _accel import DEVICE, SIMULATED, Workers, install
+
+_SELECTED: list[int] = []
+
+
+def _one_device_as_cuda_reports_it() -> None:
+    """The lane's set-up, then the device module answering as CUDA's does on a one-device machine: one device,
+    not initialised until an index is set; every index selected is recorded."""
+    install()
+    module = torch.get_device_module(DEVICE)
+    module.device_count = lambda: 1
+    set_device, set_index = module.set_device, torch.accelerator.set_device_index
+
+    def record(index, through):
+        _SELECTED.append(torch.device(DEVICE, index).index if isinstance(index, int) else torch.device(index).index)
+        through(index)
+
+    module.set_device = lambda index: record(index, set_device)
+    torch.accelerator.set_device_index = lambda index: record(index, set_index)
+    torch.accelerator.device_count = lambda: 1
+    module.is_initialized = lambda: bool(_SELECTED)
+
+
+def _mesh_and_selected() -> dict:
+    import os
+
+    import optimum_parallel as op
+
+    selected_before = list(_SELECTED)
+    mesh = op.init_mesh(tp=2)
+    x = torch.ones(2, device=DEVICE)
+    torch.distributed.all_reduce(x, group=mesh.group("tp"))
+    return {"local_rank": os.environ["LOCAL_RANK"], "before": selected_before, "selected": list(_SELECTED),
+            "sum": x.cpu().tolist()}  # fmt: skip
+
+
+def test_every_rank_selects_index_0_with_one_device():
+    assert SIMULATED or DEVICE == "cuda", DEVICE
+    workers = Workers(2, setup=_one_device_as_cuda_reports_it)
+    try:
+        results = workers.run(_mesh_and_selected)
+    finally:
+        workers.close()
+    assert [r["local_rank"] for r in results] == ["0", "1"]
+    for r in results:
+        assert r["before"] == [] and r["selected"] and set(r["selected"]) == {0}, r
+        assert r["sum"] == [2.0, 2.0]
+    assert simulated_neuron.NAME == "neuron"
