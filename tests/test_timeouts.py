@@ -186,7 +186,9 @@ def test_two_local_ranks_on_one_device_raise_on_each_naming_them():
 
 def test_accelerator_build_falling_back_to_the_cpu_warns_with_the_reason(monkeypatch):
     answers = {True: None, False: torch.device("cuda")}
-    monkeypatch.setattr(torch.accelerator, "current_accelerator", lambda check_available=False: answers[check_available])
+    monkeypatch.setattr(
+        torch.accelerator, "current_accelerator", lambda check_available=False: answers[check_available]
+    )  # noqa: E501
     monkeypatch.setattr(devices, "_WARNED", [])
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
     with pytest.warns(UserWarning, match=r"built for cuda but .*CUDA_VISIBLE_DEVICES='' hides every device.*CPU"):

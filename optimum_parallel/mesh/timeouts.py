@@ -4,8 +4,9 @@ training runs.
 
 Every process group of the job (`torch.distributed`'s own list, the default group included) waits `init` (default
 10 minutes, torch's NCCL default) until this process's first optimizer step ends, then `train` (default 2 minutes,
-or `init` if that is shorter). `long_running(what)` puts `init` back for the span of a checkpoint save or load (`checkpoint/save.py`, `load.py`,
-`engine/full_model.py`), and torch.compile's own start/end callbacks do for each compilation (once dynamo is in use).
+or `init` if that is shorter). `long_running(what)` puts `init` back for the span of a checkpoint save or load
+(`checkpoint/save.py`, `load.py`, `engine/full_model.py`), and torch.compile's own start/end callbacks do for each
+compilation (once dynamo is in use).
 A timeout is changed in place on each group's backend (`ProcessGroup.set_timeout`, what torch's `_set_pg_timeout`
 calls): nothing is made again and no rank has to take part. A dead rank does not wait for either: its sockets close
 (gloo and NCCL's socket transport fail at once), and torchrun's agent ends the job when one of its workers dies.
