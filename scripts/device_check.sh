@@ -7,10 +7,10 @@
 #   lane   the accelerator lane (tests/accel/test_lane.py, test_device_index.py) on `cuda`, each case against one
 #          CPU process: 2 processes on the one GPU with their collectives over gloo (NCCL refuses two ranks on one
 #          device; gloo's send/recv cannot move CUDA tensors, so pp and cp skip there, saying so), then world size 1
-#          over NCCL. At most LANE_BUDGET_S (default 270 s; 250 under `all`); prints the lane's table.
+#          over NCCL. At most LANE_BUDGET_S (default 260 s; 240 under `all`); prints the lane's table.
 #   bench  scripts/bench_single_gpu.py: a ~1B Llama training step (bf16, seq 2048), optimum_parallel at tp=1 against
 #          plain transformers, eager and compiled: tokens/s, MFU, each variant's own peak memory. At most
-#          BENCH_BUDGET_S (default 270 s; 200 under `all`); prints its table (under `all` with the lane's rows too).
+#          BENCH_BUDGET_S (default 260 s; 190 under `all`); prints its table (under `all` with the lane's rows too).
 #   all    (default) both, one after the other: under 8 minutes with the set-up.
 #
 # Every part prints its table even when a case fails or its budget runs out (the run is interrupted with SIGINT, and
@@ -45,10 +45,12 @@ LOGS=${LOGS:-device-check-logs}
 WHEELS=.whl
 PY=${PYTHON:-python3}
 [ "$dry" = 1 ] && [ -z "${PYTHON:-}" ] && [ -x .venv/bin/python ] && PY=.venv/bin/python
+# a part may overrun its budget by the 15 s its interrupted python gets to print (timeout -k 15), and the set-up
+# takes ~15 s: all = 15 + 240 + 190 + 2 x 15 < 480 s; one part alone: 15 + 260 + 15 < 300 s
 if [ "$part" = all ]; then
-    LANE_BUDGET_S=${LANE_BUDGET_S:-250} BENCH_BUDGET_S=${BENCH_BUDGET_S:-200}
+    LANE_BUDGET_S=${LANE_BUDGET_S:-240} BENCH_BUDGET_S=${BENCH_BUDGET_S:-190}
 else
-    LANE_BUDGET_S=${LANE_BUDGET_S:-270} BENCH_BUDGET_S=${BENCH_BUDGET_S:-270}
+    LANE_BUDGET_S=${LANE_BUDGET_S:-260} BENCH_BUDGET_S=${BENCH_BUDGET_S:-260}
 fi
 # a hung lane case is given up after 2 x this (tests/accel/_accel.py), not the 2 minutes of the default
 export OP_TEST_PG_TIMEOUT_S=${OP_TEST_PG_TIMEOUT_S:-30}
@@ -97,6 +99,13 @@ lane() {  # label, backend override ("" for the device's own), seconds, pytest a
     local label=$1 backend=$2 seconds=$3 name
     shift 3
     name="lane-${label//[^a-zA-Z0-9]/-}"
+    if [ "$seconds" -lt 20 ]; then  # too little left to start python and torch: not run, and said so
+        say "lane: $label not run: the lane's budget is spent"
+        cuts+=(--cut "$label=not run: lane budget spent")
+        junit+=(--junit "$label=$LOGS/$name.xml")
+        rm -f "$LOGS/$name.xml"
+        return
+    fi
     say "lane: $label (at most ${seconds}s)"
     rm -f "$LOGS/$name.xml"
     OP_TEST_DEVICE=$DEVICE OP_TEST_BACKEND=$backend timeout -s INT -k 15 "$seconds" "$PY" -m pytest -q -rs \

@@ -188,7 +188,7 @@ def test_accelerator_build_falling_back_to_the_cpu_warns_with_the_reason(monkeyp
     answers = {True: None, False: torch.device("cuda")}
     monkeypatch.setattr(
         torch.accelerator, "current_accelerator", lambda check_available=False: answers[check_available]
-    )  # noqa: E501
+    )
     monkeypatch.setattr(devices, "_WARNED", [])
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
     with pytest.warns(UserWarning, match=r"built for cuda but .*CUDA_VISIBLE_DEVICES='' hides every device.*CPU"):

@@ -21,6 +21,7 @@ import contextlib
 import functools
 import sys
 import threading
+import warnings
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from datetime import timedelta
@@ -29,6 +30,8 @@ from typing import TypeVar
 import torch
 import torch.distributed as dist
 from torch.optim.optimizer import register_optimizer_step_post_hook
+
+from . import device as devices
 
 INIT_TIMEOUT = timedelta(minutes=10)  # until the first optimizer step ends, and around saves, loads and compiles
 TRAIN_TIMEOUT = timedelta(minutes=2)  # afterwards: a stuck (not dead) rank fails the job this long after
@@ -180,7 +183,7 @@ def apply() -> None:
     """Give every process group of this process the current timeout (nothing before `configure` or without a
     default group)."""
     timeout = current()
-    if timeout is None or not dist.is_initialized():
+    if timeout is None or not dist.is_initialized() or devices.xla_requested():  # XLA: torch-xla's runtime waits
         return
     for group in list(dist.distributed_c10d._world.pg_map):
         set_group_timeout(group, timeout)
@@ -192,7 +195,11 @@ def set_group_timeout(group: dist.ProcessGroup, timeout: timedelta) -> None:
     try:
         group.set_timeout(timeout)
     except (AttributeError, NotImplementedError, RuntimeError):
-        with contextlib.suppress(AttributeError, NotImplementedError, RuntimeError, ValueError):
+        with (
+            warnings.catch_warnings(),
+            contextlib.suppress(AttributeError, NotImplementedError, RuntimeError, ValueError),
+        ):
+            warnings.simplefilter("ignore")  # "only supported for nccl or gloo": the others keep theirs, as said
             dist.distributed_c10d._set_pg_timeout(timeout, group)
 
 

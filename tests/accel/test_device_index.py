@@ -56,3 +56,40 @@ def test_every_rank_selects_index_0_with_one_device():
         assert r["before"] == [] and r["selected"] and set(r["selected"]) == {0}, r
         assert r["sum"] == [2.0, 2.0]
     assert simulated_neuron.NAME == "neuron"
+
+
+_SHARED_DEVICE_JOB = """
+import os, sys
+sys.path[:0] = [{accel!r}]
+import simulated_neuron
+simulated_neuron.install()
+from optimum_parallel.mesh import device as devices
+devices.EXCLUSIVE_BACKENDS = frozenset({{simulated_neuron.BACKEND}})  # as NCCL: one process per device
+import optimum_parallel as op
+try:
+    op.init_mesh(tp=2, device=simulated_neuron.NAME)
+except RuntimeError as err:
+    print(f"rank {{os.environ['RANK']}} raised: {{err}}", flush=True)
+    sys.exit(3)
+print("no error", flush=True)
+"""
+
+
+def test_two_ranks_on_one_device_raise_at_init_mesh_under_an_exclusive_backend(tmp_path):
+    """torchrun, 2 ranks, one simulated device, its backend made exclusive as NCCL is: both ranks raise at
+    `init_mesh`, naming both ranks and the device, before any process group exists."""
+    import os
+    import subprocess
+    import sys
+
+    from _accel import HERE, TESTS
+
+    script = tmp_path / "job.py"
+    script.write_text(_SHARED_DEVICE_JOB.format(accel=HERE))
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join([HERE, TESTS, os.path.dirname(TESTS)])}
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", str(script)]
+    done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=180)
+    lines = [line for line in done.stdout.splitlines() if " raised: " in line]
+    assert done.returncode != 0 and len(lines) == 2, done.stdout[-3000:] + done.stderr[-3000:]
+    for line in lines:
+        assert "ranks 0, 1 on" in line and "neuron:0" in line and "one device" in line, line
