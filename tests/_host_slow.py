@@ -6,7 +6,8 @@ AdamW on a tiny Llama, a sharded checkpoint after step `--save-at`; `init_mesh` 
 optimum_parallel/mesh/timeouts.py). One fault, from the environment, on one rank (global rank r):
 
 - `LATE=parallelize:r:s`: rank r sleeps s seconds before `parallelize` (a cold disk);
-- `LATE=save:r:s`: rank r sleeps s seconds inside the save (`OPTIMUM_PARALLEL_SLOW_AT=prepare:s`, a slow write);
+- `LATE=save:r:s`: rank r sleeps s seconds inside the save, before its second exchange of results with the others
+  (the others wait for it in that all_gather: a slow disk);
 - `KILL=step:r`: rank r SIGKILLs itself after step 1 (training runs: the others wait with the train timeout);
 - `KILL=save:r`: rank r SIGKILLs itself inside that save, at its first exchange (the init timeout is on).
 
@@ -46,18 +47,42 @@ def die(out: Path) -> None:
     os.kill(os.getpid(), signal.SIGKILL)
 
 
+def sleep_late(out: Path, seconds: float) -> None:
+    """Sleep, and leave OUT/late-rank<r> (the seconds slept) behind for the test to see that it happened."""
+    started = time.monotonic()
+    time.sleep(seconds)
+    (out / f"late-rank{dist.get_rank()}").write_text(str(time.monotonic() - started))
+
+
+def slow_before_exchange(out: Path, n: int, seconds: float) -> None:
+    """Sleep `seconds` once, at this rank's n-th result exchange inside the next save (its crash point "gather",
+    which every rank reaches; the crash module's own slow-down sleeps at every one)."""
+    from optimum_parallel.checkpoint import ranks
+
+    point, reached = ranks.crash_point, []
+
+    def slow(name: str) -> None:
+        if name == "gather":
+            reached.append(name)
+            if len(reached) == n:
+                sleep_late(out, seconds)
+        point(name)
+
+    ranks.crash_point = slow
+
+
 def run(args: argparse.Namespace, out: Path) -> list[float]:
     from transformers import AutoModelForCausalLM
 
     import optimum_parallel as op
-    from optimum_parallel.checkpoint.crash import CRASH_ENV, SLOW_ENV
+    from optimum_parallel.checkpoint.crash import CRASH_ENV
     from optimum_parallel.engine.data_parallel import DataParallelConfig, apply_data_parallel
 
     mesh = op.init_mesh(dp=args.dp, tp=args.tp)  # the default timeouts
     late, kill = fault("LATE"), fault("KILL")
     model = AutoModelForCausalLM.from_pretrained(args.hf_dir, dtype=torch.float32, attn_implementation="eager")
     if late and late[0] == "parallelize":
-        time.sleep(late[2])
+        sleep_late(out, late[2])
     parallelizer = op.ParallelizersManager.parallelizer_for_model(model)
     model = parallelizer.parallelize(model)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
@@ -78,12 +103,11 @@ def run(args: argparse.Namespace, out: Path) -> list[float]:
         if step != args.save_at:
             continue
         if late and late[0] == "save":
-            os.environ[SLOW_ENV] = f"prepare:{late[2]:g}"
+            slow_before_exchange(out, 2, late[2])
         if kill and kill[0] == "save":
             (out / f"killed-rank{dist.get_rank()}").write_text(str(time.time()))  # an instant before the kill
             os.environ[CRASH_ENV] = "gather:1"  # its first result exchange: every rank has one
         parallelizer.save_model_checkpoint(model, out / f"checkpoint-{step}", optimizer=optimizer)
-        os.environ.pop(SLOW_ENV, None)
     return losses
 
 

@@ -340,6 +340,7 @@ def test_late_rank_passes_with_default_timeouts(maybe_hosts, hf_dir, tmp_path):
         done = {r: json.loads(v) for r, v in run.files("done").items()}
         assert len(done) == (4 if run.name == "late-in-save" and maybe_hosts else 2), run.output()
         assert not run.files("failed"), run.output()
+        assert [float(s) >= LATE_S for s in run.files("late").values()] == [True], run.output()  # it was late
         losses = {tuple(d["losses"]) for d in done.values()}  # one per dp rank (its rows), the same at every tp rank
         assert len(losses) == (2 if len(done) == 4 else 1) and all(len(x) == 3 for x in losses), done
 
