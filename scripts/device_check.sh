@@ -55,7 +55,7 @@ fi
 # a hung lane case is given up after 2 x this (tests/accel/_accel.py), not the 2 minutes of the default
 export OP_TEST_PG_TIMEOUT_S=${OP_TEST_PG_TIMEOUT_S:-30}
 export PYTHONUNBUFFERED=1 OMP_NUM_THREADS=${OMP_NUM_THREADS:-1} PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
-export PATH="$(dirname "$PY"):$PATH"  # the simulated device's C++ hooks want this python's ninja
+case "$PY" in */*) PATH="$(cd "$(dirname "$PY")" && pwd):$PATH" ;; esac  # the simulated device's hooks: its ninja
 mkdir -p "$LOGS"
 started=$(date +%s)
 say() { echo "[device_check $(($(date +%s) - started))s] $*"; }
