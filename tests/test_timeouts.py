@@ -213,3 +213,32 @@ def test_collective_device_from_the_backend_string(monkeypatch):
     assert devices.device_for_backend("cpu:gloo,cuda:nccl") == torch.device("cuda", 3)
     assert devices.device_for_backend("nccl") == torch.device("cuda", 3)
     assert devices.device_for_backend("gloo") == torch.device("cpu")  # gloo's collectives take host tensors
+
+
+@pytest.fixture
+def fresh_timeouts():
+    """This process's timeout state, restored after the test (the hooks stay registered: they are global)."""
+    state = timeouts._STATE
+    saved = (state.timeouts, state.training, state.long)
+    yield
+    state.timeouts, state.training, state.long = saved
+
+
+def test_a_compile_in_training_runs_under_the_init_timeout(fresh_timeouts):
+    import torch._dynamo  # noqa: F401  (imported: the compile callbacks are registered)
+
+    timeouts.configure(Timeouts(50 * S, 7 * S))
+    param = torch.nn.Parameter(torch.ones(2))
+    optimizer = torch.optim.SGD([param], lr=0.1)
+    param.grad = torch.ones(2)
+    optimizer.step()
+    assert timeouts.is_training() and timeouts.current() == 7 * S
+    seen = []
+
+    def backend(graph, example_inputs):  # runs while dynamo compiles
+        seen.append(timeouts.current())
+        return graph.forward
+
+    compiled = torch.compile(lambda x: x * 2 + 1, backend=backend)
+    assert compiled(torch.ones(3)).tolist() == [3.0] * 3
+    assert seen == [50 * S] and timeouts.current() == 7 * S
