@@ -11,25 +11,35 @@ What it measures
     3. and 4.: the same two with every decoder layer compiled (`layer.compile()`, torch.compile's default inductor).
 
     Each variant runs --warmup steps, then --steps timed steps (the median is reported), with the device synchronised
-    around each step. Tokens/s = batch x seq / step time. MFU = 6 x parameters x tokens / step time / the card's
-    dense bf16 peak (looked up from the device name: H100 SXM and H200 989 TFLOP/s, H100 PCIe 756, H100 NVL 835,
-    A100 312; --peak-tflops for another card). Peak memory is the device's max_memory_allocated over the variant.
+    around each step. Tokens/s = batch x seq / step time. MFU = model FLOPs per step / step time / the card's dense
+    bf16 peak (looked up from the device name: H100 SXM and H200 989 TFLOP/s, H100 PCIe 756, H100 NVL 835, A100 312;
+    --peak-tflops for another card), with the model FLOPs of a training step (forward and backward) counted as
+    PaLM's appendix B and torchtitan do: 6 x the parameters that multiply (every one but the embedding table, a
+    lookup) x tokens, plus the attention scores and their weighted sum, 12 x layers x heads x head_dim x seq x tokens
+    (the full square: causal masking's skipped half is counted, as everyone quoting MFU does). Peak memory is the
+    variant's own: the device's peak during the variant minus what was allocated before it (after gc.collect() and
+    empty_cache(); the shared source model is in that base).
 
-    A mismatch -- a variant's first-step loss more than --loss-rtol (bf16: 2e-2) from plain eager's, a non-finite
-    loss, or a variant that fails -- is printed in the table and makes the exit status 1. With --junit (a pytest
-    JUnit XML file, repeatable; scripts/device_check.sh passes the accelerator lane's) the table also holds each
-    lane run's counts and failing tests, and any failure there makes the exit status 1 too.
+    A mismatch -- a variant's first-step loss more than --loss-rtol (bf16: 2e-2) from the reference row's (the
+    first variant that ran: plain transformers eager, or the next one if it failed; the title and each row name it),
+    a non-finite loss, or a variant that fails -- is printed in the table and makes the exit status 1. With --junit
+    (a pytest JUnit XML file, repeatable; scripts/device_check.sh passes the accelerator lane's) the table also holds
+    each lane run's counts and failing tests, and any failure there makes the exit status 1 too; --lane-only prints
+    just those rows. --budget-s: variants that would start past it are skipped (and named), and an interrupt
+    (SIGINT, as `timeout -s INT` sends) ends the current one; either way the table is printed.
 
 How to run
     python scripts/bench_single_gpu.py                       # on a CUDA GPU: the ~1B model (about 3 minutes, H100)
     python scripts/bench_single_gpu.py --device cpu --hidden 128 --intermediate 256 --layers 2 --heads 4 \\
         --kv-heads 2 --vocab 512 --seq 64 --batch 2 --steps 2 --warmup 1 --dtype float32   # smoke run, no GPU
+    python scripts/bench_single_gpu.py --lane-only --junit "lane=device-check-logs/lane.xml"   # the lane's table
 """
 
 from __future__ import annotations
 
 import argparse
 import copy
+import gc
 import math
 import os
 import statistics
@@ -83,17 +93,25 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--peak-tflops", type=float, default=None, help="the card's dense peak, for MFU")
     parser.add_argument("--loss-rtol", type=float, default=2e-2, help="first-step loss against plain eager's")
     parser.add_argument("--junit", action="append", default=[], metavar="LABEL=FILE", help="lane results to show")
+    parser.add_argument("--cut", action="append", default=[], metavar="LABEL=NOTE", help="a lane run stopped early")
+    parser.add_argument("--lane-only", action="store_true", help="print the lane rows (--junit) and exit")
+    parser.add_argument("--budget-s", type=float, default=None, help="start no variant past this many seconds")
     return parser.parse_args()
 
 
-def lane_rows(specs: list[str]) -> list[Row]:
-    """A row per JUnit file (LABEL=FILE): its counts, then one row per failing or skipped test."""
+def lane_rows(specs: list[str], cuts: list[str] = ()) -> list[Row]:
+    """A row per JUnit file (LABEL=FILE): its counts, then one row per failing or skipped test; a run named in
+    `cuts` (LABEL=NOTE: stopped at its time budget) is failed, with the note."""
     rows = []
+    cut = dict(c.split("=", 1) for c in cuts if "=" in c)
     for spec in specs:
         label, _, path = spec.rpartition("=")
         label = label or os.path.basename(path)
-        if not os.path.exists(path):
-            rows.append(Row(f"lane: {label}", "no result (pytest crashed?)", failed=True))
+        if label in cut:
+            rows.append(Row(f"lane: {label}", f"STOPPED: {cut[label]}"[:34], failed=True))
+        if not os.path.exists(path) or os.path.getsize(path) == 0:
+            if label not in cut:
+                rows.append(Row(f"lane: {label}", "no result (pytest crashed?)", failed=True))
             continue
         cases = ET.parse(path).getroot().iter("testcase")
         counts, listed = {"passed": 0, "failed": 0, "skipped": 0}, []
@@ -105,7 +123,9 @@ def lane_rows(specs: list[str]) -> list[Row]:
                 reason = (found.get("message") or "").splitlines()[0] if found.get("message") else ""
                 listed.append(Row(f"  {outcome.upper()} {case.get('name')}", reason[:34], failed=outcome == "failed"))
         result = ", ".join(f"{n} {k}" for k, n in counts.items() if n)
-        failed = counts["failed"] > 0 or not any(counts.values())
+        failed = counts["failed"] > 0 or not any(counts.values()) or label in cut
+        if label in cut:  # the case running at the interrupt may be written as passed: say what the counts are
+            result = f"before the stop: {result}"
         rows += [Row(f"lane: {label}", result or "no tests", failed=failed), *listed]
     return rows
 
@@ -127,14 +147,31 @@ def synchronize(device: torch.device) -> None:
         torch.accelerator.synchronize(device)
 
 
-def max_memory(device: torch.device) -> float | None:
-    return None if device.type == "cpu" else torch.accelerator.max_memory_allocated(device) / 2**30
+def own_peak_gib(device: torch.device, base: int) -> float | None:
+    """The variant's own peak: the device's peak since `reset_memory` minus what was allocated before (`base`)."""
+    return None if device.type == "cpu" else (torch.accelerator.max_memory_allocated(device) - base) / 2**30
 
 
-def reset_memory(device: torch.device) -> None:
-    if device.type != "cpu":
-        torch.accelerator.empty_cache()
-        torch.accelerator.reset_peak_memory_stats(device)
+def reset_memory(device: torch.device) -> int:
+    """Free what the previous variant left (gc, the allocator's cache), reset the peak; the bytes still allocated."""
+    gc.collect()
+    if device.type == "cpu":
+        return 0
+    torch.accelerator.synchronize(device)
+    torch.accelerator.empty_cache()
+    torch.accelerator.reset_peak_memory_stats(device)
+    return torch.accelerator.memory_allocated(device)
+
+
+def step_flops(model: torch.nn.Module, args: argparse.Namespace) -> float:
+    """Model FLOPs of one training step: 6 x multiplying parameters x tokens (not the embedding table: a lookup)
+    plus attention's 12 x layers x heads x head_dim x seq x tokens (see the module docstring)."""
+    embedding = model.get_input_embeddings().weight.numel()
+    params = sum(p.numel() for p in model.parameters()) - embedding
+    tokens = args.batch * args.seq
+    head_dim = args.hidden // args.heads
+    attention = 12 * args.layers * args.heads * head_dim * args.seq
+    return (6 * params + attention) * tokens
 
 
 def build_source(args: argparse.Namespace, device: torch.device) -> torch.nn.Module:
@@ -199,16 +236,47 @@ def print_table(rows: list[Row], title: str) -> None:
         )
 
 
+def lane_only(args: argparse.Namespace) -> int:
+    rows = lane_rows(args.junit, args.cut)
+    print_table(rows, "accelerator lane")
+    failed = [r.check.strip() for r in rows if r.failed]
+    print(f"\n{'FAILED: ' + '; '.join(failed) if failed else 'lane passed'}")
+    return 1 if failed else 0
+
+
 def main() -> int:
     args = parse_args()
+    if args.lane_only:
+        return lane_only(args)
+    started = time.monotonic()
     quiet_transformers()
-    rows = lane_rows(args.junit)
+    rows = lane_rows(args.junit, args.cut)
+    title = ["device check"]
+    try:
+        run_benchmark(args, rows, title, started)
+    except KeyboardInterrupt:  # the budget ran out before the variants (timeout -s INT): the table still prints
+        rows.append(Row("benchmark set-up", "STOPPED: interrupted (budget)", failed=True))
+    except Exception as err:
+        traceback.print_exc()
+        rows.append(Row("benchmark set-up", f"FAILED: {type(err).__name__}: {err}"[:34], failed=True))
+    print_table(rows, title[0])
+    failed = [r.check.strip() for r in rows if r.failed]
+    print(f"\n{'FAILED: ' + '; '.join(failed) if failed else 'all checks passed'}")
+    print(f"benchmark wall time {time.monotonic() - started:.0f} s")
+    if torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
+    return 1 if failed else 0
+
+
+def run_benchmark(args: argparse.Namespace, rows: list[Row], title: list[str], started: float) -> None:
+    """Every variant's row appended to `rows`; `title[0]` set to the table's title (device, model, reference)."""
     device = torch.device(args.device)
     if device.type != "cpu":
         torch.accelerator.set_device_index(device.index or 0)
         device = torch.device(device.type, torch.accelerator.current_device_index())
     peak, peak_note = peak_flops(device, args.peak_tflops)
     tokens = args.batch * args.seq
+    title[0] = f"device check on {peak_note} | torch {torch.__version__}"
     import optimum_parallel as op
 
     mesh = op.init_mesh(tp=1, device=device.type)  # one rank on the device's own backend (NCCL on CUDA)
@@ -217,42 +285,54 @@ def main() -> int:
     batch = {"input_ids": input_ids, "labels": input_ids}
     source = build_source(args, device)
     params = sum(p.numel() for p in source.parameters())
-    reference_loss = None
+    flops = step_flops(source, args)
+    reference: tuple[str, float] | None = None  # (label, first-step loss) of the first variant that ran
     variants = [("transformers", False, False), ("optimum_parallel tp=1", True, False)]
     if not args.no_compile:
         variants += [("transformers", False, True), ("optimum_parallel tp=1", True, True)]
+    took = {False: 0.0, True: 0.0}  # the longest eager and compiled variant so far (seconds)
     for name, ours, compiled in variants:
         label = f"{name}, {'compiled' if compiled else 'eager'}"
-        reset_memory(device)
+        elapsed = time.monotonic() - started
+        guess = took[compiled] or 2 * took[False]  # a first compiled variant: twice an eager one
+        if args.budget_s is not None and elapsed + guess > args.budget_s:
+            rows.append(Row(label, f"SKIPPED: budget {args.budget_s:g} s", failed=True))
+            continue
+        base = reset_memory(device)
+        variant_started = time.monotonic()
+        model = None
         try:
             model = make_variant(source, ours, compiled, device)
             seconds, losses = run_variant(model, batch, args, device)
+        except KeyboardInterrupt:  # the part's time budget ran out (timeout -s INT): the table still prints
+            rows.append(Row(label, "STOPPED: interrupted (budget)", failed=True))
+            break
         except Exception as err:  # shown in the table; the exit status says it failed
             traceback.print_exc()
             rows.append(Row(label, f"FAILED: {type(err).__name__}: {err}"[:34], failed=True))
             continue
         finally:
             model = None
+            took[compiled] = max(took[compiled], time.monotonic() - variant_started)
         first = losses[0]
-        reference_loss = first if reference_loss is None else reference_loss
-        diff = abs(first - reference_loss) / abs(reference_loss)
+        reference = reference or (label, first)
+        diff = abs(first - reference[1]) / abs(reference[1])
         bad = not all(math.isfinite(x) for x in losses) or diff > args.loss_rtol
-        result = f"{'MISMATCH' if bad else 'ok'}: loss {diff:.1e} from plain eager"
-        flops = 6 * params * tokens / seconds
+        result = (
+            f"{'MISMATCH' if bad else 'ok'}: loss {diff:.1e} vs reference" if reference[0] != label else "reference row"
+        )
         rows.append(
-            Row(label, result, 1e3 * seconds, tokens / seconds, flops / peak if peak else None, max_memory(device),
-                first, failed=bad)
+            Row(label, result, 1e3 * seconds, tokens / seconds, flops / seconds / peak if peak else None,
+                own_peak_gib(device, base), first, failed=bad)
         )  # fmt: skip
-    title = (
+    refer = f"loss reference row: {reference[0]}" if reference else "no variant ran: no loss reference"
+    title[0] = (
         f"device check on {peak_note} | torch {torch.__version__} | mesh backend "
         f"{torch.distributed.get_backend(mesh.group('tp'))} | Llama {params / 1e9:.2f}B params, {args.dtype}, "
-        f"batch {args.batch} x seq {args.seq} = {tokens} tokens, median of {args.steps} steps after {args.warmup}"
+        f"batch {args.batch} x seq {args.seq} = {tokens} tokens, median of {args.steps} steps after {args.warmup} | "
+        f"MFU at {flops / 1e12:.1f} TFLOP per step (6 x non-embedding params + attention) | peak GiB: the variant's "
+        f"own | {refer}"
     )
-    print_table(rows, title)
-    failed = [r.check.strip() for r in rows if r.failed]
-    print(f"\n{'FAILED: ' + '; '.join(failed) if failed else 'all checks passed'}")
-    torch.distributed.destroy_process_group()
-    return 1 if failed else 0
 
 
 if __name__ == "__main__":

@@ -6,15 +6,21 @@ a rank of either host SIGKILLed inside a sharded save leaves the previous checkp
 On one machine (`torchrun --standalone --max-restarts 1`, no namespaces needed): a ParallelTrainer job at tp=2 with a
 rank SIGKILLed at step 5 of 8 restarts and ends bit-identical, 5 runs in 5, and so does one killed inside an async
 save's background write; all of it with TORCH_DISABLE_SHARE_RDZV_TCP_STORE unset.
+With the mesh's default timeouts (mesh/timeouts.py, `_host_slow.py`): a rank 75 s late before `parallelize` (one
+host) and 75 s late inside a save (two hosts) train to the end; a SIGKILLed rank ends the job in under 90 s, on one
+host and across two, in steady state and inside a save (where the 10-minute init timeout is on).
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
+import signal
 import subprocess
 import sys
+import time
 import warnings
 from pathlib import Path
 
@@ -23,6 +29,7 @@ from _hosts import TORCHRUN, HostsUnavailable, make_hosts
 from _models import build_model, tiny_config
 
 SCRIPT = str(Path(__file__).parent / "_host_train.py")
+SLOW_SCRIPT = str(Path(__file__).parent / "_host_slow.py")
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(Path(__file__).parent.parent)}
 ENV.pop("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", None)  # restarts work without it (optimum_parallel/mesh/rendezvous.py)
 STEPS, SAVE_EVERY = 4, 2
@@ -248,6 +255,117 @@ def test_crash_while_saving_across_hosts(hosts, hf_dir, reference, tmp_path, lay
     assert _files(last) == _files(reference(layout) / expected), "differs from an uninterrupted run"
     for partial in (p.name for p in out.iterdir() if p.name.endswith(".partial")):
         assert any(partial in m and "interrupted" in m for m in messages), (partial, messages)
+
+
+# ------------------------------------------------------------------- default timeouts: slow is not dead, dead is found
+LATE_S = 75  # longer than the 60 s every group waited before the init/train timeouts
+DEAD_WITHIN_S = 90
+
+
+@pytest.fixture(scope="module")
+def maybe_hosts(request):
+    """The two hosts, or None where this machine cannot make them (the one-host jobs still run)."""
+    try:
+        return request.getfixturevalue("hosts")
+    except pytest.skip.Exception:
+        return None
+
+
+class _Run:
+    """One `_host_slow.py` job (one host: `torchrun --standalone`; two: `Hosts.torchrun`), watched until it ends."""
+
+    def __init__(self, name: str, out: Path, hf_dir: str, env: dict, hosts=None, layout=("--tp", "2")) -> None:
+        self.name, self.out = name, out
+        out.mkdir(parents=True)
+        args = [SLOW_SCRIPT, hf_dir, str(out), *layout]
+        if hosts is None:
+            log = out / "torchrun.log"
+            command = [*TORCHRUN, "--standalone", "--nproc-per-node", "2", *args]
+            with open(log, "w") as f:
+                self.agents = [
+                    subprocess.Popen(
+                        command, env={**ENV, **env}, stdout=f, stderr=subprocess.STDOUT, start_new_session=True
+                    )
+                ]
+            self.logs = [log]
+        else:
+            job = hosts.torchrun(args, {**ENV, **env}, out / "logs")
+            self.agents, self.logs = job.agents, job.logs
+        self.ended: float | None = None
+
+    def poll(self) -> bool:
+        if self.ended is None and all(a.poll() is not None for a in self.agents):
+            self.ended = time.time()
+        return self.ended is not None
+
+    def codes(self) -> list[int | None]:
+        return [a.returncode for a in self.agents]
+
+    def output(self, tail: int = 3000) -> str:
+        return "\n".join(f"--- {self.name} {log.name}:\n{log.read_text()[-tail:]}" for log in self.logs)
+
+    def files(self, prefix: str) -> dict[int, str]:
+        return {int(p.name.rpartition("rank")[2]): p.read_text() for p in self.out.glob(f"{prefix}-rank*")}
+
+    def kill(self) -> None:
+        for agent in self.agents:
+            if agent.poll() is None:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(agent.pid, signal.SIGKILL)
+                agent.wait()
+
+
+def _wait_all(runs: list[_Run], timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while not all(r.poll() for r in runs):
+        if time.monotonic() > deadline:
+            for r in runs:
+                r.kill()
+            raise AssertionError("jobs did not end in time:\n" + "\n".join(r.output() for r in runs))
+        time.sleep(0.2)
+
+
+def test_late_rank_passes_with_default_timeouts(maybe_hosts, hf_dir, tmp_path):
+    """Both at once (one wall-clock wait): rank 1 of a tp=2 job 75 s late before parallelize (one host), and rank 3
+    of a dp=2 x tp=2 job 75 s late inside the checkpoint save after step 2 (two hosts; one host without them)."""
+    runs = [_Run("late-before-parallelize", tmp_path / "a", hf_dir, {"LATE": f"parallelize:1:{LATE_S}"})]
+    if maybe_hosts is not None:
+        late = {"LATE": f"save:3:{LATE_S}"}
+        runs.append(_Run("late-in-save", tmp_path / "b", hf_dir, late, maybe_hosts, ("--dp", "2", "--tp", "2")))
+    else:  # on one host: tp=2
+        runs.append(_Run("late-in-save", tmp_path / "b", hf_dir, {"LATE": f"save:1:{LATE_S}"}))
+    _wait_all(runs, 300)
+    for run in runs:
+        assert all(code == 0 for code in run.codes()), run.output()
+        done = {r: json.loads(v) for r, v in run.files("done").items()}
+        assert len(done) == (4 if run.name == "late-in-save" and maybe_hosts else 2), run.output()
+        assert not run.files("failed"), run.output()
+        assert [float(s) >= LATE_S for s in run.files("late").values()] == [True], run.output()  # it was late
+        losses = {tuple(d["losses"]) for d in done.values()}  # one per dp rank (its rows), the same at every tp rank
+        assert len(losses) == (2 if len(done) == 4 else 1) and all(len(x) == 3 for x in losses), done
+
+
+def test_killed_rank_ends_the_job_fast_with_default_timeouts(maybe_hosts, hf_dir, tmp_path):
+    """At once: rank 1 of a tp=2 job SIGKILLed after step 1 (one host), rank 2 of a dp=2 x tp=2 job after step 1
+    (two hosts: the others wait with the train timeout, 2 minutes) and rank 3 of another inside its save (two hosts:
+    the init timeout, 10 minutes, is on then); each job ends (its torchrun agents exit non-zero) under 90 s after
+    the kill: gloo sees the dead rank's connections close, the survivors' hang report names who is missing, and
+    torchrun ends the rest."""
+    runs = [_Run("one-host-step", tmp_path / "c", hf_dir, {"KILL": "step:1"})]
+    if maybe_hosts is not None:
+        layout = ("--dp", "2", "--tp", "2")
+        runs.append(_Run("two-hosts-step", tmp_path / "d", hf_dir, {"KILL": "step:2"}, maybe_hosts, layout))
+        runs.append(_Run("two-hosts-save", tmp_path / "e", hf_dir, {"KILL": "save:3"}, maybe_hosts, layout))
+    _wait_all(runs, 300)
+    took = {}
+    for run in runs:
+        killed = run.files("killed")
+        assert len(killed) == 1 and all(code != 0 for code in run.codes()), run.output()
+        took[run.name] = run.ended - float(next(iter(killed.values())))
+    print(f"job end after the kill (s): {took}")
+    reports = "".join(log.read_text() for run in runs for log in run.logs)
+    assert "[optimum-parallel] rank" in reports and "failed (" in reports, reports[-3000:]
+    assert all(0 < s < DEAD_WITHIN_S for s in took.values()), (took, [r.output() for r in runs])
 
 
 if __name__ == "__main__":

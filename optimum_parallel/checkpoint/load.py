@@ -17,6 +17,7 @@ from ..io.errors import CheckpointError
 from ..io.file_mapping import is_file_mapping
 from ..mesh import device as devices
 from ..mesh import ranks
+from ..mesh.timeouts import long_running_call
 from ..tensor_parallel.spec import ShardLayout, replace_tensor
 from .async_save import wait_for_pending_copy
 from .collect import is_dtensor, optimizer_class, parameter_names, source_param_groups
@@ -182,6 +183,7 @@ def _load_optimizer(
     optimizer.load_state_dict({"state": state, "param_groups": groups})  # ZeRO-1 (each part) keeps its own share
 
 
+@long_running_call("checkpoint load")  # the init timeout: one rank may read for minutes (mesh/timeouts.py)
 def load_model_checkpoint(
     model: nn.Module, load_dir: str | Path, optimizer: torch.optim.Optimizer | None = None
 ) -> None:

@@ -28,6 +28,7 @@ from torch import nn
 from ..io.safetensors_io import SafetensorsWriter, dtype_from_name
 from ..mesh import get_mesh, ranks
 from ..mesh.loaded import is_dtensor
+from ..mesh.timeouts import long_running_call
 from .async_save import (
     AsyncCheckpoint,
     background_group,
@@ -359,6 +360,7 @@ def plan_save(
     )  # fmt: skip
 
 
+@long_running_call("checkpoint save")  # the init timeout: one rank may write for minutes (mesh/timeouts.py)
 def save_model_checkpoint(
     model: nn.Module,
     output_dir: str | Path,

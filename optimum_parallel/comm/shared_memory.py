@@ -73,14 +73,20 @@ class _Work:
 class SharedMemoryGroup:
     """The shared-memory stand-in for one process group's collectives (see the module docstring)."""
 
-    def __init__(self, mapping: mmap.mmap, rank: int, world: int, timeout_s: float) -> None:
-        self.rank, self.world, self.timeout_s = rank, world, timeout_s
+    def __init__(self, mapping: mmap.mmap, rank: int, world: int, timeout_s: float | Callable[[], float]) -> None:
+        self.rank, self.world, self._timeout_s = rank, world, timeout_s
         self._mapping = mapping
         self._bytes = torch.frombuffer(mapping, dtype=torch.uint8)
         self._counters = [ctypes.c_int64.from_buffer(mapping, r * _CACHE_LINE) for r in range(world)]
         self._header = _header_bytes(world)
         self._sequence = 0
         self._pending: _Work | None = None
+
+    @property
+    def timeout_s(self) -> float:
+        """How long a collective waits for the others: the group's timeout now (it changes once training runs, see
+        mesh/timeouts.py)."""
+        return self._timeout_s() if callable(self._timeout_s) else self._timeout_s
 
     # -- the torch.distributed-like collectives ------------------------------------------------------------
 
@@ -241,8 +247,8 @@ def _connect(group: ProcessGroup) -> SharedMemoryGroup | None:
         os.unlink(path)
     if not all(mapped):
         return None
-    timeout = group._get_backend(torch.device("cpu")).options._timeout
-    return SharedMemoryGroup(mapping, rank, world, timeout.total_seconds())
+    options = group._get_backend(torch.device("cpu")).options  # its timeout follows the group's (mesh/timeouts.py)
+    return SharedMemoryGroup(mapping, rank, world, lambda: options._timeout.total_seconds())
 
 
 def _make_file(size: int, world: int) -> tuple[str, bytes] | None:

@@ -25,6 +25,7 @@ from torch import nn
 
 from ..checkpoint import save_model_checkpoint
 from ..mesh import ranks
+from ..mesh.timeouts import long_running_call
 
 EVERY_RANK_TIMEOUT = 30.0  # seconds a rank waits for the others to call save_pretrained
 _CALLS: dict[str, int] = {}
@@ -54,6 +55,7 @@ def _every_rank(what: str, timeout: float = EVERY_RANK_TIMEOUT) -> None:
         arrived = store.add(key, 0)
 
 
+@long_running_call("save_pretrained")  # the init timeout: one rank may write for minutes (mesh/timeouts.py)
 def save_pretrained(
     model: nn.Module,
     save_directory: str | Path,

@@ -13,7 +13,9 @@ device type or calls `torch.cuda`; `tests/test_architecture.py` greps for it.
 from __future__ import annotations
 
 import os
+import socket
 import types
+import warnings
 from datetime import timedelta
 
 import torch
@@ -60,8 +62,48 @@ def xla_requested() -> bool:
 
 def current_accelerator() -> torch.device | None:
     """torch's accelerator where this process can use it: None on a machine without one, even under a torch built
-    for one (a CUDA build reports "cuda" on a host without a GPU unless asked to check)."""
-    return torch.accelerator.current_accelerator(check_available=True)
+    for one (a CUDA build reports "cuda" on a host without a GPU unless asked to check). A build for an accelerator
+    that cannot use it warns once, naming the reason (the job then runs on the CPU)."""
+    accelerator = torch.accelerator.current_accelerator(check_available=True)
+    if accelerator is None:
+        _warn_unusable_accelerator()
+    return accelerator
+
+
+_WARNED: list[str] = []
+
+
+def _warn_unusable_accelerator() -> None:
+    built_for = torch.accelerator.current_accelerator(check_available=False)
+    if built_for is None or built_for.type in _WARNED:
+        return
+    _WARNED.append(built_for.type)
+    warnings.warn(
+        f"torch is built for {built_for.type} but this process cannot use it ({unusable_reason(built_for.type)}): "
+        f"the job runs on the CPU with gloo. Pass device={built_for.type!r} to init_mesh to make this an error",
+        stacklevel=3,
+    )
+
+
+def unusable_reason(device_type: str) -> str:
+    """Why torch's accelerator `device_type` is not available here: the visible-devices variable, the device count,
+    or the error its initialisation raises (a driver too old for the wheel, ...)."""
+    module = torch.get_device_module(device_type)
+    visible = {k: v for k, v in os.environ.items() if k.endswith("_VISIBLE_DEVICES") and k.split("_")[0] in
+               (device_type.upper(), "HIP", "ROCR", "ZE", "ASCEND", "NEURON")}  # fmt: skip
+    if any(value.strip() in ("", "-1", "none", "NoDevFiles") for value in visible.values()):
+        return ", ".join(f"{k}={v!r}" for k, v in visible.items()) + " hides every device"
+    init = getattr(module, "init", None)
+    if callable(init):
+        try:
+            init()
+        except Exception as err:  # the driver's own words
+            return f"{type(err).__name__}: {str(err).strip().splitlines()[0] if str(err).strip() else err!r}"
+    try:
+        count = module.device_count()
+    except Exception as err:
+        return f"{type(err).__name__}: {err}"
+    return f"{count} devices visible" if count == 0 else f"{device_type} reports itself unavailable"
 
 
 def available_device_types() -> list[str]:
@@ -130,10 +172,70 @@ def local_device_index() -> int:
     return int(os.environ.get("LOCAL_RANK", "0")) % count if count > 1 else 0
 
 
-def set_process_device(device_type: str) -> None:
-    """Make this process's device current (before the process group exists: NCCL-like backends bind to it)."""
-    if device_type not in (HOST, XLA):
-        torch.accelerator.set_device_index(local_device_index())
+def set_process_device(device_type: str, bound: torch.device | None = None) -> torch.device | None:
+    """Make this process's device current, before any group exists (NCCL-like backends bind to it, and torch's
+    DeviceMesh would otherwise pick `LOCAL_RANK` itself, an index a one-device process does not have); returns it,
+    the `device_id` for `init_process_group` (None on the CPU and XLA). `bound`: the device a caller's own default
+    group is bound to; a caller that made the group and chose a device already keeps it."""
+    if device_type in (HOST, XLA):
+        return None
+    if bound is not None:
+        index = bound.index
+    elif _device_chosen(device_type):
+        index = torch.accelerator.current_device_index()
+    else:
+        index = local_device_index()
+    torch.accelerator.set_device_index(index)
+    return torch.device(device_type, index)
+
+
+def _device_chosen(device_type: str) -> bool:
+    """Whether a caller that made the default group itself already set a device (torch's DeviceMesh's own test)."""
+    if not dist.is_initialized():
+        return False
+    is_initialized = getattr(torch.get_device_module(device_type), "is_initialized", None)
+    return bool(is_initialized()) if callable(is_initialized) else False
+
+
+def device_identity(device: torch.device) -> str:
+    """The physical device behind `device` on this host: its UUID where the device module reports one (CUDA: the
+    same GPU under any CUDA_VISIBLE_DEVICES numbering), else its index."""
+    try:
+        uuid = getattr(torch.get_device_module(device.type).get_device_properties(device), "uuid", None)
+    except Exception:  # a module without device properties
+        uuid = None
+    return f"{device.type} {uuid}" if uuid else f"{device.type}:{device.index}"
+
+
+def host_identity() -> str:
+    """This process's host among the job's: torchrun's node rank where it gives one, else the host name."""
+    node = os.environ.get("GROUP_RANK")
+    return f"node {node} ({socket.gethostname()})" if node is not None else socket.gethostname()
+
+
+EXCLUSIVE_BACKENDS = frozenset({"nccl"})  # one process per device: NCCL stops at "Duplicate GPU detected"
+
+
+def shares_devices(backend: str) -> bool:
+    """Whether several ranks of one host may drive one device under `backend` (not NCCL)."""
+    return backend not in EXCLUSIVE_BACKENDS
+
+
+def duplicate_devices(claims: dict[int, tuple[str, str]]) -> str | None:
+    """From each rank's (host, device identity): an error message naming the ranks that share a device, or None."""
+    by_device: dict[tuple[str, str], list[int]] = {}
+    for rank, claim in sorted(claims.items()):
+        by_device.setdefault(claim, []).append(rank)
+    shared = {claim: ranks for claim, ranks in by_device.items() if len(ranks) > 1}
+    if not shared:
+        return None
+    listed = "; ".join(f"ranks {', '.join(map(str, r))} on {host}: {dev}" for (host, dev), r in shared.items())
+    return (
+        f"two or more local ranks map to one device, which their backend cannot share ({listed}). Give each rank of "
+        "a host its own device: under torchrun, one process per device (--nproc-per-node <= devices per host) with "
+        "every device visible to each (CUDA_VISIBLE_DEVICES the same for all ranks of a host, or unset); each rank "
+        "then uses device LOCAL_RANK"
+    )
 
 
 def current_device(device_type: str | None = None) -> torch.device:
@@ -153,14 +255,49 @@ def _xla_device() -> torch.device:
 
 
 def collective_device(group: dist.ProcessGroup | None = None) -> torch.device:
-    """Where small tensors for a collective on `group` must live: the device of its backend (the CPU for gloo)."""
-    backend = dist.get_backend(group)
-    if backend == "gloo":
-        return torch.device(HOST)
+    """Where small tensors for a collective on `group` must live: the device its backend serves, from the group's
+    actual backends (`dist.get_backend(group)`, "gloo", "nccl" or a mixed "cpu:gloo,cuda:nccl"): this process's
+    accelerator device where a backend of the group serves it, else the CPU where gloo (or another CPU backend)
+    does. Raises for a backend string it cannot place."""
+    return device_for_backend(str(dist.get_backend(group)))
+
+
+def device_for_backend(backend: str) -> torch.device:
+    """`collective_device` for a backend string: "gloo", "nccl", "cpu:gloo,cuda:nccl", ..."""
+    served: dict[str, str] = {}  # device type -> backend
+    for part in (p.strip() for p in backend.split(",") if p.strip()):
+        kind, _, name = part.rpartition(":")
+        if kind:
+            served[kind] = name
+        else:
+            served.update(_devices_of(name, backend))
     accelerator = current_accelerator()
-    if accelerator is not None and backend_for(accelerator.type) == backend:
+    if accelerator is not None and accelerator.type in served:
         return current_device(accelerator.type)
-    return torch.device(HOST)
+    if HOST in served:
+        return torch.device(HOST)
+    if XLA in served:
+        return _xla_device()
+    raise ValueError(
+        f"process group backend {backend!r} runs on {', '.join(sorted(served)) or 'no device torch knows'}, and "
+        f"this process's devices are {', '.join(available_device_types())}; known backends: {_known_backends()}"
+    )
+
+
+def _devices_of(name: str, whole: str) -> dict[str, str]:
+    """The device types a plain backend name serves: those torch registered it for (gloo: the CPU)."""
+    if name == XLA:
+        return {XLA: XLA}
+    registered = dist.Backend.backend_capability.get(name.lower())
+    if registered is None:
+        raise ValueError(f"process group backend {whole!r}: {name!r} is not a backend torch knows; known: "
+                         f"{_known_backends()}")  # fmt: skip
+    devices = [d for d in registered if d != "cuda" or name.lower() != "gloo"]  # gloo: CPU tensors (device_check)
+    return dict.fromkeys(devices, name)
+
+
+def _known_backends() -> str:
+    return ", ".join(sorted(dist.Backend.backend_capability))
 
 
 def synchronize(device: torch.device | str | None) -> None:

@@ -10,11 +10,12 @@ from datetime import timedelta
 import torch.distributed as dist
 
 from . import device as devices
-from . import rendezvous
+from . import rendezvous, timeouts
 from .layout import ALIASES, EXPERT_DIM, GRID_DIMS, MeshLayout
 from .protocol import ParallelMesh
+from .timeouts import Timeouts
 
-DEFAULT_TIMEOUT = timedelta(seconds=60)
+DEFAULT_TIMEOUT = timeouts.INIT_TIMEOUT
 _INIT_LOCK = threading.Lock()  # on XLA one process may drive several devices, one thread each: one group for all
 _CURRENT_MESH: ParallelMesh | None = None
 
@@ -26,7 +27,8 @@ def init_mesh(
     cp: int = 1,
     *,
     ep: int = 1,
-    timeout: timedelta | float = DEFAULT_TIMEOUT,
+    timeout: Timeouts | timedelta | float | None = None,
+    train_timeout: timedelta | float | None = None,
     device: str | None = None,
     **dims: int,
 ) -> ParallelMesh:
@@ -40,9 +42,13 @@ def init_mesh(
     `device`: any device type torch knows ("cuda", "neuron", "npu", "xpu", "cpu", or "xla" for torch-xla); by default
     torch's current accelerator (the CPU without one; XLA where `PJRT_DEVICE` is set). Starts torch.distributed from
     the torchrun environment if needed, with the backend the device's package registered (gloo on the CPU, nccl on
-    CUDA, neuron on Trainium, ...); every process group of the mesh gets `timeout` (seconds or a timedelta), so a
-    lost rank fails the run instead of hanging it.
+    CUDA, neuron on Trainium, ...), bound to this process's device (`LOCAL_RANK`'s, set first in every path).
+
+    Timeouts (`timeouts.py`): every process group waits `timeout` (seconds or a timedelta; default 10 minutes) until
+    this process's first optimizer step ends and around checkpoint saves and loads, `train_timeout` (default 2
+    minutes, or `timeout` if shorter) in between; or pass one `Timeouts(init=..., train=...)` as `timeout`.
     """
+    chosen = Timeouts.of(timeout, train_timeout)  # a bad timeout raises here, on every rank, before anything starts
     sizes: dict[str, int | None] = {"dp": dp, "pp": pp, "cp": cp, "tp": tp}
     for name, value in dims.items():
         dim = ALIASES.get(name, name)
@@ -52,25 +58,25 @@ def init_mesh(
         if sizes.get(dim) is not None and dim in ALIASES.values() and sizes[dim] != value:
             raise ValueError(f"{dim}={sizes[dim]} and its alias {name}={value} disagree; pass one of them")
         sizes[dim] = value
-    if not isinstance(timeout, timedelta):
-        timeout = timedelta(seconds=float(timeout))
     device_type = devices.resolve_device_type(device)
-    _init_process_group(timeout, device_type)
+    _init_process_group(chosen.init, device_type)
+    timeouts.configure(chosen)  # every group, the default one included, waits the init timeout from here
     layout = MeshLayout.for_world(dist.get_world_size(), sizes, ep)
     if device_type == devices.XLA:
         from .xla_mesh import XlaParallelMesh  # torch-xla's replica groups, no DeviceMesh
 
-        return set_mesh(XlaParallelMesh(layout, timeout))
+        return set_mesh(XlaParallelMesh(layout, chosen.init))
     from .torch_mesh import TorchMesh
 
-    return set_mesh(TorchMesh(layout, device_type, timeout))
+    return set_mesh(TorchMesh(layout, device_type, chosen.init))
 
 
 def _init_process_group(timeout: timedelta, device_type: str) -> None:
     """Start torch.distributed from torchrun's environment (or a single local process) on `device_type`'s backend;
     on XLA from torch-xla's runtime (`init_method="xla://"`), once per process however many devices it drives."""
     with _INIT_LOCK:
-        if dist.is_initialized():
+        if dist.is_initialized():  # made by the caller (or accelerate): its device still comes first, before the mesh
+            devices.set_process_device(device_type, bound=_bound_device())
             return
         # torch.distributed.optim (ZeRO-1) imports torch.distributed.rpc; imported after a process group exists, it
         # made the process abort at exit ("terminate called without an active exception", 1 run in 3 of a 4-rank
@@ -93,9 +99,14 @@ def _init_process_group(timeout: timedelta, device_type: str) -> None:
         os.environ.setdefault("MASTER_PORT", "29500")
         os.environ.setdefault("RANK", "0")
         os.environ.setdefault("WORLD_SIZE", "1")
-        devices.set_process_device(device_type)
+        device_id = devices.set_process_device(device_type)
         # restarts under torchrun's shared store need no TORCH_DISABLE_SHARE_RDZV_TCP_STORE (rendezvous.py)
-        rendezvous.init_process_group(devices.backend_for(device_type), timeout)
+        rendezvous.init_process_group(devices.backend_for(device_type), timeout, device_id)
+
+
+def _bound_device():
+    """The device the caller's default group was bound to (`init_process_group(device_id=...)`), if any."""
+    return getattr(dist.distributed_c10d._get_default_group(), "bound_device_id", None)
 
 
 def set_mesh(mesh: ParallelMesh) -> ParallelMesh:

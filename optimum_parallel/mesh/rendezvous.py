@@ -21,6 +21,7 @@ import time
 import uuid
 from datetime import timedelta
 
+import torch
 import torch.distributed as dist
 
 from . import device as devices
@@ -29,6 +30,7 @@ VARIABLE = "TORCH_DISABLE_SHARE_RDZV_TCP_STORE"
 _ADDRESS_KEY = "optimum_parallel/rendezvous/rank0"  # in the agent's store: "host:port:token" of rank 0's small store
 _TOKEN_KEY = "optimum_parallel/rendezvous/token"  # in rank 0's small store: the same token
 _PREFIX = "optimum_parallel/attempt-{}/"  # this attempt's keys in the agent's store
+_DEVICES_KEY = "optimum_parallel/devices/{}/{}"  # (host, local rank) -> "rank|device", checked before NCCL starts
 _KEEP: list = []  # rank 0's small store, alive as long as the process
 _PROBE_S = 2.0  # a connect to a stale address fails at once on a live host; a dead host gets this long
 _RETRY_S = 0.05
@@ -39,15 +41,53 @@ def shares_agent_store() -> bool:
     return os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
 
 
-def init_process_group(backend: str, timeout: timedelta) -> None:
-    """`dist.init_process_group(backend, timeout=timeout)` from torchrun's environment; under torchrun's shared store,
-    on a store of this attempt's own (see the module docstring)."""
-    if not shares_agent_store():
-        dist.init_process_group(backend=backend, timeout=timeout)
-        return
+def init_process_group(backend: str, timeout: timedelta, device_id: torch.device | None = None) -> None:
+    """`dist.init_process_group(backend, timeout=timeout, device_id=device_id)` from torchrun's environment; under
+    torchrun's shared store, on a store of this attempt's own (see the module docstring). `device_id`: this process's
+    accelerator device, bound to the group (NCCL then connects at once, and DeviceMesh splits its sub-groups from
+    it); under a backend that cannot share a device, two ranks of a host on one device raise first, on each of them."""
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    store = attempt_store(rank, world, timeout)
-    dist.init_process_group(backend=backend, store=store, rank=rank, world_size=world, timeout=timeout)
+    check = device_id is not None and world > 1 and not devices.shares_devices(backend)
+    if shares_agent_store():
+        store = attempt_store(rank, world, timeout)
+    elif check:  # the store init_process_group would make itself, made first for the device check
+        store = dist.PrefixStore("default_pg", next(dist.rendezvous("env://", rank, world, timeout=timeout))[0])
+    else:
+        dist.init_process_group(backend=backend, timeout=timeout, device_id=device_id)
+        return
+    if check:
+        check_one_rank_per_device(store, rank, device_id, timeout)
+    dist.init_process_group(
+        backend=backend, store=store, rank=rank, world_size=world, timeout=timeout, device_id=device_id
+    )
+
+
+def check_one_rank_per_device(
+    store: dist.Store,
+    rank: int,
+    device: torch.device,
+    timeout: timedelta,
+    local_rank: int | None = None,
+    local_world: int | None = None,
+) -> None:
+    """Every rank of this host posts its device in `store` and reads its neighbours'; raises (on each of them) when
+    two map to one physical device, naming the ranks and the device. `local_rank`, `local_world`: torchrun's
+    LOCAL_RANK and LOCAL_WORLD_SIZE by default (without them: every rank of the job is on this host)."""
+    host = devices.host_identity()
+    if local_rank is None:
+        local_rank = int(os.environ.get("LOCAL_RANK", rank))
+    if local_world is None:
+        local_world = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("WORLD_SIZE", "1")))
+    store.set(_DEVICES_KEY.format(host, local_rank), f"{rank}|{devices.device_identity(device)}")
+    keys = [_DEVICES_KEY.format(host, r) for r in range(local_world)]
+    store.wait(keys, timeout)
+    claims = {}
+    for key in keys:
+        other, _, identity = store.get(key).decode().partition("|")
+        claims[int(other)] = (host, identity)
+    message = devices.duplicate_devices(claims)
+    if message:
+        raise RuntimeError(message)
 
 
 def attempt_store(rank: int, world: int, timeout: timedelta) -> dist.Store:
@@ -115,5 +155,5 @@ def init_before_accelerate(ddp_backend: str | None, use_cpu: bool, timeout_s: fl
     device_type = devices.HOST if use_cpu else devices.resolve_device_type()
     if ddp_backend is None:
         ddp_backend = devices.backend_for(device_type)
-    devices.set_process_device(device_type)  # as accelerate does before its group
-    init_process_group(ddp_backend, timedelta(seconds=timeout_s))
+    device_id = devices.set_process_device(device_type)  # as accelerate does before its group
+    init_process_group(ddp_backend, timedelta(seconds=timeout_s), device_id)

@@ -1,6 +1,7 @@
 """The grid over a torch DeviceMesh: one process group per grid dim, the data-parallel dims and the batch-replica
 dims flattened (torch's `_flatten`), and ep as the data-parallel ranks unflattened into (ep_replicate, ep) (torch's
-`_unflatten`), every group with the mesh's timeout. Which ranks each group holds is the layout's
+`_unflatten`), every group with the timeout of the moment (`timeouts.current()`: the init one while the mesh is made;
+`timeouts` changes every group's afterwards). Which ranks each group holds is the layout's
 (`layout.MeshLayout.lines`)."""
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from . import device as devices
-from . import hang_report
+from . import hang_report, timeouts
 from .layout import DATA_PARALLEL, EXPERT_DIM, EXPERT_REPLICA_DIM, FLATTENED, GRID_DIMS, MeshLayout, canonical_dim
 from .protocol import NO_EXPERT_PARALLELISM, ParallelMesh
 
@@ -51,9 +52,12 @@ class TorchMesh(ParallelMesh):
         grace = min(max(self.timeout / 2, _GRACE), _GRACE * 3)
         hang_report.install({self.device_mesh.get_group(dim): dim for dim in GRID_DIMS}, grace)
 
+    def _timeout(self) -> timedelta:
+        return timeouts.current() or self.timeout
+
     def _backend(self) -> tuple[str, object]:
         backend = devices.backend_for(self.device_type)
-        return backend, devices.backend_options(backend, self.timeout)
+        return backend, devices.backend_options(backend, self._timeout())
 
     def _unflatten(self, inner: int, names: tuple[str, str]) -> DeviceMesh:
         """The data-parallel ranks as a 2-D mesh (size / inner, inner): blocks of `inner` consecutive ranks."""
@@ -138,7 +142,7 @@ class TorchMesh(ParallelMesh):
         for line in self.layout.lines(dim):
             ranks = tuple(line[p] for p in positions)
             if ranks not in self._extra_groups:
-                self._extra_groups[ranks] = dist.new_group(list(ranks), timeout=self.timeout, backend=backend)
+                self._extra_groups[ranks] = dist.new_group(list(ranks), timeout=self._timeout(), backend=backend)
             if dist.get_rank() in ranks:
                 mine = self._extra_groups[ranks]
         return mine

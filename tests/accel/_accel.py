@@ -2,8 +2,10 @@
 
 `OP_TEST_DEVICE` names the device (default: the simulated `neuron`, simulated_neuron.py, installed in every process
 before anything touches a device); `OP_TEST_BACKEND` re-registers the device's process-group backend (gloo: two
-processes sharing one CUDA GPU, which NCCL refuses). The workers start torch.distributed as a user's script does
-under torchrun, with no backend named: the device's registered one.
+processes sharing one CUDA GPU, which NCCL refuses); `OP_TEST_PG_TIMEOUT_S` the workers' process-group timeout
+(default 60; a hung case is given up after twice that). The workers start torch.distributed as a user's script does
+under torchrun (LOCAL_RANK=rank, no device set, no backend named: the device's registered one), and `init_mesh` then
+picks each one's device: index 0 for both on a one-device machine (test_device_index.py).
 
 `Collectives` counts the collectives that ran: the simulated device's own counter on `neuron`, elsewhere a dispatch
 mode that sees every c10d op (forward and backward).
@@ -27,7 +29,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 DEVICE = os.environ.get("OP_TEST_DEVICE", simulated_neuron.NAME)
 SIMULATED = DEVICE == simulated_neuron.NAME
 BACKEND_OVERRIDE = os.environ.get("OP_TEST_BACKEND") or None
-PG_TIMEOUT = timedelta(seconds=60)
+PG_TIMEOUT = timedelta(seconds=float(os.environ.get("OP_TEST_PG_TIMEOUT_S", "60")))
 HERE = os.path.dirname(os.path.abspath(__file__))
 TESTS = os.path.dirname(HERE)
 

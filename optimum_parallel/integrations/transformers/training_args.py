@@ -86,6 +86,9 @@ class ParallelTrainingArguments(TrainingArguments):
     )
 
     def __post_init__(self) -> None:
+        # ddp_timeout is the mesh's init timeout (until the first optimizer step ends, and around saves and loads);
+        # the steady-state one is min(2 minutes, ddp_timeout) (mesh/timeouts.py; the Trainer passes it to init_mesh)
+        check_ddp_timeout(self.ddp_timeout)
         world = _launched_world_size()
         if world > 1 and not self.use_cpu and _no_accelerator():
             # accelerate makes a multi-process CPU run distributed only with cpu=True; without it every rank is
@@ -153,6 +156,15 @@ def _compile_setting(args: ParallelTrainingArguments) -> CompileConfig | None:
         return None
     backend = args.torch_compile_backend or "inductor"
     return CompileConfig(backend, args.torch_compile_mode, devices.compile_dynamic(backend))
+
+
+def check_ddp_timeout(value: object) -> None:
+    """`ddp_timeout` must be seconds > 0: it becomes every process group's timeout (one error, on every rank)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+        raise ValueError(
+            f"ddp_timeout={value!r}: the process groups' timeout must be a number of seconds > 0 (allowed: > 0; it "
+            "is the init timeout, the steady-state one is min(120, ddp_timeout))"
+        )
 
 
 def _launched_world_size() -> int:
