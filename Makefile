@@ -8,7 +8,7 @@ BIN     = $(VENV)/bin
 
 export OMP_NUM_THREADS ?= 1
 
-.PHONY: demo test test-hosts test-accel test-xla xla-env lint install clean
+.PHONY: demo test test-families test-hosts test-accel test-xla xla-env lint install clean
 
 $(BIN)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -24,6 +24,13 @@ demo: $(BIN)/.installed
 
 test: $(BIN)/.installed
 	$(BIN)/python -m pytest --ignore=tests/test_hosts.py --durations=30
+
+# the family matrix: tiny models of today's families (transformers' own config classes) at every layout their structure
+# allows, against one process, or refused naming the module (tests/family_matrix.py); each cell is written to
+# build/family-matrix.jsonl, which `python scripts/supported_models.py --results build/family-matrix.jsonl` prints as
+# the README's support table. About 7 minutes on 2 cores.
+test-families: $(BIN)/.installed
+	$(BIN)/python -m pytest tests/families --durations=10
 
 # several hosts: network namespaces joined by a veth pair (root and iproute2's `ip`; skipped with the reason otherwise)
 test-hosts: $(BIN)/.installed

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from transformers import AutoConfig, AutoModelForCausalLM
+from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText
 
 WORLD_SIZE = 4
 TOL = 1e-5
@@ -156,18 +156,32 @@ LAYOUTS: dict[str, dict] = {
 }
 
 
+# vision-language models: tiny configs and image batches of tests/test_vlm.py (images and image tokens that match)
+VLM_TYPES = ("llava", "gemma3", "qwen2_5_vl")
+
+
 def layouts_for(model_type: str) -> list[str]:
     """The layouts the matrix runs for `model_type` (ep only for a MoE)."""
     return [name for name in LAYOUTS if name != "ep2" or model_type in MOE_TYPES]
 
 
+def model_types() -> list[str]:
+    """Every family of the matrix: the text families, then the vision-language models."""
+    return [*FAMILIES, *VLM_TYPES]
+
+
 def family_config(model_type: str):
+    if model_type in VLM_TYPES:
+        from test_vlm import TINY_VLM_CONFIGS
+
+        return TINY_VLM_CONFIGS[model_type]()
     return AutoConfig.for_model(model_type, **{**BASE, **FAMILIES[model_type]})
 
 
 def build(config, seed: int = 0):
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(config, attn_implementation="eager").float()
+    auto = AutoModelForImageTextToText if config.model_type in VLM_TYPES else AutoModelForCausalLM
+    model = auto.from_config(config, attn_implementation="eager").float()
     model.eval()  # no dropout: identical math on every rank
     gen = torch.Generator().manual_seed(seed + 5)
     with torch.no_grad():  # biases and norm offsets initialised to zero would check nothing on the first step
@@ -178,9 +192,14 @@ def build(config, seed: int = 0):
 
 
 def batch_for(config, rows: int = 2) -> dict[str, torch.Tensor]:
-    """Left-padded rows (uneven token counts) with -100 on padding and one more position each. The first real token
+    """An image-text batch for a VLM (test_vlm.make_vlm_inputs: images, their tokens, padding, -100 labels); else
+    left-padded rows (uneven token counts) with -100 on padding and one more position each. The first real token
     after the padding is predicted from a padding position, whose output no model defines alike (transformers
     attends it to masked keys, ring attention to none): its label is ignored too."""
+    if config.model_type in VLM_TYPES:
+        from test_vlm import make_vlm_inputs
+
+        return make_vlm_inputs(config, batch=rows)
     gen = torch.Generator().manual_seed(1)
     input_ids = torch.randint(3, config.vocab_size, (rows, SEQ), generator=gen)
     attention_mask = torch.ones(rows, SEQ, dtype=torch.long)

@@ -93,7 +93,11 @@ def apply_data_parallel(
         if pipeline is None:
             from torch.distributed._composable import replicate  # loaded here: importing the package stays light
 
-            replicate(model, process_group=mesh.data_parallel_group)
+            # as transformers' Trainer decides for DDP: parameters no forward reaches (a VLM's vision layers past
+            # `vision_feature_layer`) are found each step unless activation checkpointing is on (reentrant
+            # checkpointing and unused-parameter search do not mix)
+            find_unused = not getattr(model, "is_gradient_checkpointing", True)
+            replicate(model, process_group=mesh.data_parallel_group, find_unused_parameters=find_unused)
         if optimizer is not None and config.sharding_level == 1:
             optimizer = zero1(optimizer, mesh.sharding_group(config.shard_size))
         return model, optimizer

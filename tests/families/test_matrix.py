@@ -11,10 +11,10 @@ from functools import cache
 from pathlib import Path
 
 import pytest
-from family_matrix import FAMILIES, WORLD_SIZE, check_layout, layouts_for, noise_floor, record, verdict
+from family_matrix import WORLD_SIZE, check_layout, layouts_for, model_types, noise_floor, record, verdict
 
 RESULTS = Path(os.environ.get("OP_MATRIX_RESULTS", "build/family-matrix.jsonl"))
-CELLS = [(model_type, layout) for model_type in FAMILIES for layout in layouts_for(model_type)]
+CELLS = [(model_type, layout) for model_type in model_types() for layout in layouts_for(model_type)]
 __all__ = ["WORLD_SIZE"]  # the pool's size
 
 
