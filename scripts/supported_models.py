@@ -1,59 +1,87 @@
-"""Print the README's markdown table of supported model types, from `get_supported_model_types()`.
+"""Print the README's support table from a run of the family matrix (`make test-families`), not from declarations:
+which layouts each model type passed against one process, which it refused and why, and the share of the
+parameter elements a rank holds at tp=2.
 
-    python scripts/supported_models.py            # every type (hand-written parallelizers first)
-    python scripts/supported_models.py --hand-written
-
-TP is every listed type; SP and PP say what the parallelizer declares (`supports_sequence_parallel`,
-`supports_pipeline_parallel`). "tested" marks the types the test suite runs against transformers.
+    make test-families                                                   # writes build/family-matrix.jsonl
+    python scripts/supported_models.py --results build/family-matrix.jsonl
+    python scripts/supported_models.py --results build/family-matrix.jsonl --reasons   # the refusals, in full
 """
 
 from __future__ import annotations
 
 import argparse
-import sys
+import json
+import re
 from pathlib import Path
 
-import optimum_parallel as op
-
-TESTS = Path(__file__).resolve().parent.parent / "tests"
-
-
-def tested_model_types() -> set[str]:
-    """Model types the test modules run against the single-device transformers model (their CASES)."""
-    sys.path.insert(0, str(TESTS))
-    tested: set[str] = set()
-    for module in ("test_llama_tp", "test_families", "test_auto_plan"):
-        try:
-            cases = __import__(module).CASES
-        except Exception:  # noqa: BLE001 - a missing or broken test module just marks nothing
-            continue
-        tested.update(case[0] for case in cases)
-    return tested
+LAYOUTS = ("tp2+sp", "pp2", "cp2", "ep2", "tp2xdp2-L3")
+MARK = {"equal": "equal", "refused": "refused", "FAILED": "**FAILED**"}
 
 
-def table(hand_written_only: bool = False) -> str:
-    manager = op.ParallelizersManager
-    hand_written = set(manager.get_supported_model_types(include_auto=False))
-    types = sorted(hand_written) if hand_written_only else manager.get_supported_model_types()
-    types.sort(key=lambda t: (t not in hand_written, t))
-    tested = tested_model_types()
-    yes = lambda flag: "yes" if flag else "no"  # noqa: E731
+def read_results(path: Path) -> dict[str, dict[str, dict]]:
+    """model type -> layout -> its cell (outcome, detail, held), the last line of a cell winning."""
+    cells: dict[str, dict[str, dict]] = {}
+    for line in path.read_text().splitlines():
+        if line.strip():
+            cell = json.loads(line)
+            cells.setdefault(cell["type"], {})[cell["layout"]] = cell
+    return cells
+
+
+def short_reason(detail: str) -> str:
+    """The module a refusal names (`model.layers.0.mamba (JambaMambaMixer)`), else its first clause."""
+    found = re.search(r"(model\.[\w.]+ \(\w+\))", detail)
+    if found:
+        return found.group(1)
+    text = detail.split(": ", 1)[-1]
+    return text.split(";")[0][:80]
+
+
+def table(cells: dict[str, dict[str, dict]]) -> str:
     lines = [
-        "| model type | parallelizer | TP | SP | PP | tested |",
-        "|---|---|---|---|---|---|",
+        "| model type | " + " | ".join(LAYOUTS) + " | held at tp=2 |",
+        "|---|" + "---|" * len(LAYOUTS) + "---|",
     ]
-    for model_type in types:
-        cls = manager.parallelizer_for_model(model_type)
-        name = f"`{cls.__name__}`" if model_type in hand_written else "automatic (`base_model_tp_plan`)"
-        sp, pp = getattr(cls, "supports_sequence_parallel", False), getattr(cls, "supports_pipeline_parallel", False)
-        lines.append(f"| `{model_type}` | {name} | yes | {yes(sp)} | {yes(pp)} | {yes(model_type in tested)} |")
+    for model_type, by_layout in cells.items():
+        row, held = [], None
+        for layout in LAYOUTS:
+            cell = by_layout.get(layout)
+            if cell is None:
+                row.append("-")
+                continue
+            held = held if cell.get("held") is None else cell["held"]
+            mark = MARK[cell["outcome"]]
+            row.append(f"{mark}: {short_reason(cell['detail'])}" if cell["outcome"] == "refused" else mark)
+        held_text = f"{held:.2f}" if held is not None else "-"
+        lines.append(f"| `{model_type}` | " + " | ".join(row) + f" | {held_text} |")
     return "\n".join(lines)
+
+
+def counts(cells: dict[str, dict[str, dict]]) -> str:
+    outcomes = [cell["outcome"] for by_layout in cells.values() for cell in by_layout.values()]
+    return (
+        f"{len(cells)} model types, {len(outcomes)} cells: {outcomes.count('equal')} equal to one process, "
+        f"{outcomes.count('refused')} refused by name, {outcomes.count('FAILED')} failed"
+    )
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--hand-written", action="store_true", help="only model types with a hand-written parallelizer")
-    print(table(parser.parse_args().hand_written))
+    parser.add_argument("--results", type=Path, default=Path("build/family-matrix.jsonl"))
+    parser.add_argument("--reasons", action="store_true", help="list every refusal's message in full")
+    args = parser.parse_args()
+    if not args.results.exists():
+        raise SystemExit(f"{args.results} does not exist: run `make test-families` first")
+    cells = read_results(args.results)
+    print(table(cells))
+    print()
+    print(counts(cells))
+    if args.reasons:
+        print()
+        for model_type, by_layout in cells.items():
+            for layout, cell in by_layout.items():
+                if cell["outcome"] != "equal":
+                    print(f"- `{model_type}` {layout}: {cell['detail']}")
 
 
 if __name__ == "__main__":

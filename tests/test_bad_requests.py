@@ -159,10 +159,6 @@ def _gpt2():
     return build_model(tiny_config("gpt2", n_embd=64, n_layer=2, n_head=4, vocab_size=128, n_positions=64))
 
 
-def _phi3():
-    return build_model(tiny_config("phi3", pad_token_id=0))
-
-
 def _olmoe():
     return build_model(tiny_config("olmoe", num_experts=2, num_experts_per_tok=1))
 
@@ -415,7 +411,7 @@ CASES = {
         ["shard_size=2", "ep=2", "allowed with ep > 1: -1"],
     ),
     "parallelizer/sp_family": (
-        parallelizer({"dp": 2, "tp": 2}, model=_phi3, sequence_parallel_enabled=True),
+        parallelizer({"dp": 2, "tp": 2}, model=_gpt2, sequence_parallel_enabled=True),
         "NotImplementedError",
         ["sequence_parallel_enabled=True", "does not support sequence parallelism", "allowed for this model: False"],
     ),
@@ -498,7 +494,7 @@ CASES = {
         ["context_parallel_strategy='all_to_all'", "divide by cp=4", "'ring'"],
     ),
     "trainer/sp_family": (
-        trainer({"tensor_parallel_size": 2, "sequence_parallel": True}, model=_phi3),
+        trainer({"tensor_parallel_size": 2, "sequence_parallel": True}, model=_gpt2),
         "NotImplementedError",
         ["sequence_parallel", "allowed for this model: False"],
     ),

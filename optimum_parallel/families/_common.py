@@ -5,12 +5,14 @@ from __future__ import annotations
 
 from torch import nn
 
-from optimum_parallel import ColWiseParallel, Parallelizer, ParallelMesh, RowWiseParallel, optional
+from optimum_parallel import ColWiseParallel, Parallelizer, ParallelMesh, RowWiseParallel, SequenceParallelEnd, optional
+from optimum_parallel.frontends.sequence_plan import sequence_parallel_plan
 from optimum_parallel.tensor_parallel import ColumnParallelLinear
 from optimum_parallel.tensor_parallel.spec import check_attention_heads as check_heads
 
 __all__ = [
     "DecoderParallelizer",
+    "with_structural_sequence_parallel",
     "HeadSplitParallelizer",
     "LocalConfig",
     "check_heads",
@@ -120,3 +122,16 @@ def localize_attention(model: nn.Module, projection: str, heads: str, head_dim: 
         if isinstance(query, ColumnParallelLinear):
             setattr(module, heads, local_heads(query, getattr(module, head_dim)))
             setattr(module, width, query.weight.shape[0])
+
+
+def with_structural_sequence_parallel(model: nn.Module, plan: dict) -> dict:
+    """`plan` (a family's tensor-parallel plan) with the sequence-parallel entries derived from `model`'s structure
+    (every norm of a layer on the slices, every block on the whole sequence: `frontends/sequence_plan.py`) and the LM
+    head gathering the sequence: for families whose layers carry more norms than Llama's (Gemma 2/3's pre/post
+    feed-forward norms)."""
+    plan = {**plan, **sequence_parallel_plan(model, plan)}
+    head = plan.get("lm_head")
+    styles = head.styles if isinstance(head, optional) else head
+    styles = [] if styles is None else styles if isinstance(styles, list) else [styles]
+    plan["lm_head"] = optional([*styles, SequenceParallelEnd()])
+    return plan

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from optimum_parallel import Capabilities
 
+from ._common import with_structural_sequence_parallel
 from .llama import LlamaParallelizer
 
 
@@ -18,7 +19,13 @@ class GemmaParallelizer(LlamaParallelizer):
 
 
 class Gemma2Parallelizer(GemmaParallelizer):
-    """Gemma 2 adds pre/post feed-forward norms the Llama sequence-parallel plan does not mark: TP only (and its
-    attention, soft-capping included, runs under context parallelism: tests/test_context_parallel.py)."""
+    """Gemma 2 adds pre/post feed-forward norms the Llama sequence-parallel plan does not mark: its sequence
+    parallelism is the one derived from its structure (every norm on the slices); its attention, soft-capping
+    included, runs under context parallelism (tests/test_context_parallel.py)."""
 
-    capabilities = Capabilities(pipeline_parallel=True, context_parallel=True)
+    capabilities = Capabilities(sequence_parallel=True, pipeline_parallel=True, context_parallel=True)
+
+    @classmethod
+    def plan(cls, model, mesh, parallelize_embeddings, sequence_parallel_enabled):
+        plan = super().plan(model, mesh, parallelize_embeddings, False)
+        return with_structural_sequence_parallel(model, plan) if sequence_parallel_enabled else plan

@@ -16,8 +16,12 @@ from .moe import MoEParallelizer
 
 
 class GptOssParallelizer(MoEParallelizer):
-    # pp and cp not run against one process yet (the automatic plan refused them too)
-    capabilities = Capabilities(sequence_parallel=True)
+    # cp: its attention sinks join each head's softmax, which the context-parallel attention does not compute
+    capabilities = Capabilities(
+        sequence_parallel=True,
+        pipeline_parallel=True,
+        refusals=(("context", "GptOssAttention's attention sinks are not computed by the context-parallel attention"),),
+    )
 
     @classmethod
     def plan(cls, model, mesh, parallelize_embeddings, sequence_parallel_enabled):

@@ -8,14 +8,16 @@ from __future__ import annotations
 
 from torch import nn
 
-from optimum_parallel import ColWiseParallel, Parallelizer, ParallelMesh, RowWiseParallel, optional
+from optimum_parallel import Capabilities, ColWiseParallel, Parallelizer, ParallelMesh, RowWiseParallel, optional
 from optimum_parallel.styles import PackedColWiseParallel
 from optimum_parallel.tensor_parallel import ColumnParallelLinear
 
-from ._common import LocalConfig, check_heads, local_heads, prefix
+from ._common import LocalConfig, check_heads, local_heads, prefix, with_structural_sequence_parallel
 
 
 class Phi3Parallelizer(Parallelizer):
+    capabilities = Capabilities(sequence_parallel=True, pipeline_parallel=True, context_parallel=True)
+
     @staticmethod
     def _heads(model: nn.Module) -> tuple[int, int, int]:
         config = model.config
@@ -43,7 +45,7 @@ class Phi3Parallelizer(Parallelizer):
         if parallelize_embeddings:
             plan[base + "embed_tokens"] = RowWiseParallel()
             plan["lm_head"] = optional(ColWiseParallel())
-        return plan
+        return with_structural_sequence_parallel(model, plan) if sequence_parallel_enabled else plan
 
     @classmethod
     def after_plan(cls, model, mesh):

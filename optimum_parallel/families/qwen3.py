@@ -9,7 +9,7 @@ from __future__ import annotations
 from optimum_parallel import LLAMA_ACTIVATIONS, Capabilities
 from optimum_parallel.styles import ReplicatedWithGradAllReduce
 
-from ._common import prefix
+from ._common import prefix, with_structural_sequence_parallel
 from .llama import LlamaParallelizer
 
 
@@ -27,6 +27,12 @@ class Qwen3Parallelizer(LlamaParallelizer):
 
 
 class Gemma3TextParallelizer(Qwen3Parallelizer):
-    """Gemma 3 adds pre/post feed-forward norms the Llama sequence-parallel plan does not mark: TP only."""
+    """Gemma 3 adds pre/post feed-forward norms the Llama sequence-parallel plan does not mark: its sequence
+    parallelism is the one derived from its structure (every norm on the slices)."""
 
-    capabilities = Capabilities(pipeline_parallel=True)
+    capabilities = Capabilities(sequence_parallel=True, pipeline_parallel=True, context_parallel=True)
+
+    @classmethod
+    def plan(cls, model, mesh, parallelize_embeddings, sequence_parallel_enabled):
+        plan = super().plan(model, mesh, parallelize_embeddings, False)
+        return with_structural_sequence_parallel(model, plan) if sequence_parallel_enabled else plan
