@@ -15,6 +15,16 @@ from .optimizer import rebuild_optimizer
 from .parameters import mark_replaced
 
 
+def replicate_model(model: nn.Module, group: dist.ProcessGroup, ignored_modules: list[nn.Module] | None = None) -> None:
+    """Levels 0-1: torch's composable DDP over `group`. It looks for unused parameters after each forward: a
+    parameter that requires a gradient but never gets one (ERNIE 4.5 MoE's `e_score_correction_bias` once loaded by
+    `from_pretrained`, which only picks the top-k experts) would otherwise hold its bucket back, its neighbours'
+    gradients would go unreduced and the replicas drift apart; found, it keeps no gradient, as on one device."""
+    from torch.distributed._composable import replicate  # loaded here: importing the package stays light
+
+    replicate(model, process_group=group, ignored_modules=ignored_modules, find_unused_parameters=True)
+
+
 def blocks(model: nn.Module) -> list[nn.Module]:
     """The repeated blocks (decoder layers) FSDP wraps one by one, so one block is gathered at a time."""
     for module in model.modules():
