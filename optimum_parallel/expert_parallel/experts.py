@@ -13,6 +13,7 @@ rank dispatches its partial sums along with the others and the region's all-redu
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
 
@@ -91,7 +92,29 @@ def check_expert_parallel(model: nn.Module, ep: int, key: str = "ep", declared: 
             "parallelize_plan), so there is nothing to split over ep; allowed for this model: ep=1"
         )
     for name, module in experts:
+        check_routed_forward(module, name, key, ep)
         check_experts_divide(expert_count(module), ep, name, key)
+
+
+def check_routed_forward(module: nn.Module, name: str, key: str = "ep", ep: int | None = None) -> None:
+    """Raise ValueError unless the experts module's forward takes transformers' routed contract
+    `(hidden_states, top_k_index, top_k_weights)`: ep calls it on the rows dispatched to this rank. Llama 4's
+    experts take every token for every expert, already scaled by the router (`forward(hidden_states)`)."""
+    try:
+        positional = [
+            p
+            for p in inspect.signature(type(module).forward).parameters.values()
+            if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD, p.VAR_POSITIONAL)
+        ]
+    except (TypeError, ValueError):  # no signature to read: trust the contract
+        return
+    if len(positional) < 4 and not any(p.kind is p.VAR_POSITIONAL for p in positional):
+        request = f"{key}={ep}: " if ep is not None else ""
+        raise ValueError(
+            f"{request}the experts module {name!r} ({type(module).__name__}) cannot be split over ep: its forward "
+            f"takes {[p.name for p in positional[1:]]}, not transformers' routed contract (hidden_states, "
+            "top_k_index, top_k_weights) that ep dispatches rows to; allowed for this model: ep=1"
+        )
 
 
 def check_experts_divide(count: int, ep: int, name: str, key: str = "ep") -> None:

@@ -47,7 +47,10 @@ MODULE_STYLES = {
     "moe_tp_experts",
     "replicate",
 }
-EXPERT_PARAM_STYLES = {"packed_colwise": "packed", "packed_rowwise": "packed", "rowwise": "row"}
+# The expert tensors' styles, named by transformers after the dim they cut: [E, out, in] tensors (packed_colwise gate|up,
+# rowwise down) or their [E, in, out] transposes (Llama 4's packed_rowwise gate|up, colwise down)
+EXPERT_PARAM_STYLES = {"packed_colwise": "packed", "packed_rowwise": "packed", "rowwise": "row", "colwise": "row"}
+TRANSPOSED_EXPERT_STYLES = {"packed_rowwise", "colwise"}
 CAUSAL_LOSS_TYPES = ("ForCausalLM",)
 # Plans that translate but give a wrong model here (found by running each automatic type at tp=2
 # against transformers): the model type is reported unsupported instead.
@@ -145,12 +148,13 @@ def translate_tp_plan(model: nn.Module, tp_plan: Mapping[str, str], prefix: str)
         elif style == "embedding_rowwise":
             translated = RowWiseParallel()
         else:  # moe_tp_experts: the expert tensors named under this key, packed gate|up or row
-            params = {
-                k.rpartition(".")[2]: EXPERT_PARAM_STYLES[s] for k, s in tp_plan.items() if k.startswith(key + ".")
-            }
+            styles = {k.rpartition(".")[2]: s for k, s in tp_plan.items() if k.startswith(key + ".")}
+            params = {p: EXPERT_PARAM_STYLES[s] for p, s in styles.items()}
+            transposed = {s in TRANSPOSED_EXPERT_STYLES for s in styles.values()}
             translated = TensorParallelExperts(
                 packed=[p for p, kind in params.items() if kind == "packed"],
                 row=[p for p, kind in params.items() if kind == "row"],
+                transposed=True if transposed == {True} else None,
             )
         plan[regex] = optional(translated)  # layer-type variants: not every key exists in every model
     return plan
