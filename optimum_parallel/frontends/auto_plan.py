@@ -47,8 +47,8 @@ MODULE_STYLES = {
     "moe_tp_experts",
     "replicate",
 }
-# The expert tensors' styles, named by transformers after the dim they cut: [E, out, in] tensors (packed_colwise gate|up,
-# rowwise down) or their [E, in, out] transposes (Llama 4's packed_rowwise gate|up, colwise down)
+# The expert tensors' styles, named by transformers after the dim they cut: [E, out, in] tensors (packed_colwise
+# gate|up, rowwise down) or their [E, in, out] transposes (Llama 4's packed_rowwise gate|up, colwise down)
 EXPERT_PARAM_STYLES = {"packed_colwise": "packed", "packed_rowwise": "packed", "rowwise": "row", "colwise": "row"}
 TRANSPOSED_EXPERT_STYLES = {"packed_rowwise", "colwise"}
 CAUSAL_LOSS_TYPES = ("ForCausalLM",)

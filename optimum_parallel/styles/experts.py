@@ -14,9 +14,10 @@ class TensorParallelExperts(ParallelStyle):
     """Split every expert's intermediate dim over tp (3D expert tensors, transformers 5 layout).
 
     packed: tensors packing gate|up (split each half on its own, or whole interleaved (gate, up) pairs); row: tensors
-    whose input is the intermediate dim; transposed: the tensors are [E, in, out] (None: the module's `is_transposed`). Their biases (`<name>_bias`, gpt_oss) follow: a packed tensor's is split like
-    its output features, a row tensor's stays whole and is added once. The experts module becomes one tp region; the
-    router stays replicated.
+    whose input is the intermediate dim; transposed: the tensors are [E, in, out] (None: the module's
+    `is_transposed`). Their biases (`<name>_bias`, gpt_oss) follow: a packed tensor's is split like its output
+    features, a row tensor's stays whole and is added once. The experts module becomes one tp region; the router
+    stays replicated.
     """
 
     swaps_module = True
