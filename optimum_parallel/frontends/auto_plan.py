@@ -33,6 +33,7 @@ from ..styles import (
 from ..tensor_parallel.spec import check_attention_heads
 from .parallelizer import Parallelizer
 from .sequence_plan import sequence_parallel_plan
+from .split_activations import split_activation_entries
 
 MODULE_STYLES = {
     "colwise",
@@ -55,7 +56,6 @@ CAUSAL_LOSS_TYPES = ("ForCausalLM",)
 # Plans that translate but give a wrong model here (found by running each automatic type at tp=2
 # against transformers): the model type is reported unsupported instead.
 KNOWN_BAD_PLANS = {
-    "apertus": "its xIELU activation has learnable parameters inside the split MLP that the plan leaves unsummed",
     "doge": "its per-head attention parameters (A, dt_proj) are not split with the heads by the plan",
 }
 # Model types whose automatic plan takes sequence parallelism (the Llama-shaped decoder's, `sequence_plan.py`): each
@@ -157,6 +157,7 @@ def translate_tp_plan(model: nn.Module, tp_plan: Mapping[str, str], prefix: str)
                 transposed=True if transposed == {True} else None,
             )
         plan[regex] = optional(translated)  # layer-type variants: not every key exists in every model
+    plan.update(split_activation_entries(model, plan))
     return plan
 
 
