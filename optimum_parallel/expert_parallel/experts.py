@@ -86,6 +86,13 @@ def check_expert_parallel(model: nn.Module, ep: int, key: str = "ep", declared: 
     `declared`: names of modules a plan's `ExpertParallel` style declares (checked by the style itself)."""
     experts = [(name, module) for name, module in find_experts(model) if name not in declared]
     if not experts and not declared:
+        unlike = _unlike_experts(model)
+        if unlike:
+            raise ValueError(
+                f"{key}={ep}: the experts module {unlike} is not laid out as transformers' stacked experts (an int "
+                "num_experts and gate_up_proj or up_proj / down_proj holding that many experts along dim 0), so "
+                "ep cannot split it; allowed for this model: ep=1"
+            )
         raise ValueError(
             f"{key}={ep}: {type(model).__name__} has no stacked experts module (num_experts and 3D gate_up_proj or "
             "up_proj / down_proj, or a module declared by the ExpertParallel style in mp_config's "
@@ -94,6 +101,18 @@ def check_expert_parallel(model: nn.Module, ep: int, key: str = "ep", declared: 
     for name, module in experts:
         check_routed_forward(module, name, key, ep)
         check_experts_divide(expert_count(module), ep, name, key)
+
+
+def _unlike_experts(model: nn.Module) -> str:
+    """'name (Class): its expert tensors' shapes' of the first module holding 3D expert-named tensors that
+    `is_experts_module` does not recognise (LongCat-Flash's gate_up_proj holds its identity experts' slices too)."""
+    names = {n for pair in _EXPERT_WEIGHTS for n in pair}
+    for name, module in model.named_modules():
+        tensors = {n: tuple(p.shape) for n, p in module._parameters.items() if n in names and p is not None}
+        if tensors and all(len(shape) == 3 for shape in tensors.values()):
+            count = getattr(module, "num_experts", None)
+            return f"{name!r} ({type(module).__name__}: {tensors}, num_experts={count!r})"
+    return ""
 
 
 def check_routed_forward(module: nn.Module, name: str, key: str = "ep", ep: int | None = None) -> None:

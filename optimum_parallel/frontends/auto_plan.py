@@ -22,6 +22,8 @@ from ..engine.capabilities import Capabilities
 from ..mesh import ParallelMesh
 from ..styles import (
     ColWiseParallel,
+    IdentityExpertParallel,
+    LatentKeyValueProjection,
     PackedColWiseParallel,
     ParallelStyle,
     ReplicatedWithGradAllReduce,
@@ -47,11 +49,13 @@ MODULE_STYLES = {
     "embedding_rowwise",
     "moe_tp_experts",
     "replicate",
+    "mla_kv_a_proj",
 }
 # The expert tensors' styles, named by transformers after the dim they cut: [E, out, in] tensors (packed_colwise
 # gate|up, rowwise down) or their [E, in, out] transposes (Llama 4's packed_rowwise gate|up, colwise down)
 EXPERT_PARAM_STYLES = {"packed_colwise": "packed", "packed_rowwise": "packed", "rowwise": "row", "colwise": "row"}
 TRANSPOSED_EXPERT_STYLES = {"packed_rowwise", "colwise"}
+EXPERT_MODULE_STYLES = {"moe_identity_expert"}  # children of an experts module: LongCat-Flash's identity experts
 CAUSAL_LOSS_TYPES = ("ForCausalLM",)
 # Plans that translate but give a wrong model here (found by running each automatic type at tp=2
 # against transformers): the model type is reported unsupported instead.
@@ -96,7 +100,7 @@ def unsupported_entries(tp_plan: Mapping[str, str]) -> dict[str, str]:
     for key, style in tp_plan.items():
         parent = key.rpartition(".")[0]
         if parent in experts:
-            if style not in EXPERT_PARAM_STYLES:
+            if style not in EXPERT_PARAM_STYLES and style not in EXPERT_MODULE_STYLES:
                 bad[key] = style
         elif style not in MODULE_STYLES:
             bad[key] = style
@@ -108,16 +112,30 @@ def _key_regex(prefix: str, key: str) -> str:
 
 
 def _heads_of(model: nn.Module, regex: str, dim: int) -> int | None:
-    """Whole heads of the first module `regex` names when it sits in an attention block (parent has head_dim)."""
+    """Whole heads of the first module `regex` names when it sits in an attention block (parent has head_dim), or
+    in a latent attention block (parent has kv_lora_rank: its q_b / kv_b / o projections hold num_heads heads)."""
     modules = dict(model.named_modules())
     for name, module in modules.items():
         if isinstance(module, nn.Linear) and re.fullmatch(regex, name):
-            head_dim = getattr(modules.get(name.rpartition(".")[0]), "head_dim", None)
+            parent = modules.get(name.rpartition(".")[0])
+            head_dim = getattr(parent, "head_dim", None)
             features = module.weight.shape[dim]
+            heads = getattr(parent, "num_heads", None)
+            if isinstance(getattr(parent, "kv_lora_rank", None), int) and isinstance(heads, int):
+                return heads if heads > 0 and features % heads == 0 else None
             if isinstance(head_dim, int) and head_dim > 0 and features % head_dim == 0:
                 return features // head_dim
             return None
     return None
+
+
+def _rope_dim(model: nn.Module) -> int:
+    """The shared rope key's width at the end of an MLA kv_a projection's output (the config's qk_rope_head_dim)."""
+    config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    rope_dim = getattr(config, "qk_rope_head_dim", None)
+    if not isinstance(rope_dim, int):
+        raise ValueError(f"{type(model).__name__}: an mla_kv_a_proj plan entry needs the config's qk_rope_head_dim")
+    return rope_dim
 
 
 def translate_tp_plan(model: nn.Module, tp_plan: Mapping[str, str], prefix: str) -> dict[str, object]:
@@ -129,11 +147,16 @@ def translate_tp_plan(model: nn.Module, tp_plan: Mapping[str, str], prefix: str)
     plan: dict[str, object] = {}
     for key, style in tp_plan.items():
         parent = key.rpartition(".")[0]
-        if parent in experts or style == "replicate":
-            continue
         regex = _key_regex(prefix, key)
         translated: ParallelStyle
-        if style == "colwise":
+        if style == "moe_identity_expert":  # passes its tokens whole inside the experts' tp region
+            plan[regex] = optional(IdentityExpertParallel())
+            continue
+        if parent in experts or style == "replicate":
+            continue
+        if style == "mla_kv_a_proj":  # stays whole: its rope key's gradient summed over the heads' ranks
+            translated = LatentKeyValueProjection(_rope_dim(model))
+        elif style == "colwise":
             translated = ColWiseParallel(units=_heads_of(model, regex, 0))
         elif style == "rowwise":
             translated = RowWiseParallel(units=_heads_of(model, regex, 1))
@@ -148,7 +171,11 @@ def translate_tp_plan(model: nn.Module, tp_plan: Mapping[str, str], prefix: str)
         elif style == "embedding_rowwise":
             translated = RowWiseParallel()
         else:  # moe_tp_experts: the expert tensors named under this key, packed gate|up or row
-            styles = {k.rpartition(".")[2]: s for k, s in tp_plan.items() if k.startswith(key + ".")}
+            styles = {
+                k.rpartition(".")[2]: s
+                for k, s in tp_plan.items()
+                if k.startswith(key + ".") and s in EXPERT_PARAM_STYLES
+            }
             params = {p: EXPERT_PARAM_STYLES[s] for p, s in styles.items()}
             transposed = {s in TRANSPOSED_EXPERT_STYLES for s in styles.values()}
             translated = TensorParallelExperts(

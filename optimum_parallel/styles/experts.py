@@ -88,3 +88,18 @@ class TensorParallelExperts(ParallelStyle):
             row = layouts[self.row[0]]
             module.intermediate_dim = row.local_shape[row.dim]
         return module
+
+
+class IdentityExpertParallel(ParallelStyle):
+    """An identity ("zero") expert inside a tensor-parallel experts module (LongCat-Flash's `identity_expert`): every
+    tp rank passes its tokens through whole, and the experts region sums the ranks' outputs, so each rank passes
+    1/tp of them (the region's backward sums the 1/tp gradients back)."""
+
+    def apply(self, module, name, ctx):
+        world = ctx.mesh.tp_size
+
+        def scale(module, args):
+            return (args[0] / world, *args[1:])
+
+        module.register_forward_pre_hook(scale)
+        return module
