@@ -52,9 +52,10 @@ MODULE_STYLES = {
     "mla_kv_a_proj",
 }
 # The expert tensors' styles, named by transformers after the dim they cut: [E, out, in] tensors (packed_colwise
-# gate|up, rowwise down) or their [E, in, out] transposes (Llama 4's packed_rowwise gate|up, colwise down)
-EXPERT_PARAM_STYLES = {"packed_colwise": "packed", "packed_rowwise": "packed", "rowwise": "row", "colwise": "row"}
-TRANSPOSED_EXPERT_STYLES = {"packed_rowwise", "colwise"}
+# gate|up, rowwise down) or their [E, in, out] transposes (Llama 4's packed_rowwise gate|up, colwise down: colwise
+# is read so only beside packed_rowwise; elsewhere (nemotron_h's up_proj, inkling2's gate_up_proj) it is untranslated)
+EXPERT_PARAM_STYLES = {"packed_colwise": "packed", "packed_rowwise": "packed", "rowwise": "row"}
+TRANSPOSED_EXPERT_PARAM_STYLES = {"packed_rowwise": "packed", "colwise": "row"}
 EXPERT_MODULE_STYLES = {"moe_identity_expert"}  # children of an experts module: LongCat-Flash's identity experts
 CAUSAL_LOSS_TYPES = ("ForCausalLM",)
 # Plans that translate but give a wrong model here (found by running each automatic type at tp=2
@@ -93,6 +94,13 @@ def _experts_keys(tp_plan: Mapping[str, str]) -> set[str]:
     return {key for key, style in tp_plan.items() if style == "moe_tp_experts"}
 
 
+def _expert_param_styles(tp_plan: Mapping[str, str], experts_key: str) -> tuple[dict[str, str], bool]:
+    """{transformers style: packed / row} the tensors under `experts_key` may use, and whether they are transposed
+    (a packed_rowwise gate|up: Llama 4's [E, in, out] layout)."""
+    transposed = any(k.startswith(experts_key + ".") and s == "packed_rowwise" for k, s in tp_plan.items())
+    return (TRANSPOSED_EXPERT_PARAM_STYLES if transposed else EXPERT_PARAM_STYLES), transposed
+
+
 def unsupported_entries(tp_plan: Mapping[str, str]) -> dict[str, str]:
     """The plan entries this engine cannot translate ({} when the whole plan is supported)."""
     experts = _experts_keys(tp_plan)
@@ -100,7 +108,7 @@ def unsupported_entries(tp_plan: Mapping[str, str]) -> dict[str, str]:
     for key, style in tp_plan.items():
         parent = key.rpartition(".")[0]
         if parent in experts:
-            if style not in EXPERT_PARAM_STYLES and style not in EXPERT_MODULE_STYLES:
+            if style not in _expert_param_styles(tp_plan, parent)[0] and style not in EXPERT_MODULE_STYLES:
                 bad[key] = style
         elif style not in MODULE_STYLES:
             bad[key] = style
@@ -171,17 +179,14 @@ def translate_tp_plan(model: nn.Module, tp_plan: Mapping[str, str], prefix: str)
         elif style == "embedding_rowwise":
             translated = RowWiseParallel()
         else:  # moe_tp_experts: the expert tensors named under this key, packed gate|up or row
-            styles = {
-                k.rpartition(".")[2]: s
-                for k, s in tp_plan.items()
-                if k.startswith(key + ".") and s in EXPERT_PARAM_STYLES
+            kinds, transposed = _expert_param_styles(tp_plan, key)
+            params = {
+                k.rpartition(".")[2]: kinds[s] for k, s in tp_plan.items() if k.startswith(key + ".") and s in kinds
             }
-            params = {p: EXPERT_PARAM_STYLES[s] for p, s in styles.items()}
-            transposed = {s in TRANSPOSED_EXPERT_STYLES for s in styles.values()}
             translated = TensorParallelExperts(
                 packed=[p for p, kind in params.items() if kind == "packed"],
                 row=[p for p, kind in params.items() if kind == "row"],
-                transposed=True if transposed == {True} else None,
+                transposed=True if transposed else None,
             )
         plan[regex] = optional(translated)  # layer-type variants: not every key exists in every model
     plan.update(split_activation_entries(model, plan))
