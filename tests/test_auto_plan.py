@@ -82,7 +82,7 @@ def test_supported_and_unsupported_plans():
         manager.parallelizer_for_model("nemotron_h")
     assert not manager.is_model_supported("bloom")  # no base_model_tp_plan, no parallelizer
     assert not manager.is_model_supported("doge")  # a plan that translates but trains wrongly here
-    assert manager.is_model_supported("deepseek_v2") and manager.is_model_supported("apertus")  # tests/test_moe_families
+    assert manager.is_model_supported("deepseek_v2") and manager.is_model_supported("apertus")  # test_moe_families
 
 
 def test_translation_of_a_moe_plan():

@@ -63,7 +63,7 @@ CAUSAL_LOSS_TYPES = ("ForCausalLM",)
 KNOWN_BAD_PLANS = {
     # dt_proj mixes every kv head's values into each head's mask gate: under the plan's rowwise each rank computes every
     # head's gate but attends its own heads only; it needs the values gathered, then dt_proj and A split by heads
-    "doge": "its attention's dt_proj and A (the dynamic mask's per-head gates) are not split with the heads by the plan",
+    "doge": "its attention's dt_proj and A (the dynamic mask's per-head gates) are not split with its heads",
 }
 # Model types whose automatic plan takes sequence parallelism (the Llama-shaped decoder's, `sequence_plan.py`): each
 # checked against one process at tp=2 and tp=2 x ep=2 (tests/test_expert_parallel_sequence.py)
