@@ -39,7 +39,8 @@ _MLA = dict(kv_lora_rank=32, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=
 _DEEPSEEK_MOE = dict(moe_intermediate_size=32, n_routed_experts=4, num_experts_per_tok=2, n_shared_experts=1)
 
 TINY_CONFIGS: dict[str, dict] = {
-    # shared expert + routed experts fed the sigmoid-scored inputs; chunked attention, no-rope layers, qk L2 norm
+    # shared expert + routed experts fed the sigmoid-scored inputs, expert-major (ep exchanges every token's rows of
+    # each rank's experts); chunked attention, no-rope layers, qk L2 norm
     "llama4_text": dict(
         _BASE,
         intermediate_size=48,
@@ -247,9 +248,6 @@ def summary(results: list[dict]) -> str:
 
 # What each family's structure allows (every other layout of TINY_CONFIGS x LAYOUTS must equal one process).
 REFUSED = {
-    # experts fed every token, already scaled by the router: forward(hidden_states), not the routed contract
-    ("llama4_text", "ep2"): "'model.layers.0.feed_forward.experts' (Llama4TextExperts) cannot be split over ep",
-    ("llama4_text", "tp2xep2"): "(Llama4TextExperts) cannot be split over ep",
     # gate_up_proj holds the identity experts' slices too: no one expert dim to split
     ("longcat_flash", "ep2"): "'model.layers.0.mlp.experts' (LongcatFlashExperts:",
     ("longcat_flash", "tp2xep2"): "(LongcatFlashExperts:",
