@@ -36,6 +36,8 @@ _BASE = dict(
 )
 # Multi-head latent attention (DeepSeek-V3's): 4 heads of 8 + 8 (no rope | rope), values 16, a 32-wide kv latent
 _MLA = dict(kv_lora_rank=32, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=16, head_dim=8, num_key_value_heads=4)
+# DeepSeek sparse attention (deepseek_v32, glm_moe_dsa, axk2): an indexer of 2 heads picks 8 of the 16 keys
+_DSA = dict(index_topk=8, index_head_dim=16, index_n_heads=2)
 _DEEPSEEK_MOE = dict(moe_intermediate_size=32, n_routed_experts=4, num_experts_per_tok=2, n_shared_experts=1)
 
 TINY_CONFIGS: dict[str, dict] = {
@@ -114,6 +116,38 @@ TINY_CONFIGS: dict[str, dict] = {
     )
     | _MLA,
     "minicpm3": dict(_BASE, intermediate_size=96, q_lora_rank=24, **{**_MLA, "head_dim": 16}),
+    "deepseek_v32": dict(
+        _BASE,
+        intermediate_size=96,
+        **_DEEPSEEK_MOE,
+        n_group=1,
+        topk_group=1,
+        first_k_dense_replace=1,
+        q_lora_rank=24,
+        **_DSA,
+    )
+    | _MLA,
+    "glm_moe_dsa": dict(
+        _BASE,
+        intermediate_size=96,
+        **_DEEPSEEK_MOE,
+        n_group=1,
+        topk_group=1,
+        first_k_dense_replace=1,
+        q_lora_rank=24,
+        **_DSA,
+    )
+    | _MLA,
+    "axk2": dict(
+        _BASE,
+        intermediate_size=96,
+        **_DEEPSEEK_MOE,
+        first_k_dense_replace=1,
+        q_lora_rank=24,
+        **_DSA,
+        gated_norm_rank=4,
+    )
+    | _MLA,
     "aria_text": dict(
         _BASE, intermediate_size=32, moe_num_experts=4, moe_topk=2, moe_num_shared_experts=1, head_dim=16
     ),  # Llama 4's transposed [E, in, out] experts, fed as transformers' routed contract
