@@ -32,7 +32,7 @@ from ..mesh import device as devices
 from ..plan.wrappers import plan_root
 from ..state import find_state, parallel_state
 from .gradient_sync import average_after_backward, stage_gradient_averager
-from .sharding import below_threshold, fully_shard_model, zero1
+from .sharding import below_threshold, fully_shard_model, replicate_model, zero1
 
 
 @dataclass
@@ -91,13 +91,7 @@ def apply_data_parallel(
         return model, optimizer
     if config.sharding_level <= 1:
         if pipeline is None:
-            from torch.distributed._composable import replicate  # loaded here: importing the package stays light
-
-            # as transformers' Trainer decides for DDP: parameters no forward reaches (a VLM's vision layers past
-            # `vision_feature_layer`) are found each step unless activation checkpointing is on (reentrant
-            # checkpointing and unused-parameter search do not mix)
-            find_unused = not getattr(model, "is_gradient_checkpointing", True)
-            replicate(model, process_group=mesh.data_parallel_group, find_unused_parameters=find_unused)
+            replicate_model(model, mesh.data_parallel_group)
         if optimizer is not None and config.sharding_level == 1:
             optimizer = zero1(optimizer, mesh.sharding_group(config.shard_size))
         return model, optimizer

@@ -23,7 +23,7 @@ from ..expert_parallel import ExpertParallelRuntime, find_experts
 from ..mesh import ParallelMesh, ranks
 from .expert_optimizer import ExpertSplitOptimizer
 from .gradient_sync import average_flat
-from .sharding import below_threshold, fully_shard_model, zero1
+from .sharding import below_threshold, fully_shard_model, replicate_model, zero1
 
 
 def apply_expert_data_parallel(
@@ -42,9 +42,7 @@ def apply_expert_data_parallel(
     if level <= 1:
         reduce_expert_gradients(experts, runtime, mesh)
         if len(roots) == 1 and roots[0] is model:  # under pp the pipeline all-reduces the dense gradients itself
-            from torch.distributed._composable import replicate
-
-            replicate(model, process_group=mesh.data_parallel_group, ignored_modules=experts)
+            replicate_model(model, mesh.data_parallel_group, experts)
         if optimizer is not None and level == 1:
             optimizer = _split_zero1(optimizer, experts, mesh)
         return model, optimizer

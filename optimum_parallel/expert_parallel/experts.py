@@ -13,6 +13,7 @@ rank dispatches its partial sums along with the others and the region's all-redu
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
 
@@ -85,13 +86,70 @@ def check_expert_parallel(model: nn.Module, ep: int, key: str = "ep", declared: 
     `declared`: names of modules a plan's `ExpertParallel` style declares (checked by the style itself)."""
     experts = [(name, module) for name, module in find_experts(model) if name not in declared]
     if not experts and not declared:
+        unlike = _unlike_experts(model)
+        if unlike:
+            raise ValueError(
+                f"{key}={ep}: the experts module {unlike} is not laid out as transformers' stacked experts (an int "
+                "num_experts and gate_up_proj or up_proj / down_proj holding that many experts along dim 0), so "
+                "ep cannot split it; allowed for this model: ep=1"
+            )
         raise ValueError(
             f"{key}={ep}: {type(model).__name__} has no stacked experts module (num_experts and 3D gate_up_proj or "
             "up_proj / down_proj, or a module declared by the ExpertParallel style in mp_config's "
             "parallelize_plan), so there is nothing to split over ep; allowed for this model: ep=1"
         )
     for name, module in experts:
+        check_routed_forward(module, name, key, ep)
         check_experts_divide(expert_count(module), ep, name, key)
+
+
+def _unlike_experts(model: nn.Module) -> str:
+    """'name (Class): its expert tensors' shapes' of the first module holding 3D expert-named tensors that
+    `is_experts_module` does not recognise (LongCat-Flash's gate_up_proj holds its identity experts' slices too)."""
+    names = {n for pair in _EXPERT_WEIGHTS for n in pair}
+    for name, module in model.named_modules():
+        tensors = {n: tuple(p.shape) for n, p in module._parameters.items() if n in names and p is not None}
+        if tensors and all(len(shape) == 3 for shape in tensors.values()):
+            count = getattr(module, "num_experts", None)
+            return f"{name!r} ({type(module).__name__}: {tensors}, num_experts={count!r})"
+    return ""
+
+
+def _positional(cls: type) -> list[inspect.Parameter] | None:
+    """The positional parameters of the class's forward after self (None: no signature to read)."""
+    try:
+        params = list(inspect.signature(cls.forward).parameters.values())[1:]
+    except (TypeError, ValueError):
+        return None
+    return [p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD, p.VAR_POSITIONAL)]
+
+
+def takes_expert_major_rows(module: nn.Module | type) -> bool:
+    """Llama 4's experts contract: `forward(hidden_states)` on every token for every expert, expert-major
+    ([experts x tokens, hidden], each row already scaled by its router score), summed by the caller. The only
+    stacked-experts module of transformers 5 whose forward takes the rows alone."""
+    positional = _positional(type(module) if isinstance(module, nn.Module) else module)
+    return (
+        positional is not None and len(positional) == 1 and positional[0].kind is not inspect.Parameter.VAR_POSITIONAL
+    )
+
+
+def check_routed_forward(module: nn.Module, name: str, key: str = "ep", ep: int | None = None) -> None:
+    """Raise ValueError unless the experts module's forward takes transformers' routed contract
+    `(hidden_states, top_k_index, top_k_weights)` (ep calls it on the rows dispatched to this rank) or, for a module
+    found by its shape (`ep` given), Llama 4's expert-major rows (`takes_expert_major_rows`)."""
+    positional = _positional(type(module))
+    if positional is None:  # no signature to read: trust the contract
+        return
+    if ep is not None and takes_expert_major_rows(module):
+        return
+    if len(positional) < 3 and not any(p.kind is p.VAR_POSITIONAL for p in positional):
+        request = f"{key}={ep}: " if ep is not None else ""
+        raise ValueError(
+            f"{request}the experts module {name!r} ({type(module).__name__}) cannot be split over ep: its forward "
+            f"takes {[p.name for p in positional]}, not transformers' routed contract (hidden_states, "
+            "top_k_index, top_k_weights) that ep dispatches rows to; allowed for this model: ep=1"
+        )
 
 
 def check_experts_divide(count: int, ep: int, name: str, key: str = "ep") -> None:
@@ -183,6 +241,8 @@ def _expert_parallel_class(cls: type) -> type:
         return cls
     if cls not in _EXPERT_PARALLEL_CLASSES:
         members = {"forward": _ExpertParallelForward.forward, "_traced": _ExpertParallelForward._traced}
+        if takes_expert_major_rows(cls):
+            members = {"forward": _ExpertParallelForward.expert_major}
         members.update(_local_forward=cls.forward, __module__=cls.__module__)
         _EXPERT_PARALLEL_CLASSES[cls] = type(cls.__name__, (cls,), members)
     return _EXPERT_PARALLEL_CLASSES[cls]
@@ -221,6 +281,39 @@ class _ExpertParallelForward:
         weights = top_k_weights.reshape(-1)[order].unsqueeze(-1)
         combined = torch.zeros_like(hidden_states)
         return combined.index_add(0, token_of_row, (back * weights).to(hidden_states.dtype))
+
+    def expert_major(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        """Llama 4's contract (`takes_expert_major_rows`): the rows [experts x tokens, hidden], expert-major. Each rank
+        sends every rank the rows of that rank's experts (all of its tokens: the router already scaled them, 0 for
+        an expert not chosen), runs its local experts on every source's tokens at once and sends the outputs back;
+        the caller sums them over the experts as on one device."""
+        module = self
+        runtime: ExpertParallelRuntime = module.expert_parallel
+        if torch.is_grad_enabled() and not runtime.gradients_reduced:
+            raise RuntimeError(
+                "an expert-parallel model (ep > 1) trains only with its gradients reduced over dp x cp: call "
+                "op.parallelize(model, optimizer, mesh, {'dp_config': {'sharding_level': 0}}), or train with "
+                "ParallelTrainer; for evaluation run under torch.no_grad()"
+            )
+        if torch.compiler.is_compiling():
+            raise NotImplementedError(
+                f"{type(module).__name__} under ep inside a compiled block: its expert-major exchange has per-rank "
+                "token counts; allowed: compile=False with ep > 1 for this model"
+            )
+        ep, local = runtime.ep, module.ep_local_experts
+        hidden = hidden_states.shape[-1]
+        tokens = hidden_states.shape[0] // (ep * local)
+        counts = torch.full((ep, 1), tokens, dtype=torch.long, device=hidden_states.device)
+        sources = exchange_counts(counts, runtime.group).view(-1).tolist()  # tokens each rank sends
+        send, recv = [local * tokens] * ep, [local * t for t in sources]
+        rows = all_to_all_rows(hidden_states, send, recv, runtime.group)
+        by_expert = torch.cat(
+            [part.view(local, t, hidden) for part, t in zip(rows.split(recv), sources, strict=True)], dim=1
+        )
+        out = module._local_forward(by_expert.reshape(-1, hidden)).view(local, sum(sources), hidden)
+        out = out + sum(p.sum() for p in module.parameters(recurse=False)) * 0  # every rank's experts get gradients
+        back = torch.cat([part.reshape(-1, hidden) for part in out.split(sources, dim=1)])
+        return all_to_all_rows(back, recv, send, runtime.group, runtime.backward_started)
 
     def _traced(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor):
         """The same dispatch with the shapes a compiled graph needs fixed: every rank sends each rank a block of as many

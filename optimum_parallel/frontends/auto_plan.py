@@ -24,6 +24,8 @@ from ..engine.structure import derive_capabilities
 from ..mesh import ParallelMesh
 from ..styles import (
     ColWiseParallel,
+    IdentityExpertParallel,
+    LatentKeyValueProjection,
     PackedColWiseParallel,
     ParallelStyle,
     ReplicatedWithGradAllReduce,
@@ -36,6 +38,7 @@ from ..tensor_parallel.spec import check_attention_heads
 from .mixer_plan import check_mixers, merge_mixer_plan
 from .parallelizer import Parallelizer
 from .sequence_plan import sequence_parallel_plan
+from .split_activations import split_activation_entries
 
 MODULE_STYLES = {
     "colwise",
@@ -49,14 +52,21 @@ MODULE_STYLES = {
     "embedding_rowwise",
     "moe_tp_experts",
     "replicate",
+    "mla_kv_a_proj",
 }
+# The expert tensors' styles, named by transformers after the dim they cut: [E, out, in] tensors (packed_colwise
+# gate|up, rowwise down) or their [E, in, out] transposes (Llama 4's packed_rowwise gate|up, colwise down: colwise
+# is read so only beside packed_rowwise; elsewhere (nemotron_h's up_proj, inkling2's gate_up_proj) it is untranslated)
 EXPERT_PARAM_STYLES = {"packed_colwise": "packed", "packed_rowwise": "packed", "rowwise": "row"}
+TRANSPOSED_EXPERT_PARAM_STYLES = {"packed_rowwise": "packed", "colwise": "row"}
+EXPERT_MODULE_STYLES = {"moe_identity_expert"}  # children of an experts module: LongCat-Flash's identity experts
 CAUSAL_LOSS_TYPES = ("ForCausalLM",)
 # Plans that translate but give a wrong model here (found by running each automatic type at tp=2
 # against transformers): the model type is reported unsupported instead.
 KNOWN_BAD_PLANS = {
-    "apertus": "its xIELU activation has learnable parameters inside the split MLP that the plan leaves unsummed",
-    "doge": "its per-head attention parameters (A, dt_proj) are not split with the heads by the plan",
+    # dt_proj mixes every kv head's values into each head's mask gate: under the plan's rowwise each rank computes every
+    # head's gate but attends its own heads only; it needs the values gathered, then dt_proj and A split by heads
+    "doge": "its attention's dt_proj and A (the dynamic mask's per-head gates) are not split with its heads",
 }
 
 
@@ -83,6 +93,13 @@ def _experts_keys(tp_plan: Mapping[str, str]) -> set[str]:
     return {key for key, style in tp_plan.items() if style == "moe_tp_experts"}
 
 
+def _expert_param_styles(tp_plan: Mapping[str, str], experts_key: str) -> tuple[dict[str, str], bool]:
+    """{transformers style: packed / row} the tensors under `experts_key` may use, and whether they are transposed
+    (a packed_rowwise gate|up: Llama 4's [E, in, out] layout)."""
+    transposed = any(k.startswith(experts_key + ".") and s == "packed_rowwise" for k, s in tp_plan.items())
+    return (TRANSPOSED_EXPERT_PARAM_STYLES if transposed else EXPERT_PARAM_STYLES), transposed
+
+
 def unsupported_entries(tp_plan: Mapping[str, str]) -> dict[str, str]:
     """The plan entries this engine cannot translate ({} when the whole plan is supported)."""
     experts = _experts_keys(tp_plan)
@@ -90,7 +107,7 @@ def unsupported_entries(tp_plan: Mapping[str, str]) -> dict[str, str]:
     for key, style in tp_plan.items():
         parent = key.rpartition(".")[0]
         if parent in experts:
-            if style not in EXPERT_PARAM_STYLES:
+            if style not in _expert_param_styles(tp_plan, parent)[0] and style not in EXPERT_MODULE_STYLES:
                 bad[key] = style
         elif style not in MODULE_STYLES:
             bad[key] = style
@@ -102,16 +119,30 @@ def _key_regex(prefix: str, key: str) -> str:
 
 
 def _heads_of(model: nn.Module, regex: str, dim: int) -> int | None:
-    """Whole heads of the first module `regex` names when it sits in an attention block (parent has head_dim)."""
+    """Whole heads of the first module `regex` names when it sits in an attention block (parent has head_dim), or
+    in a latent attention block (parent has kv_lora_rank: its q_b / kv_b / o projections hold num_heads heads)."""
     modules = dict(model.named_modules())
     for name, module in modules.items():
         if isinstance(module, nn.Linear) and re.fullmatch(regex, name):
-            head_dim = getattr(modules.get(name.rpartition(".")[0]), "head_dim", None)
+            parent = modules.get(name.rpartition(".")[0])
+            head_dim = getattr(parent, "head_dim", None)
             features = module.weight.shape[dim]
+            heads = getattr(parent, "num_heads", None)
+            if isinstance(getattr(parent, "kv_lora_rank", None), int) and isinstance(heads, int):
+                return heads if heads > 0 and features % heads == 0 else None
             if isinstance(head_dim, int) and head_dim > 0 and features % head_dim == 0:
                 return features // head_dim
             return None
     return None
+
+
+def _rope_dim(model: nn.Module) -> int:
+    """The shared rope key's width at the end of an MLA kv_a projection's output (the config's qk_rope_head_dim)."""
+    config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    rope_dim = getattr(config, "qk_rope_head_dim", None)
+    if not isinstance(rope_dim, int):
+        raise ValueError(f"{type(model).__name__}: an mla_kv_a_proj plan entry needs the config's qk_rope_head_dim")
+    return rope_dim
 
 
 def translate_tp_plan(model: nn.Module, tp_plan: Mapping[str, str], prefix: str) -> dict[str, object]:
@@ -123,11 +154,16 @@ def translate_tp_plan(model: nn.Module, tp_plan: Mapping[str, str], prefix: str)
     plan: dict[str, object] = {}
     for key, style in tp_plan.items():
         parent = key.rpartition(".")[0]
-        if parent in experts or style == "replicate":
-            continue
         regex = _key_regex(prefix, key)
         translated: ParallelStyle
-        if style == "colwise":
+        if style == "moe_identity_expert":  # passes its tokens whole inside the experts' tp region
+            plan[regex] = optional(IdentityExpertParallel())
+            continue
+        if parent in experts or style == "replicate":
+            continue
+        if style == "mla_kv_a_proj":  # stays whole: its rope key's gradient summed over the heads' ranks
+            translated = LatentKeyValueProjection(_rope_dim(model))
+        elif style == "colwise":
             translated = ColWiseParallel(units=_heads_of(model, regex, 0))
         elif style == "rowwise":
             translated = RowWiseParallel(units=_heads_of(model, regex, 1))
@@ -142,14 +178,17 @@ def translate_tp_plan(model: nn.Module, tp_plan: Mapping[str, str], prefix: str)
         elif style == "embedding_rowwise":
             translated = RowWiseParallel()
         else:  # moe_tp_experts: the expert tensors named under this key, packed gate|up or row
+            kinds, transposed = _expert_param_styles(tp_plan, key)
             params = {
-                k.rpartition(".")[2]: EXPERT_PARAM_STYLES[s] for k, s in tp_plan.items() if k.startswith(key + ".")
+                k.rpartition(".")[2]: kinds[s] for k, s in tp_plan.items() if k.startswith(key + ".") and s in kinds
             }
             translated = TensorParallelExperts(
                 packed=[p for p, kind in params.items() if kind == "packed"],
                 row=[p for p, kind in params.items() if kind == "row"],
+                transposed=True if transposed else None,
             )
         plan[regex] = optional(translated)  # layer-type variants: not every key exists in every model
+    plan.update(split_activation_entries(model, plan))
     return plan
 
 

@@ -64,9 +64,13 @@ class Parallelizer:
 
     @staticmethod
     def base_model_prefix(model: nn.Module) -> str:
-        """'model.' for `LlamaForCausalLM`-style wrappers, '' for the bare base model."""
-        prefix = getattr(model, "base_model_prefix", "")
-        return f"{prefix}." if prefix and isinstance(getattr(model, prefix, None), nn.Module) else ""
+        """'model.' for `LlamaForCausalLM`-style wrappers, '' for the bare base model. A wrapper whose declared prefix
+        names no child (Llama4ForCausalLM declares its multimodal parent's 'language_model' and holds 'model') takes
+        its `model` child."""
+        for prefix in (getattr(model, "base_model_prefix", ""), "model"):
+            if prefix and isinstance(getattr(model, prefix, None), nn.Module):
+                return f"{prefix}."
+        return ""
 
     @classmethod
     def pipeline_split_spec(cls, model: nn.Module) -> str:

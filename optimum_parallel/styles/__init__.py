@@ -3,8 +3,9 @@
 from .base import ParallelStyle, PlanContext, optional
 from .conv import DepthwiseConvParallel
 from .expert_parallel import ExpertParallel
-from .experts import TensorParallelExperts
+from .experts import IdentityExpertParallel, TensorParallelExperts
 from .hooks import PrepareLayerInput, PrepareLayerOutput, ReplicatedWithGradAllReduce
+from .latent_attention import LatentKeyValueProjection
 from .linear import ColWiseParallel, LocalColWiseEmbedding, RowWiseParallel, TiedBiasColWiseParallel
 from .packed import ColWiseConv1D, PackedColWiseParallel, RowWiseConv1D
 from .parameter import SplitParameter
@@ -35,6 +36,8 @@ __all__ = [
     "SequenceParallelEnd",
     "SplitParameter",
     "TensorParallelExperts",
+    "IdentityExpertParallel",
+    "LatentKeyValueProjection",
     "TiedBiasColWiseParallel",
     "optional",
 ]

@@ -3,12 +3,11 @@ expert along dim 0. transformers' stacked experts are found by their shape witho
 
 from __future__ import annotations
 
-import inspect
 from collections.abc import Sequence
 
 from torch import nn
 
-from ..expert_parallel import ExpertsDeclaration, check_experts_divide, declare_experts
+from ..expert_parallel import ExpertsDeclaration, check_experts_divide, check_routed_forward, declare_experts
 from .base import ParallelStyle
 
 
@@ -52,20 +51,7 @@ class ExpertParallel(ParallelStyle):
                 f"{count} experts of {self.tensors}; allowed: an int attribute of the module, or None"
             )
         check_experts_divide(count, ctx.mesh.size("ep"), name)
-        try:
-            positional = [
-                p
-                for p in inspect.signature(type(module).forward).parameters.values()
-                if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD, p.VAR_POSITIONAL)
-            ]
-        except (TypeError, ValueError):  # no signature to read: trust the contract
-            return
-        if len(positional) < 4 and not any(p.kind is p.VAR_POSITIONAL for p in positional):
-            raise ValueError(
-                f"ExpertParallel on {name!r}: {type(module).__name__}.forward takes "
-                f"{[p.name for p in positional[1:]]}; allowed: forward(hidden_states, top_k_index, top_k_weights) "
-                "as transformers' experts modules"
-            )
+        check_routed_forward(module, name)
 
     def apply(self, module, name, ctx):
         declare_experts(module, self.declaration())

@@ -14,15 +14,25 @@ class TensorParallelExperts(ParallelStyle):
     """Split every expert's intermediate dim over tp (3D expert tensors, transformers 5 layout).
 
     packed: tensors packing gate|up (split each half on its own, or whole interleaved (gate, up) pairs); row: tensors
-    whose input is the intermediate dim. Their biases (`<name>_bias`, gpt_oss) follow: a packed tensor's is split like
-    its output features, a row tensor's stays whole and is added once. The experts module becomes one tp region; the
-    router stays replicated.
+    whose input is the intermediate dim; transposed: the tensors are [E, in, out] (None: the module's
+    `is_transposed`). Their biases (`<name>_bias`, gpt_oss) follow: a packed tensor's is split like its output
+    features, a row tensor's stays whole and is added once. The experts module becomes one tp region; the router
+    stays replicated.
     """
 
     swaps_module = True
 
-    def __init__(self, packed: Sequence[str] = ("gate_up_proj",), row: Sequence[str] = ("down_proj",)) -> None:
-        self.packed, self.row = tuple(packed), tuple(row)
+    def __init__(
+        self,
+        packed: Sequence[str] = ("gate_up_proj",),
+        row: Sequence[str] = ("down_proj",),
+        transposed: bool | None = None,
+    ) -> None:
+        self.packed, self.row, self.transposed = tuple(packed), tuple(row), transposed
+
+    def _transposed(self, module) -> bool:
+        """Whether the tensors are laid out [E, in, out] (Llama 4's): as given, else the module's `is_transposed`."""
+        return bool(getattr(module, "is_transposed", False)) if self.transposed is None else self.transposed
 
     def check(self, module, name, ctx):
         super().check(module, name, ctx)
@@ -42,7 +52,7 @@ class TensorParallelExperts(ParallelStyle):
                 )
         for param_name in self.packed + self.row:
             bias = bias_of(module, param_name)
-            expected = self._bias_shape(module, param_name)
+            expected = self._bias_shape(module, param_name, self._transposed(module))
             if bias is not None and tuple(getattr(module, bias).shape) != expected:
                 raise ValueError(
                     f"{name}.{bias}: shape {tuple(getattr(module, bias).shape)} is not the [experts, output features] "
@@ -50,7 +60,7 @@ class TensorParallelExperts(ParallelStyle):
                 )
         for param_name in self.packed:
             param = getattr(module, param_name)
-            dim = param.dim() - 1 if getattr(module, "is_transposed", False) else param.dim() - 2
+            dim = param.dim() - 1 if self._transposed(module) else param.dim() - 2
             if param.shape[dim] % 2:
                 raise ValueError(f"{name}.{param_name}: packed gate|up dim of size {param.shape[dim]} is odd")
             pairs, tp = param.shape[dim] // 2, ctx.mesh.tp_size
@@ -61,13 +71,13 @@ class TensorParallelExperts(ParallelStyle):
                 )
 
     @staticmethod
-    def _bias_shape(module, param_name: str) -> tuple[int, ...]:
+    def _bias_shape(module, param_name: str, transposed: bool) -> tuple[int, ...]:
         """[experts, output features] of expert tensor `param_name` (its last dim when transposed)."""
         shape = getattr(module, param_name).shape
-        return (shape[0], shape[-1] if getattr(module, "is_transposed", False) else shape[-2])
+        return (shape[0], shape[-1] if transposed else shape[-2])
 
     def param_specs(self, module):
-        return expert_specs(module, self.packed, self.row)
+        return expert_specs(module, self.packed, self.row, self._transposed(module))
 
     def apply(self, module, name, ctx):
         rank, world = ctx.tp_rank_world
@@ -77,4 +87,19 @@ class TensorParallelExperts(ParallelStyle):
         if self.row and hasattr(module, "intermediate_dim"):
             row = layouts[self.row[0]]
             module.intermediate_dim = row.local_shape[row.dim]
+        return module
+
+
+class IdentityExpertParallel(ParallelStyle):
+    """An identity ("zero") expert inside a tensor-parallel experts module (LongCat-Flash's `identity_expert`): every
+    tp rank passes its tokens through whole, and the experts region sums the ranks' outputs, so each rank passes
+    1/tp of them (the region's backward sums the 1/tp gradients back)."""
+
+    def apply(self, module, name, ctx):
+        world = ctx.mesh.tp_size
+
+        def scale(module, args):
+            return (args[0] / world, *args[1:])
+
+        module.register_forward_pre_hook(scale)
         return module

@@ -39,10 +39,14 @@ def _packed_spec(shape: tuple[int, ...], dim: int, concatenated: bool) -> ShardS
     return ShardSpec.split(shape, dim, shape[dim] // 2)  # interleaved gate0, up0, gate1, up1...: whole pairs
 
 
-def expert_specs(module: nn.Module, packed: Sequence[str], row: Sequence[str]) -> dict[str, ShardSpec]:
+def expert_specs(
+    module: nn.Module, packed: Sequence[str], row: Sequence[str], transposed: bool | None = None
+) -> dict[str, ShardSpec]:
     """Specs of the expert tensors: `packed` ones split gate|up each on its own, `row` ones on their input dim;
-    a packed tensor's bias split like its output features, a row tensor's bias whole (added once: `add_once`)."""
-    transposed = bool(getattr(module, "is_transposed", False))
+    a packed tensor's bias split like its output features, a row tensor's bias whole (added once: `add_once`).
+    `transposed`: the tensors are [E, in, out] (None: the module's `is_transposed`)."""
+    if transposed is None:
+        transposed = bool(getattr(module, "is_transposed", False))
     concatenated = bool(getattr(module, "is_concatenated", True))
     specs = {}
     for name in packed:
