@@ -275,7 +275,12 @@ def _compare(reference, model, optimizer, batch, pipeline: bool) -> dict[str, fl
         if param.grad is None or expected[name].grad is None:
             raise AssertionError(f"{name}: a gradient on one side only")
         scale = scales[name.rpartition(".")[0]]
-        grads[name] = _err(_whole(param.grad), _reference_slice(param, expected[name].grad), scale)
+        actual, wanted = _whole(param.grad), _reference_slice(param, expected[name].grad)
+        if actual.shape != wanted.shape:
+            raise AssertionError(
+                f"{name}: gradient of shape {tuple(actual.shape)}, this rank's slice {tuple(wanted.shape)}"
+            )
+        grads[name] = _err(actual, wanted, scale)
     errors = {"loss": _err(loss, ref_loss, ref_loss.abs().item())}
     errors["grad"] = max(grads.values())
     errors["worst"] = max(grads, key=grads.get)
@@ -303,7 +308,7 @@ def check_layout(model_type: str, layout: str) -> dict:
     from optimum_parallel.engine.compose import compose_training
 
     spec = LAYOUTS[layout]
-    mesh = op.init_mesh(**spec["mesh"])
+    mesh = op.init_mesh(**spec["mesh"], timeout=60)  # a failing rank ends the cell instead of waiting 10 minutes
     config = family_config(model_type)
     reference = build(config)
     model = copy.deepcopy(reference)

@@ -10,6 +10,7 @@ parallelism a stage sends the whole sequence and the next one splits it again at
 from __future__ import annotations
 
 import inspect
+import re
 from collections.abc import Callable
 from contextlib import contextmanager
 
@@ -29,8 +30,8 @@ class _Placeholder(nn.Identity):
 
 class _PassThrough(nn.Module):
     """Stands in, during a stage's forward, for a decoder layer another stage runs: the hidden states go on as they
-    came, in what the layer returns (a transformers 5 decoder layer returns its hidden states; a few, Falcon-H1's,
-    still a tuple starting with them)."""
+    came, in the form the base model reads a layer's output (a transformers 5 base model takes the hidden states
+    themselves; a few, Falcon-H1's, still index `[0]` of a tuple)."""
 
     def __init__(self, as_tuple: bool) -> None:
         super().__init__()
@@ -44,10 +45,17 @@ class _PassThrough(nn.Module):
 _PASS_THROUGH = {as_tuple: _PassThrough(as_tuple) for as_tuple in (False, True)}
 
 
-def _pass_through_for(layer: nn.Module) -> _PassThrough:
-    """The stand-in returning what `layer`'s forward returns (its annotation says whether that is a tuple)."""
-    returned = inspect.signature(type(layer).forward).return_annotation
-    return _PASS_THROUGH["tuple" in str(returned).lower()]
+_INDEXES_LAYER_OUTPUT = re.compile(r"layer_outputs\[0\]|decoder_layer\((?:[^()]|\([^()]*\))*\)\s*\[0\]")
+
+
+def _pass_through_for(base: nn.Module) -> _PassThrough:
+    """The stand-in for `base`'s layers: a tuple where its forward indexes a layer's output (`layer_outputs[0]`),
+    the hidden states themselves otherwise (layers' return annotations are not to be trusted: Glm4's says tuple)."""
+    try:
+        source = inspect.getsource(type(base).forward)
+    except (OSError, TypeError):
+        source = ""
+    return _PASS_THROUGH[bool(_INDEXES_LAYER_OUTPUT.search(source))]
 
 
 class DecoderStage(nn.Module):
@@ -79,9 +87,8 @@ class DecoderStage(nn.Module):
         self.layers = nn.ModuleList(every_layer[i] for i in layers)
         # what the base model iterates: every position, the other stages' layers passing the hidden states through,
         # so a forward that reads per-layer data by position (config.layer_types[i], per-layer inputs) reads its own
-        view = nn.ModuleList(
-            every_layer[i] if i in layers else _pass_through_for(every_layer[i]) for i in range(len(every_layer))
-        )
+        stand_in = _pass_through_for(base)
+        view = nn.ModuleList(every_layer[i] if i in layers else stand_in for i in range(len(every_layer)))
         object.__setattr__(self, "_layer_view", view)  # not registered: the stage's parameters are `layers`
         self.embed_tokens = getattr(base, roles.embedding) if is_first else None
         self.norm = getattr(base, roles.final_norm) if is_last else None

@@ -24,7 +24,9 @@ _CLASSES: dict[type, type] = {}
 def _summed(name: str):
     def read(self):
         param = self._parameters[name]
-        if param is None or not self.segments:
+        # FSDP2's sharded parameter (a DTensor) is read as it is: FSDP2 keeps whatever `getattr` returns as the
+        # parameter it shards; the forward reads the unsharded one it registered, whose segments are summed
+        if param is None or not self.segments or hasattr(param, "_local_tensor"):
             return param
         return sum_segment_grads(param, 0, self.segments)
 
