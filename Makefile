@@ -69,9 +69,13 @@ xla-env: $(XLA_BIN)/.installed
 test-xla: xla-env
 	PJRT_DEVICE=CPU $(XLA_BIN)/python -m pytest tests/xla
 
+# style, the import arrows of docs/architecture.md (import-linter, pyproject.toml [tool.importlinter]) and dead code
+# (vulture, [tool.vulture])
 lint: $(BIN)/.installed
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
+	$(BIN)/lint-imports
+	$(BIN)/vulture
 
 clean:
 	rm -rf $(VENV) *.egg-info .pytest_cache

@@ -1,26 +1,33 @@
 """What the benchmark scripts share: the random Llama they build (its arguments, config and batch; the ~0.5B one
-of the load and checkpoint benchmarks), a variant's step times, quiet transformers, and byte counts of tensors and of
-the process.
+of the load and checkpoint benchmarks), the timing harness (timed steps after a warm-up, in rounds over variants,
+the slowest rank's time, median and p90), the table printer (optimum_parallel/planning/tables.py's, as markdown),
+quiet transformers, and byte counts of tensors and of the process.
 
     parser = argparse.ArgumentParser(...)
     add_llama_args(parser, seq=256, layers=4, vocab=8192)
     args = parser.parse_args()
     model = build_llama(args, "sdpa")                 # the same fp32 weights in every process (args.seed)
     batch = random_batch(args.vocab, args.batch, args.seq, args.seed)
+    seconds = timed_steps(lambda: train_step(model, batch, optimizer), timed=args.steps, warmup=args.warmup)
+    print_table(("variant", "median ms"), [("eager", f"{seconds.median * 1e3:.1f}")])  # seconds.p90 too
 """
 
 from __future__ import annotations
 
 import argparse
 import statistics
-from collections.abc import Iterable
+import time
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 import transformers
 from torch import nn
 from transformers import AutoModelForCausalLM, LlamaConfig
+
+from optimum_parallel.planning.tables import table
 
 Batch = dict[str, torch.Tensor]
 
@@ -47,7 +54,90 @@ class StepResult:
 
     @property
     def median(self) -> float:
-        return statistics.median(self.times_ms)
+        return StepTimes(self.times_ms).median
+
+    @property
+    def p90(self) -> float:
+        return StepTimes(self.times_ms).p90
+
+
+def train_step(model: nn.Module, batch: Batch, optimizer: torch.optim.Optimizer) -> torch.Tensor:
+    """Forward, backward, optimizer step, gradients set to None: the step the benchmarks time; its loss, detached."""
+    loss = model(**batch).loss
+    loss.backward()
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    return loss.detach()
+
+
+class StepTimes(list):
+    """Step times (seconds, or whatever unit they were put in) with their median and 90th percentile."""
+
+    @property
+    def median(self) -> float:
+        return statistics.median(self)
+
+    @property
+    def p90(self) -> float:
+        """The value at the nearest rank to 90% (a time a step took, not an interpolation)."""
+        ordered = sorted(self)
+        return ordered[min(len(ordered) - 1, round(0.9 * (len(ordered) - 1)))]
+
+
+def timed_rounds(
+    steps: Sequence[Callable[[], object]],
+    *,
+    timed: int,
+    warmup: int = 0,
+    before: Callable[[], object] | None = None,
+    across_ranks: bool = False,
+) -> list[StepTimes]:
+    """The seconds of each of `steps` over `timed` rounds after `warmup` untimed ones; a round calls each step once,
+    so a change in the machine's load falls on every variant alike. `before()` (a barrier, a device synchronize)
+    runs before each call, outside the time; with `across_ranks`, each time is the slowest rank's."""
+    seconds = [StepTimes() for _ in steps]
+    for round_ in range(warmup + timed):
+        for step, times in zip(steps, seconds, strict=True):
+            if before is not None:
+                before()
+            start = time.perf_counter()
+            step()
+            elapsed = time.perf_counter() - start
+            if round_ >= warmup:
+                times.append(elapsed)
+    return [slowest_rank(times) for times in seconds] if across_ranks else seconds
+
+
+def timed_steps(
+    step: Callable[[], object],
+    *,
+    timed: int,
+    warmup: int = 0,
+    before: Callable[[], object] | None = None,
+    across_ranks: bool = False,
+) -> StepTimes:
+    """The seconds of `timed` calls of `step` after `warmup` untimed ones (see `timed_rounds`)."""
+    return timed_rounds([step], timed=timed, warmup=warmup, before=before, across_ranks=across_ranks)[0]
+
+
+def slowest_rank(seconds: list[float]) -> StepTimes:
+    """Each step's time on the slowest rank (a step ends when every rank is done); as is on one process."""
+    if not (dist.is_initialized() and dist.get_world_size() > 1):
+        return StepTimes(seconds)
+    slowest = torch.tensor(seconds, dtype=torch.float64)
+    dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
+    return StepTimes(slowest.tolist())
+
+
+def print_table(header: Sequence[str], rows: Iterable[Sequence[object]], *, align_numbers: bool = False) -> None:
+    """A markdown table, padded by the planning reports' printer (`planning/tables.py`): columns as wide as their
+    widest cell; with `align_numbers`, every column but the first right-aligned."""
+    lines = table(list(header), [list(row) for row in rows], align_numbers=align_numbers)
+    widths = [len(rule) for rule in lines[1].split("  ")]  # the printer's rule: one run of dashes per column
+    for line in lines:
+        starts = [sum(widths[:c]) + 2 * c for c in range(len(widths))]
+        cells = [line[start : start + w].ljust(w) for start, w in zip(starts, widths, strict=True)]
+        print("| " + " | ".join(cells) + " |")
 
 
 def add_llama_args(

@@ -1,15 +1,17 @@
-"""Measures of the package's structure (issue 32), printed as a table: import circles between modules (every import
-but annotation-only ones), what one must read to understand a column-parallel linear, and files per room.
+"""Measures of the package's structure (issue 32), printed as a table: what one must read to understand a
+column-parallel linear, and the package's files and lines. The import arrows and the import circles (this script's
+count until issue 43) are checked by import-linter's contracts in `make lint` (pyproject.toml [tool.importlinter]).
 
     python scripts/architecture_measures.py [PACKAGE_DIR]
 """
 
 from __future__ import annotations
 
-import ast
 import re
 import sys
 from pathlib import Path
+
+import grimp
 
 ROOT = Path(sys.argv[1]).resolve() if len(sys.argv) > 1 else Path(__file__).resolve().parent.parent / "optimum_parallel"
 
@@ -19,84 +21,15 @@ def module_name(path: Path) -> str:
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
 
-def imports(path: Path) -> set[str]:
-    """Package modules `path` imports (module level and inside functions), annotation-only imports left out."""
-    tree = ast.parse(path.read_text())
-    package = module_name(path) if path.name == "__init__.py" else module_name(path).rpartition(".")[0]
-    typing_only = {
-        id(child)
-        for node in ast.walk(tree)
-        if isinstance(node, ast.If) and getattr(node.test, "id", getattr(node.test, "attr", "")) == "TYPE_CHECKING"
-        for child in ast.walk(node)
-    }
-    found = set()
-    for node in ast.walk(tree):
-        if id(node) in typing_only:
-            continue
-        if isinstance(node, ast.ImportFrom):
-            if node.level:
-                base = package.split(".")[: len(package.split(".")) - node.level + 1]
-                module = ".".join(base + ([node.module] if node.module else []))
-            else:
-                module = node.module or ""
-            candidates = [f"{module}.{a.name}" for a in node.names] + [module]
-        elif isinstance(node, ast.Import):
-            candidates = [a.name for a in node.names]
-        else:
-            continue
-        for name in candidates:
-            if name.startswith(ROOT.name):
-                found.add(name)
-    return found
-
-
 def graph() -> dict[str, set[str]]:
-    modules = {module_name(p): p for p in ROOT.rglob("*.py")}
-    edges = {}
-    for name, path in modules.items():
-        targets = set()
-        for imported in imports(path):
-            while imported and imported not in modules:
-                imported = imported.rpartition(".")[0]
-            if imported and imported != name and not name.startswith(imported + "."):  # a package's own __init__
-                targets.add(imported)
-        edges[name] = targets
-    return edges
-
-
-def circles(edges: dict[str, set[str]]) -> list[list[str]]:
-    """Strongly connected components of more than one module (Tarjan), package __init__ re-exports left out."""
-    index, low, stack, on, out, counter = {}, {}, [], set(), [], [0]
-
-    def visit(v):
-        index[v] = low[v] = counter[0]
-        counter[0] += 1
-        stack.append(v)
-        on.add(v)
-        for w in edges.get(v, ()):
-            if w.endswith("__init__") or ROOT.joinpath(*w.split(".")[1:], "__init__.py").exists():
-                continue  # importing a room's public surface is not a circle between rooms' modules
-            if w not in index:
-                visit(w)
-                low[v] = min(low[v], low[w])
-            elif w in on:
-                low[v] = min(low[v], index[w])
-        if low[v] == index[v]:
-            component = []
-            while True:
-                w = stack.pop()
-                on.discard(w)
-                component.append(w)
-                if w == v:
-                    break
-            if len(component) > 1:
-                out.append(sorted(component))
-
-    sys.setrecursionlimit(10000)
-    for v in list(edges):
-        if v not in index:
-            visit(v)
-    return out
+    """{module: package modules it imports (module level and inside functions)}, annotation-only imports left out:
+    import-linter's graph (grimp), the one `make lint` checks the arrows and the import circles on."""
+    sys.path.insert(0, str(ROOT.parent))
+    imports = grimp.build_graph(ROOT.name, exclude_type_checking_imports=True, cache_dir=None)
+    return {
+        name: {t for t in imports.find_modules_directly_imported_by(name) if not name.startswith(t + ".")}
+        for name in imports.modules
+    }
 
 
 LAYER_ATTRIBUTES = r"\.(sequence_parallel|enter_region|overlap_weight_grads|_entry_siblings)\s*=[^=]"
@@ -120,7 +53,8 @@ def column_linear_reading(edges: dict[str, set[str]]) -> tuple[list[str], int]:
         for w in edges.get(todo.pop(), ()):
             room = w.split(".")[1] if "." in w else ""
             support = {f"{ROOT.name}.{m}" for m in SUPPORT}
-            if room in ("comm", "tensor_parallel") and w not in seen | support and not w.endswith("__init__"):
+            package = ROOT.joinpath(*w.split(".")[1:], "__init__.py").exists()  # a room's public surface
+            if room in ("comm", "tensor_parallel") and w not in seen | support and not package:
                 seen.add(w)
                 todo.append(w)
     for name, path in modules.items():
@@ -132,14 +66,9 @@ def column_linear_reading(edges: dict[str, set[str]]) -> tuple[list[str], int]:
 
 
 if __name__ == "__main__":
-    edges = graph()
-    found = circles(edges)
-    files, lines = column_linear_reading(edges)
+    files, lines = column_linear_reading(graph())
     print(f"{'measure':<52} | value")
     print("-" * 53 + "+" + "-" * 30)
-    print(f"{'import circles (all imports but TYPE_CHECKING ones)':<52} | {len(found)}")
-    for component in found:
-        print(f"{'':<52} |   {' <-> '.join(m.split('.', 1)[1] for m in component)}")
     print(f"{'files to read for a column-parallel linear':<52} | {len(files)} ({lines} lines)")
     for name in files:
         print(f"{'':<52} |   {name.split('.', 1)[1]}")

@@ -40,7 +40,7 @@ import time
 from pathlib import Path
 
 import torch
-from _common import LLAMA_0_5B, proc_status_bytes, quiet_transformers, random_batch
+from _common import LLAMA_0_5B, print_table, proc_status_bytes, quiet_transformers, random_batch
 from _ranks import run_on_ranks
 
 CONFIG = LLAMA_0_5B
@@ -259,7 +259,7 @@ def main() -> None:
         "step during s",
         "x quiet",
     ]
-    print(" | ".join(f"{h:>13}" if i else f"{h:<30}" for i, h in enumerate(header)))
+    rows = []
     blocking_stall = None
     for name in ranks[0]["rows"]:
         per_rank = [r["rows"][name] for r in ranks]
@@ -291,7 +291,8 @@ def main() -> None:
             f"{_mean(during):.2f}" if during else "-",
             ratio,
         ]
-        print(" | ".join(f"{c:>13}" if i else f"{c:<30}" for i, c in enumerate(cells)))
+        rows.append(cells)
+    print_table(header, rows, align_numbers=True)
     print(
         "goals: async stall (call + optimizer wait) <= 0.1x blocking; steps during the background write <= 1.2x steps "
         "without one"

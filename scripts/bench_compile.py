@@ -42,7 +42,16 @@ if "--cache" not in sys.argv:
 import torch
 import torch.distributed as dist
 import transformers
-from _common import StepResult, build_llama, llama_config, quiet_transformers, random_batch
+from _common import (
+    StepResult,
+    build_llama,
+    llama_config,
+    print_table,
+    quiet_transformers,
+    random_batch,
+    slowest_rank,
+    timed_rounds,
+)
 from _ranks import run_on_ranks
 
 TP = 2
@@ -109,12 +118,10 @@ def single_variants(margs: argparse.Namespace, batch) -> list[Result]:
         layer.compile()
     for result, model in zip((eager, compiled), models, strict=True):
         first_step(result, model, batch, sync=False)
-    for i in range(margs.warmup + margs.steps):
-        for result, model in zip((eager, compiled), models, strict=True):
-            start = time.perf_counter()
-            step(model, batch)
-            if i >= margs.warmup:
-                result.times_ms.append((time.perf_counter() - start) * 1e3)
+    steps = [lambda model=model: step(model, batch) for model in models]
+    rounds = timed_rounds(steps, timed=margs.steps, warmup=margs.warmup)
+    for result, seconds in zip((eager, compiled), rounds, strict=True):
+        result.times_ms = [s * 1e3 for s in seconds]
     return [eager, compiled]
 
 
@@ -146,17 +153,13 @@ def tp_variants(margs: argparse.Namespace, batch) -> list[Result]:
                 traceback.print_exc()
             result.error = f"{type(err).__name__}: {(str(err).strip().splitlines() or [''])[0]}"[:160]
             raise
-    for i in range(margs.warmup + margs.steps):
-        for result, model in live:
-            dist.barrier()
-            start = time.perf_counter()
-            step(model, batch)
-            if i >= margs.warmup:
-                result.times_ms.append((time.perf_counter() - start) * 1e3)
+    steps = [lambda model=model: step(model, batch) for _, model in live]
+    rounds = timed_rounds(steps, timed=margs.steps, warmup=margs.warmup, before=dist.barrier)
+    for (result, _), seconds in zip(live, rounds, strict=True):
+        result.times_ms = [s * 1e3 for s in seconds]
     for result in results:  # a step's time is the slowest rank's
-        slowest = torch.tensor([result.first_ms or 0.0, *result.times_ms], dtype=torch.float64)
-        dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
-        result.first_ms, result.times_ms = slowest[0].item(), slowest[1:].tolist()
+        slowest = slowest_rank([result.first_ms or 0.0, *result.times_ms])
+        result.first_ms, result.times_ms = slowest[0], slowest[1:]
     return results
 
 
@@ -200,7 +203,7 @@ def print_model(name: str, margs: argparse.Namespace, results: list[Result]) -> 
         f"batch {margs.batch} x seq {margs.seq}"
     )
     header = ("variant", "first step s", "compile s", "median ms", "min ms", "x one process compiled / 2", "loss")
-    rows = [header, tuple("-" * len(h) for h in header)]
+    rows = []
     ideal = results[1].median / TP if results[1].error is None else None
     for result in results:
         if result.error is not None:
@@ -219,9 +222,7 @@ def print_model(name: str, margs: argparse.Namespace, results: list[Result]) -> 
                 f"{result.loss:.6f}{'' if match else ' (differs)'}",
             )
         )
-    widths = [max(len(row[i]) for row in rows) for i in range(len(header))]
-    for row in rows:
-        print("| " + " | ".join(cell.ljust(width) for cell, width in zip(row, widths, strict=True)) + " |")
+    print_table(header, rows)
     if all(r.error is None for r in results):
         print("\n".join(goals({r.name: r for r in results})))
 

@@ -14,12 +14,19 @@ Goals (issue 15), at the longest length: activations per rank <= 0.55x of cp=1, 
 from __future__ import annotations
 
 import argparse
-import statistics
-import time
 from pathlib import Path
 
 import torch
-from _common import add_llama_args, add_run_args, build_llama, llama_config, proc_status_bytes, quiet_transformers
+from _common import (
+    add_llama_args,
+    add_run_args,
+    build_llama,
+    llama_config,
+    print_table,
+    proc_status_bytes,
+    quiet_transformers,
+    timed_steps,
+)
 from _ranks import run_on_ranks
 
 MIB = 1024**2
@@ -65,24 +72,25 @@ def _steps(model, args: argparse.Namespace, length: int) -> dict:
     input_ids = torch.randint(0, args.vocab, (1, length), generator=generator)
     batch = {"input_ids": input_ids, "labels": input_ids.clone()}
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
-    times, saved, peak, losses = [], 0, 0, []
-    for step in range(1 + args.steps):
+    rss, saved, peak, losses = [], [], [], []  # per step, the warm-up's first
+
+    def before() -> None:  # untimed: the peak RSS restarts from the current RSS
         _reset_peak_rss()
-        rss = proc_status_bytes("VmRSS")
+        rss.append(proc_status_bytes("VmRSS"))
+
+    def step() -> None:
         watch = SavedActivations(model)
-        start = time.perf_counter()
         with watch.hooks():
             loss = model(**batch).loss
         loss.backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
-        elapsed = time.perf_counter() - start
-        losses.append(loss.item())
-        if step > 0:
-            times.append(elapsed * 1e3)
-            saved = max(saved, watch.bytes)
-            peak = max(peak, proc_status_bytes("VmHWM") - rss)
-    return {"ms": statistics.median(times), "saved": saved, "peak": peak, "loss": losses[0]}
+        peak.append(proc_status_bytes("VmHWM") - rss[-1])
+        saved.append(watch.bytes)
+        losses.append(loss.detach())
+
+    times = timed_steps(step, timed=args.steps, warmup=1, before=before)
+    return {"ms": times.median * 1e3, "saved": max(saved[1:]), "peak": max(peak[1:]), "loss": losses[0].item()}
 
 
 def one_process(args: argparse.Namespace, threads: int) -> dict[int, dict]:
@@ -126,19 +134,40 @@ def main(argv: list[str] | None = None) -> None:
         f"Llama hidden {args.hidden}, {args.layers} layers, {args.heads} heads, vocab {args.vocab}, batch 1, fp32, "
         f"AdamW; median of {args.steps} steps after 1; per-rank figures\n"
     )
-    print(
-        "| tokens | cp=1 ms (1 thread) | cp=1 ms (2 threads) | cp=2 ms | x cp=1 (1 thread) | x cp=1 (2 threads) "
-        "| cp=1 activations MiB | cp=2 activations MiB | x cp=1 | cp=1 peak RSS MiB | cp=2 peak RSS MiB | loss diff |"
+    header = (
+        "tokens",
+        "cp=1 ms (1 thread)",
+        "cp=1 ms (2 threads)",
+        "cp=2 ms",
+        "x cp=1 (1 thread)",
+        "x cp=1 (2 threads)",
+        "cp=1 activations MiB",
+        "cp=2 activations MiB",
+        "x cp=1",
+        "cp=1 peak RSS MiB",
+        "cp=2 peak RSS MiB",
+        "loss diff",
     )
-    print("|" + "---|" * 12)
+    rows = []
     for length in args.lengths:
         a, a2, b = single[length], single2[length], cp2[length]
-        print(
-            f"| {length} | {a['ms']:.0f} | {a2['ms']:.0f} | {b['ms']:.0f} | {b['ms'] / a['ms']:.2f}x | "
-            f"{b['ms'] / a2['ms']:.2f}x | {a['saved'] / MIB:.1f} | {b['saved'] / MIB:.1f} | "
-            f"{b['saved'] / a['saved']:.2f}x | {a['peak'] / MIB:.0f} | {b['peak'] / MIB:.0f} | "
-            f"{abs(a['loss'] - b['loss']):.1e} |"
+        rows.append(
+            (
+                length,
+                f"{a['ms']:.0f}",
+                f"{a2['ms']:.0f}",
+                f"{b['ms']:.0f}",
+                f"{b['ms'] / a['ms']:.2f}x",
+                f"{b['ms'] / a2['ms']:.2f}x",
+                f"{a['saved'] / MIB:.1f}",
+                f"{b['saved'] / MIB:.1f}",
+                f"{b['saved'] / a['saved']:.2f}x",
+                f"{a['peak'] / MIB:.0f}",
+                f"{b['peak'] / MIB:.0f}",
+                f"{abs(a['loss'] - b['loss']):.1e}",
+            )
         )
+    print_table(header, rows, align_numbers=True)
     longest = max(args.lengths)
     memory = cp2[longest]["saved"] / single[longest]["saved"]
     speed = cp2[longest]["ms"] / single[longest]["ms"]

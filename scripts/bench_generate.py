@@ -23,18 +23,16 @@ How to run
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
 import tempfile
-import time
 import traceback
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 import transformers
+from _common import StepTimes, print_table, timed_rounds
 from _ranks import run_on_ranks
 from torch import nn
 from transformers import AutoModelForCausalLM, LlamaConfig
@@ -55,10 +53,10 @@ class Result:
     error: str | None = None
 
     def prefill(self) -> float:
-        return statistics.median(self.prefill_s)
+        return StepTimes(self.prefill_s).median
 
     def decode_step(self, new: int) -> float:
-        return max(statistics.median(self.full_s) - self.prefill(), 1e-9) / (new - 1)
+        return max(StepTimes(self.full_s).median - self.prefill(), 1e-9) / (new - 1)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -106,14 +104,6 @@ def generate(model: nn.Module, inputs: dict, new: int) -> torch.Tensor:
     return model.generate(**inputs, **options)
 
 
-def timed(fn: Callable[[], object], barrier: bool) -> float:
-    if barrier:
-        dist.barrier()
-    start = time.perf_counter()
-    fn()
-    return time.perf_counter() - start
-
-
 def measure(models: list[tuple[Result, nn.Module]], args: argparse.Namespace, barrier: bool) -> None:
     """Warm up, then `repeats` rounds of (prefill, full) generate calls, one of each model in turn."""
     inputs = prompts(args)
@@ -121,10 +111,10 @@ def measure(models: list[tuple[Result, nn.Module]], args: argparse.Namespace, ba
         result.tokens = generate(model, inputs, args.new)[:, args.prompt :].tolist()
         for _ in range(args.warmup):
             generate(model, inputs, 1)
-    for _ in range(args.repeats):
-        for result, model in models:
-            result.prefill_s.append(timed(lambda model=model: generate(model, inputs, 1), barrier))
-            result.full_s.append(timed(lambda model=model: generate(model, inputs, args.new), barrier))
+    calls = [lambda model=model, new=new: generate(model, inputs, new) for _, model in models for new in (1, args.new)]
+    seconds = timed_rounds(calls, timed=args.repeats, before=dist.barrier if barrier else None)
+    for i, (result, _) in enumerate(models):  # each model's prefill call, then its full one
+        result.prefill_s, result.full_s = seconds[2 * i], seconds[2 * i + 1]
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -213,7 +203,7 @@ def print_report(args: argparse.Namespace, results: list[Result]) -> None:
         "x transformers tp=2",
         "tokens match",
     )
-    rows = [header, tuple("-" * len(h) for h in header)]
+    rows = []
     baselines = ("single process, 1 thread", "single process, 2 threads", "transformers tp=2 (DistributedConfig)")
 
     def ratio(result: Result, name: str) -> str:
@@ -237,9 +227,7 @@ def print_report(args: argparse.Namespace, results: list[Result]) -> None:
                 "reference" if result is reference else ("yes" if result.tokens == reference.tokens else "NO"),
             )
         )
-    widths = [max(len(row[i]) for row in rows) for i in range(len(header))]
-    for row in rows:
-        print("| " + " | ".join(cell.ljust(width) for cell, width in zip(row, widths, strict=True)) + " |")
+    print_table(header, rows)
     print()
     ours, theirs = by_name["optimum_parallel tp=2"], by_name["transformers tp=2 (DistributedConfig)"]
     if ours.error is not None or ours.tokens != reference.tokens:

@@ -15,16 +15,23 @@ On a 2-core machine the 4 processes share 2 cores: step times are comparable wit
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
-import time
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).parent))
-from _common import add_llama_args, add_run_args, build_llama, quiet_transformers, random_batch, tensor_bytes  # noqa: E402
+from _common import (  # noqa: E402
+    add_llama_args,
+    add_run_args,
+    build_llama,
+    print_table,
+    quiet_transformers,
+    random_batch,
+    tensor_bytes,
+    timed_steps,
+)
 from _ranks import run_on_ranks  # noqa: E402
 
 WORLD = 4
@@ -42,26 +49,23 @@ def rank_main(rank: int, world: int, shard_size: int, args: argparse.Namespace) 
     model, optimizer = op.parallelize(model, optimizer, mesh, config)
     batch = random_batch(args.vocab, args.batch * world, args.seq, args.seed)
     local = {k: v[rank * args.batch : (rank + 1) * args.batch] for k, v in batch.items()}
-    times, grads = [], 0
-    for step in range(args.warmup + args.steps):
-        dist.barrier()
-        start = time.perf_counter()
+    grads = []
+
+    def step() -> None:
         model(**local).loss.backward()
-        grads = tensor_bytes(p.grad for p in model.parameters())
+        grads.append(tensor_bytes(p.grad for p in model.parameters()))
         optimizer.step()
         optimizer.zero_grad()
-        elapsed = torch.tensor(time.perf_counter() - start, dtype=torch.float64)
-        dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
-        if step >= args.warmup:
-            times.append(elapsed.item())
+
+    times = timed_steps(step, timed=args.steps, warmup=args.warmup, before=dist.barrier, across_ranks=True)
     state = [v for s in optimizer.state.values() for v in s.values() if torch.is_tensor(v) and v.dim() > 0]
-    sizes = torch.tensor([tensor_bytes(model.parameters()), grads, tensor_bytes(state)], dtype=torch.float64)
+    sizes = torch.tensor([tensor_bytes(model.parameters()), grads[-1], tensor_bytes(state)], dtype=torch.float64)
     dist.all_reduce(sizes, op=dist.ReduceOp.MAX)  # the rank with the most
     return {
         "params": sizes[0].item(),
         "grads": sizes[1].item(),
         "state": sizes[2].item(),
-        "step": statistics.median(times),
+        "step": times.median,
     }
 
 
@@ -83,19 +87,22 @@ def main() -> None:
         f"dp={WORLD}, sharding_level 3, AdamW, Llama hidden {args.hidden} x {args.layers} layers, vocab {args.vocab}, "
         f"seq {args.seq}, {args.batch} rows per rank; per rank (the most of any rank), median of {args.steps} steps"
     )
-    header = f"{'shard_size':>10} | {'params MiB':>10} | {'grads MiB':>9} | {'AdamW MiB':>9} | {'total MiB':>9} | "
-    header += f"{'x total':>7} | {'step ms':>7} | {'x step':>6}"
-    print(header)
-    print("-" * len(header))
+    header = ("shard_size", "params MiB", "grads MiB", "AdamW MiB", "total MiB", "x total", "step ms", "x step")
+    table = []
+    base_total = base["params"] + base["grads"] + base["state"]
     for size, row in rows.items():
         total = row["params"] + row["grads"] + row["state"]
-        base_total = base["params"] + base["grads"] + base["state"]
-        label = f"{size} ({WORLD})" if size == -1 else str(size)
-        print(
-            f"{label:>10} | {row['params'] / mib:>10.2f} | {row['grads'] / mib:>9.2f} | {row['state'] / mib:>9.2f} | "
-            f"{total / mib:>9.2f} | {total / base_total:>7.2f} | {row['step'] * 1e3:>7.1f} | "
-            f"{row['step'] / base['step']:>6.2f}"
+        table.append(
+            (
+                f"{size} ({WORLD})" if size == -1 else str(size),
+                *(f"{row[key] / mib:.2f}" for key in ("params", "grads", "state")),
+                f"{total / mib:.2f}",
+                f"{total / base_total:.2f}",
+                f"{row['step'] * 1e3:.1f}",
+                f"{row['step'] / base['step']:.2f}",
+            )
         )
+    print_table(header, table, align_numbers=True)
 
 
 if __name__ == "__main__":

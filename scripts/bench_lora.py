@@ -11,11 +11,19 @@ parameters and AdamW state. The LoRA variants must agree on the first loss (prin
 from __future__ import annotations
 
 import argparse
-import statistics
-import time
 
 import torch
-from _common import add_llama_args, add_run_args, build_llama, quiet_transformers, random_batch, tensor_bytes
+from _common import (
+    add_llama_args,
+    add_run_args,
+    build_llama,
+    print_table,
+    quiet_transformers,
+    random_batch,
+    tensor_bytes,
+    timed_steps,
+    train_step,
+)
 from _ranks import run_on_ranks
 
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
@@ -47,24 +55,17 @@ def _train(model, args: argparse.Namespace) -> dict:
     batch = random_batch(args.vocab, args.batch, args.seq, args.seed)
     trainable = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(trainable, lr=1e-4)
-    times, first_loss = [], None
-    for step in range(args.warmup + args.steps):
-        start = time.perf_counter()
-        loss = model(**batch).loss
-        loss.backward()
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        elapsed = time.perf_counter() - start
-        first_loss = loss.item() if first_loss is None else first_loss
-        if step >= args.warmup:
-            times.append(elapsed * 1e3)
+    losses = []
+    times = timed_steps(
+        lambda: losses.append(train_step(model, batch, optimizer)), timed=args.steps, warmup=args.warmup
+    )
     state = [t for s in optimizer.state.values() for t in s.values()]
     return {
-        "ms": statistics.median(times),
+        "ms": times.median * 1e3,
         "params": tensor_bytes(model.parameters()),
         "trainable": tensor_bytes(trainable),
         "optimizer": tensor_bytes(state),
-        "loss": first_loss,
+        "loss": losses[0].item(),
     }
 
 
@@ -99,14 +100,28 @@ def main(argv: list[str] | None = None) -> None:
         f"Llama hidden {args.hidden}, {args.layers} layers, seq {args.seq}, batch {args.batch}, vocab {args.vocab}; "
         f"LoRA r={args.rank} on {', '.join(TARGETS)}; median of {args.steps} steps after {args.warmup}\n"
     )
-    header = "| variant | step ms | x best one-process | x full FT tp=2 | params MiB/rank | trainable MiB | AdamW MiB |"
-    print(header)
-    print("|" + "---|" * 7)
-    for name, r in rows:
-        print(
-            f"| {name} | {r['ms']:.1f} | {r['ms'] / best_single:.2f}x | {r['ms'] / full:.2f}x | "
-            f"{r['params'] / mib:.1f} | {r['trainable'] / mib:.2f} | {r['optimizer'] / mib:.2f} |"
+    header = (
+        "variant",
+        "step ms",
+        "x best one-process",
+        "x full FT tp=2",
+        "params MiB/rank",
+        "trainable MiB",
+        "AdamW MiB",
+    )
+    table = [
+        (
+            name,
+            f"{r['ms']:.1f}",
+            f"{r['ms'] / best_single:.2f}x",
+            f"{r['ms'] / full:.2f}x",
+            f"{r['params'] / mib:.1f}",
+            f"{r['trainable'] / mib:.2f}",
+            f"{r['optimizer'] / mib:.2f}",
         )
+        for name, r in rows
+    ]
+    print_table(header, table, align_numbers=True)
     lora_losses = [r["loss"] for name, r in rows if "LoRA" in name]
     print(
         f"\nfirst LoRA losses: {', '.join(f'{x:.6f}' for x in lora_losses)} "

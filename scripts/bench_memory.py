@@ -84,6 +84,9 @@ from _common import (
     random_batch,
     tensor_bytes,
 )
+from _common import (
+    print_table as markdown_table,
+)
 from _ranks import run_on_ranks
 from torch import nn
 from transformers import LlamaConfig
@@ -434,14 +437,9 @@ def llama_terms(d: Dims, tp: int, sp: bool, attn: str) -> tuple[float, float]:
 
 
 def print_table(title: str, header: tuple[str, ...], rows: list[tuple[str, ...]]) -> None:
-    """A markdown table: the first column left-aligned, the numbers right-aligned."""
+    """A markdown table under its title: the first column left-aligned, the numbers right-aligned."""
     print(title)
-    widths = [max(len(row[c]) for row in [header, *rows]) for c in range(len(header))]
-    for row in [header, tuple("-" * w for w in widths), *rows]:
-        cells = [
-            cell.ljust(w) if c == 0 else cell.rjust(w) for c, (cell, w) in enumerate(zip(row, widths, strict=True))
-        ]
-        print("| " + " | ".join(cells) + " |")
+    markdown_table(header, rows, align_numbers=True)
     print()
 
 

@@ -16,16 +16,23 @@ On a 2-core machine both ranks share the 2 cores: compare step times within one 
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
-import time
+from functools import partial
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).parent))
-from _common import add_run_args, quiet_transformers, random_batch, tensor_bytes  # noqa: E402
+from _common import (  # noqa: E402
+    add_run_args,
+    print_table,
+    quiet_transformers,
+    random_batch,
+    tensor_bytes,
+    timed_steps,
+    train_step,
+)
 from _ranks import run_on_ranks  # noqa: E402
 
 LAYOUTS = {"one process": (1, {}), "tp=2": (2, {"dp": 1, "tp": 2}), "ep=2": (2, {"dp": 2, "ep": 2})}
@@ -68,25 +75,15 @@ def rank_main(rank: int, world: int, sizes: dict, args: argparse.Namespace) -> d
             parallelizer = op.ParallelizersManager.parallelizer_for_model(model)
             model = parallelizer.parallelize(model)
             optimizer = parallelizer.optimizer_for_mp(optimizer, model.orig_param_to_parallel_param)
-    times = []
-    for step in range(args.warmup + args.steps):
-        if world > 1:
-            dist.barrier()
-        start = time.perf_counter()
-        model(**batch).loss.backward()
-        optimizer.step()
-        optimizer.zero_grad()
-        elapsed = torch.tensor(time.perf_counter() - start, dtype=torch.float64)
-        if world > 1:
-            dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
-        if step >= args.warmup:
-            times.append(elapsed.item())
+    barrier = dist.barrier if world > 1 else None
+    step = partial(train_step, model, batch, optimizer)
+    times = timed_steps(step, timed=args.steps, warmup=args.warmup, before=barrier, across_ranks=True)
     experts = [p for _, module in find_experts(model) for p in module.parameters(recurse=False)]
     state = [v for p in experts for v in optimizer.state[p].values() if torch.is_tensor(v) and v.dim() > 0]
     sizes_t = torch.tensor([tensor_bytes(experts), tensor_bytes(state)], dtype=torch.float64)
     if world > 1:
         dist.all_reduce(sizes_t, op=dist.ReduceOp.MAX)
-    return {"experts": sizes_t[0].item(), "state": sizes_t[1].item(), "step": statistics.median(times)}
+    return {"experts": sizes_t[0].item(), "state": sizes_t[1].item(), "step": times.median}
 
 
 def main() -> None:
@@ -111,14 +108,18 @@ def main() -> None:
         f"Mixtral {args.experts} experts top-2, hidden {args.hidden} x {args.layers} layers, vocab {args.vocab}, "
         f"global batch {args.batch} x {args.seq}, AdamW; per rank (the most of any rank), median of {args.steps} steps"
     )
-    header = f"{'layout':>12} | {'experts MiB':>11} | {'AdamW MiB':>9} | {'step ms':>7} | {'x step':>6}"
-    print(header)
-    print("-" * len(header))
-    for name, row in rows.items():
-        print(
-            f"{name:>12} | {row['experts'] / mib:>11.2f} | {row['state'] / mib:>9.2f} | {row['step'] * 1e3:>7.1f} | "
-            f"{row['step'] / base['step']:>6.2f}"
+    header = ("layout", "experts MiB", "AdamW MiB", "step ms", "x step")
+    table = [
+        (
+            name,
+            f"{row['experts'] / mib:.2f}",
+            f"{row['state'] / mib:.2f}",
+            f"{row['step'] * 1e3:.1f}",
+            f"{row['step'] / base['step']:.2f}",
         )
+        for name, row in rows.items()
+    ]
+    print_table(header, table, align_numbers=True)
 
 
 if __name__ == "__main__":

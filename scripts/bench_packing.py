@@ -18,10 +18,18 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import time
+from functools import partial
 
 import torch
-from _common import add_llama_args, add_run_args, build_llama, llama_config, quiet_transformers
+from _common import (
+    add_llama_args,
+    add_run_args,
+    build_llama,
+    llama_config,
+    print_table,
+    quiet_transformers,
+    timed_steps,
+)
 from _ranks import run_on_ranks
 
 
@@ -109,15 +117,13 @@ def dealt_work(lengths: list[int], cp: int) -> list[int]:
     return [sum(work[j] for j in mine) for mine in deal(work, cp)]
 
 
-def _step(model, optimizer, batches: list[dict]) -> float:
-    start = time.perf_counter()
+def _step(model, optimizer, batches: list[dict]) -> None:
     tokens = sum(int((b["labels"] != -100).sum()) for b in batches)
     for batch in batches:
         loss = model(**batch).loss * (int((batch["labels"] != -100).sum()) / tokens)
         loss.backward()
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
-    return time.perf_counter() - start
 
 
 def cp_rank(rank: int, world: int, args: argparse.Namespace, lengths: list[int]) -> dict:
@@ -141,10 +147,10 @@ def cp_rank(rank: int, world: int, args: argparse.Namespace, lengths: list[int])
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
         _step(model, optimizer, batches)  # warm-up
         work.pairs = 0
-        times = [_step(model, optimizer, batches) for _ in range(args.steps)]
+        times = timed_steps(partial(_step, model, optimizer, batches), timed=args.steps)
         pairs = [None] * world
         dist.all_gather_object(pairs, work.pairs // args.steps)
-        results[name] = {"s": statistics.median(times), "pairs": pairs, "micro_batches": len(batches)}
+        results[name] = {"s": times.median, "pairs": pairs, "micro_batches": len(batches)}
         if rank == 0:
             print(f"  {name}: {results[name]['s']:.2f} s per step, attention pairs per rank {pairs}", flush=True)
         del model, optimizer
@@ -167,18 +173,34 @@ def main(argv: list[str] | None = None) -> None:
         f"\nLlama hidden {args.hidden}, {args.layers} layers, {args.heads} heads, vocab {args.vocab}, fp32, AdamW, "
         f"cp=2 ring; median of {args.steps} steps after 1\n"
     )
-    print("| layout | micro-batches | step s | tokens/s | x padded | attention pairs per rank (M) | busiest / mean |")
-    print("|---|---|---|---|---|---|---|")
+    header = (
+        "layout",
+        "micro-batches",
+        "step s",
+        "tokens/s",
+        "x padded",
+        "attention pairs per rank (M)",
+        "busiest / mean",
+    )
+    rows = []
     padded_rate = tokens / results["padded"]["s"]
     for name in ("packed", "padded"):
         r = results[name]
         rate = tokens / r["s"]
         pairs = r["pairs"]
         balance = max(pairs) / (sum(pairs) / len(pairs))
-        print(
-            f"| {name} | {r['micro_batches']} | {r['s']:.2f} | {rate:.0f} | {rate / padded_rate:.2f}x | "
-            f"{' / '.join(f'{p / 1e6:.1f}' for p in pairs)} | {balance:.3f} |"
+        rows.append(
+            (
+                name,
+                r["micro_batches"],
+                f"{r['s']:.2f}",
+                f"{rate:.0f}",
+                f"{rate / padded_rate:.2f}x",
+                " / ".join(f"{p / 1e6:.1f}" for p in pairs),
+                f"{balance:.3f}",
+            )
         )
+    print_table(header, rows, align_numbers=True)
     speed = results["padded"]["s"] / results["packed"]["s"]
     pairs = results["packed"]["pairs"]
     balance = max(pairs) / (sum(pairs) / len(pairs))

@@ -42,7 +42,6 @@ import copy
 import gc
 import math
 import os
-import statistics
 import sys
 import time
 import traceback
@@ -50,7 +49,7 @@ import xml.etree.ElementTree as ET
 from dataclasses import dataclass
 
 import torch
-from _common import quiet_transformers
+from _common import quiet_transformers, timed_steps, train_step
 from transformers import AutoModelForCausalLM, LlamaConfig
 
 PEAK_BF16_TFLOPS = [  # dense bf16 tensor-core peak by device name (first match wins)
@@ -207,19 +206,14 @@ def make_variant(source: torch.nn.Module, ours: bool, compiled: bool, device: to
 def run_variant(model, batch: dict, args: argparse.Namespace, device: torch.device) -> tuple[float, list[float]]:
     """(median step seconds, the losses of every step)."""
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5, weight_decay=0.1)
-    times, losses = [], []
-    for step in range(args.warmup + args.steps):
-        synchronize(device)
-        start = time.perf_counter()
-        loss = model(**batch).loss
-        loss.backward()
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        synchronize(device)
-        if step >= args.warmup:
-            times.append(time.perf_counter() - start)
-        losses.append(loss.item())
-    return statistics.median(times), losses
+    losses = []
+
+    def step() -> None:
+        losses.append(train_step(model, batch, optimizer))
+        synchronize(device)  # the step ends when the device is done
+
+    times = timed_steps(step, timed=args.steps, warmup=args.warmup, before=lambda: synchronize(device))
+    return times.median, [loss.item() for loss in losses]
 
 
 def print_table(rows: list[Row], title: str) -> None:

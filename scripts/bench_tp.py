@@ -32,7 +32,6 @@ import contextlib
 import os
 import sys
 import tempfile
-import time
 import traceback
 from collections.abc import Callable
 from datetime import timedelta
@@ -48,8 +47,11 @@ from _common import (
     add_run_args,
     build_llama,
     llama_config,
+    print_table,
     quiet_transformers,
     random_batch,
+    timed_rounds,
+    timed_steps,
 )
 from _ranks import run_on_ranks
 from torch import nn
@@ -67,15 +69,6 @@ Prepared = tuple[nn.Module, StepContext]
 
 # --------------------------------------------------------------------------------------------------------------
 # Model, batch, timing
-
-
-class Result(StepResult):
-    """The step times (ms) and loss of one variant, or why it failed; and their 90th percentile."""
-
-    @property
-    def p90(self) -> float:
-        ordered = sorted(self.times_ms)
-        return ordered[min(len(ordered) - 1, round(0.9 * (len(ordered) - 1)))]
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -112,26 +105,21 @@ def train_step(model: nn.Module, batch: Batch, context: StepContext) -> torch.Te
 
 
 def time_steps(model: nn.Module, batch: Batch, args: argparse.Namespace, context: StepContext) -> list[float]:
-    """Warm up, then time `args.steps` steps (one process)."""
-    times = []
-    for step in range(args.warmup + args.steps):
-        start = time.perf_counter()
-        train_step(model, batch, context)
-        if step >= args.warmup:
-            times.append((time.perf_counter() - start) * 1e3)
-    return times
+    """Warm up, then time `args.steps` steps (one process), in ms."""
+    seconds = timed_steps(lambda: train_step(model, batch, context), timed=args.steps, warmup=args.warmup)
+    return [s * 1e3 for s in seconds]
 
 
-def build_variant(name: str, prepare: Callable[[], Prepared], batch: Batch) -> tuple[Result, Prepared | None]:
+def build_variant(name: str, prepare: Callable[[], Prepared], batch: Batch) -> tuple[StepResult, Prepared | None]:
     """Build one variant and take its first step (its loss is the correctness check); a failure is recorded."""
     try:
         model, context = prepare()
-        return Result(name, loss=loss_value(train_step(model, batch, context))), (model, context)
+        return StepResult(name, loss=loss_value(train_step(model, batch, context))), (model, context)
     except Exception as err:  # a failed variant is reported in the table, not fatal
         if not dist.is_initialized() or dist.get_rank() == 0:
             traceback.print_exc()
         message = (str(err).strip().splitlines() or [""])[0]
-        return Result(name, error=f"{type(err).__name__}: {message}"[:160]), None
+        return StepResult(name, error=f"{type(err).__name__}: {message}"[:160]), None
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -229,7 +217,7 @@ def distributed_variants(args: argparse.Namespace, checkpoint: str) -> dict[str,
 # Processes
 
 
-def rank_main(rank: int, world: int, args: argparse.Namespace, checkpoint: str) -> list[Result]:
+def rank_main(rank: int, world: int, args: argparse.Namespace, checkpoint: str) -> list[StepResult]:
     """One tp rank: build every distributed variant, then time them in rounds (rank 0's results are reported)."""
     quiet_transformers()
     dist.init_process_group("gloo", rank=rank, world_size=world, timeout=PG_TIMEOUT)
@@ -239,24 +227,17 @@ def rank_main(rank: int, world: int, args: argparse.Namespace, checkpoint: str) 
     failed = torch.tensor([prepared is None for _, prepared in built], dtype=torch.uint8)
     dist.all_reduce(failed, op=dist.ReduceOp.MAX)  # a variant that failed on any rank is left out on all
     live = [(result, prepared) for (result, prepared), bad in zip(built, failed.tolist(), strict=True) if not bad]
-    for step in range(args.warmup + args.steps):
-        for result, (model, context) in live:
-            dist.barrier()
-            start = time.perf_counter()
-            train_step(model, batch, context)
-            if step >= args.warmup:
-                result.times_ms.append((time.perf_counter() - start) * 1e3)
-    for result, _ in live:  # a step's time is the slowest rank's
-        slowest = torch.tensor(result.times_ms, dtype=torch.float64)
-        dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
-        result.times_ms = slowest.tolist()
+    steps = [lambda model=model, context=context: train_step(model, batch, context) for _, (model, context) in live]
+    rounds = timed_rounds(steps, timed=args.steps, warmup=args.warmup, before=dist.barrier, across_ranks=True)
+    for (result, _), seconds in zip(live, rounds, strict=True):  # a step's time is the slowest rank's
+        result.times_ms = [s * 1e3 for s in seconds]
     for (result, _), bad in zip(built, failed.tolist(), strict=True):
         if bad and result.error is None:
             result.error = "failed on another rank"
     return [result for result, _ in built]
 
 
-def run_distributed(args: argparse.Namespace, checkpoint: str) -> list[Result]:
+def run_distributed(args: argparse.Namespace, checkpoint: str) -> list[StepResult]:
     """The distributed variants on TP spawned ranks; if the ranks die or run past the deadline, every variant
     is reported as failed with the reason."""
     try:
@@ -264,18 +245,18 @@ def run_distributed(args: argparse.Namespace, checkpoint: str) -> list[Result]:
     except (RuntimeError, TimeoutError) as err:
         print(err, file=sys.stderr)
         reason = (str(err).splitlines() or [""])[0][:160]
-        return [Result(name, error=reason) for name in distributed_variants(args, checkpoint)]
+        return [StepResult(name, error=reason) for name in distributed_variants(args, checkpoint)]
 
 
 # --------------------------------------------------------------------------------------------------------------
 # Report
 
 
-def loss_matches(result: Result, reference: float) -> bool:
+def loss_matches(result: StepResult, reference: float) -> bool:
     return result.loss is not None and abs(result.loss - reference) <= LOSS_RTOL * max(1.0, abs(reference))
 
 
-def best_baseline(results: list[Result], reference: float) -> Result | None:
+def best_baseline(results: list[StepResult], reference: float) -> StepResult | None:
     """The fastest correct torch DTensor or transformers run."""
     baselines = [
         r
@@ -285,7 +266,7 @@ def best_baseline(results: list[Result], reference: float) -> Result | None:
     return min(baselines, key=lambda r: r.median, default=None)
 
 
-def print_report(args: argparse.Namespace, results: list[Result]) -> None:
+def print_report(args: argparse.Namespace, results: list[StepResult]) -> None:
     single, reference = results[0], results[0].loss
     best = best_baseline(results, reference) if reference is not None else None
     config = llama_config(args)
@@ -307,7 +288,7 @@ def print_report(args: argparse.Namespace, results: list[Result]) -> None:
         "x best-of-(torch DTensor, transformers)",
         "loss matches",
     )
-    rows = [header, tuple("-" * len(h) for h in header)]
+    rows = []
     for result in results:
         if result.error is not None:
             rows.append((result.name, f"failed: {result.error}", "", "", "", ""))
@@ -324,9 +305,7 @@ def print_report(args: argparse.Namespace, results: list[Result]) -> None:
                 f"{match} (loss {result.loss:.6f}, |diff| {delta:.1e})",
             )
         )
-    widths = [max(len(row[i]) for row in rows) for i in range(len(header))]
-    for row in rows:
-        print("| " + " | ".join(cell.ljust(width) for cell, width in zip(row, widths, strict=True)) + " |")
+    print_table(header, rows)
     print()
     ours = next(r for r in results if r.name.startswith("optimum_parallel"))
     if best is None or ours.error is not None or not loss_matches(ours, reference):

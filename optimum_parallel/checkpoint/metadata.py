@@ -208,10 +208,6 @@ class CheckpointIndex:
                 raise
             raise CheckpointError(f"{where}: malformed checkpoint index ({type(err).__name__}: {err})") from None
 
-    def state_of(self, param: str) -> dict[str, TensorEntry]:
-        """{state key: entry} of a parameter's optimizer state tensors."""
-        return {k.rpartition("/")[2]: e for k, e in self.optimizer_tensors.items() if e.param == param}
-
 
 def _write_synced(path: Path, text: str) -> None:
     with open(path, "w") as f:

@@ -49,11 +49,6 @@ def apply_expert_data_parallel(
     return _fully_shard(model, optimizer, mesh, level, runtime, roots, experts, reduce_dtype, threshold)
 
 
-def expert_parameters(model: nn.Module) -> set[int]:
-    """ids of the parameters of `model`'s stacked-experts modules."""
-    return {id(p) for _, module in find_experts(model) for p in module.parameters(recurse=False)}
-
-
 def reduce_expert_gradients(experts: list[nn.Module], runtime: ExpertParallelRuntime, mesh: ParallelMesh) -> None:
     """DDP semantics for the expert parameters: each expert's gradient becomes the mean over dp x cp of the replicas'
     gradients. A rank's raw expert gradient sums its expert group's tokens, so it is scaled by 1/ep as it arrives

@@ -8,12 +8,9 @@ from .protocol import ParallelMesh
 from .simulated import SimulatedMesh
 from .timeouts import Timeouts
 
-MESH_DIMS = GRID_DIMS
-
 __all__ = [
     "DEFAULT_TIMEOUT",
     "GRID_DIMS",
-    "MESH_DIMS",
     "MeshLayout",
     "ParallelMesh",
     "SimulatedMesh",

@@ -332,11 +332,6 @@ def max_memory_allocated(device: torch.device | str) -> int:
     return torch.accelerator.max_memory_allocated(torch.device(device))
 
 
-def reset_peak_memory(device: torch.device | str) -> None:
-    if not (is_host(device) or is_graph_device(device)):
-        torch.accelerator.reset_peak_memory_stats(torch.device(device))
-
-
 def empty_cache(device: torch.device | str) -> None:
     if not (is_host(device) or is_graph_device(device)):
         torch.accelerator.empty_cache()
@@ -378,11 +373,6 @@ def seeded_rng_states(seed: int) -> dict[str, torch.Tensor]:
             states[accelerator.type] = module.get_rng_state()
             module.set_rng_state(current)
     return states
-
-
-def autocast_device_type(device: torch.device | str | None) -> str:
-    """The device type `torch.autocast` takes for `device` (its own type on accelerators; XLA autocasts as "xla")."""
-    return _type(device) or HOST
 
 
 _KEEPS_PARAMETERS: dict[str, bool] = {}
@@ -427,8 +417,3 @@ def lacks_pinned_memory() -> bool:
         except (RuntimeError, NotImplementedError):
             _PINS.append(False)
     return not _PINS[0]
-
-
-def copies_asynchronously(device: torch.device | str | None) -> bool:
-    """Whether host <-> `device` copies may be `non_blocking` (accelerators; not the CPU itself, not XLA)."""
-    return device is not None and not is_host(device) and not is_graph_device(device)

@@ -23,7 +23,7 @@ from ..comm.regions import (
 )
 from ..mesh import device as devices
 from ..mesh import ranks
-from .spec import ShardLayout, ShardSpec, local_parameter, shard_sizes
+from .spec import ShardSpec, local_parameter, shard_sizes
 
 
 def _exit_region(
@@ -52,10 +52,6 @@ class _ShardedModule(nn.Module):
     def output_size(self) -> int:
         """Megatron's name for the global output size."""
         return self.out_features
-
-    @property
-    def shard_layouts(self) -> dict[str, ShardLayout]:
-        return {n: p.shard_layout for n, p in self.named_parameters(recurse=False) if hasattr(p, "shard_layout")}
 
 
 class ColumnParallelLinear(_ShardedModule):
