@@ -8,7 +8,7 @@ BIN     = $(VENV)/bin
 
 export OMP_NUM_THREADS ?= 1
 
-.PHONY: demo test test-families test-hosts test-accel test-xla xla-env lint install clean
+.PHONY: demo test test-families test-trl test-hosts test-accel test-xla xla-env lint install clean
 
 $(BIN)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -28,9 +28,13 @@ test: $(BIN)/.installed
 # the family matrix: tiny models of today's families (transformers' own config classes) at every layout their structure
 # allows, against one process, or refused naming the module (tests/family_matrix.py); each cell is written to
 # build/family-matrix.jsonl, which `python scripts/supported_models.py --results build/family-matrix.jsonl` prints as
-# the README's support table. About 7 minutes on 2 cores.
+# the README's support table; beside it the hybrid, MoE and vision-language families' own checks.
 test-families: $(BIN)/.installed
 	$(BIN)/python -m pytest tests/families --durations=10
+
+# TRL's DPO and GRPO trainers on every layout against TRL on one process, and the TRL examples under torchrun
+test-trl: $(BIN)/.installed
+	$(BIN)/python -m pytest tests/trl --durations=10
 
 # several hosts: network namespaces joined by a veth pair (root and iproute2's `ip`; skipped with the reason otherwise)
 test-hosts: $(BIN)/.installed

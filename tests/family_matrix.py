@@ -156,7 +156,7 @@ LAYOUTS: dict[str, dict] = {
 }
 
 
-# vision-language models: tiny configs and image batches of tests/test_vlm.py (images and image tokens that match)
+# vision-language models: tiny configs and image batches of tests/_vlm.py (images and image tokens that match)
 VLM_TYPES = ("llava", "gemma3", "qwen2_5_vl")
 
 
@@ -172,7 +172,7 @@ def model_types() -> list[str]:
 
 def family_config(model_type: str):
     if model_type in VLM_TYPES:
-        from test_vlm import TINY_VLM_CONFIGS
+        from _vlm import TINY_VLM_CONFIGS
 
         return TINY_VLM_CONFIGS[model_type]()
     return AutoConfig.for_model(model_type, **{**BASE, **FAMILIES[model_type]})
@@ -192,12 +192,12 @@ def build(config, seed: int = 0):
 
 
 def batch_for(config, rows: int = 2) -> dict[str, torch.Tensor]:
-    """An image-text batch for a VLM (test_vlm.make_vlm_inputs: images, their tokens, padding, -100 labels); else
+    """An image-text batch for a VLM (_vlm.make_vlm_inputs: images, their tokens, padding, -100 labels); else
     left-padded rows (uneven token counts) with -100 on padding and one more position each. The first real token
     after the padding is predicted from a padding position, whose output no model defines alike (transformers
     attends it to masked keys, ring attention to none): its label is ignored too."""
     if config.model_type in VLM_TYPES:
-        from test_vlm import make_vlm_inputs
+        from _vlm import make_vlm_inputs
 
         return make_vlm_inputs(config, batch=rows)
     gen = torch.Generator().manual_seed(1)

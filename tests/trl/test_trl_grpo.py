@@ -28,7 +28,7 @@ from _grpo import (  # noqa: E402
 
 WORLD_SIZE = 2
 TOL = 1e-5  # relative, per step and metric (fp32; seen: up to 3.5e-6, the LoRA run's kl of ~1e-3)
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parent.parent.parent
 
 
 @pytest.fixture(scope="module")

@@ -14,7 +14,7 @@ import torch
 
 pytest.importorskip("trl")
 
-ROOT = Path(__file__).parent.parent
+ROOT = Path(__file__).parent.parent.parent
 COMMON = ["--tensor_parallel_size", "2", "--use_cpu", "--bf16", "False", "--report_to", "none", "--max_steps", "40",
           "--logging_steps", "5", "--disable_tqdm", "True", "--save_strategy", "no", "--ddp_timeout", "60"]  # fmt: skip
 RUNS = {
