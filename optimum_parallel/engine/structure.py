@@ -130,6 +130,16 @@ def _sequence_parallel_blocker(stack: DecoderStack) -> str | None:
     if roles.unplaced:
         names = ", ".join(f"{base}.{n}" if base else n for n in roles.unplaced)
         return f"{names} feed the layers per-token inputs outside the residual stream"
+    from ..expert_parallel import find_experts
+    from ..expert_parallel.experts import takes_expert_major_rows
+
+    for index, layer in enumerate(stack.layers):
+        for name, experts in find_experts(layer):
+            if takes_expert_major_rows(experts):  # measured: its router's gradient under sp is not one device's
+                return (
+                    f"{stack.prefix}.{index}.{name} ({type(experts).__name__}) takes expert-major rows scaled by the "
+                    "router before it, whose gradient the sequence-parallel block does not reduce"
+                )
     return None
 
 
