@@ -242,6 +242,7 @@ SAMPLE_ARGS = {
     "SequenceParallelBegin": dict(on="input"),
     "SplitParameter": dict(param="sinks", units=4),
     "ColWiseParallel": dict(gather_output=True, units=8),
+    "LatentKeyValueProjection": dict(rope_dim=8),
 }
 
 
