@@ -20,7 +20,13 @@ class GptOssParallelizer(MoEParallelizer):
     capabilities = Capabilities(
         sequence_parallel=True,
         pipeline_parallel=True,
-        refusals=(("context", "GptOssAttention's attention sinks are not computed by the context-parallel attention"),),
+        refusals=(
+            (
+                "context",
+                "model.layers.*.self_attn (GptOssAttention) has attention sinks, which the context-parallel "
+                "attention does not compute",
+            ),
+        ),
     )
 
     @classmethod
