@@ -33,8 +33,8 @@ def short_reason(detail: str) -> str:
     found = re.search(r"(model\.[\w.]+ \(\w+\))", detail)
     if found:
         return found.group(1)
-    text = detail.split(": ", 1)[-1]
-    return text.split(";")[0][:80]
+    text = detail.split(": ", 1)[-1].split(";")[0]
+    return text if len(text) <= 80 else text[:80].rpartition(" ")[0] + " ..."
 
 
 def table(cells: dict[str, dict[str, dict]]) -> str:
