@@ -18,6 +18,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from test_expert_parallel_layouts import reference_slice, whole
 from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText
 
 WORLD_SIZE = 4
@@ -211,19 +212,6 @@ def batch_for(config, rows: int = 2) -> dict[str, torch.Tensor]:
     return {"input_ids": input_ids, "attention_mask": attention_mask, "labels": labels}
 
 
-def _whole(tensor: torch.Tensor) -> torch.Tensor:
-    return tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor
-
-
-def _reference_slice(param, full: torch.Tensor) -> torch.Tensor:
-    from optimum_parallel.expert_parallel import expert_layout
-
-    for layout in (expert_layout(param), getattr(param, "shard_layout", None)):
-        if layout is not None:
-            full = layout.slice(full)
-    return full
-
-
 def _err(actual: torch.Tensor, expected: torch.Tensor, scale: float) -> float:
     return ((actual.detach().double() - expected.detach().double()).abs().max() / max(scale, 1e-30)).item()
 
@@ -275,7 +263,7 @@ def _compare(reference, model, optimizer, batch, pipeline: bool) -> dict[str, fl
         if param.grad is None or expected[name].grad is None:
             raise AssertionError(f"{name}: a gradient on one side only")
         scale = scales[name.rpartition(".")[0]]
-        actual, wanted = _whole(param.grad), _reference_slice(param, expected[name].grad)
+        actual, wanted = whole(param.grad), reference_slice(param, expected[name].grad)
         if actual.shape != wanted.shape:
             raise AssertionError(
                 f"{name}: gradient of shape {tuple(actual.shape)}, this rank's slice {tuple(wanted.shape)}"
