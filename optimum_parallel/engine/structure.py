@@ -22,6 +22,8 @@ from functools import cache
 
 from torch import nn
 
+from ..expert_parallel import find_experts
+from ..expert_parallel.experts import takes_expert_major_rows
 from ..pipeline.decoder import DecoderRoles, decoder_roles, is_norm
 from .capabilities import Capabilities
 
@@ -35,6 +37,11 @@ class DecoderStack:
     prefix: str
     layers: nn.ModuleList
     roles: DecoderRoles
+
+    def unplaced(self) -> str:
+        """The full names of the base model's parameter-holding children in no role, comma-separated."""
+        base = self.prefix.rpartition(".")[0]
+        return ", ".join(f"{base}.{name}" if base else name for name in self.roles.unplaced)
 
 
 def _base_of(model: nn.Module) -> tuple[str, nn.Module]:
@@ -94,9 +101,7 @@ def _context_parallel_blocker(model: nn.Module, stack: DecoderStack) -> str | No
     config = getattr(model, "config", None)
     chunk = getattr(config, "attention_chunk_size", None)
     if stack.roles.unplaced:
-        base = stack.prefix.rpartition(".")[0]
-        names = ", ".join(f"{base}.{n}" if base else n for n in stack.roles.unplaced)
-        return f"{names} feed the layers inputs outside the residual stream that the cp split does not place"
+        return f"{stack.unplaced()} feed the layers inputs outside the residual stream that the cp split does not place"
     for index, layer in enumerate(stack.layers):
         for name, child in layer.named_children():
             if not is_token_mixer(child):
@@ -123,16 +128,10 @@ def _context_parallel_blocker(model: nn.Module, stack: DecoderStack) -> str | No
 
 def _sequence_parallel_blocker(stack: DecoderStack) -> str | None:
     """Why the residual stream between `stack`'s blocks cannot run on sequence slices (None: it can)."""
-    roles = stack.roles
-    base = stack.prefix.rpartition(".")[0]
-    if roles.final_norm is None:
+    if stack.roles.final_norm is None:
         return f"no final norm found beside {stack.prefix} (the region ends at the LM head, after the norm)"
-    if roles.unplaced:
-        names = ", ".join(f"{base}.{n}" if base else n for n in roles.unplaced)
-        return f"{names} feed the layers per-token inputs outside the residual stream"
-    from ..expert_parallel import find_experts
-    from ..expert_parallel.experts import takes_expert_major_rows
-
+    if stack.roles.unplaced:
+        return f"{stack.unplaced()} feed the layers per-token inputs outside the residual stream"
     for index, layer in enumerate(stack.layers):
         for name, experts in find_experts(layer):
             if takes_expert_major_rows(experts):  # measured: its router's gradient under sp is not one device's
@@ -155,8 +154,7 @@ def derive_capabilities(model: nn.Module) -> Capabilities:
         what = (
             f"no {' and no '.join(missing)} found"
             if missing
-            else f"{', '.join(stack.roles.unplaced)} hold(s) "
-            "parameters outside the decoder layers, the embedding and the final norm"
+            else f"{stack.unplaced()} hold parameters outside the decoder layers, the embedding and the final norm"
         )
         refusals.append(("pipeline", f"{type(model).__name__}: {what}"))
     sequence = _sequence_parallel_blocker(stack)
@@ -178,8 +176,6 @@ def sequence_parallel_blocks(layer: nn.Module) -> list[tuple[str, str]]:
     """(child name, how it runs under sequence parallelism) for one decoder layer: 'slice' for norms (on the local
     slice, gradients summed over tp), 'whole' for blocks with parameters (gathered at their entry), 'replicate' for
     blocks holding stacked experts (replicated work on the whole sequence); parameter-less children run as they are."""
-    from ..expert_parallel import find_experts
-
     found = []
     for name, child in layer.named_children():
         if is_norm(child):
