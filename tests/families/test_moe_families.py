@@ -294,15 +294,16 @@ REFUSED = {
     ("doge", "tp2xep2"): "model type 'doge' is not supported",
     ("doge", "ep2"): "DogeForCausalLM has no stacked experts module",
 }
-# Known wrong, outside the experts: plan/fixups.localize_attention_heads counts Qwen3.5's gated q_proj (query | gate
-# per head) as twice the heads, so num_key_value_groups becomes 4 instead of 2 at tp=2 with 2 kv heads
+# Beyond this module's tolerance at tp=2 (no longer a crash: the gated q_proj's heads are counted by share now): the
+# delta net's A_log / dt_bias gradients differ by 1.1e-5 / 1.9e-5 relative, against a 1e-5 floor here, where the
+# mixers' own checks (tests/families/test_hybrid_families.py) measure their fp32 noise floor at 1e-4..1e-3
 BROKEN = {("qwen3_5_moe_text", "tp2"), ("qwen3_5_moe_text", "tp2xep2")}
 CASES = [(family, layout) for family in TINY_CONFIGS for layout in LAYOUTS]
 
 
 def _marks(case: tuple[str, str]) -> list:
     if case in BROKEN:
-        return [pytest.mark.xfail(reason="Qwen3.5's gated q_proj counted as heads (plan/fixups.py)", strict=True)]
+        return [pytest.mark.xfail(reason="delta net A_log / dt_bias gradients 1-2e-5 over the tolerance", strict=True)]
     return []
 
 
