@@ -42,6 +42,11 @@ BASE = dict(
     eos_token_id=2,
 )
 MOE4 = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32)
+# DeepSeek-style routed experts: groups of experts, one shared expert, a dense first layer
+GROUPED_MOE = dict(
+    n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, n_shared_experts=1, n_group=1, topk_group=1,
+    first_k_dense_replace=1,
+)  # fmt: skip
 MLA = dict(q_lora_rank=None, kv_lora_rank=32, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=16)
 
 # model type -> tiny config overrides on BASE (hidden 64, 2 layers: one of each kind where a family mixes them)
@@ -86,27 +91,8 @@ FAMILIES: dict[str, dict] = {
         attention_chunk_size=8,
         no_rope_layers=[1, 0],
     ),
-    "deepseek_v3": dict(
-        MLA,
-        n_routed_experts=4,
-        num_experts_per_tok=2,
-        moe_intermediate_size=32,
-        n_shared_experts=1,
-        n_group=1,
-        topk_group=1,
-        first_k_dense_replace=1,
-        head_dim=8,
-        num_key_value_heads=4,
-    ),  # fmt: skip
-    "glm4_moe": dict(
-        n_routed_experts=4,
-        num_experts_per_tok=2,
-        moe_intermediate_size=32,
-        n_shared_experts=1,
-        n_group=1,
-        topk_group=1,
-        first_k_dense_replace=1,
-    ),  # fmt: skip
+    "deepseek_v3": dict(MLA, **GROUPED_MOE, head_dim=8, num_key_value_heads=4),
+    "glm4_moe": dict(GROUPED_MOE),
     "glm4": {},
     "olmo3": dict(sliding_window=8),
     "olmoe": dict(MOE4, intermediate_size=64),
