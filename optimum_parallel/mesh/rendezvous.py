@@ -25,6 +25,7 @@ import torch
 import torch.distributed as dist
 
 from . import device as devices
+from .clean_exit import destroy_at_clean_exit
 
 VARIABLE = "TORCH_DISABLE_SHARE_RDZV_TCP_STORE"
 _ADDRESS_KEY = "optimum_parallel/rendezvous/rank0"  # in the agent's store: "host:port:token" of rank 0's small store
@@ -54,12 +55,14 @@ def init_process_group(backend: str, timeout: timedelta, device_id: torch.device
         store = dist.PrefixStore("default_pg", next(dist.rendezvous("env://", rank, world, timeout=timeout))[0])
     else:
         dist.init_process_group(backend=backend, timeout=timeout, device_id=device_id)
+        destroy_at_clean_exit()
         return
     if check:
         check_one_rank_per_device(store, rank, device_id, timeout)
     dist.init_process_group(
         backend=backend, store=store, rank=rank, world_size=world, timeout=timeout, device_id=device_id
     )
+    destroy_at_clean_exit()
 
 
 def check_one_rank_per_device(
