@@ -33,7 +33,7 @@ def graph() -> dict[str, set[str]]:
 
 
 LAYER_ATTRIBUTES = r"\.(sequence_parallel|enter_region|overlap_weight_grads|_entry_siblings)\s*=[^=]"
-DECIDES = r"(?<![A-Za-z_])LayerMode\((?!\))"  # a mode made with arguments: a decision, not a constructor default
+DECIDES = r"(?<![A-Za-z_])LayerWiring\((?!\))"  # a mode made with arguments: a decision, not a constructor default
 SUPPORT = {"comm.shared_memory", "tensor_parallel.spec"}  # a transport (same results as torch's) and shape bookkeeping
 
 
@@ -44,7 +44,7 @@ def _path(module: str) -> Path:
 def column_linear_reading(edges: dict[str, set[str]]) -> tuple[list[str], int]:
     """The files one reads to know what a column-parallel linear does in a forward and backward: the one defining it,
     the package modules it runs (its imports, transitively, inside comm/ and tensor_parallel/; not `SUPPORT`), and
-    every other module that decides its mode (makes a `LayerMode` with arguments) or sets one of its mode attributes
+    every other module that decides its mode (makes a `LayerWiring` with arguments) or sets one of its mode attributes
     after it is built."""
     modules = {module_name(p): p for p in ROOT.rglob("*.py")}
     start = next(m for m, p in modules.items() if "class ColumnParallelLinear" in p.read_text())

@@ -7,7 +7,7 @@ vulture (`make lint`), never run. Each is a parameter kept for its signature's s
 # ruff: noqa: B018, F821
 
 # `__exit__(self, *exc)`: the context-manager protocol passes the exception triple; closing ignores it
-# (checkpoint/reading.py, io/safetensors_io.py, plan/inference.py)
+# (checkpoint/reading.py, io/safetensors_io.py, plan/caller_outputs.py)
 exc
 
 # Parallelizer.parallelize: optimum-neuron's parameter, accepted for compatibility (public API, DESIGN.md)

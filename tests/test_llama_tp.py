@@ -69,7 +69,7 @@ def test_megatron_minimal_communication(pool):
 def count_weight_grads_left_to_the_entry() -> int:
     """How many layers of a 1-layer Llama leave their weight gradient to the tp entry's backward."""
     import optimum_parallel as op
-    from optimum_parallel.comm import region as region_entry
+    from optimum_parallel.comm import tp_entry as region_entry
 
     op.init_mesh(dp=dist.get_world_size() // 2, tp=2)
     config = tiny_config("llama", num_hidden_layers=1)

@@ -1,6 +1,6 @@
 """The plain collectives of the tensor-parallel regions: torch.distributed calls, or the same call on the group's
 `SharedMemoryGroup` for CPU tensors of ranks that share a host (see `shared_memory`). The eager region functions
-(`regions.py`) and the compiled region ops (`compiled.py`) both run these."""
+(`autograd_collectives.py`) and the compiled region ops (`compiled.py`) both run these."""
 
 from __future__ import annotations
 

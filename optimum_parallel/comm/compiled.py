@@ -1,11 +1,11 @@
 """The region ops as torch custom ops, for code that torch.compile traces (a compiled decoder block).
 
-Each of Megatron's conjugate pairs (`regions.py`) is one custom op with a fake-tensor implementation (the output's
-shape) and its backward registered as the other op of its pair, so dynamo records one node per collective, AOT
-autograd differentiates through it and no Python state (weakrefs, versions, ranks) is read while tracing. The ops
-run the same transports as the eager path (`regions.py`: gloo, or shared memory for the ranks of one host), in the
-order the graph gives them, which is the same on every rank (the same program, compiled the same way). A group
-travels as its name (`group.group_name`), as in torch's functional collectives.
+Each of Megatron's conjugate pairs (`autograd_collectives.py`) is one custom op with a fake-tensor implementation
+(the output's shape) and its backward registered as the other op of its pair, so dynamo records one node per
+collective, AOT autograd differentiates through it and no Python state (weakrefs, versions, ranks) is read while
+tracing. The ops run the same transports as the eager path (`autograd_collectives.py`: gloo, or shared memory for
+the ranks of one host), in the order the graph gives them, which is the same on every rank (the same program,
+compiled the same way). A group travels as its name (`group.group_name`), as in torch's functional collectives.
 
 The entry of a tp region (`enter`: identity forward, all-reduce backward; `sequence_gather` under sequence
 parallelism) is one op per column layer here; `merge_entries` (run by the blocks' backend, `engine/compile.py`)

@@ -23,7 +23,7 @@ from functools import cache
 from torch import nn
 
 from ..expert_parallel import find_experts
-from ..expert_parallel.experts import takes_expert_major_rows
+from ..expert_parallel.expert_split import takes_expert_major_rows
 from ..pipeline.decoder import DecoderRoles, decoder_roles, is_norm
 from .capabilities import Capabilities
 

@@ -2,7 +2,7 @@
 tokens dispatched to them by all-to-all (dispatch) and the split itself (experts)."""
 
 from .dispatch import all_to_all_rows, exchange_counts
-from .experts import (
+from .expert_split import (
     ExpertParallelRuntime,
     ExpertsDeclaration,
     apply_expert_parallel,

@@ -20,7 +20,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.pipelining import PipelineStage
 
-from ..comm.region import SequenceRegion
+from ..comm.tp_entry import SequenceRegion
 from ..mesh import ParallelMesh, ranks
 from ..mesh import device as devices
 from ..mesh.loaded import local_tensor

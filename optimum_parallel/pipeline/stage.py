@@ -17,7 +17,7 @@ from contextlib import contextmanager
 import torch
 from torch import nn
 
-from ..comm.region import SequenceRegion
+from ..comm.tp_entry import SequenceRegion
 from .decoder import DecoderRoles
 
 

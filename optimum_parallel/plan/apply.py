@@ -14,13 +14,13 @@ from dataclasses import dataclass
 
 from torch import nn
 
-from ..comm.region import SequenceRegion
+from ..comm.tp_entry import SequenceRegion
 from ..mesh import ParallelMesh
 from ..styles import ParallelStyle, PlanContext, optional
 from ..tensor_parallel.spec import ShardLayout
+from .caller_outputs import install_full_logits, install_generation_sync, install_sequence_region
 from .fixups import install_vocab_parallel_loss, localize_attention_heads, retie_shared_parameters
-from .inference import install_full_logits, install_generation_sync, install_sequence_region
-from .modes import plan_context
+from .wiring import plan_context
 from .wrappers import handler_for, style_target, wrapper_handlers
 
 
@@ -102,7 +102,7 @@ def apply_checked_plan(
 ) -> AppliedPlan:
     """Parallelize `model` in place by `targets` (what `check_plan` returned for it, unchanged since).
 
-    Every layer's mode is decided first, from the whole plan (`modes.py`); then module-swapping styles
+    Every layer's mode is decided first, from the whole plan (`wiring.py`); then module-swapping styles
     (ColWise/RowWise) run, then the hooks and markers, so a marker on a module sees its children already swapped
     whatever the order of the plan's keys. `overlap`: weight gradients may be computed during the entry's backward
     collective (off under pipeline schedules that defer them themselves).
@@ -129,7 +129,7 @@ def apply_checked_plan(
             handler.after_apply(model, ctx)
     retie_shared_parameters(model, original)
     install_vocab_parallel_loss(model)
-    install_full_logits(model)  # callers see full-vocabulary logits (see plan/inference.py)
+    install_full_logits(model)  # callers see full-vocabulary logits (see plan/caller_outputs.py)
     if ctx.sequence is not None:
         install_sequence_region(model, ctx.sequence)
     install_generation_sync(model)

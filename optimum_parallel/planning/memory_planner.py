@@ -14,7 +14,7 @@ The rank with the most bytes is reported. Assumptions (the `notes` of every esti
   parameters gathered from forward to backward); 3 + parameters / (dp x cp) (plus the gathered working set of the
   current and the prefetched block). cp alone divides none of them: every cp rank holds the same parameters.
 - Experts (mixture-of-experts models): under ep each rank keeps num_experts / ep of every MoE block's experts, so
-  their parameters, gradients and AdamW state are divided by ep on top of tp's split (`experts.py`), and the
+  their parameters, gradients and AdamW state are divided by ep on top of tp's split (`expert_facts.py`), and the
   sharding levels split them over the ranks holding the same experts, dp x cp / ep of them, as the engine does
   (ZeRO-1 over that group at level 1, FSDP2 units on it at levels 2-3), while the dense ones split over dp x cp;
   at levels 0-1 their gradients skip DDP and are averaged over those ranks in one flat buffer (a copy of the
@@ -53,7 +53,7 @@ from .activations import (
     paper_layer_bytes,
     ring_attention_layer_bytes,
 )
-from .experts import ExpertFacts, dispatch_layer_bytes
+from .expert_facts import ExpertFacts, dispatch_layer_bytes
 from .memory_text import format_estimate, format_suggestions, in_unit, pick_unit
 from .simulate import build_meta_model, load_config, resolve_for_tp
 from .stage_counts import StageCounts, state_bytes

@@ -15,7 +15,7 @@ from torch import nn
 
 if TYPE_CHECKING:  # annotations only: the record sits below every room that writes it
     from ..context_parallel.attention import ContextParallelAttention
-    from ..expert_parallel.experts import ExpertParallelRuntime
+    from ..expert_parallel.expert_split import ExpertParallelRuntime
     from ..pipeline.runtime import Pipeline
 
 _KEY = "_optimum_parallel_state"

@@ -3,11 +3,10 @@
 from .base import ParallelStyle, PlanContext, optional
 from .conv import DepthwiseConvParallel
 from .expert_parallel import ExpertParallel
-from .experts import IdentityExpertParallel, TensorParallelExperts
+from .fused import ColWiseConv1D, PackedColWiseParallel, RowWiseConv1D
 from .hooks import PrepareLayerInput, PrepareLayerOutput, ReplicatedWithGradAllReduce
 from .latent_attention import LatentKeyValueProjection
 from .linear import ColWiseParallel, LocalColWiseEmbedding, RowWiseParallel, TiedBiasColWiseParallel
-from .packed import ColWiseConv1D, PackedColWiseParallel, RowWiseConv1D
 from .parameter import SplitParameter
 from .sequence_parallel import (
     SequenceParallelBegin,
@@ -15,6 +14,7 @@ from .sequence_parallel import (
     SequenceParallelEnable,
     SequenceParallelEnd,
 )
+from .tp_experts import IdentityExpertParallel, TensorParallelExperts
 
 __all__ = [
     "ColWiseConv1D",

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 
 from torch import nn
 
-from ..comm.region import LayerMode, RegionEntry, SequenceRegion
+from ..comm.tp_entry import LayerWiring, RegionEntry, SequenceRegion
 from ..mesh import ParallelMesh, ranks
 from ..tensor_parallel.spec import ShardSpec, check_heads
 
@@ -19,19 +19,21 @@ from ..tensor_parallel.spec import ShardSpec, check_heads
 @dataclass
 class PlanContext:
     """What a style needs to know while it is applied: the mesh, the model's tp region entry and sequence-parallel
-    region, and every layer's mode, decided from the whole plan before any module is built (`plan/modes.py`)."""
+    region, and every layer's wiring, decided from the whole plan before any module is built (`plan/wiring.py`)."""
 
     mesh: ParallelMesh
     entry: RegionEntry = field(default_factory=RegionEntry)
     sequence: SequenceRegion | None = None  # set when the plan has sequence-parallel styles
-    modes: dict[str, LayerMode] = field(default_factory=dict)  # module name -> its layer's mode
-    default_mode: LayerMode = field(default_factory=LayerMode)  # a layer the plan did not name (styles used alone)
+    wirings: dict[str, LayerWiring] = field(default_factory=dict)  # module name -> its layer's wiring
+    default_wiring: LayerWiring = field(
+        default_factory=LayerWiring
+    )  # a layer the plan did not name (styles used alone)
     gathering_blocks: frozenset[str] = frozenset()  # SequenceParallelDisable'd blocks with parallel layers inside
     kinds: dict[str, str] = field(default_factory=dict)  # module name -> COLUMN or ROW: the tp layers the plan builds
 
-    def mode(self, name: str) -> LayerMode:
-        """The mode of the layer the style builds at `name`."""
-        return self.modes.get(name, self.default_mode)
+    def wiring(self, name: str) -> LayerWiring:
+        """The wiring of the layer the style builds at `name`."""
+        return self.wirings.get(name, self.default_wiring)
 
     @property
     def tp_rank_world(self) -> tuple[int, int]:
@@ -47,7 +49,7 @@ class ParallelStyle:
 
     allowed_modules: tuple[type, ...] = (nn.Module,)
     swaps_module = False  # True for styles that replace the module (applied before hooks and markers)
-    builds: str | None = None  # COLUMN or ROW: the kind of tp layer it builds (its mode is decided with the plan)
+    builds: str | None = None  # COLUMN or ROW: the kind of tp layer it builds (its wiring is decided with the plan)
 
     def check(self, module: nn.Module, name: str, ctx: PlanContext) -> None:
         if not isinstance(module, self.allowed_modules):

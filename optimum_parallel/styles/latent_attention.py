@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ..comm.regions import copy_to_tensor_parallel_region
+from ..comm.autograd_collectives import copy_to_tensor_parallel_region
 from .base import ParallelStyle
 
 

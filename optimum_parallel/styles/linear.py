@@ -36,7 +36,7 @@ class ColWiseParallel(HeadSplitStyle):
         if self.units is not None and self.units < tp:
             replica_group = ctx.mesh.subgroups("tp", self.units)
         return ColumnParallelLinear.from_linear(
-            module, ctx.mesh.tp_group, self.units, self.gather_output, ctx.mode(name), replica_group=replica_group
+            module, ctx.mesh.tp_group, self.units, self.gather_output, ctx.wiring(name), replica_group=replica_group
         )
 
 
@@ -60,9 +60,9 @@ class RowWiseParallel(HeadSplitStyle):
 
     def apply(self, module, name, ctx):
         if isinstance(module, nn.Embedding):
-            return VocabParallelEmbedding.from_embedding(module, ctx.mesh.tp_group, ctx.mode(name))
+            return VocabParallelEmbedding.from_embedding(module, ctx.mesh.tp_group, ctx.wiring(name))
         return RowParallelLinear.from_linear(
-            module, ctx.mesh.tp_group, self.units, self.input_is_parallel, ctx.mode(name)
+            module, ctx.mesh.tp_group, self.units, self.input_is_parallel, ctx.wiring(name)
         )
 
 
@@ -115,7 +115,7 @@ class TiedBiasColWiseParallel(ParallelStyle):
     def apply(self, module, name, ctx):
         linear = getattr(module, self.child)
         tied = linear.bias is not None and getattr(module, self.bias, None) is linear.bias
-        new = ColumnParallelLinear.from_linear(linear, ctx.mesh.tp_group, None, self.gather_output, ctx.mode(name))
+        new = ColumnParallelLinear.from_linear(linear, ctx.mesh.tp_group, None, self.gather_output, ctx.wiring(name))
         new.train(linear.training)
         setattr(module, self.child, new)
         if tied:

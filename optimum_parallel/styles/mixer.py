@@ -10,7 +10,7 @@ from dataclasses import replace
 import torch
 from torch import nn
 
-from ..comm.regions import copy_to_tensor_parallel_region
+from ..comm.autograd_collectives import copy_to_tensor_parallel_region
 from ..tensor_parallel.spec import ShardSpec
 from .base import ParallelStyle
 from .linear import ColWiseParallel
@@ -107,7 +107,7 @@ class EnteredColWiseParallel(ColWiseParallel):
     (`AllReduceOutputGradient`), for both paths."""
 
     def apply(self, module, name, ctx):
-        ctx.modes[name] = replace(ctx.mode(name), entry=None)
+        ctx.wirings[name] = replace(ctx.wiring(name), entry=None)
         return super().apply(module, name, ctx)
 
 

@@ -11,18 +11,18 @@ embedding output's length, so the embedding output stays whole (Megatron reduce-
 
 A forward whose sequence length tp does not divide (a one-token decode step) or that keeps only the last
 positions' logits (`logits_to_keep`, as `generate` does) leaves the sequence whole: the region's entry decides
-once per forward (`comm.region`), and every layer and hook of the region then takes the plain
+once per forward (`comm.tp_entry`), and every layer and hook of the region then takes the plain
 tensor-parallel path (norm gradients are whole on every rank, so they are not summed). The layers' part (which
 column layers gather the sequence, which row layers reduce-scatter it) is decided from these styles with the plan
-(`plan/modes.py`) and passed to the layers when they are built; the styles below only add the hooks.
+(`plan/wiring.py`) and passed to the layers when they are built; the styles below only add the hooks.
 """
 
 from __future__ import annotations
 
 import torch
 
-from ..comm.region import SequenceRegion
-from ..comm.regions import SEQ_DIM, copy_to_tensor_parallel_region, gather_from_sequence_parallel_region
+from ..comm.autograd_collectives import SEQ_DIM, copy_to_tensor_parallel_region, gather_from_sequence_parallel_region
+from ..comm.tp_entry import SequenceRegion
 from ..tensor_parallel.replicated import sum_parameter_gradients
 from .base import ParallelStyle, PlanContext
 
@@ -81,7 +81,7 @@ class SequenceParallelEnd(ParallelStyle):
         self.need_transpose = need_transpose
 
     def apply(self, module, name, ctx: PlanContext):
-        if name not in ctx.modes:  # not a parallel layer: gather before it
+        if name not in ctx.wirings:  # not a parallel layer: gather before it
             module.register_forward_pre_hook(_first_input_hook(ctx.sequence.gather), with_kwargs=True)
         return module
 

@@ -1,6 +1,6 @@
 """Tensor-parallel building blocks on local tensors: region ops, parallel layers, vocab-parallel loss."""
 
-from ..comm.regions import (
+from ..comm.autograd_collectives import (
     copy_to_tensor_parallel_region,
     gather_from_sequence_parallel_region,
     gather_from_tensor_parallel_region,

@@ -12,9 +12,9 @@ import torch
 from torch import nn
 from torch.distributed import ProcessGroup
 
-from ..comm.region import LayerMode
+from ..comm.tp_entry import LayerWiring
+from .fused import ReplicatedSegment, sum_segment_grads
 from .layers import _exit_region, _ShardedModule
-from .packed import ReplicatedSegment, sum_segment_grads
 
 try:  # transformers is a dependency; keep the engine importable without it all the same
     from transformers.pytorch_utils import Conv1D
@@ -34,19 +34,19 @@ class ColumnParallelConv1D(_ShardedModule):
         bias: nn.Parameter | None,
         group: ProcessGroup,
         segments: Sequence[tuple[ReplicatedSegment, ProcessGroup]] = (),
-        mode: LayerMode | None = None,
+        wiring: LayerWiring | None = None,
     ) -> None:
         super().__init__()
         self.weight, self.bias = weight, bias
         self.group = group
         self.segments = tuple(segments)
-        self.mode = mode or LayerMode()
+        self.wiring = wiring or LayerWiring()
         self.nx = weight.shape[0]
         self.nf = weight.shape[1]  # local output features, as HF's Conv1D names them
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.mode.entry is not None:
-            x = self.mode.entry(x, self.group, self.mode.splits_sequence())
+        if self.wiring.entry is not None:
+            x = self.wiring.entry(x, self.group, self.wiring.splits_sequence())
         weight = sum_segment_grads(self.weight, 1, self.segments)
         bias = sum_segment_grads(self.bias, 0, self.segments) if self.bias is not None else None
         size_out = x.shape[:-1] + (self.nf,)
@@ -62,19 +62,19 @@ class RowParallelConv1D(_ShardedModule):
     """y = sum_ranks x_local W[local, :] + b: the input features are split; the output is all-reduced."""
 
     def __init__(
-        self, weight: nn.Parameter, bias: nn.Parameter | None, group: ProcessGroup, mode: LayerMode | None = None
+        self, weight: nn.Parameter, bias: nn.Parameter | None, group: ProcessGroup, wiring: LayerWiring | None = None
     ) -> None:
         super().__init__()
         self.weight, self.bias = weight, bias
         self.group = group
-        self.mode = mode or LayerMode()
+        self.wiring = wiring or LayerWiring()
         self.nx = weight.shape[0]  # local input features
         self.nf = weight.shape[1]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         size_out = x.shape[:-1] + (self.nf,)
         y = (x.reshape(-1, x.shape[-1]) @ self.weight).view(size_out)
-        return _exit_region(y, self.group, self.mode.splits_sequence(), self.bias)
+        return _exit_region(y, self.group, self.wiring.splits_sequence(), self.bias)
 
     def extra_repr(self) -> str:
         return f"nx={self.weight.shard_layout.global_shape[0]} (local {self.nx}), nf={self.nf}"

@@ -2,8 +2,8 @@
 
 Each layer holds only this rank's shard; every parameter carries its `ShardLayout` as
 `param.shard_layout`, so checkpoints, lazy loading and resharding never have to guess. How a layer meets its
-neighbours (its region entry, sequence parallelism, overlap) is its `mode` (`comm/region.py`), decided with the plan
-(`plan/modes.py`).
+neighbours (its region entry, sequence parallelism, overlap) is its `wiring` (`comm/tp_entry.py`), decided with the plan
+(`plan/wiring.py`).
 """
 
 from __future__ import annotations
@@ -13,14 +13,14 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed import ProcessGroup
 
-from ..comm.region import LayerMode
-from ..comm.regions import (
+from ..comm.autograd_collectives import (
     copy_to_tensor_parallel_region,
     gather_from_tensor_parallel_region,
     reduce_from_tensor_parallel_region,
     reduce_scatter_to_sequence_parallel_region,
     scatter_to_tensor_parallel_region,
 )
+from ..comm.tp_entry import LayerWiring
 from ..mesh import device as devices
 from ..mesh import ranks
 from .spec import ShardSpec, local_parameter, shard_sizes
@@ -58,7 +58,7 @@ class ColumnParallelLinear(_ShardedModule):
     """y_local = x W_local^T + b_local: the output features are split over the tp group.
 
     `gather_output` all-gathers the output features; otherwise the output stays split (the next
-    layer is row-parallel, or the loss is vocab-parallel). The input enters the tp region through `mode.entry`
+    layer is row-parallel, or the loss is vocab-parallel). The input enters the tp region through `wiring.entry`
     (shared with the sibling layers reading the same input), unless the caller entered it already.
     """
 
@@ -70,16 +70,16 @@ class ColumnParallelLinear(_ShardedModule):
         bias: nn.Parameter | None,
         group: ProcessGroup,
         gather_output: bool = False,
-        mode: LayerMode | None = None,
+        wiring: LayerWiring | None = None,
         replica_group: ProcessGroup | None = None,
     ) -> None:
         super().__init__()
         self.weight, self.bias = weight, bias
         self.group = group
         self.gather_output = gather_output
-        self.mode = mode or LayerMode()
-        if self.mode.siblings is not None:
-            self.mode.siblings.layers.append(self)
+        self.wiring = wiring or LayerWiring()
+        if self.wiring.siblings is not None:
+            self.wiring.siblings.layers.append(self)
         self.replica_group = replica_group  # tp ranks holding this same shard: their gradients are summed
         self.in_features = weight.shape[1]
         self.out_features = weight.shard_layout.global_shape[0]
@@ -91,7 +91,7 @@ class ColumnParallelLinear(_ShardedModule):
         group: ProcessGroup,
         units: int | None = None,
         gather_output: bool = False,
-        mode: LayerMode | None = None,
+        wiring: LayerWiring | None = None,
         replica_group: ProcessGroup | None = None,
     ) -> ColumnParallelLinear:
         rank, world = ranks.rank(group), ranks.world_size(group)
@@ -103,7 +103,7 @@ class ColumnParallelLinear(_ShardedModule):
         if linear.bias is not None:
             bias_layout = ShardSpec.split(linear.bias.shape, 0, units).local(rank, world)
             bias = local_parameter(linear.bias, bias_layout, linear.bias.requires_grad)
-        return cls(weight, bias, group, gather_output, mode, replica_group if layout.replicas > 1 else None)
+        return cls(weight, bias, group, gather_output, wiring, replica_group if layout.replicas > 1 else None)
 
     @property
     def output_sizes(self) -> list[int]:
@@ -118,7 +118,7 @@ class ColumnParallelLinear(_ShardedModule):
         if self.replica_group is not None:  # identity forward, gradient summed over the replicas backward
             weight = copy_to_tensor_parallel_region(weight, self.replica_group)
             bias = copy_to_tensor_parallel_region(bias, self.replica_group) if bias is not None else None
-        entry = self.mode.entry
+        entry = self.wiring.entry
         y = entry.linear(self, x, weight, bias) if entry is not None else F.linear(x, weight, bias)
         return self.gather(y) if self.gather_output else y
 
@@ -139,13 +139,13 @@ class RowParallelLinear(_ShardedModule):
         bias: nn.Parameter | None,
         group: ProcessGroup,
         input_is_parallel: bool = True,
-        mode: LayerMode | None = None,
+        wiring: LayerWiring | None = None,
     ) -> None:
         super().__init__()
         self.weight, self.bias = weight, bias
         self.group = group
         self.input_is_parallel = input_is_parallel
-        self.mode = mode or LayerMode()
+        self.wiring = wiring or LayerWiring()
         self.in_features = weight.shard_layout.global_shape[1]
         self.out_features = weight.shape[0]
 
@@ -156,7 +156,7 @@ class RowParallelLinear(_ShardedModule):
         group: ProcessGroup,
         units: int | None = None,
         input_is_parallel: bool = True,
-        mode: LayerMode | None = None,
+        wiring: LayerWiring | None = None,
     ) -> RowParallelLinear:
         rank, world = ranks.rank(group), ranks.world_size(group)
         layout = ShardSpec.split(linear.weight.shape, 1, units).local(rank, world)
@@ -168,14 +168,14 @@ class RowParallelLinear(_ShardedModule):
             bias = local_parameter(
                 linear.bias, ShardSpec(linear.bias.shape).local(rank, world), linear.bias.requires_grad
             )
-        return cls(weight, bias, group, input_is_parallel, mode)
+        return cls(weight, bias, group, input_is_parallel, wiring)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.input_is_parallel:
             x = scatter_to_tensor_parallel_region(
                 x, self.group, dim=-1, sizes=shard_sizes(self.in_features, ranks.world_size(self.group))
             )
-        return _exit_region(F.linear(x, self.weight), self.group, self.mode.splits_sequence(), self.bias)
+        return _exit_region(F.linear(x, self.weight), self.group, self.wiring.splits_sequence(), self.bias)
 
     def extra_repr(self) -> str:
         return (
@@ -192,12 +192,16 @@ class VocabParallelEmbedding(_ShardedModule):
     """
 
     def __init__(
-        self, weight: nn.Parameter, group: ProcessGroup, padding_idx: int | None = None, mode: LayerMode | None = None
+        self,
+        weight: nn.Parameter,
+        group: ProcessGroup,
+        padding_idx: int | None = None,
+        wiring: LayerWiring | None = None,
     ) -> None:
         super().__init__()
         self.weight = weight
         self.group = group
-        self.mode = mode or LayerMode()
+        self.wiring = wiring or LayerWiring()
         self.num_embeddings, self.embedding_dim = weight.shard_layout.global_shape
         self.vocab_start, self.vocab_end = weight.shard_layout.ranges[0]
         self.padding_idx = padding_idx
@@ -206,14 +210,14 @@ class VocabParallelEmbedding(_ShardedModule):
 
     @classmethod
     def from_embedding(
-        cls, embedding: nn.Embedding, group: ProcessGroup, mode: LayerMode | None = None
+        cls, embedding: nn.Embedding, group: ProcessGroup, wiring: LayerWiring | None = None
     ) -> VocabParallelEmbedding:
         if embedding.max_norm is not None or embedding.sparse:
             raise ValueError("VocabParallelEmbedding does not support max_norm or sparse embeddings")
         rank, world = ranks.rank(group), ranks.world_size(group)
         layout = ShardSpec.split(embedding.weight.shape, 0).local(rank, world)
         weight = local_parameter(embedding.weight, layout, embedding.weight.requires_grad)
-        layer = cls(weight, group, embedding.padding_idx, mode)
+        layer = cls(weight, group, embedding.padding_idx, wiring)
         if hasattr(embedding, "embed_scale"):  # scaled word embeddings (Gemma and friends)
             layer.embed_scale = embedding.embed_scale
         return layer
@@ -241,7 +245,7 @@ class VocabParallelEmbedding(_ShardedModule):
     def _finish(self, out: torch.Tensor) -> torch.Tensor:
         if hasattr(self, "embed_scale"):
             out = out * self.embed_scale.to(out.dtype)
-        return _exit_region(out, self.group, self.mode.splits_sequence())
+        return _exit_region(out, self.group, self.wiring.splits_sequence())
 
     def extra_repr(self) -> str:
         return (

@@ -8,7 +8,7 @@ import torch
 from torch import nn
 from torch.distributed import ProcessGroup
 
-from ..comm.regions import copy_to_tensor_parallel_region
+from ..comm.autograd_collectives import copy_to_tensor_parallel_region
 
 _SYNCED_CLASSES: dict[type, type] = {}
 

@@ -30,14 +30,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ...comm.regions import (
+from ...comm.autograd_collectives import (
     copy_to_tensor_parallel_region,
     reduce_from_tensor_parallel_region,
     reduce_scatter_to_sequence_parallel_region,
 )
 from ...mesh import ranks
+from ...tensor_parallel.fused import PackedColumnParallelLinear
 from ...tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
-from ...tensor_parallel.packed import PackedColumnParallelLinear
 from ...tensor_parallel.spec import ShardSpec, local_parameter
 
 SUPPORTED = "LoRA on Linear layers (peft.tuners.lora.Linear)"
@@ -95,7 +95,7 @@ def check_lora_target(base: nn.Module, name: str) -> None:
         name,
         gather_output=getattr(base, "gather_output", False),
         input_is_parallel=getattr(base, "input_is_parallel", True),
-        lm_head=hasattr(base, "logits_mode"),  # the vocab-parallel head (plan/inference.py sets it)
+        lm_head=hasattr(base, "logits_mode"),  # the vocab-parallel head (plan/caller_outputs.py sets it)
     )
     if reason:
         raise NotImplementedError(reason)
@@ -261,7 +261,7 @@ class _JoinedEntry:
 def _joined_entry(self, x: torch.Tensor, active: list[str]) -> _JoinedEntry:
     """The block's entry of `x` with the u of every active adapter of this layer and its siblings (the last one is
     kept on the model's region entry, beside its own last entry)."""
-    entry = self.base_layer.mode.entry
+    entry = self.base_layer.wiring.entry
     last = entry.joined
     if (
         last is not None
@@ -271,7 +271,7 @@ def _joined_entry(self, x: torch.Tensor, active: list[str]) -> _JoinedEntry:
     ):
         return last
     base = self.base_layer
-    sequence_parallel = base.mode.splits_sequence()  # a decode step leaves the sequence whole
+    sequence_parallel = base.wiring.splits_sequence()  # a decode step leaves the sequence whole
     layers = [self] + [s for s in _siblings(self) if s is not self]
     keys, parts = [], [x]
     for layer in layers:
@@ -297,7 +297,7 @@ def _traced_entry(self, x: torch.Tensor, active: list[str]) -> _JoinedEntry:
     """The entry as torch.compile traces it: x enters as the base layer's would (the compile backend folds it with
     its siblings'), each adapter's u = A x through an entry of its own (a collective of rank-r rows each way)."""
     base = self.base_layer
-    entry, sequence_parallel = base.mode.entry, base.mode.splits_sequence()
+    entry, sequence_parallel = base.wiring.entry, base.wiring.splits_sequence()
     adapters = {}
     for name in active:
         a = self.lora_A[name].weight
@@ -311,10 +311,10 @@ def _traced_entry(self, x: torch.Tensor, active: list[str]) -> _JoinedEntry:
 def _column_forward(self, x: torch.Tensor, active: list[str]) -> torch.Tensor:
     base = self.base_layer
     key = (lambda name: (id(self), name)) if not torch.compiler.is_compiling() else (lambda name: name)
-    if base.mode.entry is not None and torch.compiler.is_compiling():
+    if base.wiring.entry is not None and torch.compiler.is_compiling():
         joined = _traced_entry(self, x, active)
         entered, adapters = joined.entered, joined.adapters
-    elif base.mode.entry is not None:
+    elif base.wiring.entry is not None:
         joined = _joined_entry(self, x, active)
         entered, adapters = joined.entered, joined.adapters
     else:  # the block gathered the whole sequence already (sequence parallelism): A's gradient is summed over tp
@@ -341,7 +341,7 @@ def _siblings(layer: nn.Module) -> list[nn.Module]:
     refs = layer.__dict__.get("_lora_siblings")
     if refs is None:  # adapters added after the split: the base layers know their siblings
         base = layer.base_layer
-        bases = [base] + [b for b in (base.mode.siblings.layers if base.mode.siblings else ()) if b is not base]
+        bases = [base] + [b for b in (base.wiring.siblings.layers if base.wiring.siblings else ()) if b is not base]
         refs = [w for b in bases if (w := b.__dict__.get("_lora_wrapper")) is not None]
     return [s for ref in refs if (s := ref()) is not None]
 
@@ -367,7 +367,7 @@ def _row_forward(self, x: torch.Tensor, active: list[str]) -> torch.Tensor:
         a = self.lora_A[name].weight
         partial.append(F.linear(self.lora_dropout[name](x.to(a.dtype)), a).to(partial[0].dtype))
     joined = torch.cat(partial, dim=-1)  # the adapters' A x join the base layer's one collective
-    sequence_parallel = base.mode.splits_sequence()
+    sequence_parallel = base.wiring.splits_sequence()
     if sequence_parallel:
         joined = reduce_scatter_to_sequence_parallel_region(joined, base.group)
     else:

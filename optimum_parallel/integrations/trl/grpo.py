@@ -413,7 +413,7 @@ class ParallelGRPOTrainer(ParallelTrainerMixin, GRPOTrainer):
             targets = ids[:, -logits_to_keep:].masked_fill(mask[:, -logits_to_keep:] == 0, -100)
             local = logits_mode(model, "local") if where.group is not None else contextlib.nullcontext()
             # only the completion's positions reach the LM head; under sequence parallelism the whole sequence does
-            # (a forward keeping some logits runs the plain tp path, see plan/inference.py: sp would be off)
+            # (a forward keeping some logits runs the plain tp path, see plan/caller_outputs.py: sp would be off)
             keep = {} if self.args.sequence_parallel else {"logits_to_keep": logits_to_keep + 1}
             with local, self.accelerator.autocast():
                 output = model(input_ids=ids, attention_mask=mask, use_cache=False, **keep)

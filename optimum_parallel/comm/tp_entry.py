@@ -1,6 +1,6 @@
 """How a tensor-parallel layer enters and leaves its region: one module, the only place that decides it.
 
-`LayerMode` is what the plan decided for one layer (`plan/modes.py`), passed to its constructor and never changed:
+`LayerWiring` is what the plan decided for one layer (`plan/wiring.py`), passed to its constructor and never changed:
 its entry (`RegionEntry`, one per model), its sequence-parallel region (`SequenceRegion`, one per model with a
 sequence-parallel plan), its siblings and whether its weight gradients overlap the entry's backward collective.
 
@@ -39,14 +39,14 @@ from torch import nn
 from torch.distributed import ProcessGroup
 
 from ..mesh import ranks
-from .collectives import all_gather, start_all_reduce, start_reduce_scatter
-from .regions import (
+from .autograd_collectives import (
     SEQ_DIM,
     copy_to_tensor_parallel_region,
     gather_from_sequence_parallel_region,
     gather_from_tensor_parallel_region,
     scatter_to_sequence_parallel_region,
 )
+from .collectives import all_gather, start_all_reduce, start_reduce_scatter
 
 
 class _PendingWeightGrads:
@@ -136,7 +136,7 @@ class _Entry:
 def _overlappable(layer) -> bool:
     weight = getattr(layer, "weight", None)
     return (
-        layer.mode.overlap
+        layer.wiring.overlap
         and getattr(layer, "defers_weight_grads", False)
         and weight is not None
         and weight.requires_grad
@@ -172,7 +172,7 @@ class RegionEntry:
 
     def linear(self, layer, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         """`F.linear(entered x, weight, bias)` for a column-parallel `layer`, overlapped where it can be."""
-        sequence_parallel = layer.mode.splits_sequence()
+        sequence_parallel = layer.wiring.splits_sequence()
         if not sequence_parallel and not torch.is_grad_enabled():  # inference: entering is the identity
             return F.linear(x, weight, bias)
         if torch.compiler.is_compiling():
@@ -200,7 +200,7 @@ class RegionEntry:
     def _new_entry(self, x: torch.Tensor, group: ProcessGroup, sequence_parallel: bool, layer) -> _Entry:
         layers = []
         if layer is not None and torch.is_grad_enabled() and not torch.is_autocast_enabled(x.device.type):
-            siblings = layer.mode.siblings.layers if layer.mode.siblings is not None else ()
+            siblings = layer.wiring.siblings.layers if layer.wiring.siblings is not None else ()
             layers = [m for m in [layer, *(s for s in siblings if s is not layer)] if _overlappable(m)]
         if not layers:
             if sequence_parallel:
@@ -262,7 +262,7 @@ class Siblings:
 
 
 @dataclass(frozen=True)
-class LayerMode:
+class LayerWiring:
     """What the plan decided for one layer (see the module docstring); the default, for a layer built on its own
     outside a plan: its own entry, no sequence parallelism."""
 

@@ -7,7 +7,7 @@ from collections.abc import Sequence
 from torch import nn
 
 from ..tensor_parallel.conv1d import CONV1D_TYPES, ColumnParallelConv1D, RowParallelConv1D
-from ..tensor_parallel.packed import PackedColumnParallelLinear
+from ..tensor_parallel.fused import PackedColumnParallelLinear
 from ..tensor_parallel.spec import ShardSpec, local_parameter
 from .base import COLUMN, ROW, HeadSplitStyle, ParallelStyle, check_style_heads
 
@@ -80,8 +80,8 @@ class PackedColWiseParallel(ParallelStyle):
         groups = [(segment, ctx.mesh.subgroups("tp", segment.heads)) for segment in segments]
         weight, bias, group = params["weight"], params.get("bias"), ctx.mesh.tp_group
         if _is_conv1d(module):
-            return ColumnParallelConv1D(weight, bias, group, groups, ctx.mode(name))
-        return PackedColumnParallelLinear(weight, bias, group, groups, ctx.mode(name))
+            return ColumnParallelConv1D(weight, bias, group, groups, ctx.wiring(name))
+        return PackedColumnParallelLinear(weight, bias, group, groups, ctx.wiring(name))
 
 
 class ColWiseConv1D(PackedColWiseParallel):
@@ -113,4 +113,4 @@ class RowWiseConv1D(HeadSplitStyle):
             leaf: local_parameter(getattr(module, leaf), spec.local(rank, world), getattr(module, leaf).requires_grad)
             for leaf, spec in self.param_specs(module).items()
         }
-        return RowParallelConv1D(local["weight"], local.get("bias"), ctx.mesh.tp_group, ctx.mode(name))
+        return RowParallelConv1D(local["weight"], local.get("bias"), ctx.mesh.tp_group, ctx.wiring(name))

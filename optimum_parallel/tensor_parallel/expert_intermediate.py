@@ -21,8 +21,8 @@ import torch
 from torch import nn
 from torch.distributed import ProcessGroup
 
-from ..comm.region import RegionEntry
-from ..comm.regions import copy_to_tensor_parallel_region, reduce_from_tensor_parallel_region
+from ..comm.autograd_collectives import copy_to_tensor_parallel_region, reduce_from_tensor_parallel_region
+from ..comm.tp_entry import RegionEntry
 from ..mesh import ranks
 from .spec import ShardLayout, ShardSpec, local_parameter
 

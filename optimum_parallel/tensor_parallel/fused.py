@@ -16,7 +16,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.distributed import ProcessGroup
 
-from ..comm.region import LayerMode
+from ..comm.tp_entry import LayerWiring
 from .layers import ColumnParallelLinear
 from .spec import ReplicatedSegment
 
@@ -62,16 +62,16 @@ class PackedColumnParallelLinear(ColumnParallelLinear):
         bias,
         group,
         segments: Sequence[tuple[ReplicatedSegment, ProcessGroup]] = (),
-        mode: LayerMode | None = None,
+        wiring: LayerWiring | None = None,
     ) -> None:
-        super().__init__(weight, bias, group, mode=mode)
+        super().__init__(weight, bias, group, wiring=wiring)
         self.segments = tuple(segments)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.gather_output:
             raise ValueError("a packed column-parallel layer cannot gather its output (the parts are interleaved)")
-        if self.mode.entry is not None:
-            x = self.mode.entry(x, self.group, self.mode.splits_sequence())
+        if self.wiring.entry is not None:
+            x = self.wiring.entry(x, self.group, self.wiring.splits_sequence())
         weight = sum_segment_grads(self.weight, 0, self.segments)
         bias = sum_segment_grads(self.bias, 0, self.segments) if self.bias is not None else None
         return F.linear(x, weight, bias)

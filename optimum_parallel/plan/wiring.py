@@ -1,7 +1,7 @@
-"""Every tensor-parallel layer's mode, decided from the whole plan before any module is built.
+"""Every tensor-parallel layer's wiring, decided from the whole plan before any module is built.
 
 The sequence-parallel styles say where the sequence is split; from them follows, for each layer a swapping style
-builds, how it enters or leaves the tp region (`comm.region.LayerMode`):
+builds, how it enters or leaves the tp region (`comm.tp_entry.LayerWiring`):
 
 - a column layer inside a `SequenceParallelDisable`d block that gathers the whole sequence at its boundary does not
   enter the region itself; a row layer there reduce-scatters the sequence;
@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from torch import nn
 
-from ..comm.region import LayerMode, SequenceRegion, Siblings
+from ..comm.tp_entry import LayerWiring, SequenceRegion, Siblings
 from ..styles import ParallelStyle, PlanContext, SequenceParallelBegin, SequenceParallelDisable, SequenceParallelEnd
 from ..styles.base import COLUMN, ROW
 from ..styles.sequence_parallel import SequenceParallelEnable
@@ -30,9 +30,9 @@ def _builds(styles: list[ParallelStyle]) -> str | None:
 
 def plan_context(model: nn.Module, targets: dict[str, list[ParallelStyle]], mesh, overlap: bool = True) -> PlanContext:
     """The context every style of `targets` (a checked plan) is applied with: the model's entry, its sequence
-    region (when the plan has sequence-parallel styles) and every layer's mode."""
+    region (when the plan has sequence-parallel styles) and every layer's wiring."""
     ctx = PlanContext(mesh)
-    ctx.default_mode = LayerMode(entry=ctx.entry, overlap=overlap)
+    ctx.default_wiring = LayerWiring(entry=ctx.entry, overlap=overlap)
     if any(isinstance(s, SEQUENCE_STYLES) for styles in targets.values() for s in styles):
         ctx.sequence = SequenceRegion(mesh.tp_group)
     kinds = {name: _builds(styles) for name, styles in targets.items()}
@@ -54,7 +54,7 @@ def plan_context(model: nn.Module, targets: dict[str, list[ParallelStyle]], mesh
         if kind == COLUMN:
             family = Siblings() if wrapped else siblings.setdefault(name.rpartition(".")[0], Siblings())
         splits = inside if kind == ROW else (name in ends and not inside)
-        ctx.modes[name] = LayerMode(
+        ctx.wirings[name] = LayerWiring(
             entry=None if (inside and kind == COLUMN) else ctx.entry,
             sequence=ctx.sequence if splits else None,
             siblings=family,

@@ -6,7 +6,7 @@ from collections.abc import Sequence
 
 from torch import nn
 
-from ..tensor_parallel.experts import bias_of, expert_specs, shard_experts
+from ..tensor_parallel.expert_intermediate import bias_of, expert_specs, shard_experts
 from .base import ParallelStyle
 
 

@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..comm.region import SequenceRegion
+from ..comm.tp_entry import SequenceRegion
 from ..mesh import device as devices
 from ..mesh import ranks
 from ..tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
