@@ -2,9 +2,10 @@
 
 The doors (Paddle's `parallelize(model, optimizer, mesh, config)`, `Parallelizer.parallelize(model, ...)`,
 `ParallelTrainingArguments` / `ParallelTrainer`) only translate their arguments into a `ParallelRequest`; its `keys`
-remember what the caller called each setting, so every error names the key the caller wrote. `validate.validate`
-checks the whole request against the model and the mesh and returns a `CheckedRequest`, the only thing
-`compose.compose` takes.
+remember what the caller called each setting, so every error names the key the caller wrote. A family door decides
+its family's part first (`frontends/family_request.py`: the plan, the capabilities, the after-plan fix-up), so the
+engine never calls a family. `resolve.resolve` decides every default once and returns a `ResolvedRequest`;
+`checks.check` checks it against the model and the mesh; `compose.compose` takes it (`validate.validate` does both).
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from torch import nn
 
 from ..pipeline.split import SplitPoint
 from ..styles import ParallelStyle
+from .capabilities import Capabilities
 from .compile import CompileConfig
 from .data_parallel import DataParallelConfig
 
@@ -83,14 +85,16 @@ class PipelineRequest:
 
 @dataclass(frozen=True)
 class ParallelRequest:
-    """Everything a caller asks of one parallelization (see the module docstring). `family` (a Parallelizer class)
-    makes the plan when `plan` is None, after its own capability checks; `sections` are the config sections a caller
-    named (Paddle's door: each needs a mesh dim to act on); `batch_sizes` and `gradient_accumulation_steps` are the
-    Trainer's (micro-batches must divide the batches); `compile` is the caller's value (`engine/compile.py`'s
-    `compile_config` reads it)."""
+    """Everything a caller asks of one parallelization (see the module docstring). `plan` is the caller's or the
+    family's; `capabilities` what the model supports as its family declares it (None: derived from the model's
+    structure); `after_plan` the family's fix-up of module attributes once the plan is applied; `sections` are the
+    config sections a caller named (Paddle's door: each needs a mesh dim to act on); `batch_sizes` and
+    `gradient_accumulation_steps` are the Trainer's (micro-batches must divide the batches); `compile` is the
+    caller's value (`engine/compile.py`'s `compile_config` reads it)."""
 
     plan: Mapping[str, Any] | None = None
-    family: type | None = None
+    capabilities: Capabilities | None = None
+    after_plan: Callable[[nn.Module, object], None] | None = None
     parallelize_embeddings: bool = True
     sequence_parallel: bool = False
     pipeline: PipelineRequest | None = None
@@ -111,12 +115,14 @@ class ParallelRequest:
 
 
 @dataclass(frozen=True)
-class CheckedRequest:
-    """A request `validate` accepted for one model and mesh: the plan as checked ({module name: styles}), the
-    pipeline with its defaults filled (None without pp), the data parallelism to apply (None: none), the family's
-    fix-up after the plan, how to compile the blocks (None: eager)."""
+class ResolvedRequest:
+    """A request with everything the steps apply decided once for one model and mesh (`resolve.resolve`): what the
+    model supports, the plan as checked ({module name: styles}; None: no plan), the pipeline with its defaults filled
+    (None without pp), the data parallelism to apply (None: none), the family's fix-up after the plan, how to compile
+    the blocks (None: eager)."""
 
     request: ParallelRequest
+    capabilities: Capabilities
     targets: dict[str, list[ParallelStyle]] | None
     pipeline: PipelineRequest | None
     data_parallel: DataParallelConfig | None
@@ -126,3 +132,6 @@ class CheckedRequest:
     @property
     def optimizer(self) -> torch.optim.Optimizer | None:
         return self.request.optimizer
+
+
+CheckedRequest = ResolvedRequest  # the name `compose` takes: a resolved request `checks.check` accepted

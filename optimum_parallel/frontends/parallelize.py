@@ -18,7 +18,6 @@ from ..engine.request import CONFIG_KEYS, ParallelRequest, PipelineRequest
 from ..engine.validate import validate
 from ..mesh import ParallelMesh, get_mesh
 from ..plan.wrappers import plan_root
-from . import manager  # noqa: F401  (the family registry answers the engine's questions about what a model supports)
 from .config import ParallelConfig
 
 

@@ -1,5 +1,6 @@
 """Parallelizer: the per-model-family front door (optimum-neuron's API). Its methods translate their arguments into
-one `ParallelRequest` (this door's key names) and hand it to the engine's `validate` and `compose`."""
+one `ParallelRequest` (this door's key names); the family's part is decided here (`family_request.py`) and the rest by
+the engine (`resolve`, `check`, `compose`)."""
 
 from __future__ import annotations
 
@@ -15,10 +16,10 @@ from ..engine.capabilities import Capabilities
 from ..engine.compose import compose_model, optimizer_for_parallel_model
 from ..engine.data_parallel import DataParallelConfig
 from ..engine.request import PARALLELIZER_KEYS, ParallelRequest, PipelineRequest, RequestKeys
-from ..engine.validate import validate
 from ..mesh import ParallelMesh, get_mesh
 from ..plan.wrappers import plan_root
 from ..state import parallel_state
+from .family_request import validate_family_request
 
 
 class Parallelizer:
@@ -94,11 +95,11 @@ class Parallelizer:
         keys: RequestKeys = PARALLELIZER_KEYS,
         **settings,
     ) -> ParallelRequest:
-        """This door's arguments as one request (`keys`: what the caller calls them; the Trainer passes its own)."""
+        """This door's arguments as one request (`keys`: what the caller calls them; the Trainer passes its own),
+        before its family's part (`family_request`) is decided."""
         names = tuple(pipeline_parallel_input_names) if pipeline_parallel_input_names is not None else None
         pipeline = PipelineRequest(None, pipeline_parallel_num_microbatches, pipeline_parallel_schedule, None, names)
         return ParallelRequest(
-            family=cls,
             parallelize_embeddings=parallelize_embeddings,
             sequence_parallel=sequence_parallel_enabled,
             pipeline=pipeline,
@@ -115,7 +116,7 @@ class Parallelizer:
     def validate(cls, model: nn.Module, *args, **kwargs) -> None:
         """Raise, changing nothing, if `parallelize` with these arguments (`request`'s: data parallelism at
         `data_parallel` over `optimizer` included) would refuse."""
-        validate(cls.request(*args, **kwargs), plan_root(model), get_mesh())
+        validate_family_request(cls, cls.request(*args, **kwargs), plan_root(model), get_mesh())
 
     @classmethod
     def parallelize(
@@ -162,7 +163,9 @@ class Parallelizer:
             compile=compile,
         )
         mesh = get_mesh()
-        mapping = compose_model(inner, mesh, validate(request, inner, mesh))  # validated whole, then composed
+        mapping = compose_model(
+            inner, mesh, validate_family_request(cls, request, inner, mesh)
+        )  # checked, then composed
         parallel_state(inner).param_map = mapping
         model.orig_param_to_parallel_param = mapping  # optimum-neuron's public name, for `optimizer_for_mp`
         if checkpoint_dir is not None:

@@ -12,7 +12,6 @@ import contextlib
 import os
 import shutil
 import tempfile
-from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -29,12 +28,13 @@ from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, SaveStrategy, rota
 from ...checkpoint import find_last_checkpoint, read_index, reshard_checkpoint, save_model_checkpoint
 from ...checkpoint.async_save import AsyncCheckpoint, wait_for_pending_save
 from ...checkpoint.ranks import current_rank
+from ...engine.checks import mesh_layout
 from ...engine.compose import compose_model, compose_training, optimizer_for_parallel_model
 from ...engine.grad_norm import clip_grad_norm_
 from ...engine.grad_norm import grad_norm as global_grad_norm
 from ...engine.replicas import check_replicas
 from ...engine.request import ParallelRequest
-from ...engine.validate import mesh_layout, validate
+from ...frontends.family_request import validate_family_request
 from ...frontends.manager import ParallelizersManager
 from ...mesh import ParallelMesh, get_mesh, init_mesh, ranks
 from ...packing import PACKING_KEYS
@@ -118,7 +118,7 @@ class ParallelTrainerMixin:
         self.parallelizer = ParallelizersManager.parallelizer_for_model(model)
         # the whole request, data parallelism and the optimizer passed in included, before anything changes
         inner = plan_root(model)
-        checked = validate(replace(request, family=self.parallelizer), inner, self.mesh)
+        checked = validate_family_request(self.parallelizer, request, inner, self.mesh)
         if peft_config is not None:  # the adapters come after the split: their targets are checked against the plan
             from ..peft.lora import check_adapter_targets
 

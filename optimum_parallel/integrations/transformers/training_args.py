@@ -11,10 +11,10 @@ from transformers import TrainingArguments
 from transformers.utils import is_torch_xla_available
 
 from ...context_parallel import STRATEGIES as CP_STRATEGIES
+from ...engine.checks import check_settings
 from ...engine.compile import CompileConfig
 from ...engine.data_parallel import DataParallelConfig
 from ...engine.request import TRAINER_KEYS, ParallelRequest, PipelineRequest
-from ...engine.validate import check_settings
 from ...mesh import device as devices
 from ...mesh import ranks
 from ...mesh.rendezvous import init_before_accelerate
@@ -113,18 +113,16 @@ class ParallelTrainingArguments(TrainingArguments):
 
 def trainer_request(
     args: ParallelTrainingArguments,
-    family: type | None = None,
     optimizer: torch.optim.Optimizer | None = None,
     device: torch.device | str | None = None,
 ) -> ParallelRequest:
-    """The Trainer's arguments as one request, named as the Trainer names them (`family`: the model's Parallelizer,
-    which makes the plan)."""
+    """The Trainer's arguments as one request, named as the Trainer names them (the model's Parallelizer decides the
+    plan: `frontends/family_request.py`)."""
     pipeline = PipelineRequest(None, args.pipeline_parallel_num_microbatches, args.pipeline_schedule)
     data_parallel = DataParallelConfig(
         args.sharding_level, shard_size=args.shard_size, threshold=args.sharding_threshold_kb
     )
     return ParallelRequest(
-        family=family,
         sequence_parallel=args.sequence_parallel,
         pipeline=pipeline,
         context_parallel=args.context_parallel_strategy,

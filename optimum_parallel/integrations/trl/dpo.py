@@ -36,7 +36,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel, set_
 from trl import DPOConfig, DPOTrainer
 
 from ...engine.compose import compose_model
-from ...engine.validate import validate
+from ...frontends.family_request import validate_family_request
 from ...frontends.manager import ParallelizersManager
 from ...plan.wrappers import plan_root
 from ...tensor_parallel.logprobs import IGNORE_INDEX, token_log_probs, vocab_slice
@@ -177,7 +177,7 @@ class ParallelDPOTrainer(ParallelTrainerMixin, DPOTrainer):
                 ref = model_class.from_pretrained(ref, **kwargs)
         inner = plan_root(ref)
         family = ParallelizersManager.parallelizer_for_model(ref)
-        checked = validate(replace(request, family=family, optimizer=None), inner, mesh)
+        checked = validate_family_request(family, replace(request, optimizer=None), inner, mesh)
         compose_model(inner, mesh, checked)
         ref.requires_grad_(False)
         return ref.eval()

@@ -54,7 +54,7 @@ from trl import GRPOConfig, GRPOTrainer
 from trl.trainer import grpo_trainer as trl_grpo
 
 from ...engine.compose import compose_model
-from ...engine.validate import validate
+from ...frontends.family_request import validate_family_request
 from ...frontends.manager import ParallelizersManager
 from ...mesh import ParallelMesh, ranks
 from ...plan import logits_mode
@@ -286,8 +286,8 @@ class ParallelGRPOTrainer(ParallelTrainerMixin, GRPOTrainer):
         with lazy_load_for_parallelism(*sizes):
             reference = AutoModelForCausalLM.from_pretrained(model_id, **model_init_kwargs)
         parallelizer = ParallelizersManager.parallelizer_for_model(reference)
-        request = replace(trainer_request(args, device=args.device), family=parallelizer, compile=None)
-        compose_model(reference, self.mesh, validate(request, reference, self.mesh))
+        request = replace(trainer_request(args, device=args.device), compile=None)
+        compose_model(reference, self.mesh, validate_family_request(parallelizer, request, reference, self.mesh))
         return reference.eval().requires_grad_(False)
 
     # ------------------------------------------------------------------ the batch replicas as TRL's processes

@@ -1,0 +1,50 @@
+"""A family door's request: the family's part decided before the engine sees it, so the engine never calls a family.
+
+The Parallelizer, the Trainer and TRL's trainers choose a family (a `Parallelizer` class) for the model; here it
+makes its plan, declares what the model supports and gives its fix-up after the plan, and the request carries those
+values into `engine/resolve.py`. The errors come in the engine's order: settings, mesh and sections (`settle`), then
+what the model supports, the family's own check, and the plan's checks (`resolve_settled`, `check`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import TYPE_CHECKING
+
+from torch import nn
+
+from ..engine.checks import check, check_capabilities
+from ..engine.request import ParallelRequest, ResolvedRequest
+from ..engine.resolve import resolve_settled, settle
+from ..mesh import ParallelMesh
+
+if TYPE_CHECKING:  # the Parallelizer calls these: the class is only an annotation here
+    from .parallelizer import Parallelizer
+
+
+def family_request(
+    family: type[Parallelizer], request: ParallelRequest, model: nn.Module, mesh: ParallelMesh
+) -> ParallelRequest:
+    """`request` with `family`'s part filled for `model` over `mesh`: the pipeline's split (the family's decoder
+    layers, where the caller named none), what the model supports (checked against sequence and pipeline
+    parallelism), the family's own check, its plan and its after-plan fix-up."""
+    pipeline, pp = request.pipeline, mesh.size("pp")
+    if pipeline is not None and pp > 1 and pipeline.split_spec is None:
+        pipeline = replace(pipeline, split_spec=family.pipeline_split_spec(model))
+    capabilities = family.capabilities_for(model)
+    check_capabilities(request, capabilities, pp, family.__name__)
+    family.check(model, mesh)
+    plan = family.plan(model, mesh, request.parallelize_embeddings, request.sequence_parallel)
+    return replace(request, plan=plan, pipeline=pipeline, capabilities=capabilities, after_plan=family.after_plan)
+
+
+def validate_family_request(
+    family: type[Parallelizer], request: ParallelRequest, model: nn.Module, mesh: ParallelMesh
+) -> ResolvedRequest:
+    """`validate` for a family door: settle the request, decide the family's part, resolve the rest, check it.
+    Raises on every rank before anything changes; returns what `compose` takes."""
+    settled = settle(request, mesh)
+    settled = replace(settled, request=family_request(family, settled.request, model, mesh))
+    resolved = resolve_settled(settled, model, mesh)
+    check(resolved, model, mesh)
+    return resolved
