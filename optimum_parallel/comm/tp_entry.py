@@ -159,7 +159,6 @@ class RegionEntry:
 
     def __init__(self) -> None:
         self._last: _Entry | None = None
-        self.joined = None  # an adapter library's own entry of the last input (see integrations/peft/lora.py)
 
     def __call__(self, x: torch.Tensor, group: ProcessGroup, sequence_parallel: bool) -> torch.Tensor:
         """The entered input for a layer that computes its own output (no overlap)."""

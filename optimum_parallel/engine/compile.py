@@ -110,9 +110,12 @@ def decoder_blocks(model: nn.Module) -> list[nn.Module]:
     return blocks
 
 
-def compile_blocks(model: nn.Module, config: CompileConfig) -> list[nn.Module]:
+def compile_blocks(model: nn.Module, config: CompileConfig | None) -> list[nn.Module]:
     """Compile every decoder block's forward of `model` (once: a block compiled already is left alone); the blocks.
-    A training forward of `model` then runs without a key/value cache (see `_no_cache_in_training`)."""
+    A training forward of `model` then runs without a key/value cache (see `_no_cache_in_training`). None: eager,
+    nothing compiled."""
+    if config is None:
+        return []
     backend = block_backend(config.backend, config.mode)
     blocks = decoder_blocks(model)
     for block in blocks:

@@ -3,127 +3,79 @@ pipeline split -> materialise -> optimizer -> data parallel.
 
 Both front doors (`Parallelizer.parallelize`, `parallelize(model, optimizer, mesh, config)`) and the Trainer
 translate their arguments into one `ParallelRequest`, which `validate` checks whole (`validate.py`); the steps below
-take the `CheckedRequest` it returns. `compose` runs every step; the Trainer runs the model half (`compose_model`)
-before transformers' Trainer exists and the training half (`compose_training`) once it has built its optimizer, in the
-same order.
+take the `CheckedRequest` it returns. `compose` runs every step and returns what it installed (`runtime.py`); the
+Trainer runs the model half (`compose_model`) before transformers' Trainer exists and the training half
+(`compose_training`) once it has built its optimizer, in the same order.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
+from dataclasses import replace
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 
-from ..context_parallel import apply_context_parallel, pipeline_functions
+from ..context_parallel import apply_context_parallel
 from ..expert_parallel import apply_expert_parallel
 from ..mesh import ParallelMesh
-from ..packing import PACKING_KEYS, install_packing
-from ..packing import pipeline as packed_rows
+from ..packing import install_packing
 from ..pipeline import SPLIT_BACKWARD
-from ..pipeline.batches import PipelineBatches
-from ..plan.apply import apply_checked_plan
+from ..pipeline.batches import stage_batches
+from ..plan.apply import AppliedPlan, apply_checked_plan
 from ..state import find_state, parallel_state
-from ..styles.sequence_parallel import enter_sequence_region_at
-from ..tensor_parallel.random import share_rng_states
 from .compile import compile_blocks
 from .data_parallel import DataParallelConfig, apply_data_parallel
-from .full_model import install_save_pretrained
+from .guards import install_guards
 from .lazy_optimizer import build_lazy_optimizer, is_lazy_optimizer
 from .materialize import materialize_lazy_model, move_to_device
 from .optimizer import rebuild_optimizer, shard_states_in_place
 from .parameters import keep_original_parameters
-from .replicas import install_replica_watch
 from .request import CheckedRequest
-from .rng import install_split_regions
-from .shared_batch import install_shared_batch
+from .rng import install_tp_random
+from .runtime import ParallelRuntime, ParamMap
 
-ParamMap = dict[int, nn.Parameter | None]  # {id(original parameter): parallel parameter, or None on another stage}
+if TYPE_CHECKING:
+    from ..comm.tp_entry import SequenceRegion
+    from ..pipeline.runtime import Pipeline
+    from .request import PipelineRequest
 
 
-def compose_model(model: nn.Module, mesh: ParallelMesh, checked: CheckedRequest) -> ParamMap:
+def compose_model(model: nn.Module, mesh: ParallelMesh, checked: CheckedRequest) -> ParallelRuntime:
     """Steps 1-4 of a validated request: make `model` tensor/sequence-, expert-, context- and pipeline-parallel in
-    place; return {id(original parameter): parallel parameter, or None on another stage} for the optimizer."""
-    request, pipeline, checked_plan = checked.request, checked.pipeline, checked.targets
+    place; returns what was installed, kept on the model too (`parallel_state(model).runtime`; its `param_map`:
+    {id(original parameter): parallel parameter, or None on another stage}, for the optimizer). A model composed
+    before keeps its packing hook and guards: they are not installed twice."""
+    request, before = checked.request, _installed(model)
     originals = {id(p): p for p in model.parameters()}
-    mapping: ParamMap = dict(originals)
-    # 1. TP/SP on the whole model first: every rank resolves and checks the same plan, tied weights stay tied. The
-    #    layers' modes follow from the whole request (schedules that defer weight gradients turn the overlap off).
-    sequence = None
-    if checked_plan is not None:
-        overlap = pipeline is None or pipeline.schedule not in SPLIT_BACKWARD
-        applied = apply_checked_plan(model, checked_plan, mesh, overlap=overlap)
-        mapping.update(applied.param_map)
-        sequence = applied.sequence
-    if checked.after_plan is not None:  # family fix-ups of module attributes (local head counts, config views)
-        checked.after_plan(model, mesh)
-    # 1b. Expert parallelism: the experts split along the expert dim over the ep ranks sharing the dense weights,
-    #     tokens dispatched to them by all-to-all (after the plan, so under tp each rank splits its tp slices).
-    ep, state = mesh.size("ep"), find_state(model)
-    if ep > 1 and (state is None or state.expert_parallel is None):
-        moved = apply_expert_parallel(model, mesh.expert_group, ep, mesh.rank("ep"))
-        mapping = {k: (moved.get(id(v), v) if v is not None else None) for k, v in mapping.items()}
-    # The caller's parameter objects hold their shards: an optimizer built before this call steps the parallel model.
-    mapping = keep_original_parameters(model, originals, mapping)
-    # Random numbers: the tp ranks share the default streams (replicated work draws the same masks), split work
-    #    draws from streams of its own per rank (tensor_parallel/random.py).
-    if checked_plan is not None and mesh.size("tp") > 1:
-        share_rng_states(mesh.tp_group)
-        install_split_regions(model, applied.layers, mesh.rank("tp"))
-    # 1c. Packed rows (several documents per row, told apart by restarting position ids, cu_seq_lens or seq_idx):
-    #     without cp or pp a forward pre-hook puts them in the form the model's own mask builders turn into a
-    #     document mask; cp's input split and the pipeline's batch functions (below) read that form themselves.
+    applied = _apply_plan(model, mesh, checked)  # 1. TP/SP on the whole model, then the family's fix-ups
+    moved = _split_experts(model, mesh)  # 1b. EP, after the plan: each rank splits its tp slices
+    mapping = keep_original_parameters(model, originals, _chained(originals, applied, moved))
+    install_tp_random(model, mesh, applied.layers if applied is not None else None)
+    packing = _install_packing(model, mesh, checked.pipeline, before.packing if before is not None else False)
+    _apply_context_parallel(model, mesh, request.context_parallel)  # 2. CP
+    pipeline = _split_pipeline(model, mesh, checked.pipeline, applied.sequence if applied is not None else None)
+    mapping = _on_this_rank(model, mapping, pipeline)  # 3. other stages' parameters map to None
+    materialize_lazy_model(model, request.device, read_checkpoint=request.read_checkpoint)  # 4. this rank's slices
+    move_to_device(model, request.device)
+    compile_blocks(model, checked.compile)  # traced at the first call: wrappers added later are what it sees
+    guarded = install_guards(model, mesh, request.shared_batch, before is not None and before.guarded)
+    layers, sequence = _plan_installed(applied, before)
     state = parallel_state(model)
-    if mesh.size("cp") == 1 and pipeline is None and not state.packing:
-        install_packing(model)
-        state.packing = True
-    # 2. Context parallelism: attention over the cp ring, each rank's forward cut to its chunks of the sequence
-    #    (after the plan, so the loss it wraps is the vocab-parallel one; weights are not touched).
-    if mesh.size("cp") > 1:
-        apply_context_parallel(model, mesh.group("cp"), request.context_parallel)
-    # 3. Pipeline split: the rank keeps its stages; the parameters of other stages map to None.
-    if pipeline is not None:
-        from ..pipeline.runtime import apply_pipeline  # torch's pipelining (and torch._dynamo) load only here
-
-        if mesh.size("cp") > 1:  # the cut of the sequence (of packed rows too) and its layers' masks
-            split, gather_logits, stage_inputs = pipeline_functions(model)
-            cut = {"split": split, "gather_logits": gather_logits, "stage_inputs": stage_inputs}
-        else:
-            cut = {"stage_inputs": packed_rows.stage_inputs}
-        batches = PipelineBatches(prepare=packed_rows.prepare, keys=PACKING_KEYS, **cut)
-        stages = apply_pipeline(
-            model,
-            mesh,
-            pipeline.split_spec,
-            pipeline.num_microbatches,
-            pipeline.schedule,
-            batches=batches,
-            sequence=sequence,
-        ).stages
-        if sequence is not None:  # each stage receives the whole sequence: its first layer splits it again
-            for stage in stages:
-                if not stage.is_first:  # stage 0's first layer splits already (the plan's SequenceParallelBegin)
-                    enter_sequence_region_at(stage.layers[0], sequence)
-        present = {id(p) for p in model.parameters()}
-        mapping = {k: (v if id(v) in present else None) for k, v in mapping.items()}
-    # 4. Materialise only now, so a lazily built model reads only this rank's slices of its own stages
-    #    (no-op for a model built normally; read_checkpoint=False when a sharded checkpoint will overwrite it).
-    materialize_lazy_model(model, request.device, read_checkpoint=request.read_checkpoint)
-    if request.device is not None:
-        move_to_device(model, request.device)
-    # Compile each decoder block's forward (traced at its first call, so wrappers added after this -- FSDP2, DDP,
-    #    adapters -- are what it sees); everything around the blocks stays eager.
-    if checked.compile is not None:
-        compile_blocks(model, checked.compile)
-    # The habits a parallel model must not silently break: the ranks of a batch replica share one batch, and the
-    #    copies of every replicated tensor stay equal (checked on a cadence; once per model).
-    state = parallel_state(model)
-    if not state.guarded:
-        state.guarded = True
-        install_shared_batch(model, mesh, request.shared_batch)
-        install_replica_watch(model, mesh)
-        install_save_pretrained(model)  # the whole model, as one device would write it
-    return mapping
+    state.runtime = ParallelRuntime(
+        model=model,
+        param_map=mapping,
+        tensor_parallel_layers=layers,
+        sequence=sequence,
+        expert_parallel=state.expert_parallel,
+        context_parallel=state.context_parallel,
+        pipeline=state.pipeline,
+        packing=packing,
+        guarded=guarded,
+        compile=checked.compile or (before.compile if before is not None else None),
+    )
+    return state.runtime
 
 
 def compose_training(
@@ -145,11 +97,13 @@ def compose_training(
 
 def compose(
     model: nn.Module, optimizer: torch.optim.Optimizer | None, mesh: ParallelMesh, checked: CheckedRequest
-) -> tuple[nn.Module, torch.optim.Optimizer | None, ParamMap]:
-    """Every step in order, for a request `validate` accepted; returns (model, optimizer, parameter map)."""
-    mapping = compose_model(model, mesh, checked)
-    model, optimizer = compose_training(model, optimizer, mesh, mapping, checked.data_parallel)
-    return model, optimizer, mapping
+) -> ParallelRuntime:
+    """Every step in order, for a request `validate` accepted; returns what was installed, with the (data-parallel)
+    model and the optimizer over its parameters."""
+    installed = compose_model(model, mesh, checked)
+    parallel, optimizer = compose_training(model, optimizer, mesh, installed.param_map, checked.data_parallel)
+    level = parallel_state(model).data_parallel_level
+    return replace(installed, model=parallel, optimizer=optimizer, data_parallel_level=level)
 
 
 def optimizer_for_parallel_model(
@@ -165,3 +119,98 @@ def optimizer_for_parallel_model(
         shard_states_in_place(optimizer)
         return optimizer
     return rebuild_optimizer(optimizer, mapping)
+
+
+# ---------------------------------------------------------------------------------------------- the steps' details
+
+
+def _installed(model: nn.Module) -> ParallelRuntime | None:
+    """What an earlier composition of `model` installed (None: it was never composed)."""
+    state = find_state(model)
+    return state.runtime if state is not None else None
+
+
+def _apply_plan(model: nn.Module, mesh: ParallelMesh, checked: CheckedRequest) -> AppliedPlan | None:
+    """TP/SP by the checked plan (every rank resolves and checks the same plan, tied weights stay tied), then the
+    family's fix-ups of module attributes (local head counts, config views). The layers' modes follow from the whole
+    request: schedules that defer weight gradients turn the overlap off."""
+    applied = None
+    if checked.targets is not None:
+        overlap = checked.pipeline is None or checked.pipeline.schedule not in SPLIT_BACKWARD
+        applied = apply_checked_plan(model, checked.targets, mesh, overlap=overlap)
+    if checked.after_plan is not None:
+        checked.after_plan(model, mesh)
+    return applied
+
+
+def _split_experts(model: nn.Module, mesh: ParallelMesh) -> dict[int, nn.Parameter]:
+    """The experts split along the expert dim over the ep ranks sharing the dense weights, tokens dispatched to them
+    by all-to-all (once per model); {id(old parameter): new one}."""
+    state = find_state(model)
+    if mesh.size("ep") == 1 or (state is not None and state.expert_parallel is not None):
+        return {}
+    return apply_expert_parallel(model, mesh.expert_group, mesh.size("ep"), mesh.rank("ep"))
+
+
+def _chained(originals: ParamMap, applied: AppliedPlan | None, moved: Mapping[int, nn.Parameter]) -> ParamMap:
+    """{id(original parameter): the parameter the plan, then expert parallelism, made of it}."""
+    mapping = {**originals, **(applied.param_map if applied is not None else {})}
+    return {k: (moved.get(id(v), v) if v is not None else None) for k, v in mapping.items()}
+
+
+def _install_packing(model: nn.Module, mesh: ParallelMesh, pipeline: PipelineRequest | None, installed: bool) -> bool:
+    """Packed rows (several documents per row, told apart by restarting position ids, cu_seq_lens or seq_idx): without
+    cp or pp a forward pre-hook puts them in the form the model's own mask builders turn into a document mask; cp's
+    input split and the pipeline's batch functions read that form themselves. True when the hook is on the model."""
+    if installed:
+        return True
+    if mesh.size("cp") > 1 or pipeline is not None:
+        return False
+    install_packing(model)
+    return True
+
+
+def _apply_context_parallel(model: nn.Module, mesh: ParallelMesh, strategy: str) -> None:
+    """Attention over the cp ring, each rank's forward cut to its chunks of the sequence (weights untouched)."""
+    if mesh.size("cp") > 1:
+        apply_context_parallel(model, mesh.group("cp"), strategy)
+
+
+def _split_pipeline(
+    model: nn.Module, mesh: ParallelMesh, pipeline: PipelineRequest | None, sequence: SequenceRegion | None
+) -> Pipeline | None:
+    """The rank keeps its stages, fed by the pipeline's batch functions (packed rows; cp's cut of the sequence)."""
+    if pipeline is None:
+        return None
+    from ..pipeline.runtime import apply_pipeline  # torch's pipelining (and torch._dynamo) load only here
+
+    batches = stage_batches(model, context_parallel=mesh.size("cp") > 1)
+    return apply_pipeline(
+        model,
+        mesh,
+        pipeline.split_spec,
+        pipeline.num_microbatches,
+        pipeline.schedule,
+        batches=batches,
+        sequence=sequence,
+    )
+
+
+def _on_this_rank(model: nn.Module, mapping: ParamMap, pipeline: Pipeline | None) -> ParamMap:
+    """`mapping` with the parameters of the stages other ranks hold mapped to None (unchanged without pp)."""
+    if pipeline is None:
+        return mapping
+    present = {id(p) for p in model.parameters()}
+    return {k: (v if id(v) in present else None) for k, v in mapping.items()}
+
+
+def _plan_installed(
+    applied: AppliedPlan | None, before: ParallelRuntime | None
+) -> tuple[Mapping[str, str], SequenceRegion | None]:
+    """The tensor-parallel layers and sequence region on the model: this composition's plan, else an earlier one's
+    (a model parallelized by the Parallelizer, then given data parallelism by `parallelize`)."""
+    if applied is not None:
+        return applied.layers, applied.sequence
+    if before is not None:
+        return before.tensor_parallel_layers, before.sequence
+    return {}, None

@@ -93,10 +93,13 @@ def materialize_lazy_model(
     model.__dict__.pop(SOURCES_ATTR, None)
 
 
-def move_to_device(model: nn.Module, device: torch.device | str) -> None:
+def move_to_device(model: nn.Module, device: torch.device | str | None) -> None:
     """`model.to(device)`, keeping every Parameter object, and so the parameter map, tied weights and the layout
     each shard carries: torch's `Module.to` makes new Parameters where the device's tensors are of another kind
-    than the CPU's (XLA, and PrivateUse1 devices: Neuron, Ascend; `devices.module_to_keeps_parameters`)."""
+    than the CPU's (XLA, and PrivateUse1 devices: Neuron, Ascend; `devices.module_to_keeps_parameters`). None:
+    the model stays where it is."""
+    if device is None:
+        return
     device = torch.device(device)
     if devices.module_to_keeps_parameters(device):
         model.to(device)

@@ -43,8 +43,8 @@ def parallelize(
     mesh = get_mesh() if mesh is None else mesh
     inner = plan_root(model)  # the transformers model inside a PeftModel: plans name its modules
     checked = validate(config_request(parsed, optimizer), inner, mesh)
-    parallel, optimizer, _ = compose(inner, optimizer, mesh, checked)
-    return (model if inner is not model else parallel), optimizer
+    composed = compose(inner, optimizer, mesh, checked)
+    return (model if inner is not model else composed.model), composed.optimizer
 
 
 def config_request(config: ParallelConfig, optimizer: torch.optim.Optimizer | None = None) -> ParallelRequest:

@@ -18,7 +18,6 @@ from ..engine.data_parallel import DataParallelConfig
 from ..engine.request import PARALLELIZER_KEYS, ParallelRequest, PipelineRequest, RequestKeys
 from ..mesh import ParallelMesh, get_mesh
 from ..plan.wrappers import plan_root
-from ..state import parallel_state
 from .family_request import validate_family_request
 
 
@@ -163,11 +162,8 @@ class Parallelizer:
             compile=compile,
         )
         mesh = get_mesh()
-        mapping = compose_model(
-            inner, mesh, validate_family_request(cls, request, inner, mesh)
-        )  # checked, then composed
-        parallel_state(inner).param_map = mapping
-        model.orig_param_to_parallel_param = mapping  # optimum-neuron's public name, for `optimizer_for_mp`
+        composed = compose_model(inner, mesh, validate_family_request(cls, request, inner, mesh))  # checked, composed
+        model.orig_param_to_parallel_param = composed.param_map  # optimum-neuron's name, for `optimizer_for_mp`
         if checkpoint_dir is not None:
             cls.load_model_checkpoint(model, checkpoint_dir)
         return model

@@ -12,6 +12,11 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
+from torch import nn
+
+from ..context_parallel import pipeline_functions
+from ..packing import PACKING_KEYS
+from ..packing import pipeline as packed_rows
 
 Prepare = Callable[..., tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None, Callable | None]]
 Split = Callable[
@@ -42,3 +47,15 @@ class PipelineBatches:
     gather_logits: Callable[[torch.Tensor, object], torch.Tensor] = lambda logits, cut: logits
     stage_inputs: Callable[[torch.Tensor], dict] = lambda attention_mask: {"attention_mask": attention_mask}
     keys: tuple[str, ...] = ()
+
+
+def stage_batches(model: nn.Module, context_parallel: bool) -> PipelineBatches:
+    """The batch functions of `model`'s pipeline: packed rows laid out for the micro-batches (several documents per
+    row stay apart), and under context parallelism the cut of the sequence (of packed rows too) and its layers'
+    masks."""
+    if context_parallel:
+        split, gather_logits, stage_inputs = pipeline_functions(model)
+        cut = {"split": split, "gather_logits": gather_logits, "stage_inputs": stage_inputs}
+    else:
+        cut = {"stage_inputs": packed_rows.stage_inputs}
+    return PipelineBatches(prepare=packed_rows.prepare, keys=PACKING_KEYS, **cut)

@@ -316,7 +316,7 @@ def apply_pipeline(
 ) -> Pipeline:
     """Split `model` into stages for this rank's pp position, prune the rest, and attach run_train/run_eval.
     `batches`: how a whole batch becomes this rank's (default: as it is); `sequence`: the model's sequence-parallel
-    region (stages exchange whole sequences; the engine enters the region again at each stage's first layer).
+    region (stages exchange whole sequences; each stage after the first enters the region again at its first layer).
     A bad request raises (`check_pipeline`) before anything changes."""
     pp = mesh.size("pp")
     ranges = check_pipeline(model, pp, split_spec, num_microbatches, schedule)

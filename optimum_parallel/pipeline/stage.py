@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 from ..comm.tp_entry import SequenceRegion
+from ..styles.sequence_parallel import enter_sequence_region_at
 from .decoder import DecoderRoles
 
 
@@ -97,6 +98,8 @@ class DecoderStage(nn.Module):
         # the layers' mask (and position) arguments from the padding mask that travels with the activations
         self.inputs = inputs or (lambda attention_mask: {"attention_mask": attention_mask})
         self.sequence = sequence  # under sequence parallelism: stages exchange whole sequences
+        if sequence is not None and not is_first:  # stage 0's first layer splits already (SequenceParallelBegin)
+            enter_sequence_region_at(self.layers[0], sequence)  # the whole sequence arrives: split it again
 
     @contextmanager
     def _stage_view(self):

@@ -1,9 +1,11 @@
 """The one typed record a parallel model carries: what each room set up, for the rooms that read it.
 
-Context parallelism records its settings (on the model and on every attention module), the pipeline its runtime,
-data parallelism that the dp x cp gradient reduction is installed, the front doors the parameter map. Each reader
-imports `parallel_state`, so the import map shows who reads what. A method a layout cannot serve (`forward` under
-pp, `generate` under pp or cp) is replaced by one stand-in that raises the reason recorded here.
+The engine records what a composition installed (`runtime`, a frozen `engine.runtime.ParallelRuntime`); the fields
+beside it are what rooms set up and read again at forward time (context parallelism's settings, on the model and on
+every attention module, and the cut of the forward running now; the pipeline; data parallelism's level and the dp x
+cp gradient reduction). Each reader imports `parallel_state`, so the import map shows who reads what. A method a
+layout cannot serve (`forward` under pp, `generate` under pp or cp) is replaced by one stand-in that raises the reason
+recorded here.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from torch import nn
 
 if TYPE_CHECKING:  # annotations only: the record sits below every room that writes it
     from ..context_parallel.attention import ContextParallelAttention
+    from ..engine.runtime import ParallelRuntime
     from ..expert_parallel.expert_split import ExpertParallelRuntime
     from ..pipeline.runtime import Pipeline
 
@@ -23,16 +26,22 @@ _KEY = "_optimum_parallel_state"
 
 @dataclass
 class ParallelState:
+    # what the last composition installed (engine/compose.py): a second one reads it instead of installing again
+    runtime: ParallelRuntime | None = None
+    # stays: every attention module carries it too (read by its forward), which no composition record reaches
     context_parallel: ContextParallelAttention | None = None  # set by context_parallel.apply_context_parallel
+    # stays: written by every cp forward (the cut running now), read by the heads and gathers that follow it
     sequence_length: int | None = None  # cp: the whole sequence's length in the forward running now
     sequence_layout: object | None = None  # cp: which tokens every rank holds in that forward (context_parallel)
+    # stays: set by data parallelism (the training half, after the model's record is made), read by each cp forward
     gradients_reduced: bool = False  # set by data parallelism: the dp x cp reduction sums the cp ranks' gradients
+    # stays: read at run time by grad norms, data parallelism, TRL's head and `op.parallel_state(model).pipeline` users
     pipeline: Pipeline | None = None  # set by pipeline.apply_pipeline
+    # stays: the room's runtime on the model, read by validate (once) and data parallelism (the experts' reduction)
     expert_parallel: ExpertParallelRuntime | None = None  # set by expert_parallel.apply_expert_parallel
-    param_map: dict[int, nn.Parameter | None] | None = None  # {id(original parameter): parallel one}, the front doors
+    # stays: set by data parallelism (the training half, after the record), read by the replica watch at forward time
     data_parallel_level: int | None = None  # set by data parallelism: the sharding level it runs at
-    packing: bool = False  # the packed-rows forward pre-hook is installed (engine/compose.py, packing/)
-    guarded: bool = False  # the shared-batch and replica checks are installed (engine/shared_batch.py, replicas.py)
+    # stays: read by integrations/trl/fused_head.py to raise the layout's own reason
     unsupported: dict[str, str] = field(default_factory=dict)  # method name -> why this layout cannot serve it
 
 

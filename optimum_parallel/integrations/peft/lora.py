@@ -25,6 +25,7 @@ from __future__ import annotations
 import weakref
 from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -39,6 +40,9 @@ from ...mesh import ranks
 from ...tensor_parallel.fused import PackedColumnParallelLinear
 from ...tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
 from ...tensor_parallel.spec import ShardSpec, local_parameter
+
+if TYPE_CHECKING:
+    from ...comm.tp_entry import RegionEntry
 
 SUPPORTED = "LoRA on Linear layers (peft.tuners.lora.Linear)"
 
@@ -258,11 +262,16 @@ class _JoinedEntry:
     adapters: dict[tuple[int, str], torch.Tensor]  # (id(layer), adapter) -> its u inside the region
 
 
+# the last joined entry of each region entry (one per model, and per rank where one process runs several): kept here,
+# beside the entry's own last one, and gone with the model
+_LAST_JOINED: weakref.WeakKeyDictionary[RegionEntry, _JoinedEntry] = weakref.WeakKeyDictionary()
+
+
 def _joined_entry(self, x: torch.Tensor, active: list[str]) -> _JoinedEntry:
     """The block's entry of `x` with the u of every active adapter of this layer and its siblings (the last one is
-    kept on the model's region entry, beside its own last entry)."""
+    kept per region entry, `_LAST_JOINED`)."""
     entry = self.base_layer.wiring.entry
-    last = entry.joined
+    last = _LAST_JOINED.get(entry)
     if (
         last is not None
         and last.source() is x
@@ -289,7 +298,10 @@ def _joined_entry(self, x: torch.Tensor, active: list[str]) -> _JoinedEntry:
         offset += rank
     entry.remember(x, base.group, sequence_parallel, entered)  # plain siblings reuse the entry
     joined = _JoinedEntry(weakref.ref(x), x._version, entered, adapters)
-    entry.joined = joined if entered.requires_grad else None
+    if entered.requires_grad:
+        _LAST_JOINED[entry] = joined
+    else:
+        _LAST_JOINED.pop(entry, None)
     return joined
 
 

@@ -40,7 +40,6 @@ from ...mesh import ParallelMesh, get_mesh, init_mesh, ranks
 from ...packing import PACKING_KEYS
 from ...plan import logits_mode
 from ...plan.wrappers import plan_root
-from ...state import parallel_state
 from ...tensor_parallel.layers import ColumnParallelLinear
 from .internals import InternalsChanged, check_overrides, private_override, transformers_internal
 from .lazy_loading import lazy_load_for_parallelism
@@ -123,9 +122,8 @@ class ParallelTrainerMixin:
             from ..peft.lora import check_adapter_targets
 
             check_adapter_targets(inner, checked.targets or {}, peft_config)
-        mapping = compose_model(inner, self.mesh, checked)  # the model half of the composition
-        parallel_state(inner).param_map = mapping
-        model.orig_param_to_parallel_param = mapping
+        composed = compose_model(inner, self.mesh, checked)  # the model half of the composition
+        model.orig_param_to_parallel_param = composed.param_map
         if peft_config is not None:  # adapters on the parallel model (its frozen base may have been loaded lazily)
             from peft import get_peft_model
 
@@ -133,8 +131,8 @@ class ParallelTrainerMixin:
         self._adapters_only = plan_root(model) is not model  # a PEFT model: checkpoints hold what trains
         optimizer, scheduler = optimizers
         if optimizer is not None:  # step 4 of compose, early: transformers' Trainer takes it as the one it steps
-            optimizer = optimizer_for_parallel_model(optimizer, parallel_state(plan_root(model)).param_map)
-        self._pipeline = parallel_state(plan_root(model)).pipeline
+            optimizer = optimizer_for_parallel_model(optimizer, composed.param_map)
+        self._pipeline = composed.pipeline
         self._resume_dir: tuple[str, Path] | None = None
         self._async_checkpoint: AsyncCheckpoint | None = None  # the checkpoint written in the background now
         super().__init__(model=model, args=args, optimizers=(optimizer, scheduler), **kwargs)
