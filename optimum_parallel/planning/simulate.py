@@ -13,6 +13,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from ..engine.layouts import check_layout
 from ..frontends.manager import ParallelizersManager
 from ..frontends.parallelizer import Parallelizer
 from ..mesh import SimulatedMesh, check_positive_int
@@ -85,9 +86,8 @@ def resolve_for_tp(
     parallelizer = None
     if plan is None:
         parallelizer = ParallelizersManager.parallelizer_for_model(model)
-        if sequence_parallel_enabled and not parallelizer.capabilities_for(model).sequence_parallel:
-            raise ValueError(f"{parallelizer.__name__} does not support sequence parallelism")
-        parallelizer.check(model, mesh)
+        # the engine's checks of the family's request (its capabilities, its own model check, its plan) at this tp
+        check_layout(parallelizer.request(parallelize_embeddings, sequence_parallel_enabled), model, {"tp": tp})
         plan = parallelizer.plan(model, mesh, parallelize_embeddings, sequence_parallel_enabled)
     targets = check_plan(model, plan, mesh)
     layouts: list[dict[str, ShardLayout]] = [{} for _ in range(tp)]
