@@ -1,6 +1,6 @@
 """Whether the engine runs a layout, asked on one process: `validate` over a mesh of sizes alone (`SimulatedMesh`).
 
-The planner (`planning/memory_planner.py`) enumerates the layouts it estimates and proposes through `refusal`, so
+The planner (`planning/memory_planner.py`) estimates and proposes only the layouts `check_layout` accepts, so
 each rule (the family's capabilities and its own model check, the plan, the pipeline split, context and expert
 parallelism, data parallelism) is written once, in the checks `validate` runs. A meta model is enough: validation
 reads shapes and structure, changes nothing and makes no process group.
@@ -25,16 +25,7 @@ def layout_mesh(sizes: Mapping[str, int]) -> SimulatedMesh:
 
 
 def check_layout(request: ParallelRequest, model: nn.Module, sizes: Mapping[str, int]) -> CheckedRequest:
-    """Raise the error `validate` raises for `request` on `model` over a mesh of `sizes`; else what it returns."""
+    """Raise the error `validate` raises for `request` on `model` over a mesh of `sizes`, else return what it returns.
+    The capabilities are the ones `validate` resolves: `request.family`'s for this model, else the model's
+    structure's (`structure.derive_capabilities`), as for every front door's request."""
     return validate(request, model, layout_mesh(sizes))
-
-
-def refusal(request: ParallelRequest, model: nn.Module, sizes: Mapping[str, int]) -> str | None:
-    """Why the engine refuses `request` on `model` over a mesh of `sizes` (its error's message), or None if it
-    accepts it. The capabilities are the ones `validate` resolves: `request.family`'s for this model, else the
-    model's structure's (`structure.derive_capabilities`), as every front door's request gets them."""
-    try:
-        check_layout(request, model, sizes)
-    except (ValueError, NotImplementedError) as err:
-        return str(err)
-    return None

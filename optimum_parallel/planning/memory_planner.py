@@ -49,7 +49,7 @@ from torch import nn
 
 from ..engine.capabilities import LLAMA_ACTIVATIONS
 from ..engine.data_parallel import DataParallelConfig
-from ..engine.layouts import check_layout, refusal
+from ..engine.layouts import check_layout
 from ..engine.request import ParallelRequest
 from ..pipeline.split import stage_layers
 from .activations import (
@@ -165,12 +165,22 @@ class MemoryPlanner:
             keys=PLANNER_KEYS,
         )
 
+    def check(self, layout: Layout, workload: Workload | None = None) -> None:
+        """Raise the engine's error (naming the setting and the allowed values) if it refuses `layout` running
+        `workload` for this model: the family door's request checked over a mesh of sizes alone. The planner's one
+        call into the engine's checks (`engine/layouts.py`)."""
+        check_layout(self.request(layout, workload), self.model, layout.mesh_sizes)
+
     def refusal(self, layout: Layout, workload: Workload | None = None) -> str | None:
-        """Why the engine refuses `layout` for this model (its error), or None if it runs it (`engine/layouts.py`)."""
+        """Why the engine refuses `layout` for this model (its error's message), or None if it runs it (cached)."""
         workload = workload or Workload()
         key = (layout, workload.num_microbatches or layout.pp, workload.schedule)
         if key not in self._refusals:
-            self._refusals[key] = refusal(self.request(layout, workload), self.model, layout.mesh_sizes)
+            try:
+                self.check(layout, workload)
+                self._refusals[key] = None
+            except (ValueError, NotImplementedError) as err:
+                self._refusals[key] = str(err)
         return self._refusals[key]
 
     # ---- parameters
@@ -296,7 +306,7 @@ class MemoryPlanner:
         """Per-rank bytes of `layout` running `workload` (the rank with the most of each); raises the engine's error
         (naming the setting and the allowed values) for a layout it refuses."""
         if self.refusal(layout, workload) is not None:
-            check_layout(self.request(layout, workload), self.model, layout.mesh_sizes)  # raises the engine's error
+            self.check(layout, workload)  # raises the engine's error
         counts = self.counts(layout.tp, layout.pp, layout.ep)
         # levels shard over the sharding group: all dp x cp ranks, or shard_size of them (hybrid sharding); under ep
         # the experts' states over the ranks holding the same experts
