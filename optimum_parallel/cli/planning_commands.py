@@ -255,7 +255,6 @@ def estimate_memory(
             )
         return
     off = planner.estimate(Layout(dp, tp, pp, sharding_level, False, cp, shard_size, ep), workload)
-    on = None
-    if tp > 1 and planner.supports_sequence_parallel:
-        on = planner.estimate(Layout(dp, tp, pp, sharding_level, True, cp, shard_size, ep), workload)
+    with_sp = Layout(dp, tp, pp, sharding_level, True, cp, shard_size, ep)
+    on = planner.estimate(with_sp, workload) if tp > 1 and planner.refusal(with_sp, workload) is None else None
     click.echo(format_estimate(planner, off, on), nl=False)

@@ -35,12 +35,15 @@ def _as_styles(key: str, value) -> list[ParallelStyle]:
     return list(styles)
 
 
-def resolve_plan(model: nn.Module, plan: Mapping[str, object]) -> dict[str, list[ParallelStyle]]:
-    """Map every plan key to the modules it names, in model order; unknown keys raise ValueError."""
+def resolve_plan(
+    model: nn.Module, plan: Mapping[str, object], modules: Mapping[str, nn.Module] | None = None
+) -> dict[str, list[ParallelStyle]]:
+    """Map every plan key to the modules it names, in model order; unknown keys raise ValueError. `modules`:
+    `dict(model.named_modules())` where the caller has it already."""
     if not isinstance(plan, Mapping):
         raise TypeError(f"parallelize_plan must be a dict of name regex -> style, got {type(plan).__name__}")
-    modules = dict(model.named_modules())
-    param_owner = {name: name.rpartition(".")[0] for name, _ in model.named_parameters(remove_duplicate=False)}
+    modules = dict(model.named_modules()) if modules is None else modules
+    param_owner: dict[str, str] | None = None  # parameter name -> its module's, read when a key names no module
     targets: dict[str, list[ParallelStyle]] = {}
     for key, value in plan.items():
         is_optional = isinstance(value, optional)
@@ -51,6 +54,9 @@ def resolve_plan(model: nn.Module, plan: Mapping[str, object]) -> dict[str, list
             raise ValueError(f"parallelize_plan key {key!r} is not a valid regex: {err}") from None
         matched = [n for n in modules if n and pattern.fullmatch(n)]
         if not matched:
+            if param_owner is None:
+                named = model.named_parameters(remove_duplicate=False)
+                param_owner = {name: name.rpartition(".")[0] for name, _ in named}
             matched = [owner for p, owner in param_owner.items() if pattern.fullmatch(p)]
         if not matched and not is_optional:
             examples = ", ".join(list(n for n in modules if n)[:6])
@@ -68,11 +74,12 @@ def check_plan(model: nn.Module, plan: Mapping[str, object], mesh: ParallelMesh)
     """Resolve every key and check every style against its module, and every wrapper (LoRA) around one against
     what the styles make of its layer; raise before anything is modified."""
     ctx = PlanContext(mesh)  # checks read the mesh only
-    targets = resolve_plan(model, plan)
+    modules = dict(model.named_modules())  # get_submodule per target was half of a 70B model's check (the planner)
+    targets = resolve_plan(model, plan, modules)
     get_head = getattr(model, "get_output_embeddings", None)
     head = get_head() if callable(get_head) else None
     for name, styles in targets.items():
-        wrapper = model.get_submodule(name)
+        wrapper = modules[name]
         module = style_target(wrapper)
         for style in styles:
             style.check(module, name, ctx)

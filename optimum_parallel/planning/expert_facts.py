@@ -1,12 +1,10 @@
 """What the memory planner needs to know about a mixture-of-experts model: which parameters are expert tensors
-(split over ep ranks on top of tp), how many experts each block has (ep must divide them), and the rows expert
-parallelism's dispatch keeps per MoE layer."""
+(split over ep ranks on top of tp), how many experts each block has, and the rows expert parallelism's dispatch
+keeps per MoE layer. Which ep the engine runs (dividing dp x cp and every block's experts) is the engine's check."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from functools import reduce
-from math import gcd
 
 from torch import nn
 
@@ -35,24 +33,6 @@ class ExpertFacts:
     @property
     def moe_layers(self) -> int:
         return len(self.counts)
-
-    def allowed_ep(self, ranks: int) -> list[int]:
-        """The ep sizes that divide `ranks` (dp x cp) and every block's experts (1 for a model without experts)."""
-        common = reduce(gcd, self.counts, 0)
-        return [d for d in range(1, ranks + 1) if ranks % d == 0 and (d == 1 or (common and common % d == 0))]
-
-    def check(self, ep: int, ranks: int, key: str = "ep") -> None:
-        """Raise ValueError naming `key` and the allowed values unless the experts split over ep of `ranks` ranks."""
-        if ep == 1:
-            return
-        if not self.counts:
-            raise ValueError(f"{key}={ep}: the model has no stacked experts module to split; allowed: ep=1")
-        allowed = self.allowed_ep(ranks)
-        if ep not in allowed:
-            raise ValueError(
-                f"{key}={ep} must divide dp x cp = {ranks} and the experts of every MoE block "
-                f"{sorted(set(self.counts))}; allowed: {', '.join(map(str, allowed))}"
-            )
 
 
 def dispatch_layer_bytes(s: int, b: int, h: int, top_k: int, element: int) -> float:

@@ -21,6 +21,9 @@ The rank with the most bytes is reported. Assumptions (the `notes` of every esti
   local expert gradients, none when ep = dp x cp); the dispatch keeps the k routed copies of the rank's tokens
   received by its experts and their outputs sent back, 2 sbkh per MoE layer of the stage (balanced routing).
   ep composes with pp (each stage's experts) and every level, not with hybrid sharding.
+- Layouts: the engine decides which run (`engine/layouts.py`: `validate` over a mesh of sizes alone, on this meta
+  model, with the family's capabilities for it); `estimate` raises the engine's error for a layout it refuses and
+  `candidate_layouts` yields only the ones it accepts.
 - Buffers: DDP's gradient buckets or, under pp, the flattened gradients of the dp all-reduce (one more copy of
   the gradients, levels 0-1); FSDP2's gathered blocks and reduce-scatter input (levels 2-3).
 - Activations per micro-batch, per decoder layer: Korthikanti et al. 2022 (GPT with dropout, 16-bit, scores
@@ -45,6 +48,10 @@ from functools import cached_property
 from torch import nn
 
 from ..engine.capabilities import LLAMA_ACTIVATIONS
+from ..engine.data_parallel import DataParallelConfig
+from ..engine.layouts import layout_mesh
+from ..engine.request import ParallelRequest
+from ..frontends.family_request import validate_family_request
 from ..pipeline.split import stage_layers
 from .activations import (
     Dims,
@@ -58,7 +65,7 @@ from .memory_text import format_estimate, format_suggestions, in_unit, pick_unit
 from .simulate import build_meta_model, load_config, resolve_for_tp
 from .stage_counts import StageCounts, state_bytes
 from .tables import numel
-from .workload import DTYPES, GIB, Layout, MemoryEstimate, Workload, parse_dtype
+from .workload import DTYPES, GIB, PLANNER_KEYS, Layout, MemoryEstimate, Workload, parse_dtype
 
 __all__ = [  # the formulas, value types and text beside this module still import from here
     "DTYPES",
@@ -90,6 +97,9 @@ class MemoryPlanner:
         from ..frontends.manager import ParallelizersManager
 
         self.parallelizer = ParallelizersManager.parallelizer_for_model(self.model)
+        # what the model supports beyond tp, as the front doors resolve it: its family's declaration, or its structure
+        self.capabilities = self.parallelizer.capabilities_for(self.model)
+        self._refusals: dict[tuple[Layout, int, str], str | None] = {}
         self._counts: dict[tuple[int, int, int], StageCounts] = {}
         self._per_rank: dict[int, list[dict[str, int]]] = {}
 
@@ -124,7 +134,7 @@ class MemoryPlanner:
 
     @property
     def llama_style(self) -> bool:
-        return self.parallelizer.capabilities.activations == LLAMA_ACTIVATIONS
+        return self.capabilities.activations == LLAMA_ACTIVATIONS
 
     @cached_property
     def experts(self) -> ExpertFacts:
@@ -137,13 +147,43 @@ class MemoryPlanner:
         segments = self._segment()
         return {segments[n] for n in self.experts.names if isinstance(segments.get(n), int)}
 
-    @property
-    def supports_pipeline(self) -> bool:
-        return self.parallelizer.capabilities_for(self.model).pipeline_parallel and self._layer_prefix is not None
+    # ---- what the engine runs
 
-    @property
-    def supports_sequence_parallel(self) -> bool:
-        return self.parallelizer.capabilities_for(self.model).sequence_parallel
+    def request(self, layout: Layout, workload: Workload | None = None) -> ParallelRequest:
+        """The request the family's front door makes for `layout` running `workload`, as the engine checks it: the
+        family's plan (sequence parallelism as asked), `workload`'s micro-batches (default pp) and schedule, the data
+        parallelism of the sharding level and shard size over dp x cp ranks."""
+        workload = workload or Workload()
+        data_parallel = None
+        if layout.data_parallel > 1:
+            data_parallel = DataParallelConfig(sharding_level=layout.sharding_level, shard_size=layout.shard_size)
+        return self.parallelizer.request(
+            self.parallelize_embeddings,
+            layout.sequence_parallel,
+            pipeline_parallel_num_microbatches=workload.num_microbatches or layout.pp,
+            pipeline_parallel_schedule=workload.schedule,
+            data_parallel=data_parallel,
+            keys=PLANNER_KEYS,
+        )
+
+    def check(self, layout: Layout, workload: Workload | None = None) -> None:
+        """Raise the engine's error (naming the setting and the allowed values) if it refuses `layout` running
+        `workload` for this model: the family door's request checked over a mesh of sizes alone. The planner's one
+        call into the engine's checks (`frontends/family_request.py` over `engine/layouts.py`'s mesh)."""
+        mesh = layout_mesh(layout.mesh_sizes)
+        validate_family_request(self.parallelizer, self.request(layout, workload), self.model, mesh)
+
+    def refusal(self, layout: Layout, workload: Workload | None = None) -> str | None:
+        """Why the engine refuses `layout` for this model (its error's message), or None if it runs it (cached)."""
+        workload = workload or Workload()
+        key = (layout, workload.num_microbatches or layout.pp, workload.schedule)
+        if key not in self._refusals:
+            try:
+                self.check(layout, workload)
+                self._refusals[key] = None
+            except (ValueError, NotImplementedError) as err:
+                self._refusals[key] = str(err)
+        return self._refusals[key]
 
     # ---- parameters
 
@@ -187,10 +227,6 @@ class MemoryPlanner:
         key = (tp, pp, ep)
         if key in self._counts:
             return self._counts[key]
-        if pp > 1 and not self.supports_pipeline:
-            raise ValueError(f"{self.parallelizer.__name__} does not support pipeline parallelism (pp={pp})")
-        if pp > self.num_layers:
-            raise ValueError(f"pp={pp} is more pipeline stages than the model's {self.num_layers} layers")
         stages = stage_layers(self.num_layers, pp, "layers", "layers")
         stage_of_layer = {layer: s for s, layers in enumerate(stages) for layer in layers}
         segments = self._segment()
@@ -269,12 +305,10 @@ class MemoryPlanner:
         return worst
 
     def estimate(self, layout: Layout, workload: Workload) -> MemoryEstimate:
-        """Per-rank bytes of `layout` running `workload` (the rank with the most of each)."""
-        if layout.sequence_parallel and not self.supports_sequence_parallel:
-            raise ValueError(f"{self.parallelizer.__name__} does not support sequence parallelism")
-        if workload.num_microbatches is not None and workload.num_microbatches < layout.pp:
-            raise ValueError(f"num_microbatches={workload.num_microbatches} must be >= pp={layout.pp}")
-        self.experts.check(layout.ep, layout.data_parallel)
+        """Per-rank bytes of `layout` running `workload` (the rank with the most of each); raises the engine's error
+        (naming the setting and the allowed values) for a layout it refuses."""
+        if self.refusal(layout, workload) is not None:
+            self.check(layout, workload)  # raises the engine's error
         counts = self.counts(layout.tp, layout.pp, layout.ep)
         # levels shard over the sharding group: all dp x cp ranks, or shard_size of them (hybrid sharding); under ep
         # the experts' states over the ranks holding the same experts
@@ -320,8 +354,6 @@ class MemoryPlanner:
                 notes.append(f"activations: GPipe, every stage keeps all {m} micro-batches until its backward")
             else:
                 notes.append(f"activations: 1F1B, the first stage keeps pp={layout.pp} of the {m} micro-batches")
-            if layout.sequence_parallel:
-                notes.append("optimum-parallel does not run sequence parallelism together with pp > 1 yet")
         if level == 1:
             notes.append("ZeRO-1 splits the optimizer state by whole parameters: ranks are only about even")
         if level >= 1 and group < dp:
@@ -360,27 +392,24 @@ class MemoryPlanner:
     # ---- suggestions
 
     def candidate_layouts(self, devices: int, workload: Workload | None = None) -> Iterator[Layout]:
-        """Every (dp, tp, pp, cp, sharding level, SP, ep) this engine can run on `devices` ranks for this model; cp
-        (1, 2, 4, 8) only where `workload`'s sequence splits into 2 x cp chunks of at least cp tokens (none
-        without a workload); ep > 1 for a mixture-of-experts model, dividing dp x cp and every block's experts, at
-        every sharding level and with pp (the engine runs them all; hybrid sharding is not proposed)."""
+        """Every (dp, tp, pp, cp, sharding level, SP, ep) on `devices` ranks that the engine runs for this model
+        (`refusal`): tp and pp dividing the devices, cp (1, 2, 4, 8) only where `workload`'s sequence splits into 2
+        x cp chunks of at least cp tokens (only cp=1 without a workload), every sharding level where dp x cp > 1,
+        SP on and off where tp > 1, ep dividing dp x cp for a model whose experts the planner counts. Hybrid
+        sharding is not proposed."""
         if isinstance(devices, bool) or not isinstance(devices, int) or devices < 1:
             raise ValueError(f"devices={devices!r} is not allowed; it must be a positive integer")
         for tp in _divisors(devices):
-            try:
-                self.local_numel(tp)
-            except (ValueError, NotImplementedError):
-                continue  # the family's plan cannot split this model over tp ranks (heads)
             for pp in _divisors(devices // tp):
-                if pp > 1 and (not self.supports_pipeline or pp > self.num_layers):
-                    continue
                 for cp in _cp_sizes(devices // (tp * pp), workload):
                     dp = devices // (tp * pp * cp)
-                    sp_options = (False, True) if tp > 1 and pp == 1 and self.supports_sequence_parallel else (False,)
-                    for level in (0, 1, 2, 3) if dp * cp > 1 else (0,):
-                        eps = self.experts.allowed_ep(dp * cp)
-                        for ep, sp in itertools.product(eps, sp_options):
-                            yield Layout(dp, tp, pp, level, sp, cp, ep=ep)
+                    levels = (0, 1, 2, 3) if dp * cp > 1 else (0,)
+                    eps = _divisors(dp * cp) if self.experts.counts else [1]
+                    sps = (False, True) if tp > 1 else (False,)
+                    for level, ep, sp in itertools.product(levels, eps, sps):
+                        layout = Layout(dp, tp, pp, level, sp, cp, ep=ep)
+                        if self.refusal(layout, workload) is None:
+                            yield layout
 
     def suggest(
         self, devices: int, memory_bytes: float, workload: Workload, reserve: float = 0.1

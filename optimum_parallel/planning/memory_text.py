@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import TYPE_CHECKING
 
 from .tables import table
@@ -81,7 +82,8 @@ def format_estimate(planner: MemoryPlanner, off: MemoryEstimate, on: MemoryEstim
     lines += table(header, rows, align_numbers=True)
     notes = list(dict.fromkeys(n for e in columns for n in e.notes))
     if on is None and layout.tp > 1:
-        notes.append(f"{planner.parallelizer.__name__} has no sequence-parallel plan: SP on is not shown")
+        why = planner.refusal(replace(layout, sequence_parallel=True), off.workload)
+        notes.append(f"SP on is not shown: the engine refuses it ({why})")
     lines += ["", *(f"note: {n}" for n in notes)]
     return "\n".join(lines) + "\n"
 

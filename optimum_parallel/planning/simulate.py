@@ -13,6 +13,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from ..frontends.family_request import validate_family_request
 from ..frontends.manager import ParallelizersManager
 from ..frontends.parallelizer import Parallelizer
 from ..mesh import SimulatedMesh, check_positive_int
@@ -85,10 +86,9 @@ def resolve_for_tp(
     parallelizer = None
     if plan is None:
         parallelizer = ParallelizersManager.parallelizer_for_model(model)
-        if sequence_parallel_enabled and not parallelizer.capabilities_for(model).sequence_parallel:
-            raise ValueError(f"{parallelizer.__name__} does not support sequence parallelism")
-        parallelizer.check(model, mesh)
-        plan = parallelizer.plan(model, mesh, parallelize_embeddings, sequence_parallel_enabled)
+        # the engine's checks of the family's request (its capabilities, its own model check, its plan) at this tp
+        request = parallelizer.request(parallelize_embeddings, sequence_parallel_enabled)
+        plan = validate_family_request(parallelizer, request, model, mesh).request.plan
     targets = check_plan(model, plan, mesh)
     layouts: list[dict[str, ShardLayout]] = [{} for _ in range(tp)]
     styles_of: dict[str, list[str]] = {}

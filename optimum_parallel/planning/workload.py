@@ -7,7 +7,10 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..mesh import check_positive_int
+from ..engine.checks import check_data_parallel_config, check_expert_data_parallel, check_shard_size
+from ..engine.data_parallel import DataParallelConfig
+from ..engine.request import RequestKeys
+from ..mesh import check_expert_parallel_size, check_positive_int
 
 GIB = 1024**3
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -15,6 +18,13 @@ DTYPE_ALIASES = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16", "half
 ATTENTION = ("sdpa", "eager")
 ACTIVATION_METHODS = ("auto", "llama", "paper")
 SCHEDULES = ("1f1b", "gpipe")
+PLANNER_KEYS = RequestKeys(  # what `estimate_memory`, `Layout` and `Workload` call each setting the engine checks
+    sequence_parallel="sequence_parallel",
+    schedule="schedule",
+    num_microbatches="num_microbatches",
+    shard_size="shard_size",
+    sizes={"tp": "tp", "pp": "pp", "cp": "cp", "ep": "ep"},
+)
 
 
 def parse_dtype(dtype: str | torch.dtype) -> str:
@@ -42,30 +52,22 @@ class Layout:
     shard_size: int = -1  # ranks per sharding group (hybrid sharding); -1: all dp x cp
     ep: int = 1  # ranks the experts are split over (a divisor of dp x cp)
 
-    def __post_init__(self) -> None:
-        for name in ("dp", "tp", "pp", "cp", "ep"):
+    def __post_init__(self) -> None:  # the engine's own checks of these settings, naming the planner's keys
+        for name in ("dp", "tp", "pp", "cp"):
             check_positive_int(name, getattr(self, name), "a size")
-        if self.sharding_level not in (0, 1, 2, 3) or isinstance(self.sharding_level, bool):
-            raise ValueError(f"sharding_level={self.sharding_level!r} is not allowed; allowed: 0, 1, 2, 3")
-        if self.data_parallel % self.ep:
-            allowed = [d for d in range(1, self.data_parallel + 1) if self.data_parallel % d == 0]
-            raise ValueError(
-                f"ep={self.ep} must divide dp x cp = {self.data_parallel}; allowed: {', '.join(map(str, allowed))}"
-            )
-        size, ranks = self.shard_size, self.data_parallel
-        if isinstance(size, bool) or not isinstance(size, int) or not (size == -1 or (size >= 1 and ranks % size == 0)):
-            allowed = [-1] + [d for d in range(1, ranks + 1) if ranks % d == 0]
-            raise ValueError(
-                f"shard_size={size!r} is not allowed for dp x cp = {ranks}; allowed: {', '.join(map(str, allowed))}"
-            )
-        if self.ep > 1 and size != -1:  # as the engine refuses it (engine/expert_data_parallel.py)
-            raise ValueError(
-                f"shard_size={size} (hybrid sharding) with ep={self.ep} is not supported yet; allowed with ep > 1: -1"
-            )
+        check_data_parallel_config(DataParallelConfig(self.sharding_level, shard_size=self.shard_size), PLANNER_KEYS)
+        check_shard_size(self.shard_size, self.data_parallel, "shard_size")
+        check_expert_parallel_size(self.ep, self.data_parallel, "ep", f"dp x cp = {self.dp} x {self.cp}")
+        check_expert_data_parallel(self.shard_size, self.ep, "shard_size")
 
     @property
     def devices(self) -> int:
         return self.dp * self.tp * self.pp * self.cp
+
+    @property
+    def mesh_sizes(self) -> dict[str, int]:
+        """The mesh this layout runs on: {dim: size} over dp, pp, cp, tp and ep."""
+        return {"dp": self.dp, "pp": self.pp, "cp": self.cp, "tp": self.tp, "ep": self.ep}
 
     @property
     def data_parallel(self) -> int:
