@@ -1,11 +1,11 @@
-"""The composition order, written once: validate -> TP/SP plan -> expert parallel -> context parallel ->
-pipeline split -> materialise -> optimizer -> data parallel.
+"""The composition order, written once: TP/SP plan -> expert parallel -> context parallel -> pipeline split ->
+materialise -> optimizer -> data parallel.
 
-Both front doors (`Parallelizer.parallelize`, `parallelize(model, optimizer, mesh, config)`) and the Trainer
-translate their arguments into one `ParallelRequest`, which `validate` checks whole (`validate.py`); the steps below
-take the `CheckedRequest` it returns. `compose` runs every step and returns what it installed (`runtime.py`); the
-Trainer runs the model half (`compose_model`) before transformers' Trainer exists and the training half
-(`compose_training`) once it has built its optimizer, in the same order.
+Every door translates its arguments into one `ParallelRequest`, which `resolve.py` resolves and `checks.py` checks
+whole (`validate.py`: both); the steps below take the `ResolvedRequest` (alias `CheckedRequest`) that returns.
+`compose` runs every step and returns what it installed (`runtime.py`); the Trainer runs the model half
+(`compose_model`) before transformers' Trainer exists and the training half (`compose_training`) once it has built
+its optimizer, in the same order.
 """
 
 from __future__ import annotations
@@ -132,7 +132,7 @@ def _installed(model: nn.Module) -> ParallelRuntime | None:
 
 def _apply_plan(model: nn.Module, mesh: ParallelMesh, checked: CheckedRequest) -> AppliedPlan | None:
     """TP/SP by the checked plan (every rank resolves and checks the same plan, tied weights stay tied), then the
-    family's fix-ups of module attributes (local head counts, config views). The layers' modes follow from the whole
+    family's fix-ups of module attributes (local head counts, config views). The layers' wirings follow from the whole
     request: schedules that defer weight gradients turn the overlap off."""
     applied = None
     if checked.targets is not None:
