@@ -137,6 +137,9 @@ def _run(scenario: str, model_dir: str, out: str) -> None:
         report_to=[],
         disable_tqdm=True,
         seed=0,
+        # the sampler's own seed: two devices' Trainers are two threads of one process, and without it each
+        # sampler seeds from the process's global generator, which the other thread may reseed in between
+        data_seed=0,
     )
     model, rows = load_llama(model_dir), dataset(STEPS * dp)
     refusal = None

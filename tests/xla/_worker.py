@@ -88,8 +88,8 @@ def _run(scenario: str, model_dir: str, out: str) -> None:
         if dp > 1:  # (at dp=1 the front door refuses a dp_config: the plain model runs the loop)
             refusals = refused_levels(model, optimizer, mesh)
             model, optimizer = op.parallelize(model, optimizer, mesh, {"dp_config": {"sharding_level": 0}})
-    # layers whose mode (decided with the plan) puts them in a sequence-parallel region
-    split = [n for n, m in model.named_modules() if getattr(getattr(m, "mode", None), "sequence", None) is not None]
+    # layers whose wiring (decided with the plan) puts them in a sequence-parallel region
+    split = [n for n, m in model.named_modules() if getattr(getattr(m, "wiring", None), "sequence", None) is not None]
     assert bool(split) == sequence_parallel, split
     params = dict(model.named_parameters())
     assert all(p.device.type == "xla" for p in params.values())
