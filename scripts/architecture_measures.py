@@ -55,12 +55,19 @@ def imported_modules(tree: ast.Module, module: str) -> dict[str, str]:
 
 
 def module_file(root: Path, dotted: str) -> str | None:
-    """The package file that defines `dotted` (a module, or a name inside one), relative to root."""
+    """The package file that defines `dotted` (a module, or a name inside one; a package's re-export followed to
+    the module it comes from), relative to root."""
     parts = dotted.split(".")
     while parts and parts[0] == PACKAGE:
-        for candidate in (root.joinpath(*parts).with_suffix(".py"), root.joinpath(*parts, "__init__.py")):
-            if candidate.exists():
-                return str(candidate.relative_to(root))
+        if root.joinpath(*parts).with_suffix(".py").exists():
+            return str(root.joinpath(*parts).with_suffix(".py").relative_to(root))
+        init = root.joinpath(*parts, "__init__.py")
+        if init.exists():
+            rest = dotted.split(".")[len(parts) :]
+            exported = imported_modules(ast.parse(init.read_text()), ".".join(parts) + ".__init__")
+            if rest and rest[0] in exported and exported[rest[0]] != dotted:  # a re-export: the defining module
+                return module_file(root, ".".join([exported[rest[0]], *rest[1:]])) or str(init.relative_to(root))
+            return str(init.relative_to(root))
         parts = parts[:-1]
     return None
 
