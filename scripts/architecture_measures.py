@@ -1,77 +1,228 @@
-"""Measures of the package's structure (issue 32), printed as a table: what one must read to understand a
-column-parallel linear, and the package's files and lines. The import arrows and the import circles (this script's
-count until issue 43) are checked by import-linter's contracts in `make lint` (pyproject.toml [tool.importlinter]).
+"""Measures of the package's structure (issues 32 and 43) for one git revision's tree, printed as a table (or JSON):
+compose's lines and the package files it calls into, attributes set on an object after it is built, vulture's
+findings, the import-linter contracts, duplicate pairs, and the package's files and lines.
 
-    python scripts/architecture_measures.py [PACKAGE_DIR]
+    python scripts/architecture_measures.py [--rev REV] [--json]
+
+With --rev the tree is exported (`git archive REV | tar -x`) to a temp dir and measured there; without, the working
+tree is measured.
 """
 
 from __future__ import annotations
 
+import argparse
+import ast
+import json
 import re
+import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
-import grimp
-
-ROOT = Path(sys.argv[1]).resolve() if len(sys.argv) > 1 else Path(__file__).resolve().parent.parent / "optimum_parallel"
-
-
-def module_name(path: Path) -> str:
-    parts = path.relative_to(ROOT.parent).with_suffix("").parts
-    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+REPO = Path(__file__).resolve().parent.parent
+BIN = Path(sys.executable).parent
+PACKAGE = "optimum_parallel"
+COMPOSE = ("compose", "compose_model", "compose_training")
+CONSTRUCTORS = {"__init__", "__post_init__", "__new__", "__setstate__"}
 
 
-def graph() -> dict[str, set[str]]:
-    """{module: package modules it imports (module level and inside functions)}, annotation-only imports left out:
-    import-linter's graph (grimp), the one `make lint` checks the arrows and the import circles on."""
-    sys.path.insert(0, str(ROOT.parent))
-    imports = grimp.build_graph(ROOT.name, exclude_type_checking_imports=True, cache_dir=None)
+def export(rev: str, into: Path) -> Path:
+    """The tree of `rev`, written below `into`."""
+    archive = subprocess.run(["git", "-C", str(REPO), "archive", rev], check=True, capture_output=True).stdout
+    subprocess.run(["tar", "-x", "-C", str(into)], input=archive, check=True)
+    return into
+
+
+def package_files(root: Path) -> list[Path]:
+    return sorted((root / PACKAGE).rglob("*.py"))
+
+
+def imported_modules(tree: ast.Module, module: str) -> dict[str, str]:
+    """{local name: the module it comes from} for every import in the module (any depth), relative ones resolved."""
+    names: dict[str, str] = {}
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            for alias in node.names:
+                names[alias.asname or alias.name.split(".")[0]] = (
+                    alias.name if alias.asname else alias.name.split(".")[0]
+                )
+        elif isinstance(node, ast.ImportFrom):
+            base = module.split(".")[: -node.level] if node.level else []
+            source = ".".join(base + ([node.module] if node.module else []))
+            for alias in node.names:
+                names[alias.asname or alias.name] = f"{source}.{alias.name}"  # the module file is found by trimming
+    return names
+
+
+def module_file(root: Path, dotted: str) -> str | None:
+    """The package file that defines `dotted` (a module, or a name inside one; a package's re-export followed to
+    the module it comes from), relative to root."""
+    parts = dotted.split(".")
+    while parts and parts[0] == PACKAGE:
+        if root.joinpath(*parts).with_suffix(".py").exists():
+            return str(root.joinpath(*parts).with_suffix(".py").relative_to(root))
+        init = root.joinpath(*parts, "__init__.py")
+        if init.exists():
+            rest = dotted.split(".")[len(parts) :]
+            exported = imported_modules(ast.parse(init.read_text()), ".".join(parts) + ".__init__")
+            if rest and rest[0] in exported and exported[rest[0]] != dotted:  # a re-export: the defining module
+                return module_file(root, ".".join([exported[rest[0]], *rest[1:]])) or str(init.relative_to(root))
+            return str(init.relative_to(root))
+        parts = parts[:-1]
+    return None
+
+
+def compose_measures(root: Path) -> dict:
+    """Lines of each compose function and the distinct package files their bodies call into (through the imports)."""
+    path = root / PACKAGE / "engine" / "compose.py"
+    if not path.exists():
+        return {"lines": {}, "files_called": None}
+    tree = ast.parse(path.read_text())
+    imports = imported_modules(tree, f"{PACKAGE}.engine.compose")
+    lines, called = {}, set()
+    for node in tree.body:
+        if isinstance(node, ast.FunctionDef) and node.name in COMPOSE:
+            lines[node.name] = node.end_lineno - node.lineno + 1
+            for call in (n for n in ast.walk(node) if isinstance(n, ast.Call)):
+                head = call.func
+                chain = []
+                while isinstance(head, ast.Attribute):
+                    chain.insert(0, head.attr)
+                    head = head.value
+                if isinstance(head, ast.Name) and head.id in imports:
+                    target = module_file(root, ".".join([imports[head.id], *chain]))
+                    if target:
+                        called.add(target)
+    lines["total"] = sum(lines.values())
+    return {"lines": lines, "files_called": sorted(called)}
+
+
+class _LateAttributes(ast.NodeVisitor):
+    """Counts attribute writes by the nearest enclosing function (module level counts as (a))."""
+
+    def __init__(self) -> None:
+        self.outside, self.self_late, self.functions = 0, 0, [None]
+
+    def visit_FunctionDef(self, node: ast.FunctionDef) -> None:
+        self.functions.append(node)
+        self.generic_visit(node)
+        self.functions.pop()
+
+    visit_AsyncFunctionDef = visit_FunctionDef
+
+    def _target(self, target: ast.expr) -> None:
+        func = self.functions[-1]
+        first = func.args.args[0].arg if func and func.args.args else None
+        if isinstance(target, ast.Tuple):
+            for element in target.elts:
+                self._target(element)
+        elif isinstance(target, ast.Attribute) and isinstance(target.value, ast.Name):
+            if target.value.id in ("self", "cls") and target.value.id == first:
+                self.self_late += func.name not in CONSTRUCTORS
+            else:
+                self.outside += 1
+        elif isinstance(target, ast.Attribute):
+            self.outside += 1  # a.b.c = ...: set on a.b
+        elif isinstance(target, ast.Subscript) and isinstance(target.value, ast.Attribute):
+            self.outside += target.value.attr == "__dict__"
+
+    def visit_Assign(self, node: ast.Assign) -> None:
+        for target in node.targets:
+            self._target(target)
+        self.generic_visit(node)
+
+    def visit_AugAssign(self, node: ast.AugAssign | ast.AnnAssign) -> None:
+        self._target(node.target)
+        self.generic_visit(node)
+
+    visit_AnnAssign = visit_AugAssign
+
+    def visit_Call(self, node: ast.Call) -> None:
+        self.outside += isinstance(node.func, ast.Name) and node.func.id == "setattr"
+        self.generic_visit(node)
+
+
+def late_attributes(root: Path) -> dict:
+    """(a) `obj.attr = / += ...` on an object other than self/cls (at any level), `setattr(...)` calls and
+    `x.__dict__[...] = ...` writes; (b) `self.attr = ...` in a method other than the constructors."""
+    counter = _LateAttributes()
+    for path in package_files(root):
+        counter.visit(ast.parse(path.read_text()))
     return {
-        name: {t for t in imports.find_modules_directly_imported_by(name) if not name.startswith(t + ".")}
-        for name in imports.modules
+        "outside_objects": counter.outside,
+        "self_after_init": counter.self_late,
+        "total": counter.outside + counter.self_late,
     }
 
 
-LAYER_ATTRIBUTES = r"\.(sequence_parallel|enter_region|overlap_weight_grads|_entry_siblings)\s*=[^=]"
-DECIDES = r"(?<![A-Za-z_])LayerWiring\((?!\))"  # a mode made with arguments: a decision, not a constructor default
-SUPPORT = {"comm.shared_memory", "tensor_parallel.spec"}  # a transport (same results as torch's) and shape bookkeeping
+def run(command: list[str], cwd: Path) -> str:
+    done = subprocess.run(command, cwd=cwd, capture_output=True, text=True)
+    return done.stdout + done.stderr
 
 
-def _path(module: str) -> Path:
-    return ROOT.parent.joinpath(*module.split(".")).with_suffix(".py")
+def vulture_findings(root: Path) -> int:
+    """vulture at 80% over the package (and the whitelist, where the revision has one)."""
+    whitelist = [str(w) for w in [root / "scripts" / "vulture_whitelist.py"] if w.exists()]
+    out = run([str(BIN / "vulture"), "--min-confidence", "80", PACKAGE, *whitelist], root)
+    return sum(1 for line in out.splitlines() if re.search(r"\(\d+% confidence", line))
 
 
-def column_linear_reading(edges: dict[str, set[str]]) -> tuple[list[str], int]:
-    """The files one reads to know what a column-parallel linear does in a forward and backward: the one defining it,
-    the package modules it runs (its imports, transitively, inside comm/ and tensor_parallel/; not `SUPPORT`), and
-    every other module that decides its mode (makes a `LayerWiring` with arguments) or sets one of its mode attributes
-    after it is built."""
-    modules = {module_name(p): p for p in ROOT.rglob("*.py")}
-    start = next(m for m, p in modules.items() if "class ColumnParallelLinear" in p.read_text())
-    seen, todo = {start}, [start]
-    while todo:
-        for w in edges.get(todo.pop(), ()):
-            room = w.split(".")[1] if "." in w else ""
-            support = {f"{ROOT.name}.{m}" for m in SUPPORT}
-            package = ROOT.joinpath(*w.split(".")[1:], "__init__.py").exists()  # a room's public surface
-            if room in ("comm", "tensor_parallel") and w not in seen | support and not package:
-                seen.add(w)
-                todo.append(w)
-    for name, path in modules.items():
-        text = path.read_text()
-        if re.search(DECIDES, text) or (re.search(LAYER_ATTRIBUTES, text) and "ColumnParallelLinear" in text):
-            seen.add(name)
-    files = sorted(seen)
-    return files, sum(len(_path(m).read_text().splitlines()) for m in files if _path(m).exists())
+def import_contracts(root: Path) -> str:
+    """import-linter's verdict with the revision's pyproject: `K kept, B broken`, or `no contract`."""
+    if "[tool.importlinter]" not in (root / "pyproject.toml").read_text():
+        return "no contract"
+    out = run([str(BIN / "lint-imports"), "--no-cache"], root)
+    match = re.search(r"Contracts: (\d+) kept, (\d+) broken", out)
+    return f"{match[1]} kept, {match[2]} broken" if match else "error: " + out.strip().splitlines()[-1]
+
+
+def duplicate_pairs(root: Path, folder: str) -> int:
+    """The pairs the `duplicates` command counts in one folder."""
+    out = run(["duplicates", "--repo", folder, "--most", "1", "--seconds", "120"], root)
+    match = re.match(r"(\d+) pairs?", out)
+    return int(match[1]) if match else 0
+
+
+def measure(root: Path) -> dict:
+    files = package_files(root)
+    return {
+        "compose": compose_measures(root),
+        "late_attributes": late_attributes(root),
+        "vulture_80": vulture_findings(root),
+        "import_contracts": import_contracts(root),
+        "duplicates": {d: duplicate_pairs(root, d) for d in (PACKAGE, "scripts")},
+        "package": {"files": len(files), "lines": sum(len(p.read_text().splitlines()) for p in files)},
+    }
+
+
+def table(rev: str, m: dict) -> str:
+    compose, late = m["compose"], m["late_attributes"]
+    rows = [(f"compose lines: {name}", n) for name, n in compose["lines"].items()] or [("compose", "absent")]
+    called = compose["files_called"]
+    rows += [
+        ("package files compose calls into", "-" if called is None else f"{len(called)}: {', '.join(called)}"),
+        ("attributes set later: (a) on other objects", late["outside_objects"]),
+        ("attributes set later: (b) self outside constructors", late["self_after_init"]),
+        ("attributes set later: (a) + (b)", late["total"]),
+        ("vulture --min-confidence 80 findings", m["vulture_80"]),
+        ("import-linter contracts", m["import_contracts"]),
+        *((f"duplicates pairs in {d}/", n) for d, n in m["duplicates"].items()),
+        (f"{PACKAGE}/ python files / lines", f"{m['package']['files']} / {m['package']['lines']}"),
+    ]
+    head = f"{'measure (' + rev + ')':<54} | value\n" + "-" * 55 + "+" + "-" * 30
+    return "\n".join([head, *(f"{name:<54} | {value}" for name, value in rows)])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rev", help="a git revision (default: the working tree)")
+    parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    args = parser.parse_args()
+    with tempfile.TemporaryDirectory() as tmp:
+        root = export(args.rev, Path(tmp)) if args.rev else REPO
+        result = measure(root)
+    print(json.dumps(result, indent=2) if args.json else table(args.rev or "working tree", result))
 
 
 if __name__ == "__main__":
-    files, lines = column_linear_reading(graph())
-    print(f"{'measure':<52} | value")
-    print("-" * 53 + "+" + "-" * 30)
-    print(f"{'files to read for a column-parallel linear':<52} | {len(files)} ({lines} lines)")
-    for name in files:
-        print(f"{'':<52} |   {name.split('.', 1)[1]}")
-    paths = list(ROOT.rglob("*.py"))
-    total = sum(len(p.read_text().splitlines()) for p in paths)
-    print(f"{'python files / lines in the package':<52} | {len(paths)} / {total}")
+    main()
