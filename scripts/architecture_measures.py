@@ -73,26 +73,33 @@ def module_file(root: Path, dotted: str) -> str | None:
 
 
 def compose_measures(root: Path) -> dict:
-    """Lines of each compose function and the distinct package files their bodies call into (through the imports)."""
+    """Lines of each compose function and the distinct package files their bodies call into (through the imports),
+    following the calls into compose.py's own helper functions (their calls count as compose's)."""
     path = root / PACKAGE / "engine" / "compose.py"
     if not path.exists():
         return {"lines": {}, "files_called": None}
     tree = ast.parse(path.read_text())
     imports = imported_modules(tree, f"{PACKAGE}.engine.compose")
-    lines, called = {}, set()
-    for node in tree.body:
-        if isinstance(node, ast.FunctionDef) and node.name in COMPOSE:
-            lines[node.name] = node.end_lineno - node.lineno + 1
-            for call in (n for n in ast.walk(node) if isinstance(n, ast.Call)):
-                head = call.func
-                chain = []
-                while isinstance(head, ast.Attribute):
-                    chain.insert(0, head.attr)
-                    head = head.value
-                if isinstance(head, ast.Name) and head.id in imports:
-                    target = module_file(root, ".".join([imports[head.id], *chain]))
-                    if target:
-                        called.add(target)
+    local = {node.name: node for node in tree.body if isinstance(node, ast.FunctionDef)}
+    lines = {name: local[name].end_lineno - local[name].lineno + 1 for name in COMPOSE if name in local}
+    called: set[str] = set()
+    todo, seen = [name for name in COMPOSE if name in local], set()
+    while todo:
+        name = todo.pop()
+        if name in seen:
+            continue
+        seen.add(name)
+        for call in (n for n in ast.walk(local[name]) if isinstance(n, ast.Call)):
+            head, chain = call.func, []
+            while isinstance(head, ast.Attribute):
+                chain.insert(0, head.attr)
+                head = head.value
+            if isinstance(head, ast.Name) and head.id in local and not chain:
+                todo.append(head.id)
+            elif isinstance(head, ast.Name) and head.id in imports:
+                target = module_file(root, ".".join([imports[head.id], *chain]))
+                if target:
+                    called.add(target)
     lines["total"] = sum(lines.values())
     return {"lines": lines, "files_called": sorted(called)}
 
