@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from torch import nn
 
-from ..comm.tp_entry import LayerWiring, SequenceRegion, Siblings
+from ..comm.tp_entry import LayerWiring, RegionEntry, SequenceRegion, Siblings
 from ..styles import ParallelStyle, PlanContext, SequenceParallelBegin, SequenceParallelDisable, SequenceParallelEnd
 from ..styles.base import COLUMN, ROW
 from ..styles.sequence_parallel import SequenceParallelEnable
@@ -31,10 +31,10 @@ def _builds(styles: list[ParallelStyle]) -> str | None:
 def plan_context(model: nn.Module, targets: dict[str, list[ParallelStyle]], mesh, overlap: bool = True) -> PlanContext:
     """The context every style of `targets` (a checked plan) is applied with: the model's entry, its sequence
     region (when the plan has sequence-parallel styles) and every layer's wiring."""
-    ctx = PlanContext(mesh)
-    ctx.default_wiring = LayerWiring(entry=ctx.entry, overlap=overlap)
+    entry = RegionEntry()
+    sequence = None
     if any(isinstance(s, SEQUENCE_STYLES) for styles in targets.values() for s in styles):
-        ctx.sequence = SequenceRegion(mesh.tp_group)
+        sequence = SequenceRegion(mesh.tp_group)
     kinds = {name: _builds(styles) for name, styles in targets.items()}
     gathering = [
         name
@@ -45,6 +45,7 @@ def plan_context(model: nn.Module, targets: dict[str, list[ParallelStyle]], mesh
     ends = {name for name, styles in targets.items() if any(isinstance(s, SequenceParallelEnd) for s in styles)}
     modules = dict(model.named_modules())
     siblings: dict[str, Siblings] = {}
+    wirings: dict[str, LayerWiring] = {}
     for name, kind in kinds.items():
         if kind is None:
             continue
@@ -54,12 +55,18 @@ def plan_context(model: nn.Module, targets: dict[str, list[ParallelStyle]], mesh
         if kind == COLUMN:
             family = Siblings() if wrapped else siblings.setdefault(name.rpartition(".")[0], Siblings())
         splits = inside if kind == ROW else (name in ends and not inside)
-        ctx.wirings[name] = LayerWiring(
-            entry=None if (inside and kind == COLUMN) else ctx.entry,
-            sequence=ctx.sequence if splits else None,
+        wirings[name] = LayerWiring(
+            entry=None if (inside and kind == COLUMN) else entry,
+            sequence=sequence if splits else None,
             siblings=family,
             overlap=overlap,
         )
-    ctx.gathering_blocks = frozenset(gathering)
-    ctx.kinds = {name: kind for name, kind in kinds.items() if kind is not None}
-    return ctx
+    return PlanContext(
+        mesh,
+        entry=entry,
+        sequence=sequence,
+        wirings=wirings,
+        default_wiring=LayerWiring(entry=entry, overlap=overlap),
+        gathering_blocks=frozenset(gathering),
+        kinds={name: kind for name, kind in kinds.items() if kind is not None},
+    )
