@@ -74,6 +74,16 @@ def _register_data_loader(accelerator, data_loader) -> None:
     loaders.append(data_loader)
 
 
+def _load(model, args, model_class: type, model_kwargs: dict[str, Any] | None):
+    """`model` itself, or the checkpoint at that path loaded under `lazy_load_for_parallelism` (no rank ever holds
+    the whole model)."""
+    if not isinstance(model, (str, os.PathLike)):
+        return model
+    sizes = args.tensor_parallel_size, args.pipeline_parallel_size, args.expert_parallel_size
+    with lazy_load_for_parallelism(*sizes):
+        return model_class.from_pretrained(model, **(model_kwargs or {}))
+
+
 def _has_vocab_parallel_head(model: nn.Module) -> bool:
     return any(isinstance(m, ColumnParallelLinear) and hasattr(m, "logits_mode") for m in model.modules())
 
@@ -110,44 +120,52 @@ class ParallelTrainerMixin:
             raise ValueError("model_init is not supported by ParallelTrainer; pass the model or its path")
         request = trainer_request(args, optimizer=optimizers[0], device=args.device)
         self.mesh = _mesh_for(request, args.ddp_timeout)
-        if isinstance(model, (str, os.PathLike)):
-            sizes = args.tensor_parallel_size, args.pipeline_parallel_size, args.expert_parallel_size
-            with lazy_load_for_parallelism(*sizes):
-                model = model_class.from_pretrained(model, **(model_kwargs or {}))
+        model = _load(model, args, model_class, model_kwargs)  # lazily: every rank reads only its slices
         self.parallelizer = ParallelizersManager.parallelizer_for_model(model)
-        # the whole request, data parallelism and the optimizer passed in included, before anything changes
-        inner = plan_root(model)
-        checked = validate_family_request(self.parallelizer, request, inner, self.mesh)
-        if peft_config is not None:  # the adapters come after the split: their targets are checked against the plan
-            from ..peft.lora import check_adapter_targets
-
-            check_adapter_targets(inner, checked.targets or {}, peft_config)
-        composed = compose_model(inner, self.mesh, checked)  # the model half of the composition
-        model.orig_param_to_parallel_param = composed.param_map
-        if peft_config is not None:  # adapters on the parallel model (its frozen base may have been loaded lazily)
-            from peft import get_peft_model
-
-            model = get_peft_model(model, peft_config)
+        model, checked, composed = self._parallelize_model(model, request, peft_config)
         self._adapters_only = plan_root(model) is not model  # a PEFT model: checkpoints hold what trains
         optimizer, scheduler = optimizers
-        if optimizer is not None:  # step 4 of compose, early: transformers' Trainer takes it as the one it steps
+        if optimizer is not None:  # step 5 of compose, early: transformers' Trainer takes it as the one it steps
             optimizer = optimizer_for_parallel_model(optimizer, composed.param_map)
         self._pipeline = composed.pipeline
         self._resume_dir: tuple[str, Path] | None = None
         self._async_checkpoint: AsyncCheckpoint | None = None  # the checkpoint written in the background now
         super().__init__(model=model, args=args, optimizers=(optimizer, scheduler), **kwargs)
-        # The model owns its placement and gradient reduction: accelerate must neither DDP-wrap nor move it.
+        self._parallelize_training(checked.data_parallel)
+
+    def _parallelize_model(self, model: nn.Module, request, peft_config: Any) -> tuple[nn.Module, Any, Any]:
+        """The whole request checked (data parallelism and the optimizer passed in included) before anything
+        changes, then the model half of the composition, then the adapters on the parallel model (after the split:
+        their targets are checked against the plan; its frozen base may have been loaded lazily)."""
+        inner = plan_root(model)
+        checked = validate_family_request(self.parallelizer, request, inner, self.mesh)
+        if peft_config is not None:
+            from ..peft.lora import check_adapter_targets
+
+            check_adapter_targets(inner, checked.targets or {}, peft_config)
+        composed = compose_model(inner, self.mesh, checked)
+        model.orig_param_to_parallel_param = composed.param_map
+        if peft_config is not None:
+            from peft import get_peft_model
+
+            model = get_peft_model(model, peft_config)
+        return model, checked, composed
+
+    def _parallelize_training(self, data_parallel) -> None:
+        """After transformers' Trainer exists: the model owns its placement and gradient reduction (accelerate
+        neither DDP-wraps nor moves it, and shards batches over dp only), the optimizer over the parallel
+        parameters, then the training half of the composition; on XLA one sync per optimizer step."""
         self.is_distributed_loading_by_transformers = True
         self.accelerator.prepare_data_loader = self._prepare_data_loader
         if self.optimizer is None:
             self.create_optimizer()
-        # step 4 ran above for an optimizer passed in, and the Trainer's own is built over the parallel parameters:
+        # an optimizer passed in was rebuilt above, and the Trainer's own is built over the parallel parameters:
         # no parameter map here (its keys are ids of replaced parameters, which new ones, e.g. adapters, may reuse)
-        self.model, self.optimizer = compose_training(self.model, self.optimizer, self.mesh, {}, checked.data_parallel)
+        self.model, self.optimizer = compose_training(self.model, self.optimizer, self.mesh, {}, data_parallel)
         self.model_wrapped = self.model
         if self.lr_scheduler is not None:
             self.lr_scheduler.optimizer = self.optimizer  # it was built over the optimizer before parallelism
-        if on_xla_device(args.device):  # one sync per optimizer step; no all-reduce of gradients by accelerate
+        if on_xla_device(self.args.device):  # no all-reduce of gradients by accelerate
             XlaStepCallback.install(self)
 
     # ------------------------------------------------------------------ accelerate: no wrapping, batches per dp rank
