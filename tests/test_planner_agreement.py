@@ -9,6 +9,7 @@ from __future__ import annotations
 import importlib
 import itertools
 
+import family_matrix
 import pytest
 import torch
 from _models import tiny_config
@@ -24,17 +25,7 @@ MESH_MODULE = importlib.import_module("optimum_parallel.mesh.init")
 WORLDS = (1, 2, 4, 8)
 WORKLOAD = Workload(seq_len=128, dtype="fp32")  # long enough for the planner to try every cp of 8 ranks
 MOE = dict(num_experts_per_tok=2, intermediate_size=64)
-JAMBA = dict(
-    MOE,
-    num_experts=4,
-    attn_layer_period=2,
-    attn_layer_offset=1,
-    expert_layer_period=2,
-    expert_layer_offset=1,
-    mamba_d_state=8,
-    mamba_d_conv=4,
-    mamba_expand=2,
-)
+JAMBA = dict(MOE, **family_matrix.FAMILIES["jamba"])  # the family matrix's tiny Jamba (its own mixer sizes)
 # name -> (model type, config overrides, the dims > 1 the engine runs on it); every model has 4 heads (2 kv) and 2
 # layers, so tp=8 and pp > 2 are refused everywhere
 FAMILIES = {
