@@ -32,6 +32,15 @@ WORLD_SIZE = 2
 HELD_GOAL = 0.75
 NOISE_FACTOR = 10  # a gradient's tolerance: max(TOL, this x its change when the weights move by relative 1e-7)
 ATTENTION = dict(num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=64)
+GATED_DELTA_NET = dict(  # Qwen3.5 / Qwen3-Next: a gated delta net layer, then an attention layer
+    layer_types=["linear_attention", "full_attention"],
+    linear_num_key_heads=2,
+    linear_num_value_heads=4,
+    linear_key_head_dim=16,
+    linear_value_head_dim=16,
+    linear_conv_kernel_dim=4,
+)
+QWEN_MOE = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=48)
 
 # Tiny configs (hidden 64, vocab 128): every layer kind of the family appears (a mixer layer and an attention layer,
 # dense and expert MLPs), with heads that split over 2 ranks. The family matrix imports this.
@@ -41,27 +50,14 @@ TINY_CONFIGS: dict[str, dict] = {
         hidden_size=64,
         intermediate_size=96,
         num_hidden_layers=2,
-        layer_types=["linear_attention", "full_attention"],
-        linear_num_key_heads=2,
-        linear_num_value_heads=4,
-        linear_key_head_dim=16,
-        linear_value_head_dim=16,
-        linear_conv_kernel_dim=4,
+        **GATED_DELTA_NET,
     ),
     "qwen3_5_moe_text": dict(
         ATTENTION,
         hidden_size=64,
         num_hidden_layers=2,
-        layer_types=["linear_attention", "full_attention"],
-        linear_num_key_heads=2,
-        linear_num_value_heads=4,
-        linear_key_head_dim=16,
-        linear_value_head_dim=16,
-        linear_conv_kernel_dim=4,
-        num_experts=4,
-        num_experts_per_tok=2,
-        moe_intermediate_size=32,
-        shared_expert_intermediate_size=48,
+        **GATED_DELTA_NET,
+        **QWEN_MOE,
     ),
     "falcon_h1": dict(  # every layer has attention and a Mamba2 mixer side by side; gated norm over 2 groups
         ATTENTION,
@@ -161,16 +157,8 @@ TINY_CONFIGS: dict[str, dict] = {
         hidden_size=64,
         intermediate_size=96,
         num_hidden_layers=2,
-        layer_types=["linear_attention", "full_attention"],
-        linear_num_key_heads=2,
-        linear_num_value_heads=4,
-        linear_key_head_dim=16,
-        linear_value_head_dim=16,
-        linear_conv_kernel_dim=4,
-        num_experts=4,
-        num_experts_per_tok=2,
-        moe_intermediate_size=32,
-        shared_expert_intermediate_size=48,
+        **GATED_DELTA_NET,
+        **QWEN_MOE,
     ),
     "deepseek_v4": dict(  # heavily compressed attention, hash-routed experts, hyper-connections
         hidden_size=64,

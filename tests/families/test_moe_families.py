@@ -39,6 +39,20 @@ _MLA = dict(kv_lora_rank=32, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=
 # DeepSeek sparse attention (deepseek_v32, glm_moe_dsa, axk2): an indexer of 2 heads picks 8 of the 16 keys
 _DSA = dict(index_topk=8, index_head_dim=16, index_n_heads=2)
 _DEEPSEEK_MOE = dict(moe_intermediate_size=32, n_routed_experts=4, num_experts_per_tok=2, n_shared_experts=1)
+# deepseek_v32 and glm_moe_dsa: the same MLA, sparse-attention indexer and grouped experts
+_SPARSE_ATTENTION_MOE = (
+    dict(
+        _BASE,
+        intermediate_size=96,
+        **_DEEPSEEK_MOE,
+        n_group=1,
+        topk_group=1,
+        first_k_dense_replace=1,
+        q_lora_rank=24,
+        **_DSA,
+    )
+    | _MLA
+)
 
 TINY_CONFIGS: dict[str, dict] = {
     # shared expert + routed experts fed the sigmoid-scored inputs, expert-major (ep exchanges every token's rows of
@@ -116,28 +130,8 @@ TINY_CONFIGS: dict[str, dict] = {
     )
     | _MLA,
     "minicpm3": dict(_BASE, intermediate_size=96, q_lora_rank=24, **{**_MLA, "head_dim": 16}),
-    "deepseek_v32": dict(
-        _BASE,
-        intermediate_size=96,
-        **_DEEPSEEK_MOE,
-        n_group=1,
-        topk_group=1,
-        first_k_dense_replace=1,
-        q_lora_rank=24,
-        **_DSA,
-    )
-    | _MLA,
-    "glm_moe_dsa": dict(
-        _BASE,
-        intermediate_size=96,
-        **_DEEPSEEK_MOE,
-        n_group=1,
-        topk_group=1,
-        first_k_dense_replace=1,
-        q_lora_rank=24,
-        **_DSA,
-    )
-    | _MLA,
+    "deepseek_v32": dict(_SPARSE_ATTENTION_MOE),
+    "glm_moe_dsa": dict(_SPARSE_ATTENTION_MOE),
     "axk2": dict(
         _BASE,
         intermediate_size=96,
