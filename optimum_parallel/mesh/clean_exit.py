@@ -3,7 +3,7 @@
 gloo runs each collective on a worker thread, which drops its last reference to the collective's tensors a moment
 after the caller's wait returns. When the process ends straight after a collective (a Trainer's last metrics
 all-gather), the thread can drop it while Python finalizes: the decref takes the GIL, the thread exits in
-`take_gil` and the process aborts ("terminate called without an active exception", 1 run in 5 to 10 of the GRPO
+`take_gil` and the process aborts ("terminate called without an active exception", 3 runs in 29 of the GRPO
 example; core: `~AsyncAllgatherWork` -> `decref_pyobject` -> `PyThread_exit_thread`). `destroy_process_group` at
 exit joins those threads while Python still runs, as torch asks every program to do. Only after a clean end: after an
 uncaught exception (`sys.last_value`) a collective may still wait on a peer, and joining it would keep a failed rank
