@@ -127,10 +127,48 @@ FAMILIES: dict[str, dict] = {
     "lfm2": dict(
         layer_types=["conv", "full_attention"], conv_L_cache=3, block_ff_dim=96, block_auto_adjust_ff_dim=False
     ),
+    "qwen3_next": dict(
+        MOE4,
+        shared_expert_intermediate_size=48,
+        layer_types=["linear_attention", "full_attention"],
+        linear_num_key_heads=2,
+        linear_num_value_heads=4,
+        linear_key_head_dim=16,
+        linear_value_head_dim=16,
+    ),
+    "kimi_linear": dict(
+        MOE4,
+        num_key_value_heads=4,
+        kv_lora_rank=16,
+        qk_rope_head_dim=8,
+        qk_nope_head_dim=16,
+        v_head_dim=16,
+        layer_types=["linear_attention", "full_attention"],
+        mlp_layer_types=["dense", "sparse"],
+        linear_head_dim=16,
+        linear_num_heads=4,
+        linear_conv_kernel_dim=4,
+        num_local_experts=4,
+    ),
+    "bamba": dict(
+        attn_layer_indices=[1], mamba_n_heads=4, mamba_n_groups=2, mamba_d_state=8, mamba_d_conv=4, mamba_chunk_size=8
+    ),
+    "granitemoehybrid": dict(
+        intermediate_size=32,
+        shared_intermediate_size=48,
+        layer_types=["mamba", "attention"],
+        num_local_experts=4,
+        num_experts_per_tok=2,
+        mamba_n_heads=4,
+        mamba_n_groups=2,
+        mamba_d_state=8,
+        mamba_d_conv=4,
+        mamba_chunk_size=8,
+    ),
 }
 MOE_TYPES = {
     "mixtral", "qwen3_moe", "gpt_oss", "qwen3_5_moe_text", "llama4_text", "deepseek_v3", "glm4_moe", "olmoe",
-    "granitemoe", "phimoe", "ernie4_5_moe", "jamba",
+    "granitemoe", "phimoe", "ernie4_5_moe", "jamba", "qwen3_next", "kimi_linear", "granitemoehybrid",
 }  # fmt: skip
 
 # layout -> mesh sizes over 4 ranks and how it is asked for

@@ -11,7 +11,7 @@ __all__ = ["WORLD_SIZE"]  # the pool's size
 
 CELLS = [
     ("qwen3_5_text", "tp2+sp", "equal"),  # gated delta nets beside attention, sequence-parallel residual stream
-    ("qwen3_5_text", "cp2", "refused"),  # the delta net mixes tokens outside the attention interface
+    ("qwen3_5_text", "cp2", "equal"),  # the delta net on the whole sequence, its heads split over cp
     ("gemma4_text", "cp2", "equal"),
     ("falcon_h1", "pp2", "equal"),  # final_layernorm found by role; its layers return tuples
     ("jamba", "tp2xdp2-L3", "equal"),

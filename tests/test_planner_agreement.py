@@ -39,7 +39,7 @@ FAMILIES = {
     ),
     "gemma (no cp declared)": ("gemma", dict(head_dim=16), {"pp"}),
     "gemma2": ("gemma2", dict(head_dim=16, sliding_window=8), {"pp", "cp"}),
-    "jamba (Mamba mixers refuse cp)": ("jamba", JAMBA, {"pp", "ep"}),
+    "jamba (Mamba mixers under cp: their heads split over it)": ("jamba", JAMBA, {"pp", "ep", "cp"}),
 }
 
 

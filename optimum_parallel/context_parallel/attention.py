@@ -54,6 +54,11 @@ def sequence_mask(key_mask: torch.Tensor, documents: Documents | None = None) ->
     return marker
 
 
+def is_marker(attention_mask) -> bool:
+    """Whether `attention_mask` is the marker the input split made (`sequence_mask`)."""
+    return getattr(attention_mask, _MARK, None) is not None
+
+
 def marked_documents(attention_mask) -> Documents | None:
     """The documents a marker carries (None: one sequence per row)."""
     return getattr(attention_mask, _DOCUMENTS, None)
@@ -96,6 +101,8 @@ def context_parallel_attention(
     documents = marked_documents(attention_mask)
     layout = documents.layout if documents is not None else ChunkLayout(settings.cp, settings.layout_rank, length)
     scale = scaling if scaling is not None else default_scale(query.shape[-1])
+    value_dim = value.shape[-1]
+    query, key, value = _same_head_dim(query, key, value)
     attend = Attend(layout.chunk, scale, sliding_window, softcap, key_mask, documents)
     if torch.compiler.is_compiling():  # a compiled block: the same attention as graph ops (compiled.py)
         from .compiled import eager_document_attention, traced_context_attention
@@ -109,7 +116,19 @@ def context_parallel_attention(
         out = ring_attention(query, key, value, attend, layout.chunks_of, settings.group)
     else:
         out = all_to_all_attention(query, key, value, attend, layout.chunks_of, settings.group)
-    return out.transpose(1, 2).contiguous(), None
+    return out[..., :value_dim].transpose(1, 2).contiguous(), None
+
+
+def _same_head_dim(query, key, value):
+    """Keys and values of one head width, as the ring exchanges them together (latent attention's values are
+    narrower than its query/key heads): the narrower side padded with zeros, which changes no score and no output
+    column that is kept."""
+    width = max(key.shape[-1], value.shape[-1])
+
+    def pad(x):
+        return x if x.shape[-1] == width else torch.nn.functional.pad(x, (0, width - x.shape[-1]))
+
+    return pad(query), pad(key), pad(value)
 
 
 def register_attention() -> None:

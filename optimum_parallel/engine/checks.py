@@ -21,6 +21,7 @@ from ..context_parallel import check_context_parallel, check_strategy
 from ..expert_parallel import check_expert_parallel
 from ..mesh import MeshLayout, ParallelMesh, check_expert_parallel_size, check_positive_int
 from ..mesh import device as devices
+from ..mixers import check_heads_split
 from ..packing import PACKING_KEYS
 from ..pipeline import SCHEDULES, check_pipeline, check_schedule
 from ..pipeline.split import SplitPoint
@@ -74,6 +75,8 @@ def check(resolved: ResolvedRequest, model: nn.Module, mesh: ParallelMesh) -> No
             supported=capabilities.context_parallel,
             why=capabilities.reason("context"),
         )
+        for mixer in resolved.mixers:  # a mixer's heads split over tp x cp: whole heads on every rank
+            check_heads_split(mixer, tp, cp)
     data_parallel = resolved.data_parallel
     if data_parallel is not None:
         check_data_parallel(data_parallel, request.optimizer, keys, mesh.data_parallel_size, mesh.device_type)

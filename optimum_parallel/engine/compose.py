@@ -20,6 +20,7 @@ from torch import nn
 from ..context_parallel import apply_context_parallel
 from ..expert_parallel import apply_expert_parallel
 from ..mesh import ParallelMesh
+from ..mixers import install_mixers
 from ..packing import install_packing
 from ..pipeline import SPLIT_BACKWARD
 from ..pipeline.batches import stage_batches
@@ -55,6 +56,7 @@ def compose_model(model: nn.Module, mesh: ParallelMesh, checked: CheckedRequest)
     install_tp_random(model, mesh, applied.layers if applied is not None else None)
     packing = _install_packing(model, mesh, checked.pipeline, before.packing if before is not None else False)
     _apply_context_parallel(model, mesh, request.context_parallel)  # 2. CP
+    _install_mixers(model, mesh, checked)  # 2b. mixers carrying a state: documents apart, the sequence across cp
     pipeline = _split_pipeline(model, mesh, checked.pipeline, applied.sequence if applied is not None else None)
     mapping = _on_this_rank(model, mapping, pipeline)  # 3. other stages' parameters map to None
     materialize_lazy_model(model, request.device, read_checkpoint=request.read_checkpoint)  # 4. this rank's slices
@@ -174,6 +176,18 @@ def _apply_context_parallel(model: nn.Module, mesh: ParallelMesh, strategy: str)
     """Attention over the cp ring, each rank's forward cut to its chunks of the sequence (weights untouched)."""
     if mesh.size("cp") > 1:
         apply_context_parallel(model, mesh.group("cp"), strategy)
+
+
+def _install_mixers(model: nn.Module, mesh: ParallelMesh, checked: CheckedRequest) -> None:
+    """Every token mixer carrying a state (gated delta nets, Mamba mixers, short convolutions) runs one device's
+    answer: each packed document alone, and under cp on the whole sequence, its heads split over cp (or whole)."""
+    if not checked.mixers:
+        return
+    cp = mesh.size("cp")
+    group = mesh.group("cp") if cp > 1 else None
+    layout_rank = parallel_state(model).context_parallel.layout_rank if cp > 1 else None
+    tp = (mesh.rank("tp"), mesh.size("tp")) if checked.targets is not None else (0, 1)
+    install_mixers(model, checked.mixers, tp, group, layout_rank)
 
 
 def _split_pipeline(

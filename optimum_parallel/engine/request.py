@@ -17,6 +17,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from ..mixers import MixerSpec
 from ..pipeline.split import SplitPoint
 from ..styles import ParallelStyle
 from .capabilities import Capabilities
@@ -119,7 +120,7 @@ class ResolvedRequest:
     """A request with everything the steps apply decided once for one model and mesh (`resolve.resolve`): what the
     model supports, the plan as checked ({module name: styles}; None: no plan), the pipeline with its defaults filled
     (None without pp), the data parallelism to apply (None: none), the family's fix-up after the plan, how to compile
-    the blocks (None: eager)."""
+    the blocks (None: eager), and how each token mixer carrying a state runs under cp."""
 
     request: ParallelRequest
     capabilities: Capabilities
@@ -128,6 +129,7 @@ class ResolvedRequest:
     data_parallel: DataParallelConfig | None
     after_plan: Callable[[nn.Module, object], None] | None = None
     compile: CompileConfig | None = None
+    mixers: tuple[MixerSpec, ...] = ()  # every token mixer carrying a state: how it runs under cp (mixers/plan.py)
 
     @property
     def optimizer(self) -> torch.optim.Optimizer | None:

@@ -14,12 +14,13 @@ from dataclasses import dataclass
 from torch import nn
 
 from ..mesh import ParallelMesh
+from ..mixers import plan_mixer
 from ..plan import check_plan
 from .checks import check_on_mesh, check_settings
 from .compile import CompileConfig
 from .data_parallel import DataParallelConfig
 from .request import ParallelRequest, PipelineRequest, ResolvedRequest
-from .structure import derive_capabilities
+from .structure import derive_capabilities, state_mixers
 
 
 @dataclass(frozen=True)
@@ -40,10 +41,12 @@ def settle(request: ParallelRequest, mesh: ParallelMesh) -> SettledRequest:
 def resolve_settled(settled: SettledRequest, model: nn.Module, mesh: ParallelMesh) -> ResolvedRequest:
     """The half that reads the model: what it supports (the family's declaration the request carries, else its
     structure's), the plan checked against it, the pipeline with its defaults (micro-batches: pp; None at pp=1), the
-    data parallelism (a mesh section's cp or ep > 1 needs it: their gradients are partial per rank)."""
+    data parallelism (a mesh section's cp or ep > 1 needs it: their gradients are partial per rank), how each token
+    mixer carrying a state runs under cp."""
     request = settled.request
     capabilities = request.capabilities if request.capabilities is not None else derive_capabilities(model)
     targets = check_plan(model, request.plan, mesh) if request.plan else None
+    mixers = tuple(plan_mixer(model, name, targets) for name in state_mixers(model))
     return ResolvedRequest(
         request=request,
         capabilities=capabilities,
@@ -52,6 +55,7 @@ def resolve_settled(settled: SettledRequest, model: nn.Module, mesh: ParallelMes
         data_parallel=_data_parallel(request, mesh),
         after_plan=request.after_plan,
         compile=settled.compile,
+        mixers=mixers,
     )
 
 

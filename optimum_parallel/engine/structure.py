@@ -6,10 +6,11 @@ checked layer by layer, not looked up in a list of model types (a hand-written f
   other parameter-holding module beside them;
 - sequence parallelism: the same stack, each layer's children norms (run on the slices), parameter-less, or blocks
   (run on the whole sequence); the residual stream between blocks is then token-wise;
-- context parallelism: every token mixer of every layer (a child with a `layer_idx`, or holding a convolution over
-  the sequence) is attention through transformers' attention interface, without what the context-parallel attention
-  does not compute (attention sinks, chunked attention); gated delta nets, Mamba mixers, short convolutions and
-  lightning attention are refused by class and layer index.
+- context parallelism: every token mixer of every layer (a child with a `layer_idx` that is not token-wise, or holding
+  a convolution over the sequence) is attention through transformers' attention interface, without what the
+  context-parallel attention does not compute (attention sinks, chunked attention), or a mixer carrying a state
+  along the sequence (gated delta nets, Mamba mixers, short convolutions: `mixers/`) whose decoder builds its mask
+  with transformers' `create_recurrent_attention_mask` and whose forward takes it as `attention_mask`.
 
 A refusal's reason names the module and the layer; `Capabilities.reason(layout)` gives it to the check that refuses.
 """
@@ -17,6 +18,7 @@ A refusal's reason names the module and the layer; `Capabilities.reason(layout)`
 from __future__ import annotations
 
 import inspect
+import re
 from dataclasses import dataclass
 from functools import cache
 
@@ -24,6 +26,7 @@ from torch import nn
 
 from ..expert_parallel import find_experts
 from ..expert_parallel.expert_split import takes_expert_major_rows
+from ..mixers import builds_recurrent_mask
 from ..pipeline.decoder import DecoderRoles, decoder_roles, is_norm
 from .capabilities import Capabilities
 
@@ -90,10 +93,37 @@ def is_interface_attention(module: nn.Module) -> bool:
     return any(_calls_attention_interface(type(m)) for m in module.modules())
 
 
+def _token_wise(module: nn.Module) -> bool:
+    """Whether `module` holds only linear layers and parameter-less modules (an MLP): it works token by token."""
+    leaves = [m for m in module.modules() if m is not module]
+    own = any(p is not None for p in module._parameters.values())
+    return not own and all(isinstance(m, nn.Linear) or next(m.parameters(), None) is None for m in leaves)
+
+
 def is_token_mixer(module: nn.Module) -> bool:
     """Whether a decoder layer's child mixes tokens: transformers gives every such mixer its layer's `layer_idx`
-    (attention, Mamba, delta nets, short convolutions); a 1-D convolution inside one mixes neighbouring tokens too."""
-    return hasattr(module, "layer_idx") or any(isinstance(m, nn.Conv1d) for m in module.modules())
+    (attention, Mamba, delta nets, short convolutions; an MLP carrying one too, as Hunyuan's does, works token by
+    token); a 1-D convolution inside one mixes neighbouring tokens too."""
+    if any(isinstance(m, nn.Conv1d) for m in module.modules()):
+        return True
+    return hasattr(module, "layer_idx") and (is_interface_attention(module) or not _token_wise(module))
+
+
+def _takes_mask(mixer: nn.Module) -> bool:
+    parameters = inspect.signature(type(mixer).forward).parameters
+    return "hidden_states" in parameters and "attention_mask" in parameters
+
+
+def state_mixers(model: nn.Module) -> list[str]:
+    """The names of every decoder layer's token mixers that carry a state along the sequence (not attention through
+    transformers' interface), the language model's of a vision-language model included."""
+    found: list[str] = []
+    for name, module in model.named_modules():
+        if not re.search(r"\.\d+\.[^.]+$", name) or any(name.startswith(done + ".") for done in found):
+            continue
+        if is_token_mixer(module) and not is_interface_attention(module):
+            found.append(name)
+    return found
 
 
 def _context_parallel_blocker(model: nn.Module, stack: DecoderStack) -> str | None:
@@ -108,10 +138,15 @@ def _context_parallel_blocker(model: nn.Module, stack: DecoderStack) -> str | No
                 continue
             where = f"{stack.prefix}.{index}.{name} ({type(child).__name__})"
             if not is_interface_attention(child):
-                return (
-                    f"{where} mixes tokens outside transformers' attention interface (a recurrent or convolutional "
-                    "mixer whose state would have to cross the cp ranks)"
-                )
+                if not builds_recurrent_mask(stack.roles.base):
+                    return (
+                        f"{where} carries a state along the sequence, and {type(stack.roles.base).__name__} does not "
+                        "build its mixers' mask with transformers' create_recurrent_attention_mask, through which the "
+                        "cp layout reaches them"
+                    )
+                if not _takes_mask(child):
+                    return f"{where} carries a state along the sequence and takes no attention_mask argument"
+                continue
             if not any(hasattr(m, "num_key_value_groups") for m in child.modules()):
                 return f"{where} is not a query/key/value attention with key/value groups that the cp split routes"
             if isinstance(getattr(child, "sinks", None), nn.Parameter):

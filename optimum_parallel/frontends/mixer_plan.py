@@ -47,6 +47,7 @@ from ..styles.conv import DepthwiseConvParallel
 from ..styles.mixer import (
     AllReduceOutputGradient,
     EnteredColWiseParallel,
+    KeptWhole,
     LocalAttributes,
     LocalConfigAttributes,
     SplitBuffer,
@@ -212,6 +213,9 @@ def _delta_attention(module: nn.Module, tp: int | None):
     entries["conv1d"] = [DepthwiseConvParallel([width] * 3, [heads] * 3)]
     entries["o_proj"] = [RowWiseParallel(units=heads)]
     entries["forget_gate.f_b_proj"] = [ColWiseParallel(units=heads)]
+    for owner, low_rank in ((module, "g_a_proj"), (gate, "f_a_proj")):  # whole: read by column layers that sum
+        if _linear(owner, low_rank) is not None:  # the gradient at their entry
+            entries[low_rank if owner is module else f"forget_gate.{low_rank}"] = [KeptWhole()]
     gate_params = [SplitParameter("dt_bias", 0, heads)] if _param(gate, "dt_bias") is not None else []
     a_log = _param(gate, "A_log")
     if a_log is not None:

@@ -100,6 +100,15 @@ class AllReduceOutputGradient(ParallelStyle):
         return module
 
 
+class KeptWhole(ParallelStyle):
+    """A module left whole on purpose inside a head-split mixer: its output feeds column layers whose entry sums the
+    gradient over tp (Kimi's low-rank `g_a_proj`); nothing to apply. It says the plan covers the module, so the
+    mixer's heads may be split once more under context parallelism (`mixers/plan.py`)."""
+
+    def apply(self, module, name, ctx):
+        return module
+
+
 class EnteredColWiseParallel(ColWiseParallel):
     """A column split whose input has already entered the tp region (no entry of its own: its input gradient stays
     this rank's partial sum). For latent attention's `kv_b_proj`: the whole latent it reads is made by a replicated
