@@ -4,7 +4,14 @@ own config classes: shared by tests/families/test_vlm.py and the family matrix (
 from __future__ import annotations
 
 import torch
-from transformers import AutoModelForImageTextToText, Gemma3Config, LlavaConfig, Qwen2_5_VLConfig, Qwen3VLConfig
+from transformers import (
+    AutoModelForImageTextToText,
+    Gemma3Config,
+    LlavaConfig,
+    Qwen2_5_VLConfig,
+    Qwen3_5Config,
+    Qwen3VLConfig,
+)
 
 TOL = 1e-5
 VOCAB = 132  # 128 text tokens, then the image / video / vision start / vision end (boi / eoi) tokens
@@ -75,8 +82,34 @@ def _qwen3_vl() -> Qwen3VLConfig:
     )
 
 
+def _qwen3_5() -> Qwen3_5Config:
+    """Qwen3.5's vision-language model: its language model a gated delta net layer, then an attention layer."""
+    delta_net = dict(
+        layer_types=["linear_attention", "full_attention"],
+        linear_num_key_heads=2,
+        linear_num_value_heads=4,
+        linear_key_head_dim=16,
+        linear_value_head_dim=16,
+    )
+    return Qwen3_5Config(
+        vision_config=dict(QWEN_VISION, spatial_merge_size=2, num_position_embeddings=16),
+        text_config=dict(TEXT, head_dim=16, rope_parameters=dict(MROPE, mrope_interleaved=True), **delta_net),
+        image_token_id=IMAGE,
+        video_token_id=VIDEO,
+        vision_start_token_id=START,
+        vision_end_token_id=END,
+        tie_word_embeddings=False,
+    )
+
+
 # model type -> its tiny config (vision tower 2 layers of width 32, 16 x 16 images; language model hidden 64, 2 layers)
-TINY_VLM_CONFIGS = {"llava": _llava, "gemma3": _gemma3, "qwen2_5_vl": _qwen2_5_vl, "qwen3_vl": _qwen3_vl}
+TINY_VLM_CONFIGS = {
+    "llava": _llava,
+    "gemma3": _gemma3,
+    "qwen2_5_vl": _qwen2_5_vl,
+    "qwen3_vl": _qwen3_vl,
+    "qwen3_5": _qwen3_5,
+}
 QWEN_GRIDS = [(1, 4, 4), (1, 4, 8)]  # (t, h, w) patches of each row's image: 4 and 8 image tokens after the merge
 
 

@@ -182,7 +182,7 @@ LAYOUTS: dict[str, dict] = {
 
 
 # vision-language models: tiny configs and image batches of tests/_vlm.py (images and image tokens that match)
-VLM_TYPES = ("llava", "gemma3", "qwen2_5_vl")
+VLM_TYPES = ("llava", "gemma3", "qwen2_5_vl", "qwen3_5")
 
 
 def layouts_for(model_type: str) -> list[str]:

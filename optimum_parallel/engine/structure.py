@@ -126,7 +126,7 @@ def state_mixers(model: nn.Module) -> list[str]:
     return found
 
 
-def _context_parallel_blocker(model: nn.Module, stack: DecoderStack) -> str | None:
+def _context_parallel_blocker(model: nn.Module, stack: DecoderStack, needs_head: bool = True) -> str | None:
     """Why cp cannot run `model`'s layers (None: every token mixer is interface attention it computes)."""
     config = getattr(model, "config", None)
     chunk = getattr(config, "attention_chunk_size", None)
@@ -156,9 +156,18 @@ def _context_parallel_blocker(model: nn.Module, stack: DecoderStack) -> str | No
                     f"{where} uses chunked attention (attention_chunk_size={chunk}), which the context-parallel "
                     "attention does not compute"
                 )
-    if not hasattr(model, "lm_head"):
+    if needs_head and not hasattr(model, "lm_head"):
         return f"{type(model).__name__} has no LM head (context parallelism runs causal language models)"
     return None
+
+
+def context_parallel_layer_blocker(language_model: nn.Module) -> str | None:
+    """Why cp cannot run the token mixers of `language_model`'s layers (None: it can), for a language model inside
+    a composite model (its LM head sits beside it): the same per-layer check as a text model's."""
+    stack = decoder_stack(language_model)
+    if stack is None:
+        return f"{type(language_model).__name__} has no decoder layer list"
+    return _context_parallel_blocker(language_model, stack, needs_head=False)
 
 
 def _sequence_parallel_blocker(stack: DecoderStack) -> str | None:

@@ -29,13 +29,14 @@ from __future__ import annotations
 import functools
 import inspect
 import re
+from dataclasses import replace
 from functools import cache
 
 from torch import nn
 
 from ..context_parallel.layout import pad_sequence
 from ..engine.capabilities import Capabilities
-from ..engine.structure import derive_capabilities
+from ..engine.structure import context_parallel_layer_blocker, derive_capabilities
 from ..mesh import ParallelMesh
 from ..state import parallel_state
 from ..styles import (
@@ -258,6 +259,20 @@ class MultimodalParallelizer(Parallelizer):
 
     text_family: type[Parallelizer] | None = None
     model_type = ""
+
+    @classmethod
+    def capabilities_for(cls, model: nn.Module) -> Capabilities:
+        """The declared capabilities, with context parallelism refused where the language model's layers refuse it:
+        the same per-layer check as a text model's (`engine/structure.py`), naming the layer."""
+        capabilities = cls.capabilities
+        if not capabilities.context_parallel:
+            return capabilities
+        parts = MultimodalParts(model)
+        why = context_parallel_layer_blocker(parts.language_model)
+        if why is None:
+            return capabilities
+        prefix = parts.language_prefix
+        return replace(capabilities, context_parallel=False, refusals=(("context", f"{prefix}{why}"),))
 
     @classmethod
     def check(cls, model: nn.Module, mesh: ParallelMesh) -> None:
