@@ -14,6 +14,7 @@ parallelism planned from the same structure (`sequence_plan.py`).
 from __future__ import annotations
 
 import re
+import warnings
 from collections.abc import Mapping
 from functools import cache
 
@@ -35,7 +36,7 @@ from ..styles import (
     optional,
 )
 from ..tensor_parallel.spec import check_attention_heads
-from .mixer_plan import check_mixers, merge_mixer_plan
+from .mixer_plan import check_mixers, merge_mixer_plan, mixers_left_whole
 from .parallelizer import Parallelizer
 from .sequence_plan import sequence_parallel_plan
 from .split_activations import split_activation_entries
@@ -192,6 +193,24 @@ def translate_tp_plan(model: nn.Module, tp_plan: Mapping[str, str], prefix: str)
     return plan
 
 
+def with_entries(plan: Mapping[str, object], entries: Mapping[str, object]) -> dict[str, object]:
+    """`plan` with `entries` added; a key in both keeps both's styles (a mixer's own sizes and the sequence-parallel
+    gather at its entry name the same module)."""
+    merged = dict(plan)
+    for key, value in entries.items():
+        if key in merged:
+            styles = [*_styles_of(merged[key]), *_styles_of(value)]
+            merged[key] = optional(styles)
+        else:
+            merged[key] = value
+    return merged
+
+
+def _styles_of(value) -> list:
+    styles = value.styles if isinstance(value, optional) else value
+    return list(styles) if isinstance(styles, (list, tuple)) else [styles]
+
+
 def _check_heads(config, tp: int) -> None:
     heads = getattr(config, "num_attention_heads", None)
     kv_heads = getattr(config, "num_key_value_heads", None)
@@ -225,8 +244,10 @@ class AutoPlanParallelizer(Parallelizer):
     def plan(cls, model, mesh, parallelize_embeddings, sequence_parallel_enabled):
         prefix = cls.base_model_prefix(model)
         plan = translate_tp_plan(model, tp_plan_of(model), prefix.replace(".", r"\."))
-        if not sequence_parallel_enabled:  # mixers and blocks the tp plan leaves whole, split from their structure
-            plan = merge_mixer_plan(plan, model, mesh.tp_size)
+        plan = merge_mixer_plan(plan, model, mesh.tp_size)  # mixers and blocks the tp plan leaves whole, split
+        if mesh.tp_size > 1:
+            for name, why in mixers_left_whole(model, mesh.tp_size).items():
+                warnings.warn(f"{name} is not split over tensor_parallel_size={mesh.tp_size}: {why}", stacklevel=2)
         base = model.get_submodule(prefix[:-1]) if prefix else model
         head = []
         if parallelize_embeddings:
@@ -236,7 +257,7 @@ class AutoPlanParallelizer(Parallelizer):
                 causal = getattr(model, "loss_type", None) in CAUSAL_LOSS_TYPES
                 head.append(ColWiseParallel(gather_output=not causal))
         if sequence_parallel_enabled:
-            plan.update(sequence_parallel_plan(model, plan))
+            plan = with_entries(plan, sequence_parallel_plan(model, plan))
             head.append(SequenceParallelEnd())
         if head:
             plan["lm_head"] = optional(head)  # absent on the bare base model

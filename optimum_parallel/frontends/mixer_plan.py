@@ -15,7 +15,8 @@ the styles of its children, split by heads (the module classes are never listed 
   per key head; `conv1d`, `A_log`, `dt_bias`, `norm`, `out_proj`): split by key / value heads, the per-head-dim gated
   norm replicated with summed gradients;
 - Kimi's delta attention (`q/k/v_proj`, `conv1d`, `forget_gate`, `b_proj`, `g_a_proj` -> `g_b_proj`, `o_norm`,
-  `o_proj`): split by heads; the low-rank `g_a_proj` / `forget_gate.f_a_proj` stay replicated;
+  `o_proj`): split by heads; the low-rank `g_a_proj` / `forget_gate.f_a_proj` stay whole, their output gradient
+  summed over tp (the split up-projections after them enter no region of their own);
 - short convolutions (`in_proj` packing [B, C, x], a depthwise `conv`, `out_proj`): split by channels;
 - attention (`head_dim`, `q_proj`/`k_proj`/`v_proj` and `o_proj`/`out_proj`/`dense`) and latent attention
   (`kv_b_proj`): Megatron's whole heads, kv heads replicated when fewer than ranks, per-head norms replicated with
@@ -47,7 +48,6 @@ from ..styles.conv import DepthwiseConvParallel
 from ..styles.mixer import (
     AllReduceOutputGradient,
     EnteredColWiseParallel,
-    KeptWhole,
     LocalAttributes,
     LocalConfigAttributes,
     SplitBuffer,
@@ -209,13 +209,15 @@ def _delta_attention(module: nn.Module, tp: int | None):
     if None in (q, k, v, b, g_b, o, conv, gate, heads, head_dim) or _linear(gate, "f_b_proj") is None:
         return None
     width = heads * head_dim
-    entries: Entries = {name: [ColWiseParallel(units=heads)] for name in projections[:-1]}
+    entries: Entries = {name: [ColWiseParallel(units=heads)] for name in projections[:-2]}
     entries["conv1d"] = [DepthwiseConvParallel([width] * 3, [heads] * 3)]
     entries["o_proj"] = [RowWiseParallel(units=heads)]
-    entries["forget_gate.f_b_proj"] = [ColWiseParallel(units=heads)]
-    for owner, low_rank in ((module, "g_a_proj"), (gate, "f_a_proj")):  # whole: read by column layers that sum
-        if _linear(owner, low_rank) is not None:  # the gradient at their entry
-            entries[low_rank if owner is module else f"forget_gate.{low_rank}"] = [KeptWhole()]
+    # the low-rank gates stay whole, their output gradient summed over tp once (every head reads them), so the split
+    # up-projections after them take no entry of their own: the same under sequence parallelism's gathered block
+    for low_rank, up in (("g_a_proj", "g_b_proj"), ("forget_gate.f_a_proj", "forget_gate.f_b_proj")):
+        entries[up] = [EnteredColWiseParallel(units=heads)]
+        if isinstance(module.get_submodule(low_rank), nn.Linear):
+            entries[low_rank] = [AllReduceOutputGradient()]
     gate_params = [SplitParameter("dt_bias", 0, heads)] if _param(gate, "dt_bias") is not None else []
     a_log = _param(gate, "A_log")
     if a_log is not None:
@@ -375,16 +377,19 @@ def _absolute(found: Mapping[str, Entries]) -> dict[str, list[ParallelStyle]]:
     return flat
 
 
-def _as_regexes(flat: Mapping[str, list[ParallelStyle]]) -> dict[str, object]:
+def _as_regexes(flat: Mapping[str, list[ParallelStyle]], model: nn.Module) -> dict[str, object]:
     """Exact module names grouped into regexes with `\\d+` for layer indices where every member takes the same styles
-    (same repr); each entry is optional, since hybrid layers hold different blocks."""
+    (same repr) and no other module of `model` matches (a mixer named `self_attn` in some layers, attention of that
+    name in others); each entry is optional, since hybrid layers hold different blocks."""
     groups: dict[str, list[tuple[str, list[ParallelStyle]]]] = {}
     for name, styles in flat.items():
         pattern = r"\.".join(r"\d+" if part.isdigit() else re.escape(part) for part in name.split("."))
         groups.setdefault(pattern, []).append((name, styles))
+    names = [n for n, _ in model.named_modules() if n]
     plan: dict[str, object] = {}
     for pattern, members in groups.items():
-        if len({repr(styles) for _, styles in members}) == 1:
+        matched = sum(1 for n in names if re.fullmatch(pattern, n))
+        if len({repr(styles) for _, styles in members}) == 1 and matched == len(members):
             plan[pattern] = optional(members[0][1])
         else:
             for name, styles in members:
@@ -399,7 +404,7 @@ def mixer_plan(model: nn.Module, prefix: str = "", tp: int | None = None) -> dic
     found, _ = _recognise(model, tp, MIXERS)
     blocks, _ = _recognise(model, tp, BLOCKS)
     found.update({name: entries for name, entries in blocks.items() if not _inside(name, found)})
-    return _as_regexes(_absolute(found))
+    return _as_regexes(_absolute(found), model)
 
 
 def _inside(name: str, found: Mapping[str, object]) -> bool:
@@ -411,9 +416,11 @@ def _covered(plan: Mapping[str, object], names) -> set[str]:
     return {name for name in names if any(p.fullmatch(name) for p in patterns)}
 
 
-def merge_mixer_plan(plan: Mapping[str, object], model: nn.Module, tp: int | None = None) -> dict[str, object]:
+def merge_mixer_plan(
+    plan: Mapping[str, object], model: nn.Module, tp: int | None = None, blocks: bool = True
+) -> dict[str, object]:
     """`plan` (translated from the tp plan) with the mixers' entries in place of its own for their children, and
-    attention / MLP blocks the plan leaves whole (none of their projections named) split Megatron's way."""
+    (`blocks`) attention / MLP blocks the plan leaves whole (none of their projections named) split Megatron's way."""
     mixers, _ = _recognise(model, tp, MIXERS)
     mixer_names = set(_absolute(mixers))
     names = [n for n, _ in model.named_modules() if n]
@@ -424,13 +431,13 @@ def merge_mixer_plan(plan: Mapping[str, object], model: nn.Module, tp: int | Non
         and not any(re.fullmatch(key, n) for n in names if _inside(n, mixers) and n not in mixers)
     }
     covered = _covered(kept, names)
-    blocks, _ = _recognise(model, tp, BLOCKS)
+    found = _recognise(model, tp, BLOCKS)[0] if blocks else {}
     fill = {
         name: entries
-        for name, entries in blocks.items()
+        for name, entries in found.items()
         if not _inside(name, mixers) and not any(n in covered for n in _absolute({name: entries}))
     }
-    return {**kept, **_as_regexes(_absolute({**mixers, **fill}))}
+    return {**kept, **_as_regexes(_absolute({**mixers, **fill}), model)}
 
 
 def check_mixers(model: nn.Module, tp: int) -> None:

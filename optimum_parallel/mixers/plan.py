@@ -17,7 +17,7 @@ from torch import nn
 
 from ..styles import DepthwiseConvParallel, ParallelStyle, ReplicatedWithGradAllReduce
 from ..styles.base import ROW
-from ..styles.mixer import AllReduceOutputGradient, KeptWhole, LocalAttributes, SplitBuffer
+from ..styles.mixer import AllReduceOutputGradient, LocalAttributes, SplitBuffer
 from ..tensor_parallel.spec import ShardSpec
 
 Counts = tuple[tuple[int, int], ...]  # (units, size of one): see styles.mixer.LocalAttributes
@@ -84,7 +84,7 @@ def plan_mixer(model: nn.Module, name: str, targets: Mapping[str, Sequence[Paral
                 convs.append(owner)
             if isinstance(style, AllReduceOutputGradient) and kinds.get(full) == ROW:
                 inner.append(owner)
-            if isinstance(style, (ReplicatedWithGradAllReduce, AllReduceOutputGradient, KeptWhole)):  # whole
+            if isinstance(style, (ReplicatedWithGradAllReduce, AllReduceOutputGradient)):  # whole
                 kept.update(_join(owner, leaf) for leaf, _ in module.named_parameters())
     left = [n for n, _ in mixer.named_parameters() if n not in params and n not in kept]
     if not params:

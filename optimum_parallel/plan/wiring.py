@@ -4,7 +4,8 @@ The sequence-parallel styles say where the sequence is split; from them follows,
 builds, how it enters or leaves the tp region (`comm.tp_entry.LayerWiring`):
 
 - a column layer inside a `SequenceParallelDisable`d block that gathers the whole sequence at its boundary does not
-  enter the region itself; a row layer there reduce-scatters the sequence;
+  enter the region itself; a row layer there reduce-scatters the sequence, unless its whole output feeds split work
+  inside the block (Mamba1's `x_proj`, styled `AllReduceOutputGradient`): that one all-reduces;
 - a column layer marked `SequenceParallelEnd` (the LM head) gathers the sequence itself;
 - column layers of one parent module (q/k/v, gate/up) are siblings: one entry serves them and aliases their weights;
 - `overlap` is off where a pipeline schedule defers weight gradients itself.
@@ -54,7 +55,8 @@ def plan_context(model: nn.Module, targets: dict[str, list[ParallelStyle]], mesh
         family = None
         if kind == COLUMN:
             family = Siblings() if wrapped else siblings.setdefault(name.rpartition(".")[0], Siblings())
-        splits = inside if kind == ROW else (name in ends and not inside)
+        keeps_whole = any(getattr(s, "keeps_output_whole", False) for s in targets[name])
+        splits = (inside and not keeps_whole) if kind == ROW else (name in ends and not inside)
         wirings[name] = LayerWiring(
             entry=None if (inside and kind == COLUMN) else entry,
             sequence=sequence if splits else None,

@@ -11,8 +11,9 @@ import torch
 from torch import nn
 
 from ..comm.autograd_collectives import copy_to_tensor_parallel_region
+from ..tensor_parallel.replicated import sum_parameter_gradients
 from ..tensor_parallel.spec import ShardSpec
-from .base import ParallelStyle
+from .base import ROW, ParallelStyle
 from .linear import ColWiseParallel
 
 Count = tuple[int, int]  # (heads or groups, size of one): a global size as held in whole units
@@ -81,12 +82,29 @@ class SplitBuffer(ParallelStyle):
 class AllReduceOutputGradient(ParallelStyle):
     """The module's (whole, all-reduced) output feeds work split over tp: its gradient is a partial sum on each rank,
     summed over tp on the way back (identity forward). For Mamba's x_proj after a row-parallel split: dt, B and C are
-    whole on every rank but each rank's channels use them."""
+    whole on every rank but each rank's channels use them. A row layer styled so keeps its output whole inside a
+    sequence-parallel block (all-reduced, not reduce-scattered: `plan/wiring.py`).
+
+    A replicated module reading the input of a sequence-parallel block that gathers the sequence (latent attention's
+    kv down-projection, Kimi's low-rank gates) sums its parameters' gradients over tp instead, in a forward that
+    splits the sequence: the block's reduce-scatter already sums the input gradients of every path into it, so an
+    input gradient summed here would be counted tp times."""
+
+    keeps_output_whole = True
 
     def apply(self, module, name, ctx):
-        group = ctx.mesh.tp_group
+        group, sequence = ctx.mesh.tp_group, ctx.sequence
+        gathered = (
+            sequence is not None
+            and ctx.kinds.get(name) != ROW
+            and any(name.startswith(block + ".") for block in ctx.gathering_blocks)
+        )
+        if gathered:
+            sum_parameter_gradients(module, group, when=lambda: sequence.split)
 
         def enter(value):
+            if gathered and sequence.split:  # its parameters' gradients are summed instead (above)
+                return value
             if isinstance(value, torch.Tensor) and value.requires_grad:
                 return copy_to_tensor_parallel_region(value, group)
             return value
@@ -97,15 +115,6 @@ class AllReduceOutputGradient(ParallelStyle):
             return enter(output)
 
         module.register_forward_hook(hook)
-        return module
-
-
-class KeptWhole(ParallelStyle):
-    """A module left whole on purpose inside a head-split mixer: its output feeds column layers whose entry sums the
-    gradient over tp (Kimi's low-rank `g_a_proj`); nothing to apply. It says the plan covers the module, so the
-    mixer's heads may be split once more under context parallelism (`mixers/plan.py`)."""
-
-    def apply(self, module, name, ctx):
         return module
 
 

@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 from family_matrix import WORLD_SIZE, check_layout, layouts_for, model_types, noise_floor, record, verdict
 
+HELD_GOAL = 0.75  # at tp=2 (with sp, or with FSDP2 over dp too): every mixer, attention and MLP split
 RESULTS = Path(os.environ.get("OP_MATRIX_RESULTS", "build/family-matrix.jsonl"))
 CELLS = [(model_type, layout) for model_type in model_types() for layout in layouts_for(model_type)]
 __all__ = ["WORLD_SIZE"]  # the pool's size
@@ -40,5 +41,7 @@ def test_family_layout(pool, model_type, layout):
     outcome, detail = verdict(results, floor(model_type))
     record(RESULTS, model_type, layout, outcome, detail, results[0].get("held"))
     assert outcome != "FAILED", f"{model_type} at {layout}: {detail} ({results[0]})"
+    held = results[0].get("held")
+    assert held is None or held <= HELD_GOAL, f"{model_type} at {layout}: one rank holds {held:.3f} of the parameters"
     if outcome == "refused":  # one error naming what blocks it and what is allowed
         assert "allowed" in detail and ("model." in detail or "Model" in detail or "For" in detail), detail

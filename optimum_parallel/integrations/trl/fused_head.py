@@ -60,8 +60,9 @@ class FusedHead:
     (`pipeline_log_probs`) whose gradient, once the caller's loss is backpropagated to it, weighs each token in the
     pipeline's own backward (`ParallelDPOTrainer.training_step`)."""
 
-    def __init__(self, model: nn.Module) -> None:
+    def __init__(self, model: nn.Module, temperature: float = 1.0) -> None:
         self.model = model
+        self.temperature = temperature  # the logits are divided by it, as TRL's fused head divides them
         self.pipeline_log_probs: torch.Tensor | None = None
         # the model's own signature: `generate` checks its keyword arguments against it (as TRL's fused forward keeps)
         self.__signature__ = inspect.signature(type(model).forward.__get__(model))
@@ -103,6 +104,8 @@ class FusedHead:
         model = self.model
         kwargs["use_cache"] = False
         logits = type(model).forward(model, **kwargs).logits
+        if self.temperature != 1.0:
+            logits = logits / self.temperature
         head = vocab_slice(model)
         if parallel_state(model).context_parallel is None:
             if shift_labels is None:
@@ -122,6 +125,8 @@ class FusedHead:
             raise NotImplementedError("shift_labels with the fused head under pipeline parallelism")
         input_ids, mask = kwargs["input_ids"], kwargs.get("attention_mask")
         logits = pipeline.run_eval(input_ids=input_ids, attention_mask=mask).logits
+        if pipeline.holds_last and self.temperature != 1.0:
+            logits = logits / self.temperature
         targets = labels[:, 1:].to(input_ids.device)
         fields = torch.zeros(5, *targets.shape, device=input_ids.device)
         if pipeline.holds_last:
@@ -136,13 +141,15 @@ class FusedHead:
         return log_probs, fields[1], fields[2], fields[3], fields[4].bool(), targets != IGNORE_INDEX
 
 
-def install_fused_head(model: nn.Module) -> FusedHead:
+def install_fused_head(model: nn.Module, temperature: float = 1.0) -> FusedHead:
     """Give `model` (a parallel transformers causal LM, the base model of a PEFT model) the parallel fused head,
-    replacing the one TRL's trainer added: `model(..., labels=..., fused_lm_head=True)`; other calls run the model's
-    own forward (under pp they raise, as before). Installed once; returns the head."""
+    replacing the one TRL's trainer added: `model(..., labels=..., fused_lm_head=True)`, the logits divided by
+    `temperature` (as TRL's `add_fused_lm_head`); other calls run the model's own forward (under pp they raise, as
+    before). Installed once; returns the head."""
     current = model.__dict__.get("forward")
     if isinstance(current, FusedHead):
+        current.temperature = temperature
         return current
-    head = FusedHead(model)
+    head = FusedHead(model, temperature)
     model.forward = head
     return head

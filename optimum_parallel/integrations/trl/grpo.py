@@ -58,6 +58,8 @@ from ...frontends.family_request import validate_family_request
 from ...frontends.manager import ParallelizersManager
 from ...mesh import ParallelMesh, ranks
 from ...plan import logits_mode
+from ...plan.caller_outputs import sync_generation
+from ...plan.wrappers import plan_root
 from ...tensor_parallel.layers import ColumnParallelLinear
 from ...tensor_parallel.logprobs import token_entropy, token_log_probs, vocab_slice
 from ...tensor_parallel.random import share_rng_states
@@ -65,6 +67,7 @@ from ..transformers.internals import InternalsChanged, check_overrides, private_
 from ..transformers.lazy_loading import lazy_load_for_parallelism
 from ..transformers.trainer import ParallelTrainerMixin
 from ..transformers.training_args import ParallelTrainingArguments, trainer_request
+from .fused_head import install_fused_head
 
 TRL_MODULE_GLOBALS = ("gather", "gather_object", "create_model_from_path")  # what `_swapped_globals` swaps
 for _name in TRL_MODULE_GLOBALS:
@@ -131,13 +134,12 @@ def _size_generation_batch(args: GRPOConfig, replicas: int) -> None:
 
 def check_grpo_options(args: ParallelGRPOConfig, kwargs: dict[str, Any]) -> None:
     """ValueError naming the first GRPO option the layout `args` asks for cannot run (see the module docstring)."""
-    for name in ("pipeline_parallel_size", "context_parallel_size"):
-        if getattr(args, name) > 1:
-            raise ValueError(
-                f"{name}={getattr(args, name)} is not supported by ParallelGRPOTrainer: generation and the per-token "
-                "log-probs run the whole sequence through model.forward on every rank of a replica; allowed: 1 "
-                "(use tensor_parallel_size, sequence_parallel and data parallelism)"
-            )
+    if args.pipeline_parallel_size > 1:
+        raise ValueError(
+            f"pipeline_parallel_size={args.pipeline_parallel_size} is not supported by ParallelGRPOTrainer: generation "
+            "and the per-token log-probs run the whole sequence through model.forward on every rank of a replica; "
+            "allowed: 1 (use tensor_parallel_size, sequence_parallel, context_parallel_size and data parallelism)"
+        )
     flags = {
         "use_vllm": "vLLM generates outside the parallel model",
         "use_transformers_continuous_batching": "generate_batch is not synchronised over the tp ranks",
@@ -272,6 +274,10 @@ class ParallelGRPOTrainer(ParallelTrainerMixin, GRPOTrainer):
                 "per-token log-probs come from the logits, not TRL's fused head that adds the router loss); "
                 "allowed: 0.0"
             )
+        if self.mesh.size("cp") > 1:  # the per-token log-probs through the parallel fused head (gathered over cp)
+            for scorer in (self.model, self.ref_model):
+                if scorer is not None:
+                    install_fused_head(plan_root(self.accelerator.unwrap_model(scorer)), self.temperature)
         # TRL seeded every process apart (seed + process index): the ranks of a replica sample, shuffle and draw
         # alike, so they share seed + replica index (one process: the seed TRL gives process 0)
         set_seed(args.seed + self.mesh.rank("batch"))
@@ -337,7 +343,13 @@ class ParallelGRPOTrainer(ParallelTrainerMixin, GRPOTrainer):
         """TRL's generation through the parallel model's tp-synchronised `generate`, sampling from full-vocabulary
         logits even inside an evaluation that keeps them local."""
         full = _vocab_parallel_head(self.model) is not None
-        with logits_mode(self.model, "full") if full else contextlib.nullcontext():
+        cp = self.mesh.size("cp") > 1
+        with (
+            logits_mode(self.model, "full") if full else contextlib.nullcontext(),
+            _generate_without_cache(self.accelerator.unwrap_model(self.model), self.mesh)
+            if cp
+            else contextlib.nullcontext(),
+        ):
             return super()._generate_single_turn(
                 prompt_ids, images, multimodal_fields, num_generations, has_tool_images
             )
@@ -405,8 +417,11 @@ class ParallelGRPOTrainer(ParallelTrainerMixin, GRPOTrainer):
             raise ValueError("ParallelGRPOTrainer scores text-only models; allowed inputs: input_ids, attention_mask")
         if compute_aux_loss:
             raise ValueError("router_aux_loss_coef is not supported by ParallelGRPOTrainer; allowed: 0.0")
-        where = vocab_slice(self.accelerator.unwrap_model(model))  # this rank's vocabulary slice (tp) or all of it
         batch_size = batch_size or input_ids.size(0)
+        if self.mesh.size("cp") > 1:
+            return self._per_token_over_context(model, input_ids, attention_mask, logits_to_keep, batch_size,
+                                                compute_entropy)  # fmt: skip
+        where = vocab_slice(self.accelerator.unwrap_model(model))  # this rank's vocabulary slice (tp) or all of it
         logps, entropies = [], []
         for start in range(0, input_ids.size(0), batch_size):
             ids, mask = input_ids[start : start + batch_size], attention_mask[start : start + batch_size]
@@ -422,6 +437,49 @@ class ParallelGRPOTrainer(ParallelTrainerMixin, GRPOTrainer):
             if compute_entropy:
                 entropies.append(token_entropy(logits, targets, where.group, where.vocab_start))
         return torch.cat(logps), (torch.cat(entropies) if compute_entropy else None), None
+
+    def _per_token_over_context(self, model, input_ids, attention_mask, logits_to_keep, batch_size, compute_entropy):
+        """Under cp: TRL's own labels through the parallel fused head (`fused_head.py`), which scores each rank's
+        chunks and gathers the per-token numbers over cp (its backward: this rank's part, times cp, which the dp x cp
+        gradient average makes the one-process gradient), so every cp rank holds the whole rows TRL's loss reads."""
+        logps, entropies = [], []
+        for start in range(0, input_ids.size(0), batch_size):
+            ids, mask = input_ids[start : start + batch_size], attention_mask[start : start + batch_size]
+            labels = ids.masked_fill(mask == 0, -100)
+            labels[:, :-logits_to_keep] = -100
+            with self.accelerator.autocast():
+                output = model(input_ids=ids, attention_mask=mask, labels=labels, fused_lm_head=True)
+            logps.append(output.log_probs[:, -logits_to_keep:])
+            entropies.append(output.entropy[:, -logits_to_keep:])
+        return torch.cat(logps), (torch.cat(entropies) if compute_entropy else None), None
+
+
+@contextlib.contextmanager
+def _generate_without_cache(model: nn.Module, mesh: ParallelMesh) -> Iterator[None]:
+    """Generation under cp: the model refuses `generate` (ring attention keeps no kv cache), so for the block its
+    `generate` is transformers' own without a cache -- every new token runs the whole sequence through the cp ranks
+    (a forward of the whole rows per token), whose logits, gathered over cp, are the same on every rank of the
+    replica; they sample alike from one shared random state (the tp-synchronised generate's check and draw)."""
+    root = plan_root(model)
+    saved = root.__dict__.get("generate")
+
+    def generate(input_ids=None, attention_mask=None, **kwargs):
+        sync_generation(mesh.group("peers"), (), {"input_ids": input_ids})
+        # positions count up from each row's first (padding) token, as in the training forward: the cp split takes
+        # no others, and rotary positions are relative, so the real tokens attend as with generate's own
+        batch, length = input_ids.shape
+        positions = torch.arange(length, device=input_ids.device).expand(batch, length)
+        return type(root).generate(root, input_ids=input_ids, attention_mask=attention_mask, position_ids=positions,
+                                   use_cache=False, logits_to_keep=0, **kwargs)  # fmt: skip
+
+    root.generate = generate
+    try:
+        yield
+    finally:
+        if saved is None:
+            del root.generate
+        else:
+            root.generate = saved
 
 
 check_overrides(ParallelGRPOTrainer, GRPOTrainer)
