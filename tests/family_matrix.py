@@ -270,8 +270,9 @@ def noise_floor(model_type: str) -> dict[str, float]:
     return _compare(reference, perturbed, None, batch_for(config), pipeline=False)
 
 
-def _compare(reference, model, optimizer, batch, pipeline: bool) -> dict[str, float]:
-    """Loss and every gradient now, then the loss over STEPS AdamW steps, against `reference` on the same batch."""
+def _compare(reference, model, optimizer, batch, pipeline: bool, per_parameter: bool = False) -> dict:
+    """Loss and every gradient now, then the loss over STEPS AdamW steps, against `reference` on the same batch
+    (`per_parameter`: every gradient's error too, under "grads")."""
     ref_optimizer = torch.optim.AdamW(reference.parameters(), lr=LR, weight_decay=0.1)
     if optimizer is None:
         optimizer = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.1)
@@ -293,7 +294,9 @@ def _compare(reference, model, optimizer, batch, pipeline: bool) -> dict[str, fl
                 f"{name}: gradient of shape {tuple(actual.shape)}, this rank's slice {tuple(wanted.shape)}"
             )
         grads[name] = _err(actual, wanted, scale)
-    errors = {"loss": _err(loss, ref_loss, ref_loss.abs().item())}
+    errors: dict = {"loss": _err(loss, ref_loss, ref_loss.abs().item())}
+    if per_parameter:
+        errors["grads"] = dict(grads)
     errors["grad"] = max(grads.values())
     errors["worst"] = max(grads, key=grads.get)
     steps = []

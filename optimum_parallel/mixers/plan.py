@@ -101,11 +101,14 @@ def check_heads_split(spec: MixerSpec, tp: int, cp: int) -> None:
     """Raise, naming the mixer, its tensor and the sizes, when its heads do not split over tp x cp ranks."""
     if spec.mode != "heads":
         return
-    for leaf, shard in {**spec.params, **spec.buffers}.items():
+    shards = {**spec.params, **spec.buffers}
+    most = max((heads for shard in shards.values() for _, heads in shard.parts if heads is not None), default=None)
+    for leaf, shard in shards.items():
         for size, heads in shard.parts:
-            if _splits(size, heads, tp * cp):
+            shared = heads is not None and heads < (most or 0)  # key heads / B-C groups that several heads read
+            if _splits(size, heads, tp * cp, shared):
                 continue
-            allowed = [c for c in range(1, 2 * max(cp, 8) + 1) if _splits(size, heads, tp * c)]
+            allowed = [c for c in range(1, 2 * max(cp, 8) + 1) if _splits(size, heads, tp * c, shared)]
             what = f"{heads} heads" if heads is not None else f"{size} channels"
             raise ValueError(
                 f"{spec.name}.{leaf}: {what} cannot be split over tensor_parallel_size={tp} x "
@@ -113,8 +116,8 @@ def check_heads_split(spec: MixerSpec, tp: int, cp: int) -> None:
             )
 
 
-def _splits(size: int, heads: int | None, ranks: int) -> bool:
-    """Whether `ranks` can cut a part of `size` rows in whole `heads` (None: rows): evenly, or (heads) each head
-    replicated over `ranks / heads` ranks, as key heads fewer than the ranks are."""
+def _splits(size: int, heads: int | None, ranks: int, shared: bool) -> bool:
+    """Whether `ranks` can cut a part of `size` rows in whole `heads` (None: rows): evenly, or (`shared`: key heads
+    or B/C groups read by several of the mixer's heads) each head replicated over `ranks / heads` ranks."""
     count = heads if heads is not None else size
-    return count % ranks == 0 or (heads is not None and count < ranks and ranks % count == 0)
+    return count % ranks == 0 or (shared and count < ranks and ranks % count == 0)
