@@ -54,7 +54,8 @@ def test_errors_name_what_does_not_fit():
 
 def test_automatic_plans_take_what_their_structure_allows():
     """sp / pp / cp of an automatic plan come from the model's layers (engine/structure.py), not from a list of
-    types: a Llama-shaped MoE takes all three; a Mamba mixer blocks cp, naming its layer and class."""
+    types: a Llama-shaped MoE takes all three, so does Jamba (its Mamba mixers run under cp through mixers/); a
+    mixer whose decoder builds no mask the cp layout can travel in blocks cp, naming its layer and class."""
     import optimum_parallel as op
 
     for model_type in ("olmoe", "granitemoe", "deepseek_v3", "phimoe"):
@@ -66,5 +67,13 @@ def test_automatic_plans_take_what_their_structure_allows():
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(family_config("jamba"))
     found = op.ParallelizersManager.parallelizer_for_model(model).capabilities_for(model)
-    assert found.sequence_parallel and found.pipeline_parallel and not found.context_parallel, found
-    assert "model.layers.0.mamba (JambaMambaMixer)" in found.reason("context"), found
+    assert found.sequence_parallel and found.pipeline_parallel and found.context_parallel, found  # mixers/ runs it
+    from optimum_parallel.mixers import marker
+
+    namespace = marker._namespace(model.model)
+    builder = namespace.pop(marker.MASK_FUNCTION)  # as a decoder that builds its mixers' mask some other way
+    try:
+        found = op.ParallelizersManager.parallelizer_for_model(model).capabilities_for(model)
+    finally:
+        namespace[marker.MASK_FUNCTION] = builder
+    assert not found.context_parallel and "model.layers.0.mamba (JambaMambaMixer)" in found.reason("context"), found
