@@ -49,9 +49,10 @@ def dpo_args(output_dir: str, **extra) -> dict:
 
 
 def save_tiny(path, model_type: str = "llama") -> str:
+    from _grpo import TINY
     from _models import build_model, tiny_config
 
-    config = tiny_config(model_type, pad_token_id=0, eos_token_id=2)
+    config = tiny_config(model_type, pad_token_id=0, eos_token_id=2, **TINY.get(model_type, {}))
     build_model(config, seed=3).save_pretrained(path)
     make_tokenizer(config.vocab_size).save_pretrained(path)
     return str(path)
@@ -130,10 +131,12 @@ def perturbed_copy(hf_dir: str, out_dir, scale: float = 1e-7) -> str:
 
 
 def noise_floor(expected: dict, perturbed: dict) -> dict[str, float]:
-    """Per metric, the largest |difference| over the steps between TRL's runs from the weights and from the
-    perturbed weights."""
+    """Per metric, the largest |difference| over the steps (those that log it) between TRL's runs from the weights
+    and from the perturbed weights."""
+    keys = {key for values in expected.values() for key in values}
     return {
-        key: max(abs(perturbed[step][key] - values[key]) for step, values in expected.items()) for key in expected[1]
+        key: max(abs(perturbed[step][key] - values[key]) for step, values in expected.items() if key in values)
+        for key in keys
     }
 
 

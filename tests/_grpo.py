@@ -25,13 +25,27 @@ def make_tokenizer(vocab_size: int = VOCAB):
     return PreTrainedTokenizerFast(tokenizer_object=tokenizer, pad_token="t0", eos_token="t2", unk_token="t1")
 
 
-def save_tiny_llama(path: str) -> str:
+# Qwen3.5's text model (tests/families/test_hybrid_families.py's tiny config): a gated delta net layer, then an
+# attention layer
+HYBRID = dict(
+    intermediate_size=96, head_dim=16, layer_types=["linear_attention", "full_attention"], linear_num_key_heads=2,
+    linear_num_value_heads=4, linear_key_head_dim=16, linear_value_head_dim=16, linear_conv_kernel_dim=4,
+)  # fmt: skip
+TINY = {"llama": {}, "qwen3_5_text": HYBRID}
+
+
+def save_tiny(path: str, model_type: str = "llama") -> str:
+    """A tiny `model_type` model (vocab 128, hidden 64, 2 layers) and the tokenizer, saved to `path`."""
     from _models import build_model, tiny_config
 
-    config = tiny_config("llama", pad_token_id=PAD, eos_token_id=EOS, bos_token_id=None)
+    config = tiny_config(model_type, pad_token_id=PAD, eos_token_id=EOS, bos_token_id=None, **TINY[model_type])
     build_model(config, seed=3).save_pretrained(path)
     make_tokenizer(config.vocab_size).save_pretrained(path)
     return path
+
+
+def save_tiny_llama(path: str) -> str:
+    return save_tiny(path, "llama")
 
 
 def prompts(count: int = 12):
@@ -104,6 +118,20 @@ def logged(log_history: list[dict]) -> dict[int, dict[str, float]]:
     return steps
 
 
+NOT_FIGURES = ("step", "epoch", "step_time", "eval_step_time")  # the place in training and wall times
+
+
+def every_figure(log_history: list[dict]) -> dict[int, dict[str, float]]:
+    """Per step, every figure TRL logged (loss, grad norm, rewards and their std, kl, entropy, clip ratios,
+    completion lengths, token count, ...; after the last step the evaluation's), wall times left out."""
+    steps: dict[int, dict[str, float]] = {}
+    for entry in log_history:
+        if "loss" in entry or "eval_loss" in entry:
+            figures = {k: v for k, v in entry.items() if k not in NOT_FIGURES and not k.endswith(("runtime", "second"))}
+            steps.setdefault(entry["step"], {}).update(figures)
+    return steps
+
+
 def lora_config():
     """LoRA adapters on attention and MLP projections (column- and row-parallel under tp)."""
     from peft import LoraConfig
@@ -111,8 +139,11 @@ def lora_config():
     return LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "down_proj"], lora_dropout=0.0)
 
 
-def trl_reference(hf_dir: str, output_dir: str, peft: bool = False, **options) -> dict[int, dict[str, float]]:
-    """TRL's GRPOTrainer on this one process (fixed completions; LoRA adapters with `peft`), its metrics per step."""
+def trl_reference(
+    hf_dir: str, output_dir: str, peft: bool = False, every: bool = False, **options
+) -> dict[int, dict[str, float]]:
+    """TRL's GRPOTrainer on this one process (fixed completions; LoRA adapters with `peft`), its metrics per step
+    (`every`: every figure it logged)."""
     from transformers import AutoTokenizer
     from trl import GRPOConfig, GRPOTrainer
 
@@ -126,12 +157,12 @@ def trl_reference(hf_dir: str, output_dir: str, peft: bool = False, **options) -
         peft_config=lora_config() if peft else None,
     )  # fmt: skip
     trainer.train()
-    return logged(trainer.state.log_history)
+    return (every_figure if every else logged)(trainer.state.log_history)
 
 
 def train_parallel(hf_dir: str, output_dir: str, fixed: bool = True, peft: bool = False, **options) -> dict:
     """ParallelGRPOTrainer on this rank (fixed completions unless `fixed=False`; LoRA adapters with `peft`): its
-    logged metrics per step and the completions it logged."""
+    logged metrics per step, every figure it logged and the completions it logged."""
     from transformers import AutoTokenizer
 
     from optimum_parallel.integrations.trl import ParallelGRPOConfig, ParallelGRPOTrainer
@@ -147,7 +178,8 @@ def train_parallel(hf_dir: str, output_dir: str, fixed: bool = True, peft: bool 
         peft_config=lora_config() if peft else None,
     )  # fmt: skip
     trainer.train()
-    return {"logged": logged(trainer.state.log_history), "completions": list(trainer._logs["completion"])}
+    history = trainer.state.log_history
+    return {"logged": logged(history), "every": every_figure(history), "completions": list(trainer._logs["completion"])}
 
 
 def worst_errors(got: dict, expected: dict) -> dict[str, float]:

@@ -1,8 +1,8 @@
-"""TRL's DPOTrainer on a parallel model: ParallelDPOTrainer at tp=2, tp=2 + sp, cp=2 and pp=2 logs, step by step,
-the loss, rewards, log-probabilities and the other metrics TRL's DPOTrainer logs on one process (sigmoid, ipo,
-apo_zero; Llama and Qwen3; a reference loaded in parallel, precomputed, or a LoRA policy's base); the options a layout
-cannot run and a dataset without chosen / rejected are refused on every rank before any step (gloo, 2 ranks). dp=2 x
-tp=2 at sharding level 3, dp=2 x cp=2 and pp=2 x tp=2: test_trl_dpo_dp.py."""
+"""TRL's DPOTrainer on a parallel model: ParallelDPOTrainer at tp=2, tp=2 + sp, cp=2 and pp=2 logs, step by step, the
+loss, rewards, log-probabilities and the other metrics TRL's DPOTrainer logs on one process (sigmoid, ipo, apo_zero;
+Llama and Qwen3, and at cp=2 a Qwen3.5 hybrid; a reference loaded in parallel, precomputed, or a LoRA policy's base);
+the options a layout cannot run and a dataset without chosen / rejected are refused on every rank before any step
+(gloo, 2 ranks). dp=2 x tp=2 at sharding level 3, dp=2 x cp=2 and pp=2 x tp=2: test_trl_dpo_dp.py."""
 
 from __future__ import annotations
 
@@ -30,7 +30,7 @@ PP2 = {"pipeline_parallel_size": 2, "pipeline_parallel_num_microbatches": 2}
 
 @pytest.fixture(scope="module")
 def hf_dirs(tmp_path_factory) -> dict[str, str]:
-    return {name: save_tiny(tmp_path_factory.mktemp("hf") / name, name) for name in ("llama", "qwen3")}
+    return {name: save_tiny(tmp_path_factory.mktemp("hf") / name, name) for name in ("llama", "qwen3", "qwen3_5_text")}
 
 
 @pytest.fixture(scope="module")
@@ -76,6 +76,7 @@ CASES = {
     "qwen3-tp2-sigmoid": ("qwen3", {}, TP2),
     "qwen3-pp2-sigmoid": ("qwen3", {}, PP2),
     "qwen3-cp2-sigmoid": ("qwen3", {}, CP2),
+    "qwen3_5_text-cp2-sigmoid": ("qwen3_5_text", {}, CP2),  # a gated delta net layer, then an attention layer
     "tp2-precomputed-reference": ("llama", {"precompute_ref_log_probs": True}, TP2),
     "cp2-precomputed-reference": ("llama", {"precompute_ref_log_probs": True}, CP2),
     "pp2-precomputed-reference": ("llama", {"precompute_ref_log_probs": True}, PP2),

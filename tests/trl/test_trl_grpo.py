@@ -1,9 +1,10 @@
 """TRL's GRPOTrainer on a parallel model (gloo, 2 ranks): ParallelGRPOTrainer at tp=2 (with and without sequence
 parallelism) logs, step by step, the loss, kl, reward and entropy TRL's GRPOTrainer logs on one process (completions
-fixed by the prompt and its place in the batch, so sampling is the same whatever the layout); with real sampling both
-ranks of the replica draw the same completions; a reward function returning the wrong count raises TRL's error on
-every rank before any step; the layouts and options it cannot run are refused by name; `examples/grpo.py` runs under
-torchrun. (dp=2 x tp=2 on 4 ranks: test_trl_grpo_dp.py.)"""
+fixed by the prompt and its place in the batch, so sampling is the same whatever the layout), and at cp=2 (a Llama and
+a Qwen3.5 hybrid) every figure it logs; with real sampling both ranks of the replica draw the same completions, and
+generation under cp (without a kv cache) is the whole model's; a reward function returning the wrong count raises
+TRL's error on every rank before any step; the layouts and options it cannot run are refused by name;
+`examples/grpo.py` runs under torchrun. (dp=2 x tp=2 on 4 ranks: test_trl_grpo_dp.py.)"""
 
 from __future__ import annotations
 
@@ -16,10 +17,12 @@ import pytest
 
 pytest.importorskip("trl")
 
+from _dpo import check_against, noise_floor, perturbed_copy  # noqa: E402
 from _grpo import (  # noqa: E402
     grpo_args,
     print_table,
     prompts,
+    save_tiny,
     save_tiny_llama,
     train_parallel,
     trl_reference,
@@ -27,6 +30,7 @@ from _grpo import (  # noqa: E402
 )
 
 WORLD_SIZE = 2
+CP2 = {"context_parallel_size": 2}
 TOL = 1e-5  # relative, per step and metric (fp32; seen: up to 3.5e-6, the LoRA run's kl of ~1e-3)
 ROOT = Path(__file__).resolve().parent.parent.parent
 
@@ -58,16 +62,17 @@ def test_tp2_matches_trl_on_one_process(pool, hf_dir, reference, tmp_path, seque
         assert max(worst.values()) <= TOL, (rank, worst, got, reference)
 
 
-def test_lora_at_tp2_matches_trl_on_one_process(pool, hf_dir, tmp_path):
+@pytest.mark.parametrize("layout", [{"tensor_parallel_size": 2}, {"context_parallel_size": 2}], ids=["tp2", "cp2"])
+def test_lora_matches_trl_on_one_process(pool, hf_dir, tmp_path, layout):
     """LoRA adapters (`peft_config`) with beta > 0: TRL's reference is the policy without its fresh adapters."""
     expected = trl_reference(hf_dir, str(tmp_path / "reference"), peft=True)
-    results = pool.run(train_parallel, hf_dir, str(tmp_path / "parallel"), peft=True, tensor_parallel_size=2)
+    results = pool.run(train_parallel, hf_dir, str(tmp_path / "parallel"), peft=True, **layout)
     assert expected[2]["kl"] > 0
     for rank, result in enumerate(results):
         got = result["logged"]
         worst = worst_errors(got, expected)
         if rank == 0:
-            print_table("tp=2 LoRA", got, expected)
+            print_table(f"{layout} LoRA", got, expected)
         assert max(worst.values()) <= TOL, (rank, worst, got, expected)
 
 
@@ -83,11 +88,81 @@ def test_sync_ref_model_at_tp2_matches_trl_on_one_process(pool, hf_dir, tmp_path
         assert max(worst.values()) <= TOL, (rank, worst, result["logged"], expected)
 
 
-def test_sampling_is_identical_on_the_ranks_of_a_replica(pool, hf_dir, tmp_path):
-    """Real sampling (the parallel model's generate, temperature 1): both tp ranks log the same completions."""
-    results = pool.run(train_parallel, hf_dir, str(tmp_path), fixed=False, tensor_parallel_size=2, max_steps=2)
+@pytest.mark.parametrize("layout", [{"tensor_parallel_size": 2}, CP2], ids=["tp2", "cp2"])
+def test_sampling_is_identical_on_the_ranks_of_a_replica(pool, hf_dir, tmp_path, layout):
+    """Real sampling (the parallel model's generate, temperature 1; under cp without a kv cache): both ranks of the
+    replica log the same completions."""
+    results = pool.run(train_parallel, hf_dir, str(tmp_path), fixed=False, max_steps=2, **layout)
     assert results[0]["completions"] and results[0]["completions"] == results[1]["completions"]
     assert results[0]["logged"] == results[1]["logged"]
+
+
+# two iterations per generation: the second step's policy has moved from the one that scored the completions, so
+# its clip ratios are not 0
+CLIPPING = {"num_iterations": 2, "epsilon": 0.05}
+
+
+@pytest.mark.parametrize("model_type", ["llama", "qwen3_5_text"])
+def test_cp2_matches_trl_on_one_process(pool, tmp_path, model_type):
+    """Each cp rank runs its chunks of every row (a hybrid's gated delta net the whole rows, its heads split over
+    cp); the per-token log-probs and entropies, gathered over cp, give TRL's loss, and its gradient, averaged over
+    the dp x cp ranks, the one-process step: every figure TRL logs, step by step and in the evaluation after step 3,
+    within 1e-5 relative or 10 x its fp32 noise floor (the hybrid's eval loss, a near-cancelling 1.6e-3, moves by
+    2e-3 relative when the weights move by 1e-7)."""
+    hf_dir = save_tiny(str(tmp_path / model_type), model_type)
+    expected = trl_reference(hf_dir, str(tmp_path / "reference"), every=True, **CLIPPING)
+    assert sorted(expected) == [1, 2, 3] and expected[2]["kl"] > 0 and expected[2]["clip_ratio/region_mean"] > 0
+    assert {"eval_loss", "eval_kl", "eval_reward", "eval_entropy", "grad_norm"} <= set(expected[3]) | set(expected[2])
+    moved = trl_reference(
+        perturbed_copy(hf_dir, tmp_path / "perturbed"), str(tmp_path / "ref2"), every=True, **CLIPPING
+    )
+    noise = noise_floor(expected, moved)
+    results = pool.run(train_parallel, hf_dir, str(tmp_path / "parallel"), **CP2, **CLIPPING)
+    for rank, result in enumerate(results):
+        got = result["every"]
+        if rank == 0:
+            print_table(f"{model_type} cp=2", got, expected)
+            print("fp32 noise floor:", {k: f"{v:.1e}" for k, v in noise.items() if v})
+        check_against(got, expected, noise, TOL)
+
+
+def generate_at_cp2(hf_dir: str) -> tuple[list, list, list]:
+    """Greedy completions of left-padded prompts: through the cp=2 model's cache-free generation (GRPO's under cp)
+    and through the whole model on this process; then two samples drawn under one seed per rank."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    import optimum_parallel as op
+    from optimum_parallel.integrations.trl.grpo import _generate_without_cache
+
+    reference = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).eval()
+    model = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).eval()
+    mesh = op.init_mesh(cp=2)
+    model = op.ParallelizersManager.parallelizer_for_model(model).parallelize(model)
+    ids = torch.randint(3, 128, (3, 7), generator=torch.Generator().manual_seed(0))
+    mask = torch.ones_like(ids)
+    mask[0, :3] = mask[1, :1] = 0
+    ids = ids.masked_fill(mask == 0, 0)
+    settings = {"max_new_tokens": 6, "pad_token_id": 0, "eos_token_id": 2}
+    with torch.no_grad():
+        expected = reference.generate(input_ids=ids, attention_mask=mask, do_sample=False, **settings)
+        with _generate_without_cache(model, mesh):
+            got = model.generate(input_ids=ids, attention_mask=mask, do_sample=False, **settings)
+            torch.manual_seed(op.get_mesh().rank("cp"))  # other seeds: the ranks must still draw alike
+            sampled = model.generate(input_ids=ids, attention_mask=mask, do_sample=True, **settings)
+    return got.tolist(), expected.tolist(), sampled.tolist()
+
+
+def test_generation_under_cp2_is_the_whole_models(pool, tmp_path):
+    """Under cp the model keeps no kv cache: GRPO generates without one, each new token from the whole rows run over
+    the cp ranks (a hybrid's delta net included); greedy, that is the whole model's `generate`, and sampling draws
+    the same tokens on both cp ranks."""
+    for model_type in ("llama", "qwen3_5_text"):
+        hf_dir = save_tiny(str(tmp_path / model_type), model_type)
+        results = pool.run(generate_at_cp2, hf_dir)
+        for got, expected, _ in results:
+            assert got == expected, (model_type, got, expected)
+        assert results[0][2] == results[1][2], model_type
 
 
 def wrong_count(completions, **kwargs) -> list[float]:
@@ -143,14 +218,13 @@ def rollout(prompts, trainer):
     "options,words",
     [
         ({"pipeline_parallel_size": 2, "pipeline_parallel_num_microbatches": 2}, "pipeline_parallel_size=2"),
-        ({"context_parallel_size": 2}, "context_parallel_size=2"),
         ({"tensor_parallel_size": 2, "entropy_coef": 0.01}, "entropy_coef=0.01"),
         ({"tensor_parallel_size": 2, "cast_lm_head_to_fp32": True}, "cast_lm_head_to_fp32=True"),
         ({"tensor_parallel_size": 2, "rollout_func": rollout}, "rollout_func"),
         ({"tensor_parallel_size": 2, "per_device_train_batch_size": 2}, "generation_batch_size (2) must be divisible"),
         ({"sync_ref_model": True, "sharding_level": 3}, "sync_ref_model=True is not supported with sharding_level=3"),
     ],
-    ids=["pp", "cp", "entropy_coef", "cast_lm_head_to_fp32", "rollout_func", "generation_batch", "sync_ref_fsdp2"],
+    ids=["pp", "entropy_coef", "cast_lm_head_to_fp32", "rollout_func", "generation_batch", "sync_ref_fsdp2"],
 )
 def test_what_a_layout_cannot_run_is_refused_by_name(pool, hf_dir, tmp_path, options, words):
     for message in pool.run(refused, hf_dir, str(tmp_path), options):

@@ -27,10 +27,19 @@ What differs from TRL on one process, and why:
 - at dp > 1 `loss_type="bnpo"` is each replica's token mean averaged over the replicas, as TRL's is each process's
   (one process: the token mean of the whole batch); the other loss types are the whole batch's;
 - under sequence parallelism the per-token forward runs the whole sequence through the LM head (a forward keeping
-  only some positions' logits would run without sp).
+  only some positions' logits would run without sp);
+- under context parallelism (cp) each cp rank runs its chunks of every row: the per-token log-probs and entropies
+  come from the parallel fused head (`fused_head.py`, TRL's labels, the logits divided by the temperature), gathered
+  over cp, so every rank of a replica computes TRL's loss and metrics on whole rows; the gradient, this rank's part
+  times cp, averaged over the dp x cp ranks, is the one-process one. Generation runs through the cp model without a
+  kv cache (ring attention keeps none; `_generate_without_cache`): every new token is a forward of the whole rows,
+  with positions counting up from each row's first (padding) token, as in training;
+- with LoRA adapters the reference runs under TRL's "ref" adapter (or none) with every `requires_grad` flag kept
+  (`_use_adapter_as_it_was`): torch's composable DDP builds its reducer at the first forward, over the parameters
+  that require a gradient then.
 
-Refused before training, by name (`check_grpo_options`): pipeline and context parallelism (generation and the
-per-token log-probs need the whole sequence through `model.forward` on every rank of a replica), vLLM, continuous
+Refused before training, by name (`check_grpo_options`): pipeline parallelism (generation and the per-token log-probs
+need the whole sequence through `model.forward` on every rank of a replica), vLLM, continuous
 batching, Liger, `cast_lm_head_to_fp32` under tp (it replaces the vocab-parallel head with a plain linear),
 `rollout_func`, `tools` and `environment_factory` on a replica of several ranks (they would run on every rank),
 `sync_ref_model` with FSDP2 (`sharding_level` 2-3: the policy's shards and the reference's whole tensors do not mix),
@@ -69,7 +78,7 @@ from ..transformers.trainer import ParallelTrainerMixin
 from ..transformers.training_args import ParallelTrainingArguments, trainer_request
 from .fused_head import install_fused_head
 
-TRL_MODULE_GLOBALS = ("gather", "gather_object", "create_model_from_path")  # what `_swapped_globals` swaps
+TRL_MODULE_GLOBALS = ("gather", "gather_object", "create_model_from_path", "use_adapter")  # `_swapped_globals`
 for _name in TRL_MODULE_GLOBALS:
     if not callable(getattr(trl_grpo, _name, None)):
         raise InternalsChanged(
@@ -239,6 +248,25 @@ def _swapped_globals(values: dict[str, Any]) -> Iterator[None]:
             setattr(trl_grpo, name, value)
 
 
+_trl_use_adapter = trl_grpo.use_adapter
+
+
+@contextlib.contextmanager
+def _use_adapter_as_it_was(model: nn.Module, adapter_name: str | None) -> Iterator[None]:
+    """TRL's `use_adapter` (the reference's adapter, or none, for the reference log-probs, computed without a graph)
+    with every parameter's `requires_grad` kept: PEFT marks the adapter it activates trainable and the others frozen,
+    and torch's composable DDP (data parallelism over dp x cp at levels 0-1) builds its reducer at the model's first
+    forward over the parameters that require a gradient then: with the "ref" adapter active it would reduce the
+    reference's parameters, not the policy's."""
+    flags = [(param, param.requires_grad) for param in model.parameters()]
+    with _trl_use_adapter(model, adapter_name):
+        for param, flag in flags:
+            param.requires_grad_(flag)
+        yield
+    for param, flag in flags:
+        param.requires_grad_(flag)
+
+
 def _vocab_parallel_head(model: nn.Module) -> ColumnParallelLinear | None:
     """The model's LM head if it is split over the vocabulary (through any wrapper: DDP, PEFT), else None."""
     found = (m for m in model.modules() if isinstance(m, ColumnParallelLinear) and hasattr(m, "logits_mode"))
@@ -307,8 +335,9 @@ class ParallelGRPOTrainer(ParallelTrainerMixin, GRPOTrainer):
         accelerator = self.accelerator
         view = self._replica_view = _ReplicaView(accelerator, self.mesh)
         self.accelerator = view
+        swapped = {"gather_object": view.gather_object, "gather": view.gather, "use_adapter": _use_adapter_as_it_was}
         try:
-            with _swapped_globals({"gather_object": view.gather_object, "gather": view.gather}):
+            with _swapped_globals(swapped):
                 yield
         finally:
             self.accelerator, self._replica_view = accelerator, None
