@@ -150,6 +150,13 @@ FAMILIES: dict[str, dict] = {
         linear_conv_kernel_dim=4,
         num_local_experts=4,
     ),
+    "minimax": dict(  # lightning attention (a linear recurrence with per-head decay) beside softmax attention
+        num_local_experts=4,
+        num_experts_per_tok=2,
+        intermediate_size=64,
+        layer_types=["linear_attention", "full_attention"],
+        block_size=8,
+    ),
     "bamba": dict(
         attn_layer_indices=[1], mamba_n_heads=4, mamba_n_groups=2, mamba_d_state=8, mamba_d_conv=4, mamba_chunk_size=8
     ),
@@ -168,7 +175,7 @@ FAMILIES: dict[str, dict] = {
 }
 MOE_TYPES = {
     "mixtral", "qwen3_moe", "gpt_oss", "qwen3_5_moe_text", "llama4_text", "deepseek_v3", "glm4_moe", "olmoe",
-    "granitemoe", "phimoe", "ernie4_5_moe", "jamba", "qwen3_next", "kimi_linear", "granitemoehybrid",
+    "granitemoe", "phimoe", "ernie4_5_moe", "jamba", "qwen3_next", "kimi_linear", "granitemoehybrid", "minimax",
 }  # fmt: skip
 
 # layout -> mesh sizes over 4 ranks and how it is asked for
