@@ -118,11 +118,13 @@ def state_mixers(model: nn.Module) -> list[str]:
     """The names of every decoder layer's token mixers that carry a state along the sequence (not attention through
     transformers' interface), the language model's of a vision-language model included."""
     found: list[str] = []
-    for name, module in model.named_modules():
-        if not re.search(r"\.\d+\.[^.]+$", name) or any(name.startswith(done + ".") for done in found):
+    for name, layers in model.named_modules():  # the children of every layer of every layer list
+        if not isinstance(layers, nn.ModuleList) or any(name.startswith(done + ".") for done in found):
             continue
-        if is_token_mixer(module) and not is_interface_attention(module):
-            found.append(name)
+        for index, layer in enumerate(layers):
+            for child_name, child in layer.named_children():
+                if is_token_mixer(child) and not is_interface_attention(child):
+                    found.append(f"{name}.{index}.{child_name}" if name else f"{index}.{child_name}")
     return found
 
 
