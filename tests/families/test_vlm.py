@@ -18,6 +18,8 @@ import torch.distributed as dist
 from _models import rel_err
 from _vlm import (
     TINY_VLM_CONFIGS as ALL_TINY_VLM_CONFIGS,
+)
+from _vlm import (
     TOL,
     held_fraction,
     load_vlm,
