@@ -16,7 +16,9 @@ CELLS = [
     ("falcon_h1", "pp2", "equal"),  # final_layernorm found by role; its layers return tuples
     ("jamba", "tp2xdp2-L3", "equal"),
     ("deepseek_v3", "ep2", "equal"),
-    ("gpt_oss", "cp2", "refused"),  # attention sinks
+    ("gpt_oss", "cp2", "equal"),  # attention sinks, joined after the ring's merge
+    ("llama4_text", "cp2", "equal"),  # chunked attention: its chunks and the cp chunks cut at different places
+    ("gemma3", "cp2", "equal"),  # an image's tokens attend both ways, one image across a cp chunk boundary
     ("qwen2_5_vl", "tp2+sp", "equal"),
 ]
 

@@ -2,8 +2,14 @@
 
 The sequence is cut into 2 cp equal chunks; a rank holds some query chunks and, at each ring step, some key /
 value chunks. Every (query chunk, key chunk) pair is one of: invisible (skipped: a later chunk under the causal
-mask, or beyond the sliding window), fully visible, causal on the diagonal, or masked element by element
-(padding keys, a window edge). Only the last kind builds a mask, of chunk x chunk.
+mask, beyond the sliding window, in another attention chunk), fully visible, causal on the diagonal, or masked
+element by element (padding keys, a window edge, an attention chunk's edge, an image block that a later key shares
+with an earlier query). Only the last kind builds a mask, of chunk x chunk.
+
+Besides the causal mask and the sliding window, a pair's mask follows two rules read from global positions: `Spans`
+(llama4's chunked attention: a query sees keys of its own span only) and `Blocks` (Gemma 3's image tokens: the tokens
+of one image see each other both ways, so a later chunk can be visible to an earlier one). Attention sinks (gpt_oss:
+one logit per head that joins the softmax's denominator) join after every pair is merged (`add_sinks`).
 
 On CPU a pair runs torch's fused flash kernel (`_scaled_dot_product_flash_attention_for_cpu`, which returns the
 log-sum-exp and has a backward that takes the merged output and log-sum-exp): 5x faster than the matmul-softmax
@@ -28,10 +34,87 @@ NEG_INF = float("-inf")
 _QUERY_TILE = 1024  # rows of the plain-tensor path's score tile
 
 
+def _ends(ids: torch.Tensor, chunk: int) -> tuple[tuple[tuple[int, ...], ...], tuple[tuple[int, ...], ...]]:
+    """Per row and chunk, the id of its first and of its last token (on the host, once per forward)."""
+    host = ids.cpu()
+    return tuple(map(tuple, host[:, ::chunk].tolist())), tuple(map(tuple, host[:, chunk - 1 :: chunk].tolist()))
+
+
+def _pair(ids: torch.Tensor, q_chunk: int, k_chunk: int, chunk: int) -> tuple[torch.Tensor, torch.Tensor]:
+    return ids[:, q_chunk * chunk : (q_chunk + 1) * chunk], ids[:, k_chunk * chunk : (k_chunk + 1) * chunk]
+
+
+@dataclass(frozen=True)
+class Spans:
+    """A query sees keys of its own span only (llama4's chunked attention: spans of `attention_chunk_size` tokens
+    counted from each row's first real token, or from each packed document's positions). `ids` (rows, length): every
+    token's span, non-decreasing along a row; `first` / `last`: per row and chunk, the span of its first / last
+    token."""
+
+    ids: torch.Tensor
+    first: tuple[tuple[int, ...], ...]
+    last: tuple[tuple[int, ...], ...]
+
+    @classmethod
+    def of(cls, ids: torch.Tensor, chunk: int) -> Spans:
+        return cls(ids, *_ends(ids, chunk))
+
+    def visibility(self, q_chunk: int, k_chunk: int) -> str:
+        """'none' when no query of one chunk shares a span with a key of the other, 'inside' when every row's two
+        chunks lie in one span, else 'mixed'."""
+        early, late = min(q_chunk, k_chunk), max(q_chunk, k_chunk)
+        rows = range(len(self.first))
+        if early != late and not any(self.last[row][early] == self.first[row][late] for row in rows):
+            return "none"
+        if all(self.first[row][early] == self.last[row][late] for row in rows):
+            return "inside"
+        return "mixed"
+
+    def same(self, q_chunk: int, k_chunk: int, chunk: int) -> torch.Tensor:
+        """(rows, 1, chunk, chunk) bool: query and key in one span."""
+        q, k = _pair(self.ids, q_chunk, k_chunk, chunk)
+        return (q[:, :, None] == k[:, None, :])[:, None]
+
+
+@dataclass(frozen=True)
+class Blocks:
+    """The tokens of one block (Gemma 3: one image's tokens, from `token_type_ids`) see each other both ways, earlier
+    keys and later ones. `ids` (batch, length): every token's block, -1 outside any; `first` / `last`: per row and
+    chunk, the block of its first / last token; `inner`: per chunk, whether some row holds two tokens of one block in
+    it (its diagonal pair is then no longer causal)."""
+
+    ids: torch.Tensor
+    first: tuple[tuple[int, ...], ...]
+    last: tuple[tuple[int, ...], ...]
+    inner: tuple[bool, ...]
+
+    @classmethod
+    def of(cls, ids: torch.Tensor, chunk: int) -> Blocks:
+        rows, length = ids.shape
+        follows = torch.zeros(rows, length, dtype=torch.bool, device=ids.device)
+        follows[:, :-1] = (ids[:, 1:] == ids[:, :-1]) & (ids[:, :-1] >= 0)  # token i and i + 1 in one block
+        inner = follows.view(rows, length // chunk, chunk)[:, :, :-1].any(-1).any(0)
+        return cls(ids, *_ends(ids, chunk), tuple(inner.tolist()))
+
+    def reaches(self, q_chunk: int, k_chunk: int) -> bool:
+        """For a later key chunk: whether some row's block runs from the query chunk into it (blocks are runs of
+        consecutive tokens, so it holds the query chunk's last token and the key chunk's first)."""
+        return any(
+            last[q_chunk] >= 0 and last[q_chunk] == first[k_chunk]
+            for first, last in zip(self.first, self.last, strict=True)
+        )
+
+    def same(self, q_chunk: int, k_chunk: int, chunk: int) -> torch.Tensor:
+        """(batch, 1, chunk, chunk) bool: query and key in one block."""
+        q, k = _pair(self.ids, q_chunk, k_chunk, chunk)
+        return ((q[:, :, None] == k[:, None, :]) & (q[:, :, None] >= 0))[:, None]
+
+
 @dataclass(frozen=True)
 class Attend:
-    """What every pair shares: the scale, the window (keys with q - k >= window are hidden), the soft cap and
-    the key padding mask of the whole sequence ((batch, seq) bool, True = a real token, or None)."""
+    """What every pair shares: the scale, the window (keys with q - k >= window are hidden), the soft cap, the key
+    padding mask of the whole sequence ((batch, seq) bool, True = a real token, or None), a packed row's documents,
+    llama4's attention-chunk spans and Gemma 3's image blocks (or None)."""
 
     chunk: int
     scale: float
@@ -39,24 +122,34 @@ class Attend:
     softcap: float | None
     key_mask: torch.Tensor | None
     documents: Documents | None = None  # a packed row: which tokens share a document (packed.py)
+    spans: Spans | None = None
+    blocks: Blocks | None = None
 
     def visibility(self, q_chunk: int, k_chunk: int) -> str:
         """'none', 'full', 'causal' (the diagonal, no window inside) or 'masked' for a pair of chunk indices."""
-        if k_chunk > q_chunk:
-            return "none"
-        shared = "inside" if self.documents is None else self.documents.visibility(q_chunk, k_chunk)
-        if shared == "none":
-            return "none"
+        if k_chunk > q_chunk:  # a later chunk: seen only through a block both share
+            if self.blocks is None or not self.blocks.reaches(q_chunk, k_chunk):
+                return "none"
+            kind = "masked"
+        elif k_chunk == q_chunk:
+            kind = "masked" if self.blocks is not None and self.blocks.inner[q_chunk] else "causal"
+        else:
+            kind = "full"
+        for rule in (self.documents, self.spans):  # 'none', 'inside' or 'mixed'
+            shared = "inside" if rule is None else rule.visibility(q_chunk, k_chunk)
+            if shared == "none":
+                return "none"
+            if shared == "mixed":
+                kind = "masked"
         c, w = self.chunk, self.window
-        if w is not None:
+        if w is not None and k_chunk <= q_chunk:  # the window hides earlier keys only
             nearest = (q_chunk - k_chunk - 1) * c + 1 if k_chunk < q_chunk else 0
             farthest = (q_chunk - k_chunk) * c + c - 1
             if nearest >= w:
                 return "none"
             if farthest >= w:
-                return "masked"
-        kind = "causal" if k_chunk == q_chunk else "full"
-        if shared == "mixed" or (self.key_mask is not None and not bool(self._keys(k_chunk).all())):
+                kind = "masked"
+        if self.key_mask is not None and not bool(self._keys(k_chunk).all()):
             return "masked"
         return kind
 
@@ -65,16 +158,20 @@ class Attend:
 
     def mask(self, q_chunk: int, k_chunk: int, device) -> torch.Tensor:
         """(batch or 1, 1, chunk, chunk) bool, True = visible."""
-        q = torch.arange(q_chunk * self.chunk, (q_chunk + 1) * self.chunk, device=device)[:, None]
-        k = torch.arange(k_chunk * self.chunk, (k_chunk + 1) * self.chunk, device=device)[None, :]
-        visible = k <= q
+        c = self.chunk
+        q = torch.arange(q_chunk * c, (q_chunk + 1) * c, device=device)[:, None]
+        k = torch.arange(k_chunk * c, (k_chunk + 1) * c, device=device)[None, :]
+        visible = (k <= q)[None, None]
+        if self.blocks is not None:
+            visible = visible | self.blocks.same(q_chunk, k_chunk, c).to(device)
         if self.window is not None:
             visible = visible & (q - k < self.window)
-        visible = visible[None, None]
         if self.key_mask is not None:
             visible = visible & self._keys(k_chunk).to(device)[:, None, None, :]
         if self.documents is not None:
             visible = visible & self.documents.same_document(q_chunk, k_chunk).to(device)
+        if self.spans is not None:
+            visible = visible & self.spans.same(q_chunk, k_chunk, c).to(device)
         return visible
 
 
@@ -195,6 +292,24 @@ def merge(out, lse, block_out, block_lse):
     old_weight = torch.exp(lse - safe)[..., None].to(out.dtype)
     new_weight = torch.exp(block_lse - safe)[..., None].to(out.dtype)
     return out * old_weight + block_out * new_weight, new_lse
+
+
+def add_sinks(out: torch.Tensor, lse: torch.Tensor, sinks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each head's sink logit (gpt_oss's `s_aux`: (heads,)) joins the softmax's denominator once every pair is
+    merged: the output is scaled by exp(lse) / (exp(lse) + exp(sink)) and the log-sum-exp becomes logaddexp(lse,
+    sink). The backward of the pairs, given this output and log-sum-exp, is then the exact one (the sink is a key whose
+    value is zero); the sinks' own gradient is `sinks_grad`."""
+    total = torch.logaddexp(lse, sinks.to(lse.dtype)[None, :, None].expand_as(lse))
+    return out * torch.exp(lse - total)[..., None].to(out.dtype), total
+
+
+def sinks_grad(dout: torch.Tensor, out: torch.Tensor, lse: torch.Tensor, sinks: torch.Tensor) -> torch.Tensor:
+    """d loss / d sink of each head over these query rows: -sum over rows of p_sink * rowsum(dout * out), p_sink =
+    exp(sink - lse), with `out` and `lse` as `add_sinks` returned them."""
+    acc = lse.dtype
+    delta = (dout.to(acc) * out.to(acc)).sum(-1)
+    sink_weight = torch.exp(sinks.to(acc)[None, :, None] - lse)
+    return -(sink_weight * delta).sum((0, 2)).to(sinks.dtype)
 
 
 def chunk_of(x: torch.Tensor, index: int, chunk: int) -> torch.Tensor:

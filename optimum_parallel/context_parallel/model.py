@@ -21,7 +21,15 @@ from torch import nn
 from ..mesh import ranks
 from ..packing import PACKING_KEYS, carrier, is_carrier, packed_inputs, segment_ids
 from ..state import find_state, parallel_state, refuse
-from .attention import ATTENTION_KEY, ContextParallelAttention, check_strategy, register_attention, sequence_mask
+from .attention import (
+    ATTENTION_KEY,
+    ContextParallelAttention,
+    check_strategy,
+    is_marker,
+    marked_blocks,
+    register_attention,
+    sequence_mask,
+)
 from .layout import ChunkLayout, SequenceCut, pad_sequence
 from .loss import ContextParallelLoss
 from .packed import Documents, chunk_count, documents_for
@@ -107,9 +115,13 @@ def check_gradients_reduced(model: nn.Module) -> None:
         )
 
 
-def split_batch(settings: ContextParallelAttention, kwargs: dict) -> tuple[dict, SequenceCut]:
+def split_batch(
+    settings: ContextParallelAttention, kwargs: dict, blocks: torch.Tensor | None = None
+) -> tuple[dict, SequenceCut]:
     """This rank's part of a whole batch (input_ids or inputs_embeds, attention_mask, position_ids, labels; a packed
-    batch's document boundaries) and how the sequence was cut (its length before padding, the layout)."""
+    batch's document boundaries) and how the sequence was cut (its length before padding, the layout). `blocks`: the
+    image block of every token of the whole sequence ((batch, seq), -1 outside any: `image_blocks`), carried to the
+    attention by the marker."""
     tokens = kwargs.get("input_ids")
     if tokens is None:
         tokens = kwargs.get("inputs_embeds")
@@ -119,6 +131,11 @@ def split_batch(settings: ContextParallelAttention, kwargs: dict) -> tuple[dict,
         raise NotImplementedError("output_attentions is not supported under context parallelism (no weights are kept)")
     packed = packed_inputs(kwargs)
     if packed is not None:  # several documents in a row: cut by attention work, attend within documents
+        if blocks is not None:
+            raise NotImplementedError(
+                "packed rows with image tokens that attend both ways (token_type_ids) are not supported under context "
+                "parallelism; pass one sequence per row"
+            )
         return _split_packed(settings, packed, tokens)
     batch, length = tokens.shape[:2]
     layout = ChunkLayout.for_sequence(length, settings.cp, settings.layout_rank)
@@ -143,7 +160,8 @@ def split_batch(settings: ContextParallelAttention, kwargs: dict) -> tuple[dict,
         if kwargs.get(name) is not None:
             out[name] = layout.take(pad_sequence(kwargs[name], padded, 0))
     out["position_ids"] = layout.take(torch.cat([positions, extra_positions], dim=1))
-    out["attention_mask"] = sequence_mask(pad_sequence(mask.bool(), padded, False))
+    blocks = None if blocks is None else pad_sequence(blocks.to(tokens.device), padded, -1)
+    out["attention_mask"] = sequence_mask(pad_sequence(mask.bool(), padded, False), blocks=blocks)
     labels = kwargs.get("labels")
     if labels is not None:
         shifted = pad_sequence(labels[:, 1:], padded, IGNORE_INDEX)
@@ -155,7 +173,7 @@ def split_batch(settings: ContextParallelAttention, kwargs: dict) -> tuple[dict,
 def packed_documents(settings: ContextParallelAttention, positions: torch.Tensor, real: torch.Tensor) -> Documents:
     """The documents and layout of a packed batch whose whole padded rows have `positions` (segment-encoded) and
     `real` (False: padding the split added)."""
-    return documents_for(segment_ids(positions), settings.cp, settings.layout_rank, real=real)
+    return documents_for(segment_ids(positions), settings.cp, settings.layout_rank, real=real, positions=positions)
 
 
 def _split_packed(settings: ContextParallelAttention, kwargs: dict, tokens: torch.Tensor) -> tuple[dict, SequenceCut]:
@@ -219,9 +237,22 @@ def _bound_arguments(module: nn.Module, args: tuple, kwargs: dict) -> dict:
     return {**bound, **bound.pop("kwargs", {})}
 
 
+def image_blocks(token_type_ids: torch.Tensor) -> torch.Tensor:
+    """(batch, seq): each image's tokens (a run of token type 1) numbered from 0 along its row, -1 elsewhere: the
+    tokens Gemma 3 lets see each other both ways (as transformers' gemma3 `get_block_sequence_ids_for_mask`)."""
+    image = token_type_ids == 1
+    starts = image.clone()
+    starts[:, 1:] &= ~image[:, :-1]
+    return torch.where(image, starts.long().cumsum(-1) - 1, -1)
+
+
 def _split_labels(model: nn.Module, args: tuple, kwargs: dict):
     """A composite image-text model's entry: the whole inputs go on (the images are merged into the whole
-    sequence), the labels are shifted and cut as the language model's entry will cut the sequence."""
+    sequence), the labels are shifted and cut as the language model's entry will cut the sequence. A model whose
+    image tokens attend both ways (its forward takes `token_type_ids`: Gemma 3, the only kind the family check lets
+    through) builds its layers' masks before its language model runs: it gets the marker of the whole sequence (its
+    padding mask and image blocks) instead of its padding mask, which transformers' mask functions hand on untouched,
+    and the language model's entry cuts it (`_split_decoder_inputs`)."""
     if kwargs.get("past_key_values") is not None:
         raise NotImplementedError("key/value caches are not supported under context parallelism")
     inputs = _bound_arguments(model, args, kwargs)
@@ -242,19 +273,52 @@ def _split_labels(model: nn.Module, args: tuple, kwargs: dict):
     if labels is not None:
         inputs["labels"] = layout.take(pad_sequence(labels[:, 1:], layout.length, IGNORE_INDEX))
     inputs["use_cache"] = False
+    if "token_type_ids" in _forward_signature(type(model)).parameters:
+        mask = inputs.get("attention_mask")
+        if mask is None:
+            mask = torch.ones(tokens.shape[:2], dtype=torch.bool, device=tokens.device)
+        elif mask.dim() != 2:
+            raise ValueError("under context parallelism the attention_mask must be 2-D (batch, seq) padding or None")
+        types = inputs.get("token_type_ids")
+        inputs["attention_mask"] = sequence_mask(mask, blocks=None if types is None else image_blocks(types))
     state.sequence_length, state.sequence_layout = tokens.shape[1], layout
     return (), inputs
 
 
+def _whole_marker(decoder: nn.Module, inputs: dict) -> torch.Tensor | None:
+    """The marker of the whole sequence the model's entry made (`_split_labels`), as the language model receives it:
+    itself, or the masks per layer type that its model built from it (every one the marker, handed on untouched)."""
+    mask = inputs.get("attention_mask")
+    masks = list(mask.values()) if isinstance(mask, dict) else [mask]
+    if not any(is_marker(m) for m in masks):
+        if isinstance(mask, dict):
+            raise NotImplementedError(
+                f"{type(decoder).__name__} got its layers' attention masks built before it ran, not from the "
+                "context-parallel marker; context parallelism builds every layer's mask from global positions"
+            )
+        return None
+    if not all(m is masks[0] for m in masks):
+        raise NotImplementedError(
+            f"{type(decoder).__name__} got attention masks built over the whole sequence besides the context-parallel "
+            "marker; context parallelism builds every layer's mask from global positions"
+        )
+    return masks[0]
+
+
 def _split_decoder_inputs(decoder: nn.Module, args: tuple, kwargs: dict, owner: nn.Module):
     """The language model's entry: this rank's chunks of the merged embeddings and of the position ids (M-RoPE's
-    (3 or 4, batch, seq) ones cut along the sequence like the others), the whole padding mask as the marker."""
+    (3 or 4, batch, seq) ones cut along the sequence like the others), the whole padding mask as the marker (with the
+    image blocks, where the model's entry found them)."""
     inputs = _bound_arguments(decoder, args, kwargs)
+    whole = _whole_marker(decoder, inputs)
+    blocks = None
+    if whole is not None:
+        inputs["attention_mask"], blocks = whole[:, 0, 0, :], marked_blocks(whole)
     positions = inputs.get("position_ids")
     multi = positions is not None and positions.dim() == 3
     if multi:
         inputs.pop("position_ids")
-    split, cut = split_batch(parallel_state(owner).context_parallel, inputs)
+    split, cut = split_batch(parallel_state(owner).context_parallel, inputs, blocks)
     if multi:
         padded, length = cut.layout.length, cut.length
         more = positions[..., -1:] + torch.arange(1, padded - length + 1, device=positions.device)

@@ -108,6 +108,7 @@ class Documents:
     segments: torch.Tensor  # (batch, length)
     first: tuple[tuple[int, ...], ...]  # [row][chunk]
     last: tuple[tuple[int, ...], ...]
+    positions: torch.Tensor | None = None  # (batch, length): the position ids, for attention chunks (`span_ids`)
 
     def visibility(self, q_chunk: int, k_chunk: int) -> str:
         """'none' when no query of `q_chunk` shares a document with a key of `k_chunk` (before it), 'inside' when
@@ -121,6 +122,15 @@ class Documents:
             return "inside"
         return "mixed"
 
+    def span_ids(self, size: int) -> torch.Tensor:
+        """(batch, length): every token's attention chunk of `size` positions inside its document (transformers counts
+        a packed row's chunks on its position ids), as ids non-decreasing along the row."""
+        if self.positions is None:
+            raise ValueError("these documents were built without their position ids; pass positions to documents_for")
+        spans = torch.div(self.positions, size, rounding_mode="floor")
+        low = spans.min()
+        return self.segments * (spans.max() - low + 1) + (spans - low)
+
     def same_document(self, q_chunk: int, k_chunk: int) -> torch.Tensor:
         """(batch, 1, chunk, chunk) bool: query and key in one document."""
         c = self.layout.chunk
@@ -130,10 +140,16 @@ class Documents:
 
 
 def documents_for(
-    segments: torch.Tensor, cp: int, rank: int, window: int | None = None, real: torch.Tensor | None = None
+    segments: torch.Tensor,
+    cp: int,
+    rank: int,
+    window: int | None = None,
+    real: torch.Tensor | None = None,
+    positions: torch.Tensor | None = None,
 ) -> Documents:
     """The layout of a packed (already padded) batch with `segments` (batch, length) over `cp` ranks, seen from
-    `rank`; `length` must be a multiple of `chunk_count(length, cp)[0]`."""
+    `rank`; `length` must be a multiple of `chunk_count(length, cp)[0]`. `positions`: the rows' position ids (for
+    chunked attention)."""
     chunks, padded = chunk_count(segments.shape[1], cp)
     if padded != segments.shape[1]:
         raise ValueError(f"a packed row of {segments.shape[1]} tokens under cp={cp} must be padded to {padded} first")
@@ -142,4 +158,4 @@ def documents_for(
     host = segments.cpu()
     first = tuple(tuple(row) for row in host[:, ::c].tolist())
     last = tuple(tuple(row) for row in host[:, c - 1 :: c].tolist())
-    return Documents(layout, segments, first, last)
+    return Documents(layout, segments, first, last, positions)

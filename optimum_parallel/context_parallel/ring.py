@@ -6,8 +6,10 @@ the step's computation (overlapped). Backward: the keys travel the same way, eac
 those keys, accumulated by every rank it visits and handed back to its owner after the last step. Memory per
 rank: its own q, k, v, output and log-sum-exp plus two key/value buffers in flight; nothing of size seq^2.
 
-torch's `context_parallel` (experimental) handles a causal mask only, with no padding mask, sliding window or
-soft cap: this is written here for those.
+torch's `context_parallel` (experimental) handles a causal mask only, with no padding mask, sliding window, soft
+cap, attention chunks, image blocks or attention sinks: this is written here for those. Sinks (one logit per head,
+(heads,)) join the merged result at the end of the forward (`blocks.add_sinks`); their gradient is summed over this
+rank's query rows, and over the cp ranks by the data-parallel reduction like every other parameter's.
 """
 
 from __future__ import annotations
@@ -17,7 +19,16 @@ import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
 from ..mesh import ranks
-from .blocks import NEG_INF, Attend, accumulation_dtype, attend_chunks, attend_chunks_backward, merge
+from .blocks import (
+    NEG_INF,
+    Attend,
+    accumulation_dtype,
+    add_sinks,
+    attend_chunks,
+    attend_chunks_backward,
+    merge,
+    sinks_grad,
+)
 
 _KEYS_TAG, _GRADS_TAG = 11, 12
 
@@ -43,8 +54,10 @@ def _ring(group: ProcessGroup | None) -> tuple[int, int]:
     return (0, 1) if group is None else (ranks.rank(group), ranks.world_size(group))
 
 
-def ring_forward(q, k, v, attend: Attend, chunks, group: ProcessGroup | None) -> tuple[torch.Tensor, torch.Tensor]:
-    """The output and its log-sum-exp (see `RingAttention`)."""
+def ring_forward(
+    q, k, v, attend: Attend, chunks, group: ProcessGroup | None, sinks: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The output and its log-sum-exp (see `RingAttention`), the sinks (if any) in both."""
     rank, size = _ring(group)
     groups = q.shape[1] // k.shape[1]
     mine = chunks(rank)
@@ -66,11 +79,11 @@ def ring_forward(q, k, v, attend: Attend, chunks, group: ProcessGroup | None) ->
         ],
         dim=2,
     )
-    return out, lse
+    return (out, lse) if sinks is None else add_sinks(out, lse, sinks)
 
 
-def ring_backward(dout, q, k, v, out, lse, attend: Attend, chunks, group: ProcessGroup | None):
-    """dq, dk, dv of `ring_forward`'s output given its gradient `dout`."""
+def ring_backward(dout, q, k, v, out, lse, attend: Attend, chunks, group: ProcessGroup | None, sinks=None):
+    """dq, dk, dv of `ring_forward`'s output given its gradient `dout`, and the sinks' gradient (None without)."""
     rank, size = _ring(group)
     groups = q.shape[1] // k.shape[1]
     mine = chunks(rank)
@@ -93,26 +106,30 @@ def ring_backward(dout, q, k, v, out, lse, attend: Attend, chunks, group: Proces
         if exchange is not None:  # it reaches the owner
             keys = exchange.wait()
     grads = travelling if size == 1 else travelling.wait()
-    return dq.to(q.dtype), grads[0].to(k.dtype), grads[1].to(v.dtype)
+    dsinks = None if sinks is None else sinks_grad(dout, out, lse, sinks)
+    return dq.to(q.dtype), grads[0].to(k.dtype), grads[1].to(v.dtype), dsinks
 
 
 class RingAttention(torch.autograd.Function):
     """q (b, h, 2c, d), k and v (b, h_kv, 2c, d) hold this rank's two chunks; `chunks(r)` gives rank r's chunk
-    ids. With `group=None` a single rank holds every chunk `chunks(0)` names (the all-to-all strategy)."""
+    ids. With `group=None` a single rank holds every chunk `chunks(0)` names (the all-to-all strategy). `sinks`:
+    (h,) logits that join each head's softmax, or None."""
 
     @staticmethod
-    def forward(ctx, q, k, v, attend: Attend, chunks, group):
-        out, lse = ring_forward(q, k, v, attend, chunks, group)
-        ctx.save_for_backward(q, k, v, out, lse)
+    def forward(ctx, q, k, v, attend: Attend, chunks, group, sinks):
+        out, lse = ring_forward(q, k, v, attend, chunks, group, sinks)
+        ctx.save_for_backward(q, k, v, out, lse, sinks)
         ctx.attend, ctx.chunks, ctx.group = attend, chunks, group
         return out
 
     @staticmethod
     def backward(ctx, dout):
-        q, k, v, out, lse = ctx.saved_tensors
-        dq, dk, dv = ring_backward(dout, q, k, v, out, lse, ctx.attend, ctx.chunks, ctx.group)
-        return dq, dk, dv, None, None, None
+        q, k, v, out, lse, sinks = ctx.saved_tensors
+        dq, dk, dv, dsinks = ring_backward(dout, q, k, v, out, lse, ctx.attend, ctx.chunks, ctx.group, sinks)
+        return dq, dk, dv, None, None, None, dsinks
 
 
-def ring_attention(q, k, v, attend: Attend, chunks, group: ProcessGroup | None) -> torch.Tensor:
-    return RingAttention.apply(q, k, v, attend, chunks, group)
+def ring_attention(
+    q, k, v, attend: Attend, chunks, group: ProcessGroup | None, sinks: torch.Tensor | None = None
+) -> torch.Tensor:
+    return RingAttention.apply(q, k, v, attend, chunks, group, sinks)

@@ -68,11 +68,22 @@ def check_heads_divide(query_heads: int, kv_heads: int, cp: int, key: str = "con
         )
 
 
-def all_to_all_attention(q, k, v, attend: Attend, chunks, group: ProcessGroup) -> torch.Tensor:
-    """q (b, h, 2c, d), k, v (b, h_kv, 2c, d) of this rank's chunks -> its output chunks (b, h, 2c, d)."""
+def rank_heads(sinks: torch.Tensor | None, cp: int, rank: int) -> torch.Tensor | None:
+    """The per-head sinks of the heads this rank holds after the exchange (its share of them, in rank order)."""
+    if sinks is None:
+        return None
+    share = sinks.shape[0] // cp
+    return sinks.narrow(0, rank * share, share)
+
+
+def all_to_all_attention(
+    q, k, v, attend: Attend, chunks, group: ProcessGroup, sinks: torch.Tensor | None = None
+) -> torch.Tensor:
+    """q (b, h, 2c, d), k, v (b, h_kv, 2c, d) of this rank's chunks -> its output chunks (b, h, 2c, d); `sinks`: (h,)
+    or None."""
     cp = ranks.world_size(group)
     check_heads_divide(q.shape[1], k.shape[1], cp)
     order = tuple(i for rank in range(cp) for i in chunks(rank))  # the chunks as the all-to-all lays them out
     q, k, v = (_SequenceToHeads.apply(t, group) for t in (q, k, v))
-    out = ring_attention(q, k, v, attend, lambda _: order, None)
+    out = ring_attention(q, k, v, attend, lambda _: order, None, rank_heads(sinks, cp, ranks.rank(group)))
     return _HeadsToSequence.apply(out, group)

@@ -8,7 +8,8 @@ checked layer by layer, not looked up in a list of model types (a hand-written f
   (run on the whole sequence); the residual stream between blocks is then token-wise;
 - context parallelism: every token mixer of every layer (a child with a `layer_idx` that is not token-wise, or holding
   a convolution over the sequence) is attention through transformers' attention interface, without what the
-  context-parallel attention does not compute (attention sinks, chunked attention), or a mixer carrying a state
+  context-parallel attention does not compute (attention sinks other than one logit per head, chunked attention on
+  layers config.layer_types does not name), or a mixer carrying a state
   along the sequence (gated delta nets, Mamba mixers, short convolutions: `mixers/`) whose decoder builds its mask
   with transformers' `create_recurrent_attention_mask` and whose forward takes it as `attention_mask`.
 
@@ -151,12 +152,18 @@ def _context_parallel_blocker(model: nn.Module, stack: DecoderStack, needs_head:
                 continue
             if not any(hasattr(m, "num_key_value_groups") for m in child.modules()):
                 return f"{where} is not a query/key/value attention with key/value groups that the cp split routes"
-            if isinstance(getattr(child, "sinks", None), nn.Parameter):
-                return f"{where} has attention sinks, which the context-parallel attention does not compute"
-            if chunk and getattr(child, "use_rope", True):
+            sinks = getattr(child, "sinks", None)
+            if isinstance(sinks, nn.Parameter) and sinks.dim() != 1:  # one logit per head joins its softmax: computed
                 return (
-                    f"{where} uses chunked attention (attention_chunk_size={chunk}), which the context-parallel "
-                    "attention does not compute"
+                    f"{where} has attention sinks of shape {tuple(sinks.shape)} (not one logit per head), which the "
+                    "context-parallel attention does not compute"
+                )
+            types = getattr(getattr(child, "config", config), "layer_types", None)
+            named = isinstance(types, (list, tuple)) and isinstance(getattr(child, "layer_idx", None), int)
+            if chunk and not named:
+                return (  # the chunked layers are the ones config.layer_types names 'chunked_attention'
+                    f"{where} may use chunked attention (attention_chunk_size={chunk}), and config.layer_types does "
+                    "not say which layers do, which the context-parallel attention reads"
                 )
     if needs_head and not hasattr(model, "lm_head"):
         return f"{type(model).__name__} has no LM head (context parallelism runs causal language models)"

@@ -3,7 +3,8 @@
 q/k/v (with their biases) are split in whole heads as in Llama, and so is `sinks` (one logit per query head that
 joins each head's softmax): each rank keeps its own heads' sinks. The experts carry biases: `gate_up_proj_bias` is
 split like `gate_up_proj` (whole interleaved gate/up pairs), `down_proj_bias` stays whole and is added once
-(`TensorParallelExperts`). Sliding-window layers need nothing: the mask is built on the whole sequence.
+(`TensorParallelExperts`). Sliding-window layers need nothing: the mask is built on the whole sequence. Under cp the
+sinks join each head's softmax once the ring has merged its chunk pairs.
 """
 
 from __future__ import annotations
@@ -16,18 +17,8 @@ from .moe import MoEParallelizer
 
 
 class GptOssParallelizer(MoEParallelizer):
-    # cp: its attention sinks join each head's softmax, which the context-parallel attention does not compute
-    capabilities = Capabilities(
-        sequence_parallel=True,
-        pipeline_parallel=True,
-        refusals=(
-            (
-                "context",
-                "model.layers.*.self_attn (GptOssAttention) has attention sinks, which the context-parallel "
-                "attention does not compute",
-            ),
-        ),
-    )
+    # cp: its attention sinks join each head's softmax after the chunk pairs are merged (context_parallel/blocks.py)
+    capabilities = Capabilities(sequence_parallel=True, pipeline_parallel=True, context_parallel=True)
 
     @classmethod
     def plan(cls, model, mesh, parallelize_embeddings, sequence_parallel_enabled):

@@ -239,17 +239,23 @@ def _cut_deepstack_features(model: nn.Module, language: nn.Module, args: tuple, 
 
 def check_context_parallel_parts(model: nn.Module, parts: MultimodalParts, cp: int) -> None:
     """Context parallelism cuts the sequence at the language model's entry, after the image features are merged
-    (`context_parallel.model.composite_decoder`), and builds causal masks from the chunks' global positions: refused,
-    naming the module, where the image tokens attend otherwise (Gemma 3's bidirectional image blocks from
-    `token_type_ids`). Image features added inside the layers (Qwen3-VL's deepstack) are cut with the sequence
+    (`context_parallel.model.composite_decoder`), and builds the masks from the chunks' global positions. Gemma 3's
+    image tokens attend to one another both ways (its `token_type_ids`: each run of image tokens is one block, as its
+    modeling module's `get_block_sequence_ids_for_mask` reads them): the model's entry carries those blocks to the
+    attention (`context_parallel.model.image_blocks`). Any other model reading `token_type_ids` is refused, naming the
+    module. Image features added inside the layers (Qwen3-VL's deepstack) are cut with the sequence
     (`_cut_deepstack_features`)."""
     name = parts.language_prefix[:-1]
     owner = model.get_submodule(name.rpartition(".")[0]) if "." in name else model
-    if "token_type_ids" in inspect.signature(type(owner).forward).parameters:
+    if "token_type_ids" not in inspect.signature(type(owner).forward).parameters:
+        return
+    modeling = inspect.getmodule(type(owner))
+    image_blocks = callable(getattr(modeling, "get_block_sequence_ids_for_mask", None))
+    if not image_blocks or "token_type_ids" not in inspect.signature(type(model).forward).parameters:
         raise NotImplementedError(
-            f"{type(model).__name__} with cp={cp} is not supported: {type(owner).__name__} lets each image's tokens "
-            "attend to one another both ways (its token_type_ids mask), and context parallelism's ring attention "
-            "builds causal masks only; allowed for this model: cp=1"
+            f"{type(model).__name__} with cp={cp} is not supported: {type(owner).__name__} builds its attention mask "
+            "from token_type_ids, and context parallelism's attention knows only Gemma 3's reading of them (each "
+            "image's tokens attending to one another both ways); allowed for this model: cp=1"
         )
 
 
