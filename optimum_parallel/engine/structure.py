@@ -19,7 +19,6 @@ A refusal's reason names the module and the layer; `Capabilities.reason(layout)`
 from __future__ import annotations
 
 import inspect
-import re
 from dataclasses import dataclass
 from functools import cache
 

@@ -355,7 +355,7 @@ def refusal(model_dir: str, sizes: dict, **settings) -> str | None:
 
 @pytest.mark.parametrize(
     "model_type,dim,what",
-    [(model_type, "pp", "vision tower") for model_type in TINY_VLM_CONFIGS] + [("gemma3", "cp", "token_type_ids")],
+    [(model_type, "pp", "vision tower") for model_type in TINY_VLM_CONFIGS],
 )
 def test_vlm_layouts_refused_by_name(pool, model_dirs, model_type, dim, what):
     messages = pool.run(refusal, model_dirs[model_type], {"tp": 2, dim: 2})
@@ -442,11 +442,11 @@ def check_vlm_context_parallel(model_dir: str, batch: dict, sharding_level: int,
     }
 
 
-@pytest.mark.parametrize("model_type", ["llava", "qwen2_5_vl", "qwen3_vl"])
+@pytest.mark.parametrize("model_type", ["llava", "qwen2_5_vl", "qwen3_vl", "gemma3"])
 def test_vlm_context_parallel_matches_single_device(pool, model_dirs, model_type):
     """cp=2 x tp=2: the sequence is cut at the language model's entry, after the image features are merged; the
-    M-RoPE position ids (qwen2_5_vl, qwen3_vl) and qwen3_vl's deepstack image positions are cut with it. FSDP2
-    (level 3) sums the cp ranks' gradients."""
+    M-RoPE position ids (qwen2_5_vl, qwen3_vl), qwen3_vl's deepstack image positions and Gemma 3's image blocks
+    (attended both ways, from token_type_ids) are cut with it. FSDP2 (level 3) sums the cp ranks' gradients."""
     batch = make_vlm_inputs(TINY_VLM_CONFIGS[model_type](), seq=30)  # 30 tokens: padded to 32 inside
     results = pool.run(check_vlm_context_parallel, model_dirs[model_type], batch, 3)
     for rank, result in enumerate(results):
