@@ -10,7 +10,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from _checks import TOL
-from _models import rel_err, tiny_config
+from _models import build_model, make_batch, rel_err, tiny_config
 from torch.distributed.tensor import DTensor
 
 WINDOW = 8  # sliding-window families: shorter than the test sequences, so whole chunk pairs drop out
@@ -310,3 +310,28 @@ def test_long_context_example_runs_under_torchrun():
     result = subprocess.run(command, capture_output=True, text=True, timeout=240, env=env)
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-4000:]
     assert "step 1: loss" in result.stdout
+
+
+def logits_to_keep_refused() -> list[str]:
+    import optimum_parallel as op
+
+    mesh = op.init_mesh(dp=dist.get_world_size() // 2, cp=2)
+    model = build_model(tiny_config("llama"))
+    model = op.ParallelizersManager.parallelizer_for_model(model).parallelize(model)
+    model, _ = op.parallelize(model, None, mesh, {"dp_config": {"sharding_level": 0}})
+    batch = make_batch(tiny_config("llama"))
+    messages = []
+    for keep in (1, torch.tensor([3, 4])):
+        try:
+            with torch.no_grad():
+                model(**batch, logits_to_keep=keep)
+        except NotImplementedError as err:
+            messages.append(str(err))
+    return messages
+
+
+def test_logits_to_keep_is_refused_naming_the_key(pool):
+    """A forward keeping only the last positions' logits cannot be served from a rank's chunks: refused, naming
+    the argument and the value that runs (0)."""
+    for messages in pool.run(logits_to_keep_refused):
+        assert len(messages) == 2 and all("logits_to_keep" in m and "allowed: 0" in m for m in messages), messages

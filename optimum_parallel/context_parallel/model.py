@@ -129,6 +129,12 @@ def split_batch(
         raise ValueError("a context-parallel model needs input_ids or inputs_embeds")
     if kwargs.get("output_attentions"):
         raise NotImplementedError("output_attentions is not supported under context parallelism (no weights are kept)")
+    keep = kwargs.get("logits_to_keep")
+    if keep is not None and not (isinstance(keep, int) and keep == 0):
+        raise NotImplementedError(
+            f"logits_to_keep={keep if isinstance(keep, int) else 'a tensor'} is not supported under context "
+            "parallelism (each rank holds chunks of the sequence, not its last positions); allowed: 0, every position"
+        )
     packed = packed_inputs(kwargs)
     if packed is not None:  # several documents in a row: cut by attention work, attend within documents
         if blocks is not None:
