@@ -25,7 +25,6 @@ from functools import cache
 from torch import nn
 
 from ..expert_parallel import find_experts
-from ..expert_parallel.expert_split import takes_expert_major_rows
 from ..mixers import builds_recurrent_mask
 from ..pipeline.decoder import DecoderRoles, decoder_roles, is_norm
 from .capabilities import Capabilities
@@ -184,13 +183,6 @@ def _sequence_parallel_blocker(stack: DecoderStack) -> str | None:
         return f"no final norm found beside {stack.prefix} (the region ends at the LM head, after the norm)"
     if stack.roles.unplaced:
         return f"{stack.unplaced()} feed the layers per-token inputs outside the residual stream"
-    for index, layer in enumerate(stack.layers):
-        for name, experts in find_experts(layer):
-            if takes_expert_major_rows(experts):  # measured: its router's gradient under sp is not one device's
-                return (
-                    f"{stack.prefix}.{index}.{name} ({type(experts).__name__}) takes expert-major rows scaled by the "
-                    "router before it, whose gradient the sequence-parallel block does not reduce"
-                )
     return None
 
 

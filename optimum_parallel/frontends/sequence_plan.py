@@ -6,22 +6,46 @@ slices (their gradients summed over tp); every other child holding parameters (a
 an MLP) runs on the whole sequence, gathered at its entry, its column/row layers keeping their tp split and
 reduce-scattering the output (a block without them is replicated work: gathered in, split out); a block holding
 stacked experts is replicated work on the whole sequence, its column/row layers (a shared expert) plain tensor
-parallelism inside it, so their whole-sequence outputs add up; the LM head gathers the sequence.
+parallelism inside it, so their whole-sequence outputs add up (a block returning its tokens flattened, Llama 4's MoE,
+gives them back in its input's [batch, seq, ...] shape before the sequence is split again); the LM head gathers the
+sequence.
 """
 
 from __future__ import annotations
 
 import re
 
+import torch
 from torch import nn
 
 from ..engine.structure import decoder_stack, derive_capabilities, sequence_parallel_blocks
-from ..styles import RowWiseParallel, SequenceParallelBegin, SequenceParallelDisable, SequenceParallelEnable, optional
+from ..styles import (
+    PrepareLayerOutput,
+    RowWiseParallel,
+    SequenceParallelBegin,
+    SequenceParallelDisable,
+    SequenceParallelEnable,
+    optional,
+)
+
+
+def _in_input_shape(module: nn.Module, args: tuple, output):
+    """A block's output in its input's [batch, seq, ...] shape where the block flattened the tokens (Llama 4's MoE
+    returns [batch x seq, hidden]): the sequence split after it must cut the sequence, not the hidden dim."""
+    first = output[0] if isinstance(output, tuple) and output else output
+    x = args[0] if args else None
+    if not (torch.is_tensor(first) and torch.is_tensor(x)) or first.dim() != 2 or x.dim() < 3:
+        return None
+    if first.shape[0] != x.shape[:-1].numel():
+        return None
+    shaped = first.view(*x.shape[:-1], first.shape[-1])
+    return (shaped, *output[1:]) if isinstance(output, tuple) else shaped
+
 
 _STYLES = {
     "slice": SequenceParallelEnable,
     "whole": SequenceParallelDisable,
-    "replicate": lambda: SequenceParallelDisable(replicate=True),
+    "replicate": lambda: [PrepareLayerOutput(_in_input_shape), SequenceParallelDisable(replicate=True)],
 }
 
 
