@@ -172,10 +172,31 @@ FAMILIES: dict[str, dict] = {
         mamba_d_conv=4,
         mamba_chunk_size=8,
     ),
+    "deepseek_v4": dict(  # shared-kv attention with a compressor (CSA: its indexer picks 2 of 4 entries; HCA), sinks,
+        # a grouped low-rank output, hyper-connections, routed and shared experts
+        num_key_value_heads=1,
+        moe_intermediate_size=32,
+        q_lora_rank=32,
+        n_routed_experts=4,
+        num_experts_per_tok=2,
+        o_groups=2,
+        o_lora_rank=16,
+        index_n_heads=2,
+        index_head_dim=16,
+        index_topk=2,
+        sliding_window=8,
+        layer_types=["compressed_sparse_attention", "heavily_compressed_attention"],
+        compress_rates={"compressed_sparse_attention": 4, "heavily_compressed_attention": 8},
+        mlp_layer_types=["moe", "moe"],  # hash routing reads a table of zeros in a fresh model: no gradient to check
+        num_nextn_predict_layers=0,
+        hc_mult=2,
+        hc_sinkhorn_iters=3,
+    ),
 }
 MOE_TYPES = {
     "mixtral", "qwen3_moe", "gpt_oss", "qwen3_5_moe_text", "llama4_text", "deepseek_v3", "glm4_moe", "olmoe",
     "granitemoe", "phimoe", "ernie4_5_moe", "jamba", "qwen3_next", "kimi_linear", "granitemoehybrid", "minimax",
+    "deepseek_v4",
 }  # fmt: skip
 
 # layout -> mesh sizes over 4 ranks and how it is asked for

@@ -182,7 +182,11 @@ def _sequence_parallel_blocker(stack: DecoderStack) -> str | None:
     if stack.roles.final_norm is None:
         return f"no final norm found beside {stack.prefix} (the region ends at the LM head, after the norm)"
     if stack.roles.unplaced:
-        return f"{stack.unplaced()} feed the layers per-token inputs outside the residual stream"
+        return (
+            f"{stack.unplaced()} hold parameters outside the decoder layers, the embedding and the final norm (inputs "
+            "beside the residual stream, or work between the layers and the norm), where the sequence split places "
+            "nothing"
+        )
     return None
 
 

@@ -302,8 +302,9 @@ def _latent_attention(module: nn.Module, tp: int | None):
 def _grouped_output_attention(module: nn.Module, tp: int | None):
     """Attention with one shared kv head (`kv_proj`), a kv compressor, per-head `sinks` and a grouped low-rank output
     (`o_a_proj` over `config.o_groups` groups of heads, then `o_b_proj`): q_b_proj, the sinks and the output groups
-    split by heads; the shared kv path and the compressor stay whole, their outputs' gradients summed over tp (every
-    rank's heads read them)."""
+    split by heads. What every rank's heads read whole -- the query latent (`q_a_proj`), the shared kv head
+    (`kv_proj`) and the compressor's entries -- comes out of projections split by output features and gathered
+    (`_gathered_projections`); their outputs' gradients are summed over tp where split heads read them."""
     heads, head_dim = _int(module, "num_heads"), _int(module, "head_dim")
     q_b, kv, o_a, o_b = (_linear(module, n) for n in ("q_b_proj", "kv_proj", "o_a_proj", "o_b_proj"))
     sinks, config = _param(module, "sinks"), getattr(module, "config", None)
@@ -314,6 +315,7 @@ def _grouped_output_attention(module: nn.Module, tp: int | None):
         return None
     kv_out = "kv_norm" if _has_weight(getattr(module, "kv_norm", None)) else "kv_proj"
     entries: Entries = {
+        **_gathered_projections(module, ("q_a_proj", "kv_proj")),
         "q_b_proj": [ColWiseParallel(units=heads)],
         kv_out: [AllReduceOutputGradient()],
         "o_a_proj": [SplitParameter("weight", 0, groups), LocalAttributes({"n_groups": [(groups, 1)]})],
@@ -324,9 +326,26 @@ def _grouped_output_attention(module: nn.Module, tp: int | None):
             LocalConfigAttributes({"o_groups": [(groups, 1)]}),
         ],
     }
-    if isinstance(getattr(module, "compressor", None), nn.Module):
+    compressor = getattr(module, "compressor", None)
+    if isinstance(compressor, nn.Module):
         entries["compressor"] = [AllReduceOutputGradient()]
+        entries.update(_gathered_projections(compressor, ("kv_proj", "gate_proj"), "compressor."))
+        indexer = getattr(compressor, "indexer", None)
+        if isinstance(indexer, nn.Module):  # its top-k picks carry no gradient: the split is the weights' memory
+            names = ("kv_proj", "gate_proj", "q_b_proj")
+            entries.update(_gathered_projections(indexer, names, "compressor.indexer."))
     return entries, ""
+
+
+def _gathered_projections(module: nn.Module, names: tuple[str, ...], prefix: str = "") -> Entries:
+    """Column splits with gathered outputs for the projections `names` of `module` whose outputs the module reads
+    whole: a compressor's kv / gate features (a softmax over each window per feature, then a norm over the whole head)
+    and its indexer's, the query latent (normalized whole before q_b_proj), the shared kv head (normalized whole and
+    read by every head). Each rank computes and holds 1/tp of the features; the all-gather makes them whole and its
+    backward keeps this rank's part of the (whole) output gradient; the entry sums the input gradient over tp. The
+    norms, the position biases and the indexer's per-head weights (`scorer.weights_proj`, one row a head) stay whole:
+    they are a few hundred elements."""
+    return {prefix + name: [ColWiseParallel(gather_output=True)] for name in names if _linear(module, name) is not None}
 
 
 MLP_NAMES = (("gate_proj", "up_proj", "down_proj"), ("w1", "w3", "w2"))
