@@ -10,7 +10,9 @@ from transformers import (
     LlavaConfig,
     Qwen2_5_VLConfig,
     Qwen3_5Config,
+    Qwen3_5MoeConfig,
     Qwen3VLConfig,
+    Qwen3VLMoeConfig,
 )
 
 TOL = 1e-5
@@ -102,6 +104,50 @@ def _qwen3_5() -> Qwen3_5Config:
     )
 
 
+def _qwen3_vl_moe() -> Qwen3VLMoeConfig:
+    """Qwen3-VL's MoE model: every language-model layer a sparse block of 4 experts, 2 per token (no shared expert)."""
+    experts = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, decoder_sparse_step=1)
+    return Qwen3VLMoeConfig(
+        vision_config=dict(QWEN_VISION, spatial_merge_size=2, num_position_embeddings=16, deepstack_visual_indexes=[0]),
+        text_config=dict(TEXT, head_dim=16, rope_parameters=dict(MROPE, mrope_interleaved=True), **experts),
+        image_token_id=IMAGE,
+        video_token_id=VIDEO,
+        vision_start_token_id=START,
+        vision_end_token_id=END,
+        tie_word_embeddings=False,
+    )
+
+
+def _qwen3_5_moe() -> Qwen3_5MoeConfig:
+    """Qwen3.5's MoE vision-language model: an attention layer, then a gated delta net layer, each with a sparse block
+    of 4 experts (2 per token) beside a shared expert. In this order the delta net's A_log gradient is near fp32's 1e-5
+    floor; reading the image tokens straight from the embedding, its floor was 1-6e-4 from one 1e-7 nudge to another
+    (tp2+sp equal within 1e-9 in float64)."""
+    text = dict(
+        TEXT,
+        head_dim=16,
+        rope_parameters=dict(MROPE, mrope_interleaved=True),
+        layer_types=["full_attention", "linear_attention"],
+        linear_num_key_heads=2,
+        linear_num_value_heads=4,
+        linear_key_head_dim=16,
+        linear_value_head_dim=16,
+        num_experts=4,
+        num_experts_per_tok=2,
+        moe_intermediate_size=32,
+        shared_expert_intermediate_size=48,
+    )
+    return Qwen3_5MoeConfig(
+        vision_config=dict(QWEN_VISION, spatial_merge_size=2, num_position_embeddings=16),
+        text_config=text,
+        image_token_id=IMAGE,
+        video_token_id=VIDEO,
+        vision_start_token_id=START,
+        vision_end_token_id=END,
+        tie_word_embeddings=False,
+    )
+
+
 # model type -> its tiny config (vision tower 2 layers of width 32, 16 x 16 images; language model hidden 64, 2 layers)
 TINY_VLM_CONFIGS = {
     "llava": _llava,
@@ -109,6 +155,8 @@ TINY_VLM_CONFIGS = {
     "qwen2_5_vl": _qwen2_5_vl,
     "qwen3_vl": _qwen3_vl,
     "qwen3_5": _qwen3_5,
+    "qwen3_vl_moe": _qwen3_vl_moe,
+    "qwen3_5_moe": _qwen3_5_moe,
 }
 QWEN_GRIDS = [(1, 4, 4), (1, 4, 8)]  # (t, h, w) patches of each row's image: 4 and 8 image tokens after the merge
 

@@ -196,7 +196,7 @@ FAMILIES: dict[str, dict] = {
 MOE_TYPES = {
     "mixtral", "qwen3_moe", "gpt_oss", "qwen3_5_moe_text", "llama4_text", "deepseek_v3", "glm4_moe", "olmoe",
     "granitemoe", "phimoe", "ernie4_5_moe", "jamba", "qwen3_next", "kimi_linear", "granitemoehybrid", "minimax",
-    "deepseek_v4",
+    "deepseek_v4", "qwen3_vl_moe", "qwen3_5_moe",
 }  # fmt: skip
 
 # layout -> mesh sizes over 4 ranks and how it is asked for
@@ -210,7 +210,7 @@ LAYOUTS: dict[str, dict] = {
 
 
 # vision-language models: tiny configs and image batches of tests/_vlm.py (images and image tokens that match)
-VLM_TYPES = ("llava", "gemma3", "qwen2_5_vl", "qwen3_5")
+VLM_TYPES = ("llava", "gemma3", "qwen2_5_vl", "qwen3_5", "qwen3_vl_moe", "qwen3_5_moe")
 
 
 def layouts_for(model_type: str) -> list[str]:

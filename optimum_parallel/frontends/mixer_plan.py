@@ -451,12 +451,32 @@ def merge_mixer_plan(
     }
     covered = _covered(kept, names)
     found = _recognise(model, tp, BLOCKS)[0] if blocks else {}
-    fill = {
-        name: entries
-        for name, entries in found.items()
-        if not _inside(name, mixers) and not any(n in covered for n in _absolute({name: entries}))
-    }
+    fill = {}
+    for name, entries in found.items():
+        if _inside(name, mixers):
+            continue
+        absolute = _absolute({name: entries})
+        if not any(n in covered for n in absolute):
+            fill[name] = entries
+        else:
+            norms = _forgotten_head_norms(model.get_submodule(name), name, covered, tp)
+            if norms:
+                fill[name] = norms
     return {**kept, **_as_regexes(_absolute({**mixers, **fill}), model)}
+
+
+def _forgotten_head_norms(module: nn.Module, name: str, covered: set[str], tp: int | None) -> Entries:
+    """The per-head norms of an attention block whose heads the tp plan splits but whose norms it does not name
+    (Qwen3-VL-MoE's q_norm / k_norm): each sees only this rank's heads, so its gradient is summed over tp. Only
+    plain attention's: a latent attention's kv_a_layernorm reads the whole latent and is left to the plan."""
+    found = _attention(module, tp)
+    if found is None:
+        return {}
+    return {
+        child: styles
+        for child, styles in found[0].items()
+        if f"{name}.{child}" not in covered and all(isinstance(s, ReplicatedWithGradAllReduce) for s in styles)
+    }
 
 
 def check_mixers(model: nn.Module, tp: int) -> None:
