@@ -159,11 +159,17 @@ class MeshLayout:
             return self.grid.movedim(GRID_DIMS.index(dim), -1).reshape(-1, self.sizes[dim]).tolist()
         if dim in FLATTENED:
             return self._flat(FLATTENED[dim]).tolist()
+        inner, outer = self.block_lines(self.ep)
+        return inner if dim == EXPERT_DIM else outer
+
+    def block_lines(self, inner: int) -> tuple[list[list[int]], list[list[int]]]:
+        """The data-parallel ranks of every line cut in blocks of `inner` consecutive ranks: (the blocks, and the
+        ranks at one place in every block of a line): ep's (ep, ep_replicate) groups, or HSDP's (dp_shard,
+        dp_replicate)."""
         flat = self._flat(DATA_PARALLEL_DIMS)
-        blocks = flat.reshape(flat.shape[0], -1, self.ep)  # [line, replica, ep]
-        if dim == EXPERT_DIM:
-            return blocks.reshape(-1, self.ep).tolist()
-        return blocks.transpose(1, 2).reshape(-1, self.data_parallel_size // self.ep).tolist()
+        blocks = flat.reshape(flat.shape[0], -1, inner)  # [line, block, place]
+        outer = blocks.transpose(1, 2).reshape(-1, self.data_parallel_size // inner)
+        return blocks.reshape(-1, inner).tolist(), outer.tolist()
 
     def _flat(self, dims: tuple[str, ...]) -> torch.Tensor:
         inner = [GRID_DIMS.index(d) for d in dims]

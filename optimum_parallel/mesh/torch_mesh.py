@@ -10,10 +10,12 @@ from dataclasses import dataclass, field
 from datetime import timedelta
 
 import torch.distributed as dist
-from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+import torch
+from torch.distributed.device_mesh import DeviceMesh
 
 from . import device as devices
 from . import hang_report, timeouts
+from .groups import shared_group
 from .layout import DATA_PARALLEL, EXPERT_DIM, EXPERT_REPLICA_DIM, FLATTENED, GRID_DIMS, MeshLayout, canonical_dim
 from .protocol import NO_EXPERT_PARALLELISM, ParallelMesh
 
@@ -31,23 +33,21 @@ class TorchMesh(ParallelMesh):
     _flat_meshes: dict[str, DeviceMesh] = field(default_factory=dict, init=False, repr=False)
     _expert_mesh: DeviceMesh | None = field(default=None, init=False, repr=False)
     _sharding_meshes: dict[int, DeviceMesh] = field(default_factory=dict, init=False, repr=False)
-    _extra_groups: dict[tuple[int, ...], dist.ProcessGroup] = field(default_factory=dict, init=False, repr=False)
 
     def __post_init__(self) -> None:
         """Every group is made here, on every rank at once, as torch requires."""
-        override = {dim: self._backend() for dim in GRID_DIMS}
-        shape = tuple(self.layout.sizes[dim] for dim in GRID_DIMS)
-        self.device_mesh = init_device_mesh(
-            self.device_type, shape, mesh_dim_names=GRID_DIMS, backend_override=override
-        )
+        layout = self.layout
+        shape = [layout.sizes[dim] for dim in GRID_DIMS]
+        self.device_mesh = self._mesh(layout.grid.reshape(shape), [layout.lines(dim) for dim in GRID_DIMS], GRID_DIMS)
         for name, dims in FLATTENED.items():
-            split = [dim for dim in dims if self.layout.sizes[dim] > 1]
-            if len(split) > 1:  # not adjacent in the grid: torch flattens them into one 1-D mesh with its own group
-                self._flat_meshes[name] = self.device_mesh[dims]._flatten(name, self._backend())
+            split = [dim for dim in dims if layout.sizes[dim] > 1]
+            if len(split) > 1:  # not adjacent in the grid: one 1-D mesh over the flattened ranks, its own group
+                lines = layout.lines(name)
+                self._flat_meshes[name] = self._mesh(self._line_of_mine(lines), [lines], (name,))
             else:  # one dim (or none) splits: its own group
                 self._flat_meshes[name] = self.device_mesh[split[0] if split else dims[0]]
-        if self.layout.ep > 1:
-            self._expert_mesh = self._unflatten(self.layout.ep, (EXPERT_REPLICA_DIM, EXPERT_DIM))
+        if layout.ep > 1:
+            self._expert_mesh = self._blocks(layout.ep, (EXPERT_REPLICA_DIM, EXPERT_DIM))
         # a collective that fails because a rank never came says which one, on which group, and who is missing
         grace = min(max(self.timeout / 2, _GRACE), _GRACE * 3)
         hang_report.install({self.device_mesh.get_group(dim): dim for dim in GRID_DIMS}, grace)
@@ -59,13 +59,32 @@ class TorchMesh(ParallelMesh):
         backend = devices.backend_for(self.device_type)
         return backend, devices.backend_options(backend, self._timeout())
 
-    def _unflatten(self, inner: int, names: tuple[str, str]) -> DeviceMesh:
+    def _group(self, ranks: list[int]) -> dist.ProcessGroup:
+        """The group of `ranks` (collective: every rank calls it for every group, in the same order), made once per
+        process and shared by every mesh that has it: a sweep or a test module making mesh after mesh reuses its
+        groups instead of starting new worker threads for each."""
+        backend, options = self._backend()
+        return shared_group(ranks, backend, options, self._timeout())
+
+    @staticmethod
+    def _line_of_mine(lines: list[list[int]]) -> torch.Tensor:
+        me = dist.get_rank()
+        return torch.tensor(next(line for line in lines if me in line))
+
+    def _mesh(self, mesh: torch.Tensor, lines: list[list[list[int]]], names: tuple[str, ...]) -> DeviceMesh:
+        """A DeviceMesh over `mesh` (global ranks) whose dim i groups are `lines[i]` (every line made, this rank's
+        kept)."""
+        me, mine = dist.get_rank(), []
+        for dim_lines in lines:
+            groups = [(line, self._group(line)) for line in dim_lines]
+            mine.append(next(group for line, group in groups if me in line))
+        return DeviceMesh.from_group(mine, self.device_type, mesh=mesh, mesh_dim_names=names)
+
+    def _blocks(self, inner: int, names: tuple[str, str]) -> DeviceMesh:
         """The data-parallel ranks as a 2-D mesh (size / inner, inner): blocks of `inner` consecutive ranks."""
-        size = self.layout.data_parallel_size
-        backend = self._backend()
-        return self._flat_meshes[DATA_PARALLEL]._unflatten(
-            0, (size // inner, inner), names, backend_override={name: backend for name in names}
-        )
+        blocks, places = self.layout.block_lines(inner)
+        line = self._line_of_mine(self.layout.lines(DATA_PARALLEL))
+        return self._mesh(line.reshape(-1, inner), [places, blocks], names)
 
     def rank(self, dim: str) -> int:
         dim = canonical_dim(dim)
@@ -116,7 +135,7 @@ class TorchMesh(ParallelMesh):
         if shard_size < 1 or size % shard_size:
             raise ValueError(f"shard_size={shard_size} does not divide the dp x cp ranks ({size})")
         if shard_size not in self._sharding_meshes:
-            self._sharding_meshes[shard_size] = self._unflatten(shard_size, ("dp_replicate", "dp_shard"))
+            self._sharding_meshes[shard_size] = self._blocks(shard_size, ("dp_replicate", "dp_shard"))
         return self._sharding_meshes[shard_size]
 
     def sharding_group(self, shard_size: int = -1) -> dist.ProcessGroup:
@@ -138,11 +157,9 @@ class TorchMesh(ParallelMesh):
         """The group of the ranks at `positions` along `dim` (in every line of the mesh); None if this rank
         is not among them. Every rank takes part in creating every group (torch requires it); cached."""
         mine = None
-        backend = devices.backend_for(self.device_type)
         for line in self.layout.lines(dim):
-            ranks = tuple(line[p] for p in positions)
-            if ranks not in self._extra_groups:
-                self._extra_groups[ranks] = dist.new_group(list(ranks), timeout=self._timeout(), backend=backend)
+            ranks = [line[p] for p in positions]
+            group = self._group(ranks)
             if dist.get_rank() in ranks:
-                mine = self._extra_groups[ranks]
+                mine = group
         return mine
