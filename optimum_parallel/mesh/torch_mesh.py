@@ -1,16 +1,16 @@
-"""The grid over a torch DeviceMesh: one process group per grid dim, the data-parallel dims and the batch-replica
-dims flattened (torch's `_flatten`), and ep as the data-parallel ranks unflattened into (ep_replicate, ep) (torch's
-`_unflatten`), every group with the timeout of the moment (`timeouts.current()`: the init one while the mesh is made;
-`timeouts` changes every group's afterwards). Which ranks each group holds is the layout's
-(`layout.MeshLayout.lines`)."""
+"""The grid over torch DeviceMeshes: one process group per grid dim, the data-parallel dims and the batch-replica
+dims flattened into one group each, and ep as the data-parallel ranks cut in blocks (ep_replicate, ep), every group
+with the timeout of the moment (`timeouts.current()`: the init one while the mesh is made; `timeouts` changes every
+group's afterwards). Which ranks each group holds is the layout's (`layout.MeshLayout.lines`); the groups come from
+the process's shared set (`groups.py`), and the meshes are built on them (`DeviceMesh.from_group`)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from datetime import timedelta
 
-import torch.distributed as dist
 import torch
+import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
 from . import device as devices
