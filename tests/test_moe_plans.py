@@ -3,11 +3,14 @@ automatic plans' sequence-parallel entries, and the errors that name what does n
 
 from __future__ import annotations
 
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 from _models import tiny_config
 from test_expert_parallel import MOE
-from transformers import AutoModelForCausalLM
+from transformers import AutoConfig, AutoModelForCausalLM
 
 from optimum_parallel.planning.simulate import resolve_for_tp
 from optimum_parallel.styles import SequenceParallelDisable, SplitParameter
@@ -78,3 +81,24 @@ def test_automatic_plans_take_what_their_structure_allows():
     finally:
         namespace[marker.MASK_FUNCTION] = builder
     assert not found.context_parallel and "model.layers.0.mamba (JambaMambaMixer)" in found.reason("context"), found
+
+
+def test_sparse_attention_indexers_refuse_context_parallelism_by_name():
+    """DeepSeek sparse attention's indexer picks keys over the whole sequence beside the attention; DeepSeek-V4's
+    compressor pools windows of it: the context-parallel attention computes neither, so cp is refused naming them."""
+    import optimum_parallel as op
+    from optimum_parallel.engine.structure import _inner_mixer
+
+    sys.path.insert(0, str(Path(__file__).parent / "families"))
+    from family_matrix import family_config
+    from test_moe_families import TINY_CONFIGS
+
+    for model_type in ("deepseek_v32", "glm_moe_dsa"):
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(AutoConfig.for_model(model_type, **TINY_CONFIGS[model_type]))
+        found = op.ParallelizersManager.parallelizer_for_model(model).capabilities_for(model)
+        assert not found.context_parallel and "self_attn" in found.reason("context"), found
+        assert "holds indexer" in found.reason("context"), found
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(family_config("deepseek_v4"))
+    assert [_inner_mixer(layer.self_attn)[0] for layer in model.model.layers] == ["compressor", "compressor"]

@@ -108,6 +108,19 @@ def is_token_mixer(module: nn.Module) -> bool:
     return hasattr(module, "layer_idx") and (is_interface_attention(module) or not _token_wise(module))
 
 
+def _inner_mixer(attention: nn.Module) -> tuple[str, nn.Module] | None:
+    """(name, module) of a module inside an attention block that mixes tokens on its own: its own `layer_idx` and
+    parameters beyond linear layers, a convolution over the sequence, or parameters of its own that are no layer's
+    weight or bias (DeepSeek-V4's compressor's per-position biases over a window); None when there is none."""
+    for name, module in attention.named_modules():
+        if module is attention or not name or is_interface_attention(module):
+            continue
+        own = {n for n, p in module.named_parameters(recurse=False) if p is not None} - {"weight", "bias"}
+        if is_token_mixer(module) or own:
+            return name, module
+    return None
+
+
 def _takes_mask(mixer: nn.Module) -> bool:
     parameters = inspect.signature(type(mixer).forward).parameters
     return "hidden_states" in parameters and "attention_mask" in parameters
@@ -150,6 +163,12 @@ def _context_parallel_blocker(model: nn.Module, stack: DecoderStack, needs_head:
                 continue
             if not any(hasattr(m, "num_key_value_groups") for m in child.modules()):
                 return f"{where} is not a query/key/value attention with key/value groups that the cp split routes"
+            inner = _inner_mixer(child)
+            if inner is not None:  # DeepSeek sparse attention's indexer: keys picked over the whole sequence
+                return (
+                    f"{where} holds {inner[0]} ({type(inner[1]).__name__}), which reads the whole sequence beside the "
+                    "attention (it picks or compresses keys); the context-parallel attention computes neither"
+                )
             sinks = getattr(child, "sinks", None)
             if isinstance(sinks, nn.Parameter) and sinks.dim() != 1:  # one logit per head joins its softmax: computed
                 return (
