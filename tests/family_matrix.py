@@ -56,6 +56,8 @@ FAMILIES: dict[str, dict] = {
     "qwen2": {},
     "qwen3": {},
     "mistral": {},
+    "gemma": {},
+    "gpt_neox": {},  # fused per-head query_key_value, parallel residual
     "gemma2": dict(sliding_window=8, final_logit_softcapping=3.0, attn_logit_softcapping=2.0),
     "gemma3_text": dict(sliding_window=8),
     "phi3": {},

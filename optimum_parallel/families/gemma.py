@@ -14,8 +14,9 @@ from .llama import LlamaParallelizer
 
 
 class GemmaParallelizer(LlamaParallelizer):
-    # the Llama sequence-parallel plan fits Gemma's layer layout; its activations are not the planner's Llama count
-    capabilities = Capabilities(sequence_parallel=True, pipeline_parallel=True)
+    # the Llama sequence-parallel plan fits Gemma's layer layout; its activations are not the planner's Llama count;
+    # its attention is Llama's: context parallelism as the family matrix runs it
+    capabilities = Capabilities(sequence_parallel=True, pipeline_parallel=True, context_parallel=True)
 
 
 class Gemma2Parallelizer(GemmaParallelizer):
