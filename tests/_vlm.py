@@ -58,6 +58,7 @@ def _gemma3() -> Gemma3Config:
         boi_token_index=START,
         eoi_token_index=END,
         mm_tokens_per_image=4,  # 4 x 4 patches average-pooled to 2 x 2
+        tie_word_embeddings=False,  # as the matrix's text models (a tied one: tests/families/test_vlm_pipeline.py)
     )
 
 

@@ -212,7 +212,7 @@ LAYOUTS: dict[str, dict] = {
 
 
 # vision-language models: tiny configs and image batches of tests/_vlm.py (images and image tokens that match)
-VLM_TYPES = ("llava", "gemma3", "qwen2_5_vl", "qwen3_5", "qwen3_vl_moe", "qwen3_5_moe")
+VLM_TYPES = ("llava", "gemma3", "qwen2_5_vl", "qwen3_vl", "qwen3_5", "qwen3_vl_moe", "qwen3_5_moe")
 
 
 def layouts_for(model_type: str) -> list[str]:

@@ -231,9 +231,13 @@ class SequenceRegion:
 
     def enter(self, x: torch.Tensor) -> torch.Tensor:
         """The region's entry: this rank's slice of the sequence when this forward can split it, else `x`."""
-        tp = ranks.world_size(self.group)
-        self.split = not self._whole and x.shape[SEQ_DIM] % tp == 0
+        self.split = self.splits(x.shape[SEQ_DIM])
         return scatter_to_sequence_parallel_region(x, self.group, dim=SEQ_DIM) if self.split else x
+
+    def splits(self, length: int) -> bool:
+        """Whether a forward entering the region now with `length` tokens splits it (what `enter` will decide: work
+        added to the hidden states inside the region, image features at their positions, is cut the same way)."""
+        return not self._whole and length % ranks.world_size(self.group) == 0
 
     def gather(self, x: torch.Tensor) -> torch.Tensor:
         """The whole sequence for work outside the region (this rank's slice of the gradient backward); `x` itself

@@ -30,7 +30,14 @@ def replicate_model(model: nn.Module, group: dist.ProcessGroup, ignored_modules:
 
 
 def blocks(model: nn.Module) -> list[nn.Module]:
-    """The repeated blocks (decoder layers) FSDP wraps one by one, so one block is gathered at a time."""
+    """The repeated blocks (decoder layers) FSDP wraps one by one, so one block is gathered at a time. A pipeline
+    stage's are its decoder layers, however few: its other modules (a vision-language model's vision tower, which a
+    micro-batch without images does not run) stay in the stage's own unit, gathered for every micro-batch alike on
+    every replica."""
+    from ..pipeline.stage import DecoderStage
+
+    if isinstance(model, DecoderStage):
+        return list(model.layers)
     for module in model.modules():
         if isinstance(module, nn.ModuleList) and len(module) > 1:
             return list(module)

@@ -34,10 +34,12 @@ from functools import cache
 
 from torch import nn
 
+from ..comm.autograd_collectives import copy_to_tensor_parallel_region
+from ..comm.tp_entry import SequenceRegion
 from ..context_parallel.layout import pad_sequence
 from ..engine.capabilities import Capabilities
 from ..engine.structure import context_parallel_layer_blocker, derive_capabilities
-from ..mesh import ParallelMesh
+from ..mesh import ParallelMesh, ranks
 from ..state import parallel_state
 from ..styles import (
     ColWiseParallel,
@@ -47,6 +49,7 @@ from ..styles import (
     SequenceParallelEnd,
     optional,
 )
+from ..styles.base import ParallelStyle, PlanContext
 from ..tensor_parallel import ColumnParallelLinear
 from ..tensor_parallel.spec import check_attention_heads
 from .auto_plan import AutoPlanParallelizer, auto_parallelizer, tp_plan_of
@@ -200,15 +203,9 @@ def structural_text_plan(language_model: nn.Module, tp: int) -> dict[str, object
 
 def check_sequence_parallel(parts: MultimodalParts, text_family: type[Parallelizer] | None) -> None:
     """Sequence parallelism splits the language model's hidden states from its first layer on: refused, naming the
-    module, where its text family has no sequence-parallel plan, its decoder is not Llama-shaped, or the language
-    model adds image features to the hidden states of its layers (Qwen3-VL's deepstack)."""
+    module, where its text family has no sequence-parallel plan or its decoder is not Llama-shaped. Image features
+    added inside the layers (Qwen3-VL's deepstack) are split with the sequence (`SplitDeepstackFeatures`)."""
     language, name = parts.language_model, parts.language_prefix[:-1]
-    if "deepstack_visual_embeds" in inspect.signature(type(language).forward).parameters:
-        raise NotImplementedError(
-            f"sequence_parallel_enabled=True: {name} ({type(language).__name__}) adds the vision tower's deepstack "
-            "features to the hidden states of its first layers at the image positions of the whole sequence, which "
-            "sequence parallelism splits; allowed for this model: False"
-        )
     automatic = text_family is None or issubclass(text_family, AutoPlanParallelizer)
     if not automatic and not text_family.capabilities.sequence_parallel:
         raise NotImplementedError(
@@ -235,6 +232,39 @@ def _cut_deepstack_features(model: nn.Module, language: nn.Module, args: tuple, 
     local = layout.take(whole)
     rows = layout.take(ordinal)[local]
     return args, {**kwargs, "visual_pos_masks": local, "deepstack_visual_embeds": [f[rows] for f in features]}
+
+
+def adds_deepstack_features(language: nn.Module) -> bool:
+    """Whether the language model adds image features to the hidden states of its first layers (Qwen3-VL's
+    deepstack, at `visual_pos_masks`)."""
+    return "deepstack_visual_embeds" in inspect.signature(type(language).forward).parameters
+
+
+def _split_deepstack_features(region: SequenceRegion, group, module, args: tuple, kwargs: dict):
+    """Under sp: the deepstack features this tp rank adds, at the positions of its slice of the sequence (the rule
+    the region's entry applies: an unsplit forward keeps them whole). Every rank's vision tower computed all of them,
+    and each uses its own: their gradient is summed over tp (`copy_to_tensor_parallel_region`)."""
+    mask, features = kwargs.get("visual_pos_masks"), kwargs.get("deepstack_visual_embeds")
+    if mask is None or features is None or not region.splits(mask.shape[1]):
+        return None
+    rank, tp = ranks.rank(group), ranks.world_size(group)
+    width = mask.shape[1] // tp
+    mask = mask.bool()
+    ordinal = (mask.reshape(-1).long().cumsum(0) - 1).reshape(mask.shape)  # each image token's feature row
+    local = mask[:, rank * width : (rank + 1) * width]
+    rows = ordinal[:, rank * width : (rank + 1) * width][local]
+    split = [copy_to_tensor_parallel_region(f, group)[rows] for f in features]
+    return args, {**kwargs, "visual_pos_masks": local, "deepstack_visual_embeds": split}
+
+
+class SplitDeepstackFeatures(ParallelStyle):
+    """Sequence parallelism on a language model adding deepstack image features inside its layers (Qwen3-VL): each
+    tp rank adds the features of its slice of the sequence (`_split_deepstack_features`)."""
+
+    def apply(self, module: nn.Module, name: str, ctx: PlanContext) -> nn.Module:
+        hook = functools.partial(_split_deepstack_features, ctx.sequence, ctx.mesh.tp_group)
+        module.register_forward_pre_hook(hook, with_kwargs=True)
+        return module
 
 
 def check_context_parallel_parts(model: nn.Module, parts: MultimodalParts, cp: int) -> None:
@@ -283,12 +313,11 @@ class MultimodalParallelizer(Parallelizer):
     @classmethod
     def check(cls, model: nn.Module, mesh: ParallelMesh) -> None:
         parts = MultimodalParts(model)
-        if mesh.size("pp") > 1:
+        if mesh.size("pp") > 1 and mesh.size("cp") > 1:
             raise NotImplementedError(
-                f"{type(model).__name__} with pp={mesh.size('pp')} is not supported: the first pipeline stage would "
-                f"have to run the vision tower ({parts.vision_prefix[:-1] if parts.vision_prefix else 'absent'}) "
-                "and merge the image features into the language model's inputs_embeds, which the decoder stages do "
-                "not do; allowed for vision-language models: pp=1"
+                f"{type(model).__name__} with pp={mesh.size('pp')} and cp={mesh.size('cp')} is not supported: the "
+                "first pipeline stage merges the image features into the whole sequence, which context parallelism "
+                "cuts at the language model's entry; allowed for vision-language models: pp=1 or cp=1"
             )
         if mesh.size("cp") > 1:
             check_context_parallel_parts(model, parts, mesh.size("cp"))
@@ -328,6 +357,8 @@ class MultimodalParallelizer(Parallelizer):
         if head is not None and isinstance(getattr(model, "lm_head", None), nn.Linear):
             plan["lm_head"] = head
         plan.update(vision_plan(model, parts, mesh.tp_size)[0])
+        if sequence_parallel_enabled and adds_deepstack_features(language):
+            plan[re.escape(parts.language_prefix[:-1])] = SplitDeepstackFeatures()
         return plan
 
     @classmethod
@@ -336,9 +367,10 @@ class MultimodalParallelizer(Parallelizer):
         if cls.text_family is not None:
             cls.text_family.after_plan(parts.language_model, mesh)
         language = parts.language_model
-        if mesh.size("cp") > 1 and "deepstack_visual_embeds" in inspect.signature(type(language).forward).parameters:
-            hook = functools.partial(_cut_deepstack_features, model)  # runs before context parallelism's own cut
-            language.register_forward_pre_hook(hook, with_kwargs=True)
+        if mesh.size("cp") > 1 and adds_deepstack_features(language):
+            # before context parallelism's own cut and sequence parallelism's split of the features (applied earlier)
+            hook = functools.partial(_cut_deepstack_features, model)
+            language.register_forward_pre_hook(hook, with_kwargs=True, prepend=True)
         for module in model.modules():  # a packed qkv reshapes with the module's own head count
             packed = getattr(module, "qkv", None)
             head_dim = getattr(module, "head_dim", None)

@@ -6,6 +6,11 @@ found as Llama's `embed_tokens` / `norm` are.
 Every other child of the base model that holds parameters would have to run on some stage in some order the pipeline
 cannot know (Gemma 4's per-layer input embeddings read `input_ids` inside every layer's input): such a model is
 refused, naming those modules. Parameter-less children (rotary embeddings) are recomputed on every stage.
+
+A vision-language model nests the base model (its language model) in the module its forward calls, the *entry*
+(`model.model`: the vision tower, the projector, the language model): the entry's other parameter-holding children
+run on the first stage, which runs the entry (image features merged into the input embeddings there); every stage
+calls the entry, the later ones with the hidden states as its input embeddings. A text model's entry is its base.
 """
 
 from __future__ import annotations
@@ -19,7 +24,10 @@ from torch import nn
 class DecoderRoles:
     """`base`: the module holding the layer list; `embedding` / `final_norm` / `layers`: attribute names in it;
     `head`: the attribute of the model holding the output embeddings; `unplaced`: the base's parameter-holding
-    children in no role (each named in the refusal)."""
+    children in no role (each named in the refusal); `entry`: the module every stage calls when it is not the base
+    (a vision-language model's, holding the base and modules that run before it); `first_stage`: (parent, attribute)
+    of the entry's modules outside the base, which run on the first stage only (vision tower, projector); `outside`:
+    the model's parameter-holding children beside the entry and the head (refused)."""
 
     base: nn.Module
     layers: str
@@ -27,6 +35,14 @@ class DecoderRoles:
     final_norm: str | None
     head: str | None
     unplaced: tuple[str, ...]
+    entry: nn.Module | None = None
+    first_stage: tuple[tuple[nn.Module, str], ...] = ()
+    outside: tuple[str, ...] = ()
+
+    @property
+    def caller(self) -> nn.Module:
+        """The module a stage calls: the entry, the base when there is no other."""
+        return self.entry if self.entry is not None else self.base
 
     def missing(self) -> list[str]:
         """The roles a pipeline needs that the model does not fill."""
@@ -47,8 +63,25 @@ def _child_named(parent: nn.Module, module: nn.Module | None) -> str | None:
     return next((name for name, child in parent.named_children() if child is module), None) if module else None
 
 
+def _entry_of(model: nn.Module, base: nn.Module) -> tuple[nn.Module, list[tuple[nn.Module, str]], list[str]]:
+    """(the entry: the model's child holding `base`, or `base`; the parameter-holding modules beside the path from the
+    entry down to `base`, as (parent, attribute); the model's parameter-holding children beside the entry)."""
+    path = next((name for name, module in model.named_modules() if module is base), None)
+    if not path or "." not in path:
+        return base, [], []
+    parts = path.split(".")
+    entry = model.get_submodule(parts[0])
+    beside_entry = [name for name, child in model.named_children() if name != parts[0] and _holds_parameters(child)]
+    first_stage, parent = [], entry
+    for step in parts[1:]:
+        first_stage += [(parent, n) for n, child in parent.named_children() if n != step and _holds_parameters(child)]
+        parent = getattr(parent, step)
+    return entry, first_stage, beside_entry
+
+
 def decoder_roles(model: nn.Module, base: nn.Module, layers: str) -> DecoderRoles:
-    """The roles of `base`'s children (`layers` names its layer list); see the module docstring."""
+    """The roles of `base`'s children (`layers` names its layer list) and of the entry holding it; see the module
+    docstring."""
     get_input = getattr(model, "get_input_embeddings", None)
     get_output = getattr(model, "get_output_embeddings", None)
     embedding = _child_named(base, get_input() if get_input is not None else None)
@@ -57,4 +90,8 @@ def decoder_roles(model: nn.Module, base: nn.Module, layers: str) -> DecoderRole
     final_norm = norms[0] if len(norms) == 1 else ("norm" if "norm" in norms else None)
     placed = {layers, embedding, final_norm}
     unplaced = tuple(name for name, child in base.named_children() if name not in placed and _holds_parameters(child))
-    return DecoderRoles(base, layers, embedding, final_norm, head, unplaced)
+    entry, first_stage, beside = _entry_of(model, base)
+    if not first_stage:  # nothing runs before the base: the stages call it directly
+        return DecoderRoles(base, layers, embedding, final_norm, head, unplaced)
+    outside = tuple(name for name in beside if name != head)
+    return DecoderRoles(base, layers, embedding, final_norm, head, unplaced, entry, tuple(first_stage), outside)

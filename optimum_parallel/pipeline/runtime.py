@@ -12,6 +12,7 @@ backward only; the one sync per optimizer step belongs after the step, where the
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
@@ -26,6 +27,8 @@ from ..mesh import device as devices
 from ..mesh.loaded import local_tensor
 from ..state import parallel_state, refuse
 from .batches import PipelineBatches
+from .carrier import LanguageInputs, StepCarrier, deepstack_layers
+from .images import IMAGE_KEYS, deal_images
 from .schedules import (
     SCHEDULES,
     check_pipeline,
@@ -39,6 +42,12 @@ from .stage import DecoderStage, prune_to_stages
 
 IGNORE_INDEX = -100
 MAX_SCHEDULES = 8
+# the entry's parameters that are not model inputs a batch gives beside the token ids
+NOT_MODEL_INPUTS = {
+    "self", "input_ids", "inputs_embeds", "attention_mask", "position_ids", "labels", "cache", "past_key_values",
+    "use_cache", "cache_position", "mm_encoder_outputs", "logits_to_keep", "return_dict", "output_attentions",
+    "output_hidden_states", "kwargs", "args",
+}  # fmt: skip
 
 
 @dataclass
@@ -59,8 +68,11 @@ class Pipeline:
         num_microbatches: int,
         tied: bool,
         batches: PipelineBatches,
+        model_keys: tuple[str, ...] = (),
     ) -> None:
         self.model, self.stages, self.mesh, self.batches = model, stages, mesh, batches
+        self.model_keys = model_keys  # the model's inputs beyond the token ids a batch may give (images, token types)
+        self._vocab_size = model.config.get_text_config().vocab_size  # a vision-language model's: its text config's
         self.num_microbatches = num_microbatches
         self.pp_group = mesh.group("pp")
         per_rank, self.placement = SCHEDULES[schedule]
@@ -122,7 +134,7 @@ class Pipeline:
         """One micro-batch's share of the batch loss: its token losses summed, over the batch's token count (the
         schedule calls this with (output, target) only, so the count of the running step is read from `self`)."""
         return self.model.loss_function(
-            logits=logits, labels=labels, vocab_size=self.model.config.vocab_size, num_items_in_batch=self._num_items
+            logits=logits, labels=labels, vocab_size=self._vocab_size, num_items_in_batch=self._num_items
         )
 
     @property
@@ -143,8 +155,9 @@ class Pipeline:
             count = torch.as_tensor(num_items_in_batch, device=self.device)
         return count if replicas == 1 else count.float() / replicas  # no host read: the step stays asynchronous
 
-    def _inputs(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None):
-        """The first stage's arguments: the token ids and the carrier (a mask of ones when there is none)."""
+    def _inputs(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None, model_inputs: Mapping):
+        """The first stage's arguments (the token ids and the carrier: a mask of ones when there is none, the
+        row-aligned model inputs, the row numbers when there are images) and the step's carrier, set on every stage."""
         if input_ids.shape[0] % self.num_microbatches:
             raise ValueError(
                 f"batch size {input_ids.shape[0]} is not divisible by pipeline_parallel_num_microbatches="
@@ -152,7 +165,32 @@ class Pipeline:
             )
         if attention_mask is None:
             attention_mask = torch.ones_like(input_ids)
-        return input_ids, attention_mask
+        rows = {k: v for k, v in model_inputs.items() if k not in IMAGE_KEYS}
+        for key, value in rows.items():
+            if not torch.is_tensor(value) or tuple(value.shape[:2]) != tuple(input_ids.shape):
+                shape = tuple(value.shape) if torch.is_tensor(value) else type(value).__name__
+                raise TypeError(
+                    "pipeline batches take model inputs laid out along the rows (batch, seq) = "
+                    f"{tuple(input_ids.shape)} or images; got {key} of {shape}"
+                )
+        images = deal_images(self.model.config, input_ids, model_inputs)
+        carrier = StepCarrier(tuple(rows), images)
+        for stage in self.stages:
+            stage.carrier = carrier
+        numbers = (torch.arange(input_ids.shape[0]),) if images is not None else ()  # read on the host: no device sync
+        return (input_ids, attention_mask, *rows.values(), *numbers), carrier
+
+    def _split_extra(self, extra: Mapping) -> tuple[dict, dict]:
+        """(the batch functions' keys, the model's inputs) of a batch's other keys; refuses images in packed rows."""
+        self._reject(extra)
+        packing = {k: v for k, v in extra.items() if k in self.batches.keys}
+        model_inputs = {k: v for k, v in extra.items() if k in self.model_keys and v is not None}
+        if model_inputs and any(torch.is_tensor(v) for v in packing.values()):
+            raise NotImplementedError(
+                f"pipeline batches with {', '.join(sorted(model_inputs))} cannot be packed rows "
+                f"({', '.join(k for k, v in packing.items() if torch.is_tensor(v))}); allowed: padded rows"
+            )
+        return packing, model_inputs
 
     def _batch_loss(self, losses: list[torch.Tensor], replicas: int) -> torch.Tensor:
         """The global batch loss on every rank: the micro-batch shares added on the last stage, sent to the other
@@ -181,10 +219,11 @@ class Pipeline:
         the single-device step on the whole batch. `num_items_in_batch` is that token count (the Trainer's); without
         it the labelled tokens are counted here (after the causal shift, summed over the replicas). `extra`: the
         batch keys the engine's batch functions take (`PipelineBatches.keys`: a packed batch's position ids and
-        document boundaries)."""
-        self._reject(extra)
+        document boundaries; and the model's own inputs beyond the token ids: a vision-language model's images and
+        their token types, each micro-batch's images run by the first stage)."""
+        packing, model_inputs = self._split_extra(extra)
         input_ids, labels, attention_mask, _ = self.batches.prepare(
-            input_ids, labels, attention_mask, self.num_microbatches, **extra
+            input_ids, labels, attention_mask, self.num_microbatches, **packing
         )
         replicas = self.data_parallel_size
         self._num_items = self._divisor(labels, num_items_in_batch, replicas)
@@ -194,12 +233,14 @@ class Pipeline:
         losses: list[torch.Tensor] = []
         target = labels if self.holds_last else None
         tied_before = self._tied_gradient()
-        inputs = self._inputs(input_ids, attention_mask)
-        schedule = self._schedule_for(tuple((tuple(t.shape), t.dtype) for t in (input_ids, inputs[-1])))
+        inputs, carrier = self._inputs(input_ids, attention_mask, model_inputs)
+        key = (*((tuple(t.shape), t.dtype) for t in inputs), carrier.first_names())
+        schedule = self._schedule_for(key)
         try:
             schedule.step(*(inputs if self.holds_first else ()), target=target, losses=losses, return_outputs=False)
         finally:
             self._num_items = None
+            self._end_step()
         self._sync_tied_gradients(tied_before)
         if self.reduce_gradients is not None:
             self.reduce_gradients(self.stages)
@@ -216,25 +257,28 @@ class Pipeline:
         """Forward only, micro-batch by micro-batch through the stages in order (any placement, any schedule);
         the loss (if labels are given: the mean over this batch's labelled tokens) on every rank, the logits on the
         last stage."""
-        self._reject(extra)
+        packing, model_inputs = self._split_extra(extra)
         input_ids, labels, attention_mask, restore = self.batches.prepare(
-            input_ids, labels, attention_mask, self.num_microbatches, **extra
+            input_ids, labels, attention_mask, self.num_microbatches, **packing
         )
         if labels is not None:
             self._num_items = self._divisor(labels, None, 1)
         input_ids, labels, attention_mask, cut = self.batches.split(
             input_ids, labels, attention_mask, self.num_microbatches
         )
-        _, mask = self._inputs(input_ids, attention_mask)
-        chunks = zip(input_ids.chunk(self.num_microbatches), mask.chunk(self.num_microbatches), strict=True)
+        inputs, _ = self._inputs(input_ids, attention_mask, model_inputs)
+        chunks = zip(*(t.chunk(self.num_microbatches) for t in inputs), strict=True)
         losses, logits = [], []
-        for index, (ids, chunk_mask) in enumerate(chunks):
-            out = self._forward_through_stages(ids, chunk_mask)
-            if out is not None:
-                logits.append(out)
-                if labels is not None:
-                    losses.append(self._loss(out, labels.chunk(self.num_microbatches)[index]))
-        self._num_items = None
+        try:
+            for index, chunk in enumerate(chunks):
+                out = self._forward_through_stages(chunk)
+                if out is not None:
+                    logits.append(out)
+                    if labels is not None:
+                        losses.append(self._loss(out, labels.chunk(self.num_microbatches)[index]))
+        finally:
+            self._num_items = None
+            self._end_step()
         loss = self._batch_loss(losses, 1) if labels is not None else None
         logits = torch.cat(logits) if logits else None
         if logits is not None and cut is not None:  # the whole sequence, from the ranks' shares of it
@@ -243,30 +287,35 @@ class Pipeline:
             logits = restore(logits)
         return PipelineOutput(loss=loss, logits=logits)
 
+    def _end_step(self) -> None:
+        """The step's carrier dropped (its images with it)."""
+        for stage in self.stages:
+            stage.carrier = StepCarrier()
+
     def _reject(self, extra: Mapping) -> None:
-        unknown = sorted(k for k, v in extra.items() if k not in self.batches.keys and v is not None)
+        known = (*self.batches.keys, *self.model_keys)
+        unknown = sorted(k for k, v in extra.items() if k not in known and v is not None)
         if unknown:
-            allowed = ", ".join(("input_ids", "labels", "attention_mask", *self.batches.keys))
+            allowed = ", ".join(("input_ids", "labels", "attention_mask", *known))
             raise TypeError(f"pipeline batches take {allowed}; got also {unknown}")
 
-    def _forward_through_stages(self, input_ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor | None:
-        """Run every stage this rank holds, receiving from / sending to the ranks of the neighbouring stages."""
+    def _forward_through_stages(self, inputs: tuple[torch.Tensor, ...]) -> torch.Tensor | None:
+        """Run every stage this rank holds on one micro-batch's first-stage `inputs`, receiving from / sending to the
+        ranks of the neighbouring stages what travels (each tensor after a header of its dtype and shape)."""
         pp_ranks, me = self.mesh.ranks("pp"), self.mesh.rank("pp")
-        hidden = None
+        carried = inputs
         for index in range(self.num_stages):
             stage = self.stages_by_index.get(index)
             if stage is None:
                 continue
             if index > 0 and self.owner(index - 1) != me:
-                shape = (*input_ids.shape, self.model.config.hidden_size)
-                hidden = torch.empty(shape, dtype=next(stage.parameters()).dtype, device=self.device)
-                dist.recv(hidden, src=pp_ranks[self.owner(index - 1)], group=self.pp_group)
-            out = stage(input_ids if index == 0 else hidden, mask)
+                carried = _recv_tensors(pp_ranks[self.owner(index - 1)], self.pp_group, self.device)
+            out = stage(*carried)
             if index == self.num_stages - 1:
                 return out
-            hidden = out[0]
+            carried = out
             if self.owner(index + 1) != me:
-                dist.send(hidden.contiguous(), dst=pp_ranks[self.owner(index + 1)], group=self.pp_group)
+                _send_tensors(out, pp_ranks[self.owner(index + 1)], self.pp_group, self.device)
         return None
 
     def _tied_gradient(self) -> torch.Tensor | None:
@@ -291,6 +340,45 @@ class Pipeline:
         torch.add(before, added, out=grad)
 
 
+_DTYPES = (
+    torch.float32,
+    torch.float16,
+    torch.bfloat16,
+    torch.float64,
+    torch.int64,
+    torch.int32,
+    torch.bool,
+    torch.uint8,
+)
+_HEADER = 8  # dtype, number of dims, up to 6 sizes
+
+
+def _send_tensors(tensors: tuple[torch.Tensor, ...], dst: int, group, device) -> None:
+    """Send `tensors` to `dst`: their count, then each one's header (dtype, shape) and data."""
+    dist.send(torch.tensor([len(tensors)], device=device), dst=dst, group=group)
+    for tensor in tensors:
+        header = [_DTYPES.index(tensor.dtype), tensor.dim(), *tensor.shape]
+        dist.send(torch.tensor(header + [0] * (_HEADER - len(header)), device=device), dst=dst, group=group)
+        if tensor.numel():
+            dist.send(tensor.detach().contiguous(), dst=dst, group=group)
+
+
+def _recv_tensors(src: int, group, device) -> tuple[torch.Tensor, ...]:
+    """The inverse of `_send_tensors`."""
+    count = torch.zeros(1, dtype=torch.long, device=device)
+    dist.recv(count, src=src, group=group)
+    tensors = []
+    for _ in range(int(count)):
+        header = torch.zeros(_HEADER, dtype=torch.long, device=device)
+        dist.recv(header, src=src, group=group)
+        dtype, dims, *sizes = header.tolist()
+        tensor = torch.empty(sizes[:dims], dtype=_DTYPES[dtype], device=device)
+        if tensor.numel():
+            dist.recv(tensor, src=src, group=group)
+        tensors.append(tensor)
+    return tuple(tensors)
+
+
 NO_FORWARD = (
     "this model is pipeline-parallel: call model.run_train(**batch) (forward + backward, returns the loss) "
     "or model.run_eval(**batch) instead of model(**batch)"
@@ -302,6 +390,13 @@ NO_GENERATE = (
     "back there (optimum-parallel reshard CKPT OUT --tp N --pp 1 converts the checkpoint); for logits, "
     "call model.run_eval(**batch)"
 )
+
+
+def _model_keys(entry: nn.Module) -> tuple[str, ...]:
+    """The inputs beyond the token ids and the mask that a vision-language model's entry takes by name (its images,
+    grids and token types)."""
+    parameters = inspect.signature(type(entry).forward).parameters
+    return tuple(name for name in parameters if name not in NOT_MODEL_INPUTS)
 
 
 def apply_pipeline(
@@ -330,13 +425,15 @@ def apply_pipeline(
 
     tied = getattr(model, roles.head).weight is getattr(roles.base, roles.embedding).weight
     batches = batches or PipelineBatches()
+    language = LanguageInputs(deepstack_layers(model, roles.base), ranges) if roles.entry is not None else None
     stages = [
-        DecoderStage(model, roles, ranges[index], index, num_stages, batches.stage_inputs, sequence)
+        DecoderStage(model, roles, ranges[index], index, num_stages, batches.stage_inputs, sequence, language)
         for index in indices
     ]
     keep = {i for index in indices for i in ranges[index]}
     prune_to_stages(model, roles, keep, 0 in indices, num_stages - 1 in indices)
-    pipeline = Pipeline(model, stages, mesh, schedule, num_microbatches, tied, batches)
+    model_keys = _model_keys(roles.entry) if roles.entry is not None else ()
+    pipeline = Pipeline(model, stages, mesh, schedule, num_microbatches, tied, batches, model_keys)
     parallel_state(model).pipeline = pipeline
     model.run_train = pipeline.run_train
     model.run_eval = pipeline.run_eval

@@ -71,8 +71,8 @@ def decoder_parts(
             f"{type(model).__name__} has no {' and no '.join(missing)} found (allowed: causal LMs whose base model "
             "holds the input embeddings, the layers and one final norm, and whose output embeddings are the head)"
         )
-    if roles.unplaced:
-        where = ", ".join(f"{base_name}.{name}" if base_name else name for name in roles.unplaced)
+    if roles.unplaced or roles.outside:
+        where = ", ".join([*(f"{base_name}.{name}" if base_name else name for name in roles.unplaced), *roles.outside])
         raise NotImplementedError(
             f"pipeline parallelism (pp > 1) is not supported for {type(model).__name__}: {where} holds parameters "
             "outside the decoder layers, the token embedding and the final norm, which no stage can place (allowed "

@@ -3,15 +3,23 @@
 A rank keeps only its stages' modules: the other decoder layers become parameter-less placeholders, so
 parameter names (and checkpoints) do not change. A stage runs the model's own forward over its layers:
 positions, rotary embeddings and causal masks (the `global_spec` tensors) are recomputed on every
-stage from the hidden states; the padding mask travels with the activations. Under sequence
-parallelism a stage sends the whole sequence and the next one splits it again at its first layer.
+stage from the hidden states; the padding mask, and what else the carrier holds (`carrier.py`), travels with the
+activations. Under sequence parallelism a stage sends the whole sequence and the next one splits it again at its
+first layer.
+
+A vision-language model's first stage runs its entry (`decoder.py`) on the micro-batch's token ids and images: the
+vision tower, the projector, the features merged into the input embeddings, the M-RoPE positions, then its layers;
+the language model's inputs the entry computed travel on (`carrier.LanguageInputs`). Every later stage calls the
+entry too, with the hidden states as input embeddings, so the model's own code builds its masks (Gemma 3's image
+blocks from `token_type_ids`); what only the first stage could compute is handed to the language model by a
+forward pre-hook.
 """
 
 from __future__ import annotations
 
 import inspect
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
 import torch
@@ -19,6 +27,7 @@ from torch import nn
 
 from ..comm.tp_entry import SequenceRegion
 from ..styles.sequence_parallel import enter_sequence_region_at
+from .carrier import LANGUAGE_INPUTS, MASK, ROWS, LanguageInputs, StepCarrier, decode_positions
 from .decoder import DecoderRoles
 
 
@@ -60,12 +69,14 @@ def _pass_through_for(base: nn.Module) -> _PassThrough:
 
 
 class DecoderStage(nn.Module):
-    """One pipeline stage of a decoder-only HF model. Its parameters are exactly the stage's ones.
+    """One pipeline stage of a decoder-only HF model (or of a vision-language model's language model, its first stage
+    with the vision tower and projector). Its parameters are exactly the stage's ones.
 
-    first stage:  (input_ids, attention_mask) -> (hidden_states, attention_mask)
-    middle:       (hidden_states, attention_mask) -> (hidden_states, attention_mask)
-    last stage:   (hidden_states, attention_mask) -> logits
-    """
+    first stage:  (input_ids, *carrier) -> (hidden_states, *carrier)
+    middle:       (hidden_states, *carrier) -> (hidden_states, *carrier)
+    last stage:   (hidden_states, *carrier) -> logits
+
+    The carrier's names are the running step's (`StepCarrier`, set by the pipeline before each step)."""
 
     def __init__(
         self,
@@ -76,6 +87,7 @@ class DecoderStage(nn.Module):
         num_stages: int,
         inputs: Callable[[torch.Tensor], dict] | None = None,
         sequence: SequenceRegion | None = None,
+        language: LanguageInputs | None = None,
     ) -> None:
         super().__init__()
         is_first, is_last = stage_index == 0, stage_index == num_stages - 1
@@ -89,17 +101,29 @@ class DecoderStage(nn.Module):
         # what the base model iterates: every position, the other stages' layers passing the hidden states through,
         # so a forward that reads per-layer data by position (config.layer_types[i], per-layer inputs) reads its own
         stand_in = _pass_through_for(base)
-        view = nn.ModuleList(every_layer[i] if i in layers else stand_in for i in range(len(every_layer)))
-        object.__setattr__(self, "_layer_view", view)  # not registered: the stage's parameters are `layers`
+        view = [every_layer[i] if i in layers else stand_in for i in range(len(every_layer))]
+        if sequence is not None and not is_first:  # the whole sequence arrives: split it again where the view begins
+            view[0] = _PassThrough(stand_in.as_tuple)  # (work between the layers before this stage's, a VLM's
+            enter_sequence_region_at(view[0], sequence)  # deepstack additions, then sees split hidden states too)
+        object.__setattr__(self, "_layer_view", nn.ModuleList(view))  # not registered: the parameters are `layers`
         self.embed_tokens = getattr(base, roles.embedding) if is_first else None
         self.norm = getattr(base, roles.final_norm) if is_last else None
         self.lm_head = getattr(model, roles.head) if is_last else None
+        # a vision-language model's vision tower and projector, run by the entry on the first stage
+        self.encoders = nn.ModuleDict({n: getattr(p, n) for p, n in roles.first_stage}) if is_first else None
         self.is_first, self.is_last = is_first, is_last
         # the layers' mask (and position) arguments from the padding mask that travels with the activations
         self.inputs = inputs or (lambda attention_mask: {"attention_mask": attention_mask})
-        self.sequence = sequence  # under sequence parallelism: stages exchange whole sequences
-        if sequence is not None and not is_first:  # stage 0's first layer splits already (SequenceParallelBegin)
-            enter_sequence_region_at(self.layers[0], sequence)  # the whole sequence arrives: split it again
+        self.sequence = sequence  # under sequence parallelism: stages exchange whole sequences (stage 0's first layer
+        # splits already: SequenceParallelBegin)
+        self.language = language if roles.entry is not None else None
+        self.carrier = StepCarrier()
+
+    def names_in(self) -> tuple[str, ...]:
+        """The names of the carrier this stage receives after its first input."""
+        if self.is_first:
+            return self.carrier.first_names()
+        return self.carrier.names_after(self.language, self.stage_index - 1)
 
     @contextmanager
     def _stage_view(self):
@@ -115,16 +139,60 @@ class DecoderStage(nn.Module):
         finally:
             modules[roles.layers], modules[roles.final_norm] = saved
 
-    def forward(self, x: torch.Tensor, attention_mask: torch.Tensor):
-        inputs = {"input_ids": x} if self.is_first else {"inputs_embeds": x}
-        masks = self.inputs(attention_mask)
-        with self._stage_view():
+    @contextmanager
+    def _language_inputs(self, received: dict) -> Iterator[dict]:
+        """Around a vision-language stage's forward: the language model's inputs the entry computed (first stage:
+        recorded), or those that travelled here (later stages: given), each stage's layers taking their own share."""
+        captured: dict = {}
+        if self.language is None:
+            yield captured
+            return
+
+        def hand_over(module, args, kwargs):
+            if self.is_first:
+                captured.update({name: kwargs.get(name) for name in LANGUAGE_INPUTS})
+                kwargs = self.language.first_stage(self.stage_index, captured, kwargs)
+            else:
+                kwargs = self.language.later_stage(self.stage_index, received, kwargs)
+            return args, {**kwargs, "use_cache": False}
+
+        # first: a hook splitting the features for sequence or context parallelism must see what this one gives
+        handle = self._base.register_forward_pre_hook(hand_over, with_kwargs=True, prepend=True)
+        try:
+            yield captured
+        finally:
+            handle.remove()
+
+    def forward(self, x: torch.Tensor, *carried: torch.Tensor):
+        given = dict(zip(self.names_in(), carried, strict=True))
+        travelling = given.pop(MASK)
+        rows = given.pop(ROWS, None)
+        received = {name: given.pop(name) for name in LANGUAGE_INPUTS if name in given}
+        inputs = dict(given)  # the batch's row-aligned model inputs, sent on as they came
+        if self.is_first:
+            inputs["input_ids"] = x
+            if rows is not None:
+                inputs.update(self.carrier.images.for_rows(rows))
+        else:
+            inputs["inputs_embeds"] = x
+            positions = decode_positions(received.get("position_ids"))
+            if positions is not None:  # the entry takes them as given (a Qwen entry would compute them again)
+                inputs["position_ids"] = positions
+        if self.language is None:
+            inputs["use_cache"] = False
+        masks = self.inputs(travelling)
+        with self._stage_view(), self._language_inputs(received) as captured:
             if self.is_last:  # the model's own head code (soft-capping and the like), no loss
-                return type(self._model).forward(self._model, use_cache=False, **masks, **inputs).logits
-            hidden = self._base(use_cache=False, **masks, **inputs).last_hidden_state
+                return type(self._model).forward(self._model, **masks, **inputs).logits
+            hidden = self._roles.caller(**masks, **inputs).last_hidden_state
         if self.sequence is not None:  # the next stage derives positions from the length
             hidden = self.sequence.gather(hidden)
-        return hidden, attention_mask
+        out = (hidden, travelling, *given.values())
+        if self.language is None:
+            return out
+        if self.is_first:
+            return (*out, *self.language.send_first(self.stage_index, captured, x, hidden))
+        return (*out, *self.language.send_later(self.stage_index, received))
 
 
 def prune_to_stages(model: nn.Module, roles: DecoderRoles, keep: set[int], first: bool, last: bool) -> None:
@@ -135,6 +203,8 @@ def prune_to_stages(model: nn.Module, roles: DecoderRoles, keep: set[int], first
             layers[index] = _Placeholder()
     if not first:
         setattr(roles.base, roles.embedding, None)
+        for parent, name in roles.first_stage:  # the vision tower and projector live on the first stage
+            setattr(parent, name, None)
     if not last:
         setattr(roles.base, roles.final_norm, None)
         setattr(model, roles.head, None)

@@ -322,7 +322,7 @@ def test_vlm_parallel_trainer_dp2_tp2_matches_single_device_trainer(
     print(model_type, "trainer", loss_kwargs, worst, expected, results[0])
 
 
-SP_REFUSED = {"qwen3_vl": "deepstack", "qwen3_vl_moe": "deepstack"}  # model type -> what the refusal names
+SP_REFUSED: dict[str, str] = {}  # model type -> what the refusal names (Qwen3-VL's deepstack features split too)
 
 
 @pytest.mark.parametrize("model_type", list(TINY_VLM_CONFIGS))
@@ -354,14 +354,15 @@ def refusal(model_dir: str, sizes: dict, **settings) -> str | None:
 
 
 @pytest.mark.parametrize(
-    "model_type,dim,what",
-    [(model_type, "pp", "vision tower") for model_type in TINY_VLM_CONFIGS],
+    "model_type,sizes,what",
+    [(model_type, {"pp": 2, "cp": 2}, "merges the image features") for model_type in ("llava", "qwen3_vl")],
 )
-def test_vlm_layouts_refused_by_name(pool, model_dirs, model_type, dim, what):
-    messages = pool.run(refusal, model_dirs[model_type], {"tp": 2, dim: 2})
+def test_vlm_layouts_refused_by_name(pool, model_dirs, model_type, sizes, what):
+    """Pipeline parallelism runs (tests/families/test_vlm_pipeline.py), but not with context parallelism."""
+    messages = pool.run(refusal, model_dirs[model_type], sizes)
     assert len(set(messages)) == 1 and messages[0] is not None, messages
-    assert f"{dim}=2" in messages[0] and what in messages[0], messages[0]
-    print(model_type, dim, messages[0])
+    assert all(f"{dim}={size}" in messages[0] for dim, size in sizes.items()) and what in messages[0], messages[0]
+    print(model_type, sizes, messages[0])
 
 
 def _vision_heads(config, heads: int):
