@@ -20,6 +20,8 @@ from _models import build_model, make_batch, rel_err, tiny_config, whole_logits
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
+import optimum_parallel.checkpoint  # noqa: F401  (`op.checkpoint` below: a test run alone has not imported it yet)
+
 TOL = 1e-5
 LR = 1e-2
 LOAD = dict(dtype=torch.float32, attn_implementation="eager")

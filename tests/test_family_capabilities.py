@@ -29,4 +29,6 @@ def test_declaration_is_the_structure_or_stricter_with_a_reason(model_type):
         allows, structure = getattr(declared, field), getattr(derived, field)
         assert not allows or structure, f"{model_type}: declares {layout} the structure refuses: {derived}"
         if structure and not allows:
-            assert declared.reason(layout), f"{model_type}: refuses {layout}, which its structure allows, saying why not"
+            assert declared.reason(layout), (
+                f"{model_type}: refuses {layout}, which its structure allows, saying why not"
+            )

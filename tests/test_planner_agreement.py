@@ -37,7 +37,7 @@ FAMILIES = {
         dict(MOE, num_experts=4, moe_intermediate_size=32, mlp_only_layers=[], output_router_logits=True),
         {"cp", "ep"},
     ),
-    "gemma (no cp declared)": ("gemma", dict(head_dim=16), {"pp"}),
+    "gemma": ("gemma", dict(head_dim=16), {"pp", "cp"}),
     "gemma2": ("gemma2", dict(head_dim=16, sliding_window=8), {"pp", "cp"}),
     "jamba (Mamba mixers under cp: their heads split over it)": ("jamba", JAMBA, {"pp", "ep", "cp"}),
 }
