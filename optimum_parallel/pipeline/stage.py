@@ -41,31 +41,33 @@ class _Placeholder(nn.Identity):
 class _PassThrough(nn.Module):
     """Stands in, during a stage's forward, for a decoder layer another stage runs: the hidden states go on as they
     came, in the form the base model reads a layer's output (a transformers 5 base model takes the hidden states
-    themselves; a few, Falcon-H1's, still index `[0]` of a tuple)."""
+    themselves; a few still index `[0]` of a tuple, as Falcon-H1's, or unpack one, as Bamba's `hidden_states,
+    attn_weights = decoder_layer(...)`)."""
 
-    def __init__(self, as_tuple: bool) -> None:
+    def __init__(self, width: int | None) -> None:
         super().__init__()
-        self.as_tuple = as_tuple
+        self.width = width  # None: the hidden states alone; else a tuple of this many, the rest None
 
     def forward(self, *args, **kwargs):
         hidden = args[0] if args else kwargs["hidden_states"]
-        return (hidden,) if self.as_tuple else hidden
-
-
-_PASS_THROUGH = {as_tuple: _PassThrough(as_tuple) for as_tuple in (False, True)}
+        return hidden if self.width is None else (hidden, *([None] * (self.width - 1)))
 
 
 _INDEXES_LAYER_OUTPUT = re.compile(r"layer_outputs\[0\]|decoder_layer\((?:[^()]|\([^()]*\))*\)\s*\[0\]")
+_UNPACKS_LAYER_OUTPUT = re.compile(r"((?:\w+\s*,\s*)+\w+)\s*=\s*decoder_layer\(")
 
 
 def _pass_through_for(base: nn.Module) -> _PassThrough:
-    """The stand-in for `base`'s layers: a tuple where its forward indexes a layer's output (`layer_outputs[0]`),
-    the hidden states themselves otherwise (layers' return annotations are not to be trusted: Glm4's says tuple)."""
+    """The stand-in for `base`'s layers: a tuple where its forward indexes or unpacks a layer's output, the hidden
+    states themselves otherwise (layers' return annotations are not to be trusted: Glm4's says tuple)."""
     try:
         source = inspect.getsource(type(base).forward)
     except (OSError, TypeError):
         source = ""
-    return _PASS_THROUGH[bool(_INDEXES_LAYER_OUTPUT.search(source))]
+    unpacked = _UNPACKS_LAYER_OUTPUT.search(source)
+    if unpacked:
+        return _PassThrough(unpacked.group(1).count(",") + 1)
+    return _PassThrough(1 if _INDEXES_LAYER_OUTPUT.search(source) else None)
 
 
 class DecoderStage(nn.Module):
