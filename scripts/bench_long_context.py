@@ -1,7 +1,7 @@
 """Long sequences under context parallelism: a Qwen3.5-shaped hybrid against a Llama, cp=2 vs cp=1, step time and
 peak activation memory per rank.
 
-    python scripts/bench_long_context.py                                  # 8k, 16k, 32k tokens; 20-40 min on 2 cores
+    python scripts/bench_long_context.py                                  # 8k, 16k, 32k tokens; ~40 min on 2 idle cores
     python scripts/bench_long_context.py --lengths 4096 --steps 1         # a quick look
     python scripts/bench_long_context.py --breakdown 16384 --json build/bench_long_context.json
 
