@@ -105,7 +105,7 @@ class DecoderStage(nn.Module):
         stand_in = _pass_through_for(base)
         view = [every_layer[i] if i in layers else stand_in for i in range(len(every_layer))]
         if sequence is not None and not is_first:  # the whole sequence arrives: split it again where the view begins
-            view[0] = _PassThrough(stand_in.as_tuple)  # (work between the layers before this stage's, a VLM's
+            view[0] = _PassThrough(stand_in.width)  # (work between the layers before this stage's, a VLM's
             enter_sequence_region_at(view[0], sequence)  # deepstack additions, then sees split hidden states too)
         object.__setattr__(self, "_layer_view", nn.ModuleList(view))  # not registered: the parameters are `layers`
         self.embed_tokens = getattr(base, roles.embedding) if is_first else None
