@@ -30,3 +30,19 @@ def test_family_layout(pool, model_type, layout, expected):
     assert outcome == expected, f"{model_type} at {layout}: {outcome}: {detail}"
     if outcome == "refused":
         assert "allowed for this model" in detail and ("layers." in detail or "For" in detail), detail
+
+
+def test_readme_table_is_the_pinned_matrix():
+    """The README's support table is the pinned matrix (`tests/families/expected_matrix.json`, which every cell of
+    `make test-families` is compared with), written by `python scripts/supported_models.py --readme`."""
+    from importlib.util import module_from_spec, spec_from_file_location
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parent.parent
+    spec = spec_from_file_location("supported_models", root / "scripts" / "supported_models.py")
+    supported = module_from_spec(spec)
+    spec.loader.exec_module(supported)
+    readme = (root / "README.md").read_text()
+    expected = supported.table(supported.read_pins())
+    assert expected in readme, "README's support table differs: `python scripts/supported_models.py --readme`"
+    assert supported.counts_of_pins(supported.read_pins()) in readme
