@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import itertools
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -67,7 +68,14 @@ class Job:
                 agent.wait()
 
     def output(self, tail: int = 4000) -> str:
-        return "\n".join(f"--- host {i}:\n{log.read_text()[-tail:]}" for i, log in enumerate(self.logs))
+        """Each host's log, its C++ stack frames left out (they would push the error itself out of the tail)."""
+        logs = (_without_frames(log.read_text()) for log in self.logs)
+        return "\n".join(f"--- host {i}:\n{text[-tail:]}" for i, text in enumerate(logs))
+
+
+def _without_frames(text: str) -> str:
+    frame = re.compile(r"\s*(frame #\d+:|<omitting python frames>)")
+    return "\n".join(line for line in text.splitlines() if not frame.match(line))
 
 
 class Hosts:

@@ -93,7 +93,7 @@ FAMILIES: dict[str, dict] = {
         attention_chunk_size=8,
         no_rope_layers=[1, 0],
     ),
-    "deepseek_v3": dict(MLA, **GROUPED_MOE, head_dim=8, num_key_value_heads=4),
+    "deepseek_v3": dict(MLA, **GROUPED_MOE, q_lora_rank=16, head_dim=8, num_key_value_heads=4),
     "glm4_moe": dict(GROUPED_MOE),
     "glm4": {},
     "olmo3": dict(sliding_window=8),
@@ -152,6 +152,23 @@ FAMILIES: dict[str, dict] = {
         linear_conv_kernel_dim=4,
         num_local_experts=4,
     ),
+    "hunyuan_v1_dense": dict(rope_parameters={"rope_type": "default", "rope_theta": 10000.0}),  # MLP with a layer_idx
+    "apertus": {},  # xIELU activations: learnable scalars beside a split MLP
+    "longcat_flash": dict(  # MLA, identity ("zero") experts beside routed ones, two attention blocks a layer
+        num_key_value_heads=4,
+        num_hidden_layers=4,  # two layers: its config derives num_hidden_layers as 2 x num_layers
+        ffn_hidden_size=96,
+        expert_ffn_hidden_size=32,
+        n_routed_experts=4,
+        zero_expert_num=2,
+        moe_topk=2,
+        q_lora_rank=24,
+        kv_lora_rank=32,
+        qk_rope_head_dim=8,
+        qk_nope_head_dim=8,
+        v_head_dim=16,
+        head_dim=8,
+    ),
     "minimax": dict(  # lightning attention (a linear recurrence with per-head decay) beside softmax attention
         num_local_experts=4,
         num_experts_per_tok=2,
@@ -198,7 +215,7 @@ FAMILIES: dict[str, dict] = {
 MOE_TYPES = {
     "mixtral", "qwen3_moe", "gpt_oss", "qwen3_5_moe_text", "llama4_text", "deepseek_v3", "glm4_moe", "olmoe",
     "granitemoe", "phimoe", "ernie4_5_moe", "jamba", "qwen3_next", "kimi_linear", "granitemoehybrid", "minimax",
-    "deepseek_v4", "qwen3_vl_moe", "qwen3_5_moe",
+    "longcat_flash", "deepseek_v4", "qwen3_vl_moe", "qwen3_5_moe",
 }  # fmt: skip
 
 # layout -> mesh sizes over 4 ranks and how it is asked for

@@ -242,9 +242,15 @@ def derive_capabilities(model: nn.Module) -> Capabilities:
 def sequence_parallel_blocks(layer: nn.Module) -> list[tuple[str, str]]:
     """(child name, how it runs under sequence parallelism) for one decoder layer: 'slice' for norms (on the local
     slice, gradients summed over tp), 'whole' for blocks with parameters (gathered at their entry), 'replicate' for
-    blocks holding stacked experts (replicated work on the whole sequence); parameter-less children run as they are."""
+    blocks holding stacked experts (replicated work on the whole sequence); parameter-less children run as they are.
+    A list of blocks (LongCat-Flash's two attentions, MLPs and norms a layer) is never called itself: its members are
+    (dotted names, `self_attn.0`)."""
     found = []
+    children = []
     for name, child in layer.named_children():
+        members = child.named_children() if isinstance(child, nn.ModuleList) else [("", child)]
+        children.extend((f"{name}.{index}" if index else name, member) for index, member in members)
+    for name, child in children:
         if is_norm(child):
             found.append((name, "slice"))
         elif next(child.parameters(), None) is not None:

@@ -276,7 +276,7 @@ def _attention(module: nn.Module, tp: int | None):
 
 def _latent_attention(module: nn.Module, tp: int | None):
     """Multi-head latent attention: q_proj or q_b_proj and kv_b_proj over whole heads, o_proj; the low-rank
-    down-projections and their norms stay replicated (the kv latent's norm with its gradient summed over tp)."""
+    down-projections and their norms stay replicated, their gradients summed over tp (every head reads them)."""
     heads = _int(module, "num_heads")
     query = "q_proj" if _linear(module, "q_proj") is not None else "q_b_proj"
     q, kv_b, o = _linear(module, query), _linear(module, "kv_b_proj"), _linear(module, "o_proj")
@@ -296,6 +296,10 @@ def _latent_attention(module: nn.Module, tp: int | None):
     }
     if _has_weight(getattr(module, "kv_a_layernorm", None)):
         entries["kv_a_layernorm"] = [ReplicatedWithGradAllReduce()]
+    if query == "q_b_proj" and _linear(module, "q_a_proj") is not None:  # the query latent, as the kv latent
+        entries.update({"q_a_proj": [AllReduceOutputGradient()], "q_b_proj": [EnteredColWiseParallel(units=heads)]})
+        if _has_weight(getattr(module, "q_a_layernorm", None)):
+            entries["q_a_layernorm"] = [ReplicatedWithGradAllReduce()]
     return entries, ""
 
 
@@ -366,6 +370,9 @@ def _mlp(module: nn.Module, tp: int | None):
 
 # Mixers first: their entries replace the tp plan's; the blocks after only fill what the tp plan leaves whole.
 MIXERS: tuple[Recogniser, ...] = (_mamba2, _mamba1, _gated_delta_net, _delta_attention, _short_conv)
+# blocks whose entries replace a tp plan's for their children: a translated plan leaves latent attention's replicated
+# down-projections and norms without the gradient sum a sequence-parallel block (no column entry inside) needs
+OWNED: tuple[Recogniser, ...] = (*MIXERS, _latent_attention)
 BLOCKS: tuple[Recogniser, ...] = (_grouped_output_attention, _latent_attention, _attention, _mlp)
 
 
@@ -440,7 +447,7 @@ def merge_mixer_plan(
 ) -> dict[str, object]:
     """`plan` (translated from the tp plan) with the mixers' entries in place of its own for their children, and
     (`blocks`) attention / MLP blocks the plan leaves whole (none of their projections named) split Megatron's way."""
-    mixers, _ = _recognise(model, tp, MIXERS)
+    mixers, _ = _recognise(model, tp, OWNED)
     mixer_names = set(_absolute(mixers))
     names = [n for n, _ in model.named_modules() if n]
     kept = {

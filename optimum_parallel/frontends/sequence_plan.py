@@ -82,7 +82,7 @@ def sequence_parallel_plan(model: nn.Module, plan: dict) -> dict:
     groups: dict[tuple[str, str], list[int]] = {}  # (child, how it runs) -> the layers that have it
     for index, layer in enumerate(stack.layers):
         for name, how in sequence_parallel_blocks(layer):
-            block = getattr(layer, name)
+            block = layer.get_submodule(name)
             if how == "whole" and not _leaves_through_row_layer(block, f"{stack.prefix}.{index}.{name}", exits):
                 how = "replicate"
             groups.setdefault((name, how), []).append(index)
