@@ -9,8 +9,8 @@ from datetime import timedelta
 
 import torch.distributed as dist
 
+from . import binding, rendezvous, timeouts
 from . import device as devices
-from . import rendezvous, timeouts
 from .layout import ALIASES, EXPERT_DIM, GRID_DIMS, MeshLayout
 from .protocol import ParallelMesh
 from .timeouts import Timeouts
@@ -42,7 +42,8 @@ def init_mesh(
     `device`: any device type torch knows ("cuda", "neuron", "npu", "xpu", "cpu", or "xla" for torch-xla); by default
     torch's current accelerator (the CPU without one; XLA where `PJRT_DEVICE` is set). Starts torch.distributed from
     the torchrun environment if needed, with the backend the device's package registered (gloo on the CPU, nccl on
-    CUDA, neuron on Trainium, ...), bound to this process's device (`LOCAL_RANK`'s, set first in every path).
+    CUDA, neuron on Trainium, ...), bound to this process's device (`LOCAL_RANK`'s, set first in every path) where
+    the backend can split groups from it (binding.py).
 
     Timeouts (`timeouts.py`): every process group waits `timeout` (seconds or a timedelta; default 10 minutes) until
     this process's first optimizer step ends and around checkpoint saves and loads, `train_timeout` (default 2
@@ -77,6 +78,7 @@ def _init_process_group(timeout: timedelta, device_type: str) -> None:
     with _INIT_LOCK:
         if dist.is_initialized():  # made by the caller (or accelerate): its device still comes first, before the mesh
             devices.set_process_device(device_type, bound=_bound_device())
+            binding.keep_only_where_split_works()  # a caller's group bound on gloo underneath would fail the mesh too
             return
         # torch.distributed.optim (ZeRO-1) imports torch.distributed.rpc; imported after a process group exists, it
         # made the process abort at exit ("terminate called without an active exception", 1 run in 3 of a 4-rank

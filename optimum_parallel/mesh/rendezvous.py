@@ -24,6 +24,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from . import binding
 from . import device as devices
 from .clean_exit import destroy_at_clean_exit
 
@@ -46,7 +47,8 @@ def init_process_group(backend: str, timeout: timedelta, device_id: torch.device
     """`dist.init_process_group(backend, timeout=timeout, device_id=device_id)` from torchrun's environment; under
     torchrun's shared store, on a store of this attempt's own (see the module docstring). `device_id`: this process's
     accelerator device, bound to the group (NCCL then connects at once, and DeviceMesh splits its sub-groups from
-    it); under a backend that cannot share a device, two ranks of a host on one device raise first, on each of them."""
+    it, where the backend can split: binding.py); under a backend that cannot share a device, two ranks of a host on
+    one device raise first, on each of them."""
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     check = device_id is not None and world > 1 and not devices.shares_devices(backend)
     if shares_agent_store():
@@ -55,6 +57,7 @@ def init_process_group(backend: str, timeout: timedelta, device_id: torch.device
         store = dist.PrefixStore("default_pg", next(dist.rendezvous("env://", rank, world, timeout=timeout))[0])
     else:
         dist.init_process_group(backend=backend, timeout=timeout, device_id=device_id)
+        binding.keep_only_where_split_works()
         destroy_at_clean_exit()
         return
     if check:
@@ -62,6 +65,7 @@ def init_process_group(backend: str, timeout: timedelta, device_id: torch.device
     dist.init_process_group(
         backend=backend, store=store, rank=rank, world_size=world, timeout=timeout, device_id=device_id
     )
+    binding.keep_only_where_split_works()
     destroy_at_clean_exit()
 
 

@@ -5,7 +5,8 @@ before anything touches a device); `OP_TEST_BACKEND` re-registers the device's p
 processes sharing one CUDA GPU, which NCCL refuses); `OP_TEST_PG_TIMEOUT_S` the workers' process-group timeout
 (default 60; a hung case is given up after twice that). The workers start torch.distributed as a user's script does
 under torchrun (LOCAL_RANK=rank, no device set, no backend named: the device's registered one), and `init_mesh` then
-picks each one's device: index 0 for both on a one-device machine (test_device_index.py).
+picks each one's device: index 0 for both on a one-device machine (test_device_index.py); or, with
+`own_group=False`, leave the default group to `init_mesh` (which binds it to the device: test_bound_group.py).
 
 `Collectives` counts the collectives that ran: the simulated device's own counter on `neuron`, elsewhere a dispatch
 mode that sees every c10d op (forward and backward).
@@ -78,20 +79,22 @@ class Collectives:
 
 
 # ---- the pool -------------------------------------------------------------------------------------------------
-def _worker(rank: int, world_size: int, port: int, setup, tasks, results) -> None:
+def _worker(rank: int, world_size: int, port: int, setup, own_group: bool, tasks, results) -> None:
     setup()  # first: no device tensor may exist before it
     torch.set_num_threads(1)
     os.environ.update(
         RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port)
     )
-    dist.init_process_group(timeout=PG_TIMEOUT)  # no backend named: the device's registered one
+    if own_group:
+        dist.init_process_group(timeout=PG_TIMEOUT)  # no backend named: the device's registered one
     while (task := tasks.get()) is not None:
         fn, args, kwargs = task
         try:
             results.put((rank, True, fn(*args, **kwargs)))
         except BaseException:
             results.put((rank, False, traceback.format_exc()))
-    dist.destroy_process_group()
+    if dist.is_initialized():
+        dist.destroy_process_group()
 
 
 def forkserver_context():
@@ -109,10 +112,17 @@ def forkserver_context():
 class Workers:
     """`world_size` processes on the lane's device (`setup`: what makes it usable, first thing in each process);
     `run(fn, *args)` runs `fn` on every rank and returns the ranks' results (a failure on any rank raises with every
-    failing rank's traceback, and the pool restarts)."""
+    failing rank's traceback, and the pool restarts). `own_group=False`: the workers make no default group."""
 
-    def __init__(self, world_size: int, setup=install, task_timeout_s: float = 2 * PG_TIMEOUT.total_seconds()) -> None:
+    def __init__(
+        self,
+        world_size: int,
+        setup=install,
+        task_timeout_s: float = 2 * PG_TIMEOUT.total_seconds(),
+        own_group: bool = True,
+    ) -> None:
         self.world_size, self.setup, self.task_timeout_s = world_size, setup, task_timeout_s
+        self.own_group = own_group
         self._start()
 
     def _start(self) -> None:
@@ -121,7 +131,10 @@ class Workers:
             s.bind(("127.0.0.1", 0))
             port = s.getsockname()[1]
         self.tasks, self.results = [ctx.Queue() for _ in range(self.world_size)], ctx.Queue()
-        args = [(r, self.world_size, port, self.setup, self.tasks[r], self.results) for r in range(self.world_size)]
+        args = [
+            (r, self.world_size, port, self.setup, self.own_group, self.tasks[r], self.results)
+            for r in range(self.world_size)
+        ]
         self.procs = [ctx.Process(target=_worker, args=a, daemon=True) for a in args]
         for p in self.procs:
             p.start()
