@@ -35,6 +35,7 @@ from collections.abc import Callable, Mapping
 
 from torch import nn
 
+from ..plan.wrappers import style_target
 from ..styles import (
     ColWiseParallel,
     PackedColWiseParallel,
@@ -58,7 +59,10 @@ Recogniser = Callable[[nn.Module, int | None], "tuple[Entries | None, str] | Non
 
 
 def _linear(module: nn.Module, name: str) -> nn.Linear | None:
+    """The Linear `name`, also when an adapter wraps it (PEFT's LoRA added before the plan): the plan splits the
+    wrapped layer, so a mixer is recognised whatever its projections carry."""
     child = getattr(module, name, None)
+    child = style_target(child) if isinstance(child, nn.Module) else child
     return child if isinstance(child, nn.Linear) else None
 
 

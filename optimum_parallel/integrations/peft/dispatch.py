@@ -6,6 +6,10 @@ torch's layers, Megatron's and a few quantised ones. It is wrapped once: a targe
 `ColumnParallelLinear` / `RowParallelLinear` becomes a PEFT `lora.Linear` (sized by the layers' global
 `input_size` / `output_size`, so its init draws what one device would) whose adapters are then split like the
 base (`shard_lora_layer`); every other target goes to PEFT's own dispatch unchanged.
+
+PEFT's `target_modules="all-linear"` is resolved by PEFT's own function, which counts only `nn.Linear` and
+transformers' `Conv1D` as linear; on a parallel model it is taught the parallel layers too (`_install_all_linear`), so
+the shorthand picks the modules it picks on one device, with PEFT's exclusions (the output head, adapter internals).
 """
 
 from __future__ import annotations
@@ -41,15 +45,36 @@ def install_peft_dispatch() -> None:
         return module
 
     LoraModel._create_new_module = staticmethod(create_new_module)
+    _install_all_linear()
     _install_target_check(LoraModel)
     _install_save()
     _INSTALLED = True
+
+
+def _install_all_linear() -> None:
+    """PEFT decides "all-linear" with `isinstance(module, (nn.Linear, Conv1D))`, `Conv1D` read from its module at
+    call time: for the call, that name is a tuple that also holds the parallel layers (isinstance takes nested
+    tuples). PEFT's own selection and exclusions run unchanged; nothing else sees the wider name."""
+    from peft.tuners import tuners_utils
+
+    original = transformers_internal("tuners_utils._maybe_include_all_linear_layers")
+    conv1d = transformers_internal("tuners_utils.Conv1D")
+
+    def include_all_linear_layers(peft_config, model):
+        tuners_utils.Conv1D = (conv1d, ColumnParallelLinear, RowParallelLinear)
+        try:
+            return original(peft_config, model)
+        finally:
+            tuners_utils.Conv1D = conv1d
+
+    tuners_utils._maybe_include_all_linear_layers = include_all_linear_layers
 
 
 def _install_target_check(lora_model: type) -> None:
     """Before PEFT replaces any module: refuse every target of the adapter config that is a parallel layer LoRA does
     not support (the vocab-parallel LM head, packed layers, gathered outputs), so a refused `get_peft_model` leaves
     the model as it was (the dispatch above would refuse too, but only after the earlier targets were wrapped)."""
+    from peft.tuners import tuners_utils
     from peft.tuners.tuners_utils import check_target_module_exists
 
     original = lora_model.inject_adapter
@@ -57,6 +82,8 @@ def _install_target_check(lora_model: type) -> None:
     def inject_adapter(self, model, adapter_name, *args, **kwargs):
         config = self.peft_config.get(adapter_name) if isinstance(self.peft_config, dict) else None
         if config is not None and config.target_modules is not None:
+            config = tuners_utils._maybe_include_all_linear_layers(config, model)  # "all-linear": the names, as PEFT
+            # resolves it next (in place, on the config PEFT keeps)
             parallel = (ColumnParallelLinear, RowParallelLinear)
             for name, module in model.named_modules():
                 if isinstance(module, parallel) and check_target_module_exists(config, name):

@@ -17,11 +17,16 @@ sequence-parallel norm's.
 
 Dropout on the adapter input draws its mask on each rank; on a column-parallel base the input is replicated, so
 each output shard sees its own mask (a valid dropout, not the single-device one: compare with dropout 0).
+A column base that gathers its output gathers W x + B u as one; a row base that splits its own input splits it
+for A as well. A packed base (q|k|v, a delta net's q|k|v) splits B by the same parts; the rows of a part replicated
+over several ranks have their gradients summed over those ranks, as the base weight's are.
+
 Merging (`merge_and_unload`) works shard by shard: B_local A and B A_local have the local weight's shape.
 """
 
 from __future__ import annotations
 
+import copy
 import weakref
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -35,11 +40,12 @@ from ...comm.autograd_collectives import (
     copy_to_tensor_parallel_region,
     reduce_from_tensor_parallel_region,
     reduce_scatter_to_sequence_parallel_region,
+    scatter_to_tensor_parallel_region,
 )
 from ...mesh import ranks
-from ...tensor_parallel.fused import PackedColumnParallelLinear
+from ...tensor_parallel.fused import PackedColumnParallelLinear, sum_segment_grads
 from ...tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
-from ...tensor_parallel.spec import ShardSpec, local_parameter
+from ...tensor_parallel.spec import ShardSpec, local_parameter, shard_sizes
 
 if TYPE_CHECKING:
     from ...comm.tp_entry import RegionEntry
@@ -64,31 +70,23 @@ def is_parallel_lora(module: nn.Module) -> bool:
     return type(module) in _PARALLEL_CLASSES.values()
 
 
-def _unsupported_base(base: type, name: str, *, gather_output: bool, input_is_parallel: bool, lm_head: bool) -> str:
+def _unsupported_base(base: type, name: str, *, gather_output: bool, lm_head: bool) -> str:
     """Why LoRA cannot adapt `name` once it is a `base` layer, or "" if it can: the one refusal both orders use
     (`get_peft_model` then parallelize: checked with the plan; parallelize then `get_peft_model`: in the dispatch)."""
     if lm_head and issubclass(base, ColumnParallelLinear):
         return (
             f"LoRA on the vocab-parallel LM head {name!r} ({base.__name__}, logits split over tp) is not supported "
-            f"yet; leave it out of target_modules. Supported: {SUPPORTED} on ColumnParallelLinear without gathered "
-            "output (q/k/v, gate/up) and RowParallelLinear (o_proj, down_proj)"
+            f"yet; leave it out of target_modules. Supported: {SUPPORTED} on every other ColumnParallelLinear "
+            "(q/k/v, gate/up, packed or not) and RowParallelLinear (o_proj, down_proj)"
         )
-    if issubclass(base, PackedColumnParallelLinear) or not issubclass(base, (ColumnParallelLinear, RowParallelLinear)):
+    if not issubclass(base, (ColumnParallelLinear, RowParallelLinear)):
         return (
-            f"LoRA on {name!r} ({base.__name__}) is not supported; supported bases: ColumnParallelLinear and "
-            "RowParallelLinear (not packed q|k|v or gate|up layers, embeddings or experts): leave this module out "
+            f"LoRA on {name!r} ({base.__name__}) is not supported; supported bases: ColumnParallelLinear (packed "
+            "q|k|v or gate|up included) and RowParallelLinear (not embeddings or experts): leave this module out "
             "of target_modules"
         )
-    if issubclass(base, ColumnParallelLinear) and gather_output:
-        return (
-            f"LoRA on {name!r}, a column-parallel layer that gathers its output (gather_output=True), is not "
-            "supported; supported: ColumnParallelLinear without gathered output and RowParallelLinear"
-        )
-    if issubclass(base, RowParallelLinear) and not input_is_parallel:
-        return (
-            f"LoRA on {name!r}, a row-parallel layer that splits its own input (input_is_parallel=False), is not "
-            "supported; supported: ColumnParallelLinear without gathered output and RowParallelLinear"
-        )
+    if issubclass(base, PackedColumnParallelLinear) and gather_output:
+        return f"LoRA on {name!r}: a packed column-parallel layer cannot gather its output (its parts interleave)"
     return ""
 
 
@@ -98,7 +96,6 @@ def check_lora_target(base: nn.Module, name: str) -> None:
         type(base),
         name,
         gather_output=getattr(base, "gather_output", False),
-        input_is_parallel=getattr(base, "input_is_parallel", True),
         lm_head=hasattr(base, "logits_mode"),  # the vocab-parallel head (plan/caller_outputs.py sets it)
     )
     if reason:
@@ -133,10 +130,14 @@ def check_planned_wrapper(wrapper: nn.Module, styles: list, name: str, lm_head: 
 def check_adapter_targets(model: nn.Module, plan: Mapping[str, object], peft_config) -> None:
     """`peft_config`'s targets against what `plan` will make of them, before anything changes (the Trainer adds the
     adapters once the base is split, so `get_peft_model`'s own refusal would come after the split)."""
+    from peft.tuners import tuners_utils
     from peft.tuners.tuners_utils import check_target_module_exists
 
     from ...plan.apply import resolve_plan
 
+    # "all-linear" as PEFT resolves it on this model, not yet split (a private function: internals.py names it, and
+    # dispatch.py reaches it through that registry); on a copy, as PEFT resolves the user's config itself later
+    peft_config = tuners_utils._maybe_include_all_linear_layers(copy.copy(peft_config), model)
     get_head = getattr(model, "get_output_embeddings", None)
     head = get_head() if callable(get_head) else None
     for name, styles in resolve_plan(model, plan).items():
@@ -147,7 +148,7 @@ def check_adapter_targets(model: nn.Module, plan: Mapping[str, object], peft_con
 
 def _check_planned_layer(layer: nn.Module, styles: list, name: str, lm_head: bool) -> None:
     """Refuse a LoRA target whose layer the plan would swap for one LoRA here does not support."""
-    from ...styles import ColWiseParallel, RowWiseParallel
+    from ...styles import ColWiseParallel, PackedColWiseParallel, RowWiseParallel
 
     swapping = [s for s in styles if s.swaps_module]
     if not swapping:
@@ -155,6 +156,8 @@ def _check_planned_layer(layer: nn.Module, styles: list, name: str, lm_head: boo
     style = swapping[-1]
     if isinstance(style, ColWiseParallel):
         base = ColumnParallelLinear
+    elif isinstance(style, PackedColWiseParallel) and isinstance(layer, nn.Linear):
+        base = PackedColumnParallelLinear
     elif isinstance(style, RowWiseParallel) and isinstance(layer, nn.Linear):
         base = RowParallelLinear
     else:
@@ -163,7 +166,6 @@ def _check_planned_layer(layer: nn.Module, styles: list, name: str, lm_head: boo
         base,
         name,
         gather_output=getattr(style, "gather_output", False),
-        input_is_parallel=getattr(style, "input_is_parallel", True),
         lm_head=lm_head and not getattr(style, "gather_output", False),
     )
     if reason:
@@ -334,18 +336,26 @@ def _column_forward(self, x: torch.Tensor, active: list[str]) -> torch.Tensor:
         for name in active:
             a = copy_to_tensor_parallel_region(self.lora_A[name].weight, base.group)
             adapters[key(name)] = F.linear(self.lora_dropout[name](x.to(a.dtype)), a)
-    weight, bias = base.weight, base.bias
-    if base.replica_group is not None:  # replicated heads: their gradients are summed over the replicas
-        weight = copy_to_tensor_parallel_region(weight, base.replica_group)
-        bias = copy_to_tensor_parallel_region(bias, base.replica_group) if bias is not None else None
+    weight, bias = _replicas_summed(base, base.weight), _replicas_summed(base, base.bias)
     result = F.linear(entered, weight, bias)
     for name in active:
-        b = self.lora_B[name].weight
-        if base.replica_group is not None:
-            b = copy_to_tensor_parallel_region(b, base.replica_group)
+        b = _replicas_summed(base, self.lora_B[name].weight)  # B's rows are split like the base weight's
         u = adapters[key(name)]
         result = result + (F.linear(u.to(b.dtype), b) * self.scaling[name]).to(result.dtype)
-    return result
+    return base.gather(result) if base.gather_output else result  # the adapter's output shard gathered with W's
+
+
+def _replicas_summed(base: ColumnParallelLinear, param: torch.Tensor | None) -> torch.Tensor | None:
+    """`param` (split by output rows like the base weight) as the forward uses it: the gradient rows of heads
+    replicated over several tp ranks are summed over their replicas (all rows of a replicated shard; on a packed
+    layer, the rows of its replicated parts)."""
+    if param is None:
+        return None
+    if base.replica_group is not None:
+        return copy_to_tensor_parallel_region(param, base.replica_group)
+    if isinstance(base, PackedColumnParallelLinear):
+        return sum_segment_grads(param, 0, base.segments)
+    return param
 
 
 def _siblings(layer: nn.Module) -> list[nn.Module]:
@@ -374,6 +384,10 @@ def link_lora_siblings(model: nn.Module) -> None:
 
 def _row_forward(self, x: torch.Tensor, active: list[str]) -> torch.Tensor:
     base = self.base_layer
+    if not base.input_is_parallel:  # the layer splits its own input: so does the adapter, which reads the same slice
+        x = scatter_to_tensor_parallel_region(
+            x, base.group, dim=-1, sizes=shard_sizes(base.in_features, ranks.world_size(base.group))
+        )
     partial = [F.linear(x, base.weight)]
     for name in active:
         a = self.lora_A[name].weight

@@ -96,6 +96,17 @@ INTERNALS: dict[str, Internal] = {
         "get_peft_model on a tensor-parallel model: PEFT's LoRA dispatch learns the parallel layers",
         ("lora_config", "adapter_name", "target"),
     ),
+    "tuners_utils._maybe_include_all_linear_layers": Internal(
+        "peft.tuners.tuners_utils",
+        "_maybe_include_all_linear_layers",
+        'LoRA target_modules="all-linear" on a tensor-parallel model: PEFT\'s lookup counts the parallel layers',
+        ("peft_config", "model"),
+    ),
+    "tuners_utils.Conv1D": Internal(
+        "peft.tuners.tuners_utils",
+        "Conv1D",
+        'LoRA target_modules="all-linear" on a tensor-parallel model: the linear classes PEFT\'s lookup reads',
+    ),
     "Trainer._prepare_inputs": Internal(
         "transformers.trainer", "Trainer._prepare_inputs", "ParallelTrainer: batches moved under pp", ("self", "inputs")
     ),
