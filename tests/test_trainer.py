@@ -289,8 +289,8 @@ def test_hybrid_sharding_matches_single_device(pool, hf_dir, reference, tmp_path
         ({"sharding_level": 3, "sharding_threshold_kb": -1}, ["sharding_threshold_kb=-1", ">= 0"]),
         ({"pipeline_parallel_num_microbatches": 2}, ["pipeline_parallel_num_microbatches=2", "allowed", ": 1"]),
         ({"pipeline_parallel_size": 2, "pipeline_parallel_num_microbatches": 3}, ["per_device_train_batch_size=4"]),
-        ({"pipeline_parallel_size": 2, "pipeline_parallel_num_microbatches": 2, "gradient_accumulation_steps": 2},
-         ["gradient_accumulation_steps=2", "allowed: 1"]),
+        ({"pipeline_parallel_size": 2, "per_device_train_batch_size": 1, "per_device_eval_batch_size": 1},
+         ["pipeline_parallel_size=2 needs at least 2 micro-batches", "train 1, eval 1"]),
     ],
 )  # fmt: skip
 def test_arguments_are_validated(tmp_path, overrides, words):

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import logging
+import math
 import os
 from dataclasses import dataclass, field
 
@@ -19,6 +21,8 @@ from ...mesh import device as devices
 from ...mesh import ranks
 from ...mesh.rendezvous import init_before_accelerate
 from ...pipeline import SCHEDULES
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -64,8 +68,13 @@ class ParallelTrainingArguments(TrainingArguments):
         default=0,
         metadata={"help": "At sharding_level 2-3, parameters smaller than this many KB stay whole on every rank."},
     )
-    pipeline_parallel_num_microbatches: int = field(
-        default=1, metadata={"help": "Micro-batches each per-device batch is cut into under pp (>= pp)."}
+    pipeline_parallel_num_microbatches: int | None = field(
+        default=None,
+        metadata={
+            "help": "Micro-batches each per-device batch is cut into under pp (>= pp). Default: as many as the train "
+            "and eval batches both divide into (their gcd: one sample each with equal batch sizes); "
+            "gradient_accumulation_steps under pp multiplies them (see fold_accumulation_into_pipeline)."
+        },
     )
     pipeline_schedule: str = field(default="1f1b", metadata={"help": f"One of: {', '.join(SCHEDULES)}."})
     shared_batch: str = field(
@@ -108,7 +117,47 @@ class ParallelTrainingArguments(TrainingArguments):
                 "losses and batches wrongly. Add use_cpu=True (--use_cpu) to train on CPU with gloo, or run on an "
                 "accelerator accelerate distributes over"
             )
+        fold_accumulation_into_pipeline(self)
         check_settings(trainer_request(self))  # the request these arguments make, checked before any model exists
+
+
+def fold_accumulation_into_pipeline(args: ParallelTrainingArguments) -> None:
+    """Give `pipeline_parallel_num_microbatches` its default and fold `gradient_accumulation_steps` into it under pp.
+
+    Under pp, k > 1 accumulation steps become one schedule: the per-device train batch k times larger and the
+    accumulation steps 1, so an optimizer step sees the same samples (the sampler's next k batches, as one) and the
+    same loss, the token mean of the global batch, with one pipeline bubble instead of k. A micro-batch count set
+    explicitly is multiplied by k (each micro-batch keeps its size). The default (None): 1 without pp; under pp,
+    gcd(per-device train batch after the fold, eval batch), the most micro-batches both batches cut into (the
+    smallest bubble and micro-batch memory; one sample each when they are equal), which must be >= pp. Idempotent:
+    arguments folded once stay as they are."""
+    pp, steps = args.pipeline_parallel_size, args.gradient_accumulation_steps
+    micro, key = args.pipeline_parallel_num_microbatches, "pipeline_parallel_num_microbatches"
+    if not isinstance(pp, int) or pp <= 1:
+        args.pipeline_parallel_num_microbatches = 1 if micro is None else micro
+        return
+    train, evaluation = args.per_device_train_batch_size, args.per_device_eval_batch_size
+    if not all(isinstance(v, int) and not isinstance(v, bool) and v > 0 for v in (steps, train, evaluation)):
+        return  # check_settings names the bad value
+    if micro is not None and isinstance(micro, int) and train % micro:
+        raise ValueError(f"per_device_train_batch_size={train} is not allowed: it must be a multiple of {key}={micro}")
+    if steps > 1:
+        args.per_device_train_batch_size, args.gradient_accumulation_steps = train * steps, 1
+        micro = micro * steps if isinstance(micro, int) else None
+        logger.info(
+            f"gradient_accumulation_steps={steps} with pipeline_parallel_size={pp}: folded into one pipeline schedule "
+            f"(per_device_train_batch_size {train} -> {train * steps}, gradient_accumulation_steps -> 1)"
+        )
+    if micro is None:
+        micro = math.gcd(args.per_device_train_batch_size, evaluation)
+        if micro < pp:
+            raise ValueError(
+                f"pipeline_parallel_size={pp} needs at least {pp} micro-batches, and the per-device batches (train "
+                f"{args.per_device_train_batch_size}, eval {evaluation}) divide into at most {micro}: raise "
+                f"per_device_train_batch_size, per_device_eval_batch_size or gradient_accumulation_steps to a "
+                f"multiple of {pp}, or set {key}"
+            )
+    args.pipeline_parallel_num_microbatches = micro
 
 
 def trainer_request(
