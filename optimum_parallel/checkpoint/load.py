@@ -22,6 +22,7 @@ from ..tensor_parallel.spec import ShardLayout, replace_tensor
 from .async_save import wait_for_pending_copy
 from .collect import is_dtensor, optimizer_class, parameter_names, source_param_groups
 from .metadata import INDEX_NAME, CheckpointIndex, TensorEntry, read_index
+from .optimizer_groups import saved_hyper_parameters
 from .ranks import RankInfo, current_rank
 from .reading import ShardFiles
 from .rng_files import restore_rng
@@ -135,33 +136,16 @@ def _load_optimizer(
     cls = optimizer_class(optimizer)
     if saved["class"] != f"{cls.__module__}.{cls.__qualname__}":
         raise CheckpointError(f"{where}: holds {saved['class']} state, not {cls.__module__}.{cls.__qualname__}")
-    # empty groups hold no state (transformers' Trainer makes a no-decay group even when nothing goes in it)
-    saved_groups = [g for g in saved["param_groups"].get(str(rank.pp)) or [] if g["params"]]
     source = source_param_groups(optimizer)  # as the caller built them, whatever the sharding level
-    filled = [g for g in source if g["params"]]
-    if len(saved_groups) != len(filled):
-        raise CheckpointError(
-            f"{where}: {len(saved_groups)} non-empty optimizer param groups saved for pp rank {rank.pp}, the "
-            f"optimizer has {len(filled)}"
-        )
     names = parameter_names(model)
+    params_of = [[names.get(id(p), "<not a model parameter>") for p in group["params"]] for group in source]
+    # groups are matched by their parameters' names: a reshard may merge, empty or drop them (optimizer_groups.py)
+    hypers = saved_hyper_parameters(where, saved["param_groups"].get(str(rank.pp)) or [], params_of)
     states: dict[str, dict[str, TensorEntry]] = {}
     for key, entry in index.optimizer_tensors.items():
         states.setdefault(entry.param, {})[key.rpartition("/")[2]] = entry
     state, groups, position = {}, [], 0
-    saved_of = dict(zip((id(g) for g in filled), saved_groups, strict=True))
-    for i, group in enumerate(source):
-        if not group["params"]:
-            groups.append({**group, "params": []})
-            continue
-        saved_group = saved_of[id(group)]
-        params = [names.get(id(p), "<not a model parameter>") for p in group["params"]]
-        if sorted(params) != sorted(saved_group["params"]):  # state is matched by name, not position
-            raise CheckpointError(
-                f"{where}: optimizer param group {i} was saved over {len(saved_group['params'])} parameters, the "
-                f"optimizer's holds {len(params)}; only saved: {sorted(set(saved_group['params']) - set(params))[:3]}, "
-                f"only in the optimizer: {sorted(set(params) - set(saved_group['params']))[:3]}"
-            )
+    for group, params, hyper in zip(source, params_of, hypers, strict=True):
         ids = []
         for param, name in zip(group["params"], params, strict=True):
             values = {}
@@ -178,7 +162,7 @@ def _load_optimizer(
                 state[position] = values
             ids.append(position)
             position += 1
-        hyper = {k: tuple(v) if isinstance(group.get(k), tuple) else v for k, v in saved_group.items()}
+        hyper = {k: tuple(v) if isinstance(group.get(k), tuple) else v for k, v in (hyper or {}).items()}
         groups.append({**group, **hyper, "params": ids})
     optimizer.load_state_dict({"state": state, "param_groups": groups})  # ZeRO-1 (each part) keeps its own share
 
@@ -188,7 +172,8 @@ def load_model_checkpoint(
     model: nn.Module, load_dir: str | Path, optimizer: torch.optim.Optimizer | None = None
 ) -> None:
     """Load this rank's shards of the sharded checkpoint `load_dir` into the parallelized `model` (in place),
-    and the optimizer state into `optimizer` when given (its param groups must match the saved ones).
+    and the optimizer state into `optimizer` when given (its param groups matched to the saved ones by their
+    parameters' names; each takes the saved hyper-parameters).
     Call it on every rank; meta (lazy) parameters are materialised from the checkpoint. An async save's snapshot
     still being copied from these tensors is completed first."""
     from .save import check_expert_checkpoint

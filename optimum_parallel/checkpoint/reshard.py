@@ -18,6 +18,7 @@ from ..io.safetensors_io import SafetensorsWriter, dtype_from_name, nbytes
 from .atomic import partial_dir, publish
 from .consolidate import copy_configs
 from .metadata import CheckpointIndex, TensorEntry, model_file, optimizer_file, read_index, write_index
+from .optimizer_groups import regroup
 from .reading import ShardFiles
 from .sharding import assign_pp_ranks, resharded_entry
 
@@ -57,41 +58,11 @@ def _file_info(file: str) -> dict:
     return info
 
 
-def _hyper(group: dict) -> dict:
-    return {k: v for k, v in group.items() if k != "params"}
-
-
 def _regroup(index: CheckpointIndex, pp: int) -> dict:
-    """The optimizer's param groups per pp rank at `pp` stages: the saved groups merged over the source's
-    stages (by hyper-parameters), then split by stage as `optimizer_for_mp` splits them (empty groups dropped);
-    a weight tied across stages (embedding / LM head) is in both stages' groups, under each stage's name."""
-    optimizer, tied = index.optimizer, index.tied
+    """The optimizer description at `pp` stages (as saved at the same number)."""
     if pp == index.mesh.get("pp", 1):
-        return optimizer
-    merged: list[dict] = []
-    for rank in sorted(optimizer["param_groups"], key=int):
-        for group in optimizer["param_groups"][rank]:
-            same = next((g for g in merged if _hyper(g) == _hyper(group)), None)
-            if same is None:
-                same = {**_hyper(group), "params": []}
-                merged.append(same)
-            same["params"] += [tied.get(n, n) for n in group["params"] if tied.get(n, n) not in same["params"]]
-    alias_of = {c: a for a, c in tied.items() if c in index.tensors and a not in index.tensors}
-    stage = assign_pp_ranks([*index.tensors, *alias_of.values()], pp)
-    groups: dict[str, list] = {}
-    for rank in range(pp):
-        groups[str(rank)] = []
-        for group in merged:
-            names = []
-            for name in group["params"]:
-                alias = alias_of.get(name)
-                if stage[name] == rank:
-                    names.append(name)
-                elif alias is not None and stage[alias] == rank:  # the other side of a tie, where it was
-                    names.append(alias)
-            if names:
-                groups[str(rank)].append({**_hyper(group), "params": names})
-    return {**optimizer, "param_groups": groups}
+        return index.optimizer
+    return {**index.optimizer, "param_groups": regroup(index, pp)}
 
 
 def reshard_checkpoint(

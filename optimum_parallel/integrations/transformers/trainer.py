@@ -462,17 +462,18 @@ class ParallelTrainerMixin:
             torch.save(self.lr_scheduler.state_dict(), os.path.join(output_dir, SCHEDULER_NAME))
 
     def _sharded_dir(self, checkpoint: str) -> Path:
-        """`checkpoint`, or a copy resharded to the running tp/pp sizes (next to the outputs, removed after use)."""
+        """`checkpoint`, or a copy resharded to the running tp/pp/ep sizes (next to the outputs, removed after use);
+        dp, cp and the sharding level need none (the files do not depend on them)."""
         if self._resume_dir is not None and self._resume_dir[0] == checkpoint:
             return self._resume_dir[1]
         saved = read_index(checkpoint).mesh
-        tp, pp = self.mesh.size("tp"), self.mesh.size("pp")
+        tp, pp, ep = self.mesh.size("tp"), self.mesh.size("pp"), self.mesh.size("ep")
         path = Path(checkpoint)
-        if (saved.get("tp", 1), saved.get("pp", 1)) != (tp, pp):
-            path = Path(self.args.output_dir) / f".{Path(checkpoint).name}-resharded-tp{tp}-pp{pp}"
+        if (saved.get("tp", 1), saved.get("pp", 1), saved.get("ep", 1)) != (tp, pp, ep):
+            path = Path(self.args.output_dir) / f".{Path(checkpoint).name}-resharded-tp{tp}-pp{pp}-ep{ep}"
             current_rank().run(
-                lambda: reshard_checkpoint(checkpoint, path, tp=tp, pp=pp, progress=False),
-                f"resharding {checkpoint} to tp={tp}, pp={pp}",
+                lambda: reshard_checkpoint(checkpoint, path, tp=tp, pp=pp, progress=False, ep=ep),
+                f"resharding {checkpoint} to tp={tp}, pp={pp}, ep={ep}",
                 only_main=True,
             )
         self._resume_dir = (checkpoint, path)
