@@ -25,7 +25,7 @@ def test_trainer_overrides_still_match_transformers():
 
     from optimum_parallel.integrations.transformers.trainer import ParallelTrainerMixin
 
-    check_overrides(ParallelTrainerMixin, Trainer)  # also run at import; here explicitly
+    check_overrides(ParallelTrainerMixin, Trainer)  # also run when a ParallelTrainer is made
     overridden = [name for name, f in vars(ParallelTrainerMixin).items() if getattr(f, "__private_override__", False)]
     assert len(overridden) >= 11
 

@@ -2,10 +2,11 @@
 
 Private symbols change between releases without notice. Each one this package touches is listed here with
 what it is for; code reaches it through `transformers_internal(name)`, which raises `InternalsChanged`
-naming the symbol, the installed version and the feature that needs it, instead of an AttributeError deep
-inside a training run. `ParallelTrainer` checks at import time that every private Trainer method it
-overrides still exists with the parameters it expects (`check_overrides`). `tests/test_internals.py`
-checks the whole list against the installed transformers.
+naming the symbol, the installed and the tested versions and the feature that needs it, instead of an
+AttributeError deep inside a training run. A `ParallelTrainer` checks when it is made (never at import) that every
+private Trainer method it overrides exists with the parameters it expects (`check_overrides`), or was added by a
+transformers release newer than the installed one (`ADDED_IN`). `tests/test_internals.py` checks the whole list
+against the installed transformers; `make test-compat` runs it on the lowest tested versions.
 """
 
 from __future__ import annotations
@@ -13,6 +14,15 @@ from __future__ import annotations
 import importlib
 import inspect
 from dataclasses import dataclass
+
+# the versions the test lanes run: `make test` the newest, `make test-compat` the oldest (pyproject.toml's floors)
+TESTED = {"transformers": ("5.17.0", "5.24.0"), "accelerate": ("1.15.0", "1.15.0"), "torch": ("2.13.0", "2.13.0")}
+
+# private Trainer methods overridden here that transformers added after the oldest tested release: before it, nothing
+# calls them and nothing needs overriding: 5.19 added the replicated-parameter fix-up for DTensor models; 5.23 the
+# deferred FSDP2 reduction (before it, gradient accumulation at levels 2-3 reduce-scatters every micro-batch: the same
+# gradients, more communication)
+ADDED_IN = {"_sync_replicated_trainable_parameters": "5.19.0", "_defer_fsdp_gradient_reduction": "5.23.0"}
 
 
 class InternalsChanged(RuntimeError):
@@ -128,12 +138,30 @@ def _version(module: str) -> str:
         return "unknown"
 
 
+def _release(version: str) -> tuple[int, ...]:
+    """(5, 19, 0) from '5.19.0', '5.19.0.dev0' or '2.13.0+cpu'."""
+    numbers = []
+    for part in version.split("+")[0].split(".")[:3]:
+        digits = "".join(c for c in part if c.isdigit()) if part[:1].isdigit() else ""
+        numbers.append(int(digits or 0))
+    return tuple(numbers)
+
+
+def installed_release(package: str) -> tuple[int, ...]:
+    """The installed `package`'s (major, minor, patch), for the few behaviours that differ inside the tested range."""
+    return _release(_version(package))
+
+
+def _supported(package: str) -> str:
+    low, high = TESTED.get(package, ("?", "?"))
+    return f"Install a {package} version between {low} and {high} (the versions this release is tested on)"
+
+
 def _changed(name: str, internal: Internal, what: str) -> InternalsChanged:
     package = internal.module.partition(".")[0]
     return InternalsChanged(
         f"{package} {_version(internal.module)}: {internal.module}.{internal.path} {what}; optimum-parallel needs it "
-        f"for {internal.used_for}. Install a {package} version this release supports (see pyproject.toml) "
-        f"or report it ({name})."
+        f"for {internal.used_for}. {_supported(package)} or report it ({name})."
     )
 
 
@@ -191,15 +219,18 @@ def check_overrides(cls: type, base: type) -> None:
                     "mark it @private_override or rename it"
                 )
             continue
+        installed = _version(base.__module__)
         if original is None:
+            if name in ADDED_IN and _release(installed) < _release(ADDED_IN[name]):
+                continue  # not yet in this release: nothing calls it
             raise InternalsChanged(
-                f"{base.__module__}.{base.__qualname__}.{name} no longer exists; {cls.__qualname__} overrides it "
-                "and relies on it being called. Install a transformers version this release supports."
+                f"transformers {installed}: {base.__module__}.{base.__qualname__}.{name} no longer exists; "
+                f"{cls.__qualname__} overrides it and relies on it being called. {_supported('transformers')}."
             )
         ours = list(inspect.signature(method).parameters)
         theirs = list(inspect.signature(original).parameters)
         if ours != theirs:
             raise InternalsChanged(
-                f"{base.__qualname__}.{name} now takes ({', '.join(theirs)}); {cls.__qualname__} overrides it as "
-                f"({', '.join(ours)}). Install a transformers version this release supports."
+                f"transformers {installed}: {base.__qualname__}.{name} now takes ({', '.join(theirs)}); "
+                f"{cls.__qualname__} overrides it as ({', '.join(ours)}). {_supported('transformers')}."
             )

@@ -41,7 +41,7 @@ from ...packing import PACKING_KEYS
 from ...plan import logits_mode
 from ...plan.wrappers import plan_root
 from ...tensor_parallel.layers import ColumnParallelLinear
-from .internals import InternalsChanged, check_overrides, private_override, transformers_internal
+from .internals import InternalsChanged, check_overrides, installed_release, private_override, transformers_internal
 from .lazy_loading import lazy_load_for_parallelism
 from .training_args import ParallelTrainingArguments, trainer_request
 from .xla import XlaStepCallback, no_token_gather, on_xla_device, plain_loader
@@ -114,6 +114,7 @@ class ParallelTrainerMixin:
         peft_config: Any = None,
         **kwargs: Any,
     ) -> None:
+        check_overrides(ParallelTrainerMixin, Trainer)  # a renamed Trainer method fails here, loudly, before any work
         if not isinstance(args, ParallelTrainingArguments):
             raise TypeError(f"ParallelTrainer needs ParallelTrainingArguments, got {type(args).__name__}")
         if kwargs.get("model_init") is not None:
@@ -157,6 +158,7 @@ class ParallelTrainerMixin:
         parameters, then the training half of the composition; on XLA one sync per optimizer step."""
         self.is_distributed_loading_by_transformers = True
         self.accelerator.prepare_data_loader = self._prepare_data_loader
+        self.accelerator.prepare_model = self._prepare_model_unwrapped
         if self.optimizer is None:
             self.create_optimizer()
         # an optimizer passed in was rebuilt above, and the Trainer's own is built over the parallel parameters:
@@ -169,6 +171,15 @@ class ParallelTrainerMixin:
             XlaStepCallback.install(self)
 
     # ------------------------------------------------------------------ accelerate: no wrapping, batches per dp rank
+
+    def _prepare_model_unwrapped(self, model, device_placement=None, evaluation_mode=False):
+        """accelerate prepares autocast (and nothing else) for the model, which owns its placement and gradient
+        reduction: what transformers >= 5.19 asks for a model loaded distributed; older releases call
+        `accelerator.prepare(model, optimizer)`, which would wrap it in DDP over the whole world."""
+        del device_placement, evaluation_mode
+        return type(self.accelerator).prepare_model(
+            self.accelerator, model, device_placement=False, evaluation_mode=True
+        )
 
     @private_override
     def _build_accelerator_args(self, **kwargs) -> dict[str, Any]:
@@ -212,6 +223,14 @@ class ParallelTrainerMixin:
         accelerate's own parallelism config, unset here), because the loss scale divides by this one only."""
         return self.mesh.size("tp") * self.mesh.size("pp") * self.mesh.size("cp")
 
+    def _trainer_token_divisor(self) -> int:
+        """What transformers divides its token count by: `get_tp_size` x cp x sp from 5.19 on (the last two read
+        accelerate's parallelism config, unset here), accelerate's non-data-parallel size before (unset: 1)."""
+        if installed_release("transformers") >= (5, 19):
+            return self.get_tp_size()
+        config = getattr(self.accelerator, "parallelism_config", None)
+        return config.non_data_parallel_size if config is not None else 1
+
     @private_override
     def _get_num_items_in_batch(self, batch_samples: list, device: torch.device):
         """Without `average_tokens_across_devices` the Trainer's count is this replica's own, yet it still divides it
@@ -223,7 +242,7 @@ class ParallelTrainerMixin:
         with no_token_gather(self.args) if xla else contextlib.nullcontext():
             count = super()._get_num_items_in_batch(batch_samples, device)
         if count is not None and (local or xla):
-            count = count * self.get_tp_size()
+            count = count * self._trainer_token_divisor()
         if count is not None and xla and self.mesh.size("batch") > 1:  # the global batch's count, summed in the graph
             dist.all_reduce(count, group=self.mesh.group("batch"))
         return count
@@ -271,6 +290,11 @@ class ParallelTrainerMixin:
         model.train()
         if not self.args.average_tokens_across_devices:
             num_items_in_batch = None
+        elif num_items_in_batch is not None and not on_xla_device(self.args.device):
+            # the world's count, in which each replica's tokens come tp x pp x cp times: the global batch's count
+            # (transformers before 5.19 does not divide it; its loss scale over the world makes up for that
+            # outside pp, but the pipeline's loss is the global batch's mean as it is)
+            num_items_in_batch = num_items_in_batch * self._trainer_token_divisor() / self.get_tp_size()
         inputs = self._prepare_inputs(inputs)
         with self.accelerator.autocast():  # accelerate's mixed precision wraps model.forward, which pp bypasses
             return model.run_train(**inputs, num_items_in_batch=num_items_in_batch).detach()
@@ -511,6 +535,3 @@ class ParallelTrainerMixin:
 class ParallelTrainer(ParallelTrainerMixin, Trainer):
     """A `Trainer` over a dp x pp x cp x tp mesh set by `ParallelTrainingArguments`; launch it with `torchrun`.
     See `ParallelTrainerMixin` for the arguments."""
-
-
-check_overrides(ParallelTrainerMixin, Trainer)  # at import: a renamed Trainer method fails here, loudly
