@@ -39,7 +39,7 @@ test-trl: $(BIN)/.installed
 # several hosts: network namespaces joined by a veth pair (root and iproute2's `ip`; skipped with the reason otherwise)
 test-hosts: $(BIN)/.installed
 	@command -v ip >/dev/null || [ "$$(id -u)" != 0 ] || (apt-get update -qq && apt-get install -y -qq iproute2)
-	$(BIN)/python -m pytest tests/test_hosts.py
+	$(BIN)/python -m pytest tests/test_hosts.py tests/test_hosts_launchers.py
 
 # the accelerator lane: every parallelism on a simulated accelerator, `neuron` (PrivateUse1 over host memory, its own
 # process-group backend; tests/accel/simulated_neuron.py), about a minute on 2 cores. Its C++ hooks (generators,

@@ -166,17 +166,23 @@ def backend_options(backend: str, timeout: timedelta):
     return options
 
 
-def local_device_index() -> int:
-    """This process's device: `LOCAL_RANK` when it sees several devices, else 0 (one visible device per process)."""
+def local_device_index(local_rank: int | None = None) -> int:
+    """This process's device: its place on its host (`local_rank`, the launcher's; by default `LOCAL_RANK`) when it
+    sees several devices, else 0 (one visible device per process)."""
     count = torch.accelerator.device_count()
-    return int(os.environ.get("LOCAL_RANK", "0")) % count if count > 1 else 0
+    if local_rank is None:
+        local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    return local_rank % count if count > 1 else 0
 
 
-def set_process_device(device_type: str, bound: torch.device | None = None) -> torch.device | None:
+def set_process_device(
+    device_type: str, bound: torch.device | None = None, local_rank: int | None = None
+) -> torch.device | None:
     """Make this process's device current, before any group exists (NCCL-like backends bind to it, and torch's
     DeviceMesh would otherwise pick `LOCAL_RANK` itself, an index a one-device process does not have); returns it,
     the `device_id` for `init_process_group` (None on the CPU and XLA). `bound`: the device a caller's own default
-    group is bound to; a caller that made the group and chose a device already keeps it."""
+    group is bound to; a caller that made the group and chose a device already keeps it. `local_rank`: this
+    process's place on its host, as its launcher says (mesh/launchers.py; by default `LOCAL_RANK`)."""
     if device_type in (HOST, XLA):
         return None
     if bound is not None:
@@ -184,7 +190,7 @@ def set_process_device(device_type: str, bound: torch.device | None = None) -> t
     elif _device_chosen(device_type):
         index = torch.accelerator.current_device_index()
     else:
-        index = local_device_index()
+        index = local_device_index(local_rank)
     torch.accelerator.set_device_index(index)
     return torch.device(device_type, index)
 
@@ -207,9 +213,11 @@ def device_identity(device: torch.device) -> str:
     return f"{device.type} {uuid}" if uuid else f"{device.type}:{device.index}"
 
 
-def host_identity() -> str:
-    """This process's host among the job's: torchrun's node rank where it gives one, else the host name."""
-    node = os.environ.get("GROUP_RANK")
+def host_identity(node: str | None = None) -> str:
+    """This process's host among the job's: the launcher's node number (`node`: SLURM_NODEID, torchrun's GROUP_RANK,
+    read by default) where it gives one, else the host name."""
+    if node is None:
+        node = os.environ.get("GROUP_RANK")
     return f"node {node} ({socket.gethostname()})" if node is not None else socket.gethostname()
 
 

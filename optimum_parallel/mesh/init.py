@@ -9,7 +9,7 @@ from datetime import timedelta
 
 import torch.distributed as dist
 
-from . import binding, rendezvous, timeouts
+from . import binding, launchers, rendezvous, timeouts
 from . import device as devices
 from .layout import ALIASES, EXPERT_DIM, GRID_DIMS, MeshLayout
 from .protocol import ParallelMesh
@@ -40,10 +40,11 @@ def init_mesh(
     name, `mp` for tp.
 
     `device`: any device type torch knows ("cuda", "neuron", "npu", "xpu", "cpu", or "xla" for torch-xla); by default
-    torch's current accelerator (the CPU without one; XLA where `PJRT_DEVICE` is set). Starts torch.distributed from
-    the torchrun environment if needed, with the backend the device's package registered (gloo on the CPU, nccl on
-    CUDA, neuron on Trainium, ...), bound to this process's device (`LOCAL_RANK`'s, set first in every path) where
-    the backend can split groups from it (binding.py).
+    torch's current accelerator (the CPU without one; XLA where `PJRT_DEVICE` is set). Starts torch.distributed if
+    needed from the variables of the launcher that started the process (torchrun, accelerate launch, srun, mpirun:
+    launchers.py), with the backend the device's package registered (gloo on the CPU, nccl on CUDA, neuron on
+    Trainium, ...), bound to this process's device (its local rank's, set first in every path) where the backend can
+    split groups from it (binding.py).
 
     Timeouts (`timeouts.py`): every process group waits `timeout` (seconds or a timedelta; default 10 minutes) until
     this process's first optimizer step ends and around checkpoint saves and loads, `train_timeout` (default 2
@@ -73,11 +74,12 @@ def init_mesh(
 
 
 def _init_process_group(timeout: timedelta, device_type: str) -> None:
-    """Start torch.distributed from torchrun's environment (or a single local process) on `device_type`'s backend;
+    """Start torch.distributed from the launcher's variables (launchers.py: torchrun, accelerate launch, srun,
+    mpirun; or one local process) on `device_type`'s backend;
     on XLA from torch-xla's runtime (`init_method="xla://"`), once per process however many devices it drives."""
     with _INIT_LOCK:
         if dist.is_initialized():  # made by the caller (or accelerate): its device still comes first, before the mesh
-            devices.set_process_device(device_type, bound=_bound_device())
+            devices.set_process_device(device_type, bound=_bound_device(), local_rank=_local_rank())
             binding.keep_only_where_split_works()  # a caller's group bound on gloo underneath would fail the mesh too
             return
         # torch.distributed.optim (ZeRO-1) imports torch.distributed.rpc; imported after a process group exists, it
@@ -97,13 +99,19 @@ def _init_process_group(timeout: timedelta, device_type: str) -> None:
 
             dist.init_process_group(backend=devices.XLA, init_method="xla://", timeout=timeout)
             return
-        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-        os.environ.setdefault("MASTER_PORT", "29500")
-        os.environ.setdefault("RANK", "0")
-        os.environ.setdefault("WORLD_SIZE", "1")
-        device_id = devices.set_process_device(device_type)
+        launch = launchers.detect()  # a missing or malformed launcher variable raises here, before anything changes
+        device_id = devices.set_process_device(device_type, local_rank=launch.local_rank)
         # restarts under torchrun's shared store need no TORCH_DISABLE_SHARE_RDZV_TCP_STORE (rendezvous.py)
-        rendezvous.init_process_group(devices.backend_for(device_type), timeout, device_id)
+        rendezvous.init_process_group(devices.backend_for(device_type), timeout, device_id, launch)
+
+
+def _local_rank() -> int | None:
+    """This process's place on its host by its launcher's variables, for a caller that made the group itself (who
+    may have used others: then `LOCAL_RANK`, as before)."""
+    try:
+        return launchers.detect().local_rank
+    except launchers.LaunchError:
+        return None
 
 
 def _bound_device():

@@ -24,7 +24,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from . import binding
+from . import binding, launchers
 from . import device as devices
 from .clean_exit import destroy_at_clean_exit
 
@@ -32,7 +32,8 @@ VARIABLE = "TORCH_DISABLE_SHARE_RDZV_TCP_STORE"
 _ADDRESS_KEY = "optimum_parallel/rendezvous/rank0"  # in the agent's store: "host:port:token" of rank 0's small store
 _TOKEN_KEY = "optimum_parallel/rendezvous/token"  # in rank 0's small store: the same token
 _PREFIX = "optimum_parallel/attempt-{}/"  # this attempt's keys in the agent's store
-_DEVICES_KEY = "optimum_parallel/devices/{}/{}"  # (host, local rank) -> "rank|device", checked before NCCL starts
+_DEVICES_KEY = "optimum_parallel/devices/{}/{}"  # (host, local rank) -> "rank|host|device", checked before NCCL starts
+_RANK_DEVICE_KEY = "optimum_parallel/devices/rank/{}"  # rank -> the same, where the launcher does not count its host
 _KEEP: list = []  # rank 0's small store, alive as long as the process
 _PROBE_S = 2.0  # a connect to a stale address fails at once on a live host; a dead host gets this long
 _RETRY_S = 0.05
@@ -43,25 +44,43 @@ def shares_agent_store() -> bool:
     return os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
 
 
-def init_process_group(backend: str, timeout: timedelta, device_id: torch.device | None = None) -> None:
-    """`dist.init_process_group(backend, timeout=timeout, device_id=device_id)` from torchrun's environment; under
-    torchrun's shared store, on a store of this attempt's own (see the module docstring). `device_id`: this process's
+def init_process_group(
+    backend: str,
+    timeout: timedelta,
+    device_id: torch.device | None = None,
+    launch: launchers.Launch | None = None,
+) -> None:
+    """`dist.init_process_group(backend, timeout=timeout, device_id=device_id)` with the rank, world size and rank 0's
+    address of `launch` (by default read from the launcher's variables: launchers.py), passed to torch rather than
+    through the environment; under torchrun's shared store, on a store of this attempt's own (see the module
+    docstring). `device_id`: this process's
     accelerator device, bound to the group (NCCL then connects at once, and DeviceMesh splits its sub-groups from
     it, where the backend can split: binding.py); under a backend that cannot share a device, two ranks of a host on
     one device raise first, on each of them."""
-    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    launch = launchers.detect() if launch is None else launch
+    rank, world = launch.rank, launch.world_size
     check = device_id is not None and world > 1 and not devices.shares_devices(backend)
     if shares_agent_store():
-        store = attempt_store(rank, world, timeout)
+        store = attempt_store(rank, world, timeout, launch.master_addr, launch.master_port)
     elif check:  # the store init_process_group would make itself, made first for the device check
-        store = dist.PrefixStore("default_pg", next(dist.rendezvous("env://", rank, world, timeout=timeout))[0])
+        rendezvous = dist.rendezvous(launch.init_method, rank, world, timeout=timeout)
+        store = dist.PrefixStore("default_pg", next(rendezvous)[0])
     else:
-        dist.init_process_group(backend=backend, timeout=timeout, device_id=device_id)
+        dist.init_process_group(
+            backend=backend,
+            init_method=launch.init_method,
+            rank=rank,
+            world_size=world,
+            timeout=timeout,
+            device_id=device_id,
+        )
         binding.keep_only_where_split_works()
         destroy_at_clean_exit()
         return
     if check:
-        check_one_rank_per_device(store, rank, device_id, timeout)
+        check_one_rank_per_device(
+            store, rank, device_id, timeout, launch.local_rank, launch.local_world_size, world=world, node=launch.node
+        )
     dist.init_process_group(
         backend=backend, store=store, rank=rank, world_size=world, timeout=timeout, device_id=device_id
     )
@@ -76,30 +95,36 @@ def check_one_rank_per_device(
     timeout: timedelta,
     local_rank: int | None = None,
     local_world: int | None = None,
+    *,
+    world: int | None = None,
+    node: str | None = None,
 ) -> None:
     """Every rank of this host posts its device in `store` and reads its neighbours'; raises (on each of them) when
-    two map to one physical device, naming the ranks and the device. `local_rank`, `local_world`: torchrun's
-    LOCAL_RANK and LOCAL_WORLD_SIZE by default (without them: every rank of the job is on this host)."""
-    host = devices.host_identity()
-    if local_rank is None:
-        local_rank = int(os.environ.get("LOCAL_RANK", rank))
-    if local_world is None:
-        local_world = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("WORLD_SIZE", "1")))
-    store.set(_DEVICES_KEY.format(host, local_rank), f"{rank}|{devices.device_identity(device)}")
-    keys = [_DEVICES_KEY.format(host, r) for r in range(local_world)]
+    two map to one physical device, naming the ranks and the device. `local_rank`, `local_world`: this rank's place
+    on its host and how many ranks the host runs, as the launcher says (launchers.py). Where it does not say, every
+    rank of the job (`world`) posts and reads all: a host's count guessed as the job's size waited, on several hosts,
+    for keys that could never come. `node`: the launcher's name for this host (devices.host_identity)."""
+    host = devices.host_identity(node)
+    if local_rank is not None and local_world is not None:
+        mine, keys = _DEVICES_KEY.format(host, local_rank), [_DEVICES_KEY.format(host, r) for r in range(local_world)]
+    elif world is not None:
+        mine, keys = _RANK_DEVICE_KEY.format(rank), [_RANK_DEVICE_KEY.format(r) for r in range(world)]
+    else:
+        raise ValueError("check_one_rank_per_device needs local_rank and local_world, or world")
+    store.set(mine, f"{rank}|{host}|{devices.device_identity(device)}")
     store.wait(keys, timeout)
     claims = {}
     for key in keys:
-        other, _, identity = store.get(key).decode().partition("|")
-        claims[int(other)] = (host, identity)
+        other, other_host, identity = store.get(key).decode().split("|", 2)
+        claims[int(other)] = (other_host, identity)
     message = devices.duplicate_devices(claims)
     if message:
         raise RuntimeError(message)
 
 
-def attempt_store(rank: int, world: int, timeout: timedelta) -> dist.Store:
-    """The agent's store under a prefix that only this attempt's ranks use (rank 0's token, see the docstring)."""
-    host, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
+def attempt_store(rank: int, world: int, timeout: timedelta, host: str, port: int) -> dist.Store:
+    """The agent's store (at `host`:`port`, torchrun's MASTER_ADDR and MASTER_PORT) under a prefix that only this
+    attempt's ranks use (rank 0's token, see the docstring)."""
     deadline = time.monotonic() + timeout.total_seconds()
     try:
         agent = dist.TCPStore(host, port, world, is_master=False, timeout=timeout)
@@ -162,5 +187,6 @@ def init_before_accelerate(ddp_backend: str | None, use_cpu: bool, timeout_s: fl
     device_type = devices.HOST if use_cpu else devices.resolve_device_type()
     if ddp_backend is None:
         ddp_backend = devices.backend_for(device_type)
-    device_id = devices.set_process_device(device_type)  # as accelerate does before its group
-    init_process_group(ddp_backend, timedelta(seconds=timeout_s), device_id)
+    launch = launchers.detect()
+    device_id = devices.set_process_device(device_type, local_rank=launch.local_rank)  # as accelerate does first
+    init_process_group(ddp_backend, timedelta(seconds=timeout_s), device_id, launch)
