@@ -305,10 +305,10 @@ def _step(model, optimizer, batch, pipeline: bool) -> torch.Tensor:
     return loss
 
 
-def noise_floor(model_type: str) -> dict[str, float]:
+def noise_floor(model_type: str, config=None) -> dict[str, float]:
     """The errors of one process against itself from weights perturbed by a relative 1e-7 (loss, worst gradient,
-    loss over the steps): fp32's noise floor for this family's tiny model."""
-    config = family_config(model_type)
+    loss over the steps): fp32's noise floor for this family's tiny model (`config`: a variant of it)."""
+    config = config or family_config(model_type)
     reference, perturbed = build(config), build(config)
     gen = torch.Generator().manual_seed(7)
     with torch.no_grad():
@@ -364,14 +364,15 @@ def held_fraction(model, reference) -> float:
     return sum(p.numel() for p in model.parameters()) / sum(p.numel() for p in reference.parameters())
 
 
-def check_layout(model_type: str, layout: str) -> dict:
-    """One family at one layout on this rank: {'errors', 'held'} or {'refused': the message, 'untouched': bool}."""
+def check_layout(model_type: str, layout: str, config=None, spec: dict | None = None) -> dict:
+    """One family at one layout on this rank: {'errors', 'held'} or {'refused': the message, 'untouched': bool}.
+    `config` / `spec`: a variant of the family's tiny config, a layout outside `LAYOUTS` (a dedicated test's)."""
     import optimum_parallel as op
     from optimum_parallel.engine.compose import compose_training
 
-    spec = LAYOUTS[layout]
+    spec = spec or LAYOUTS[layout]
     mesh = op.init_mesh(**spec["mesh"], timeout=60)  # a failing rank ends the cell instead of waiting 10 minutes
-    config = family_config(model_type)
+    config = config or family_config(model_type)
     reference = build(config)
     model = copy.deepcopy(reference)
     before = dict(model.named_parameters())

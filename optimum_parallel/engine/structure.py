@@ -3,7 +3,8 @@ checked layer by layer, not looked up in a list of model types (a hand-written f
 
 - pipeline parallelism: a decoder stack (the base model's layer list, of the classes transformers marks
   `_no_split_modules` where it marks any), its embedding, final norm and head found by role (`pipeline/decoder.py`), no
-  other parameter-holding module beside them;
+  other parameter-holding module beside them but those computing per-layer inputs (Gemma 4's: one per token and
+  layer, before the layers; they travel from the first stage, split with the sequence under sp and cp);
 - sequence parallelism: the same stack, each layer's children norms (run on the slices), parameter-less, or blocks
   (run on the whole sequence); the residual stream between blocks is then token-wise;
 - context parallelism: every token mixer of every layer (a child with a `layer_idx` that is not token-wise, or holding
@@ -140,12 +141,29 @@ def state_mixers(model: nn.Module) -> list[str]:
     return found
 
 
+def _kv_shared_layer(stack: DecoderStack) -> str | None:
+    """The first attention reading the keys and values an earlier layer stored (Gemma 4's kv-shared layers, the last
+    config.num_kv_shared_layers), named with what it reads; None when no layer does."""
+    for index, layer in enumerate(stack.layers):
+        for name, child in layer.named_children():
+            if getattr(child, "is_kv_shared_layer", False) is True:
+                shared = getattr(getattr(child, "config", None), "num_kv_shared_layers", "?")
+                return (
+                    f"{stack.prefix}.{index}.{name} ({type(child).__name__}) reads the keys and values an earlier "
+                    f"layer stored (config.num_kv_shared_layers={shared})"
+                )
+    return None
+
+
 def _context_parallel_blocker(model: nn.Module, stack: DecoderStack, needs_head: bool = True) -> str | None:
     """Why cp cannot run `model`'s layers (None: every token mixer is interface attention it computes)."""
     config = getattr(model, "config", None)
     chunk = getattr(config, "attention_chunk_size", None)
     if stack.roles.unplaced:
         return f"{stack.unplaced()} feed the layers inputs outside the residual stream that the cp split does not place"
+    shared = _kv_shared_layer(stack)
+    if shared is not None:
+        return f"{shared}, which the context-parallel attention does not route"
     for index, layer in enumerate(stack.layers):
         for name, child in layer.named_children():
             if not is_token_mixer(child):
@@ -193,6 +211,11 @@ def context_parallel_layer_blocker(language_model: nn.Module) -> str | None:
     stack = decoder_stack(language_model)
     if stack is None:
         return f"{type(language_model).__name__} has no decoder layer list"
+    if stack.roles.per_layer:  # the composite model's entry computes them from the whole sequence's token ids
+        names = ", ".join(stack.roles.per_layer)
+        return (
+            f"{names} compute per-layer inputs that the composite model passes whole, which the cp split does not cut"
+        )
     return _context_parallel_blocker(language_model, stack, needs_head=False)
 
 
@@ -224,6 +247,8 @@ def derive_capabilities(model: nn.Module) -> Capabilities:
             else f"{stack.unplaced()} hold parameters outside the decoder layers, the embedding and the final norm"
         )
         refusals.append(("pipeline", f"{type(model).__name__}: {what}"))
+    elif _kv_shared_layer(stack) is not None:
+        refusals.append(("pipeline", f"{_kv_shared_layer(stack)}, which another pipeline stage may hold"))
     sequence = _sequence_parallel_blocker(stack)
     if sequence is not None:
         refusals.append(("sequence", sequence))

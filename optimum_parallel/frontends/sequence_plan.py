@@ -7,8 +7,10 @@ an MLP) runs on the whole sequence, gathered at its entry, its column/row layers
 reduce-scattering the output (a block without them is replicated work: gathered in, split out); a block holding
 stacked experts is replicated work on the whole sequence, its column/row layers (a shared expert) plain tensor
 parallelism inside it, so their whole-sequence outputs add up (a block returning its tokens flattened, Llama 4's MoE,
-gives them back in its input's [batch, seq, ...] shape before the sequence is split again); the LM head gathers the
-sequence.
+gives them back in its input's [batch, seq, ...] shape before the sequence is split again); a linear layer the tp plan
+leaves whole (Gemma 4's per-layer input gate and projection) works token by token: it runs on the slices, as a norm.
+The per-layer inputs a base model computes beside the residual stream (Gemma 4's) are split with the sequence at each
+layer's entry. The LM head gathers the sequence.
 """
 
 from __future__ import annotations
@@ -19,12 +21,14 @@ import torch
 from torch import nn
 
 from ..engine.structure import decoder_stack, derive_capabilities, sequence_parallel_blocks
+from ..pipeline.per_layer import LAYER_ARGUMENT
 from ..styles import (
     PrepareLayerOutput,
     RowWiseParallel,
     SequenceParallelBegin,
     SequenceParallelDisable,
     SequenceParallelEnable,
+    SequenceParallelSplitArgument,
     optional,
 )
 
@@ -64,6 +68,11 @@ def _leaves_through_row_layer(block: nn.Module, name: str, exits: list[str]) -> 
     return any(re.fullmatch(regex, f"{name}.{sub}") for sub, _ in block.named_modules() if sub for regex in exits)
 
 
+def _whole_linear(block: nn.Module, name: str, plan: dict) -> bool:
+    """A plain linear layer no plan key names: token-wise work that runs on the slices (its gradients summed)."""
+    return type(block) is nn.Linear and not any(re.fullmatch(regex, name) for regex in plan)
+
+
 def sequence_parallel_plan(model: nn.Module, plan: dict) -> dict:
     """The plan entries of sequence parallelism for `model`'s decoder stack (full names as regexes), given its tp
     `plan`; layers whose children differ (dense first layers beside MoE ones, attention beside Mamba layers) get
@@ -83,12 +92,17 @@ def sequence_parallel_plan(model: nn.Module, plan: dict) -> dict:
     for index, layer in enumerate(stack.layers):
         for name, how in sequence_parallel_blocks(layer):
             block = layer.get_submodule(name)
-            if how == "whole" and not _leaves_through_row_layer(block, f"{stack.prefix}.{index}.{name}", exits):
+            full = f"{stack.prefix}.{index}.{name}"
+            if how == "whole" and _whole_linear(block, full, plan):
+                how = "slice"
+            elif how == "whole" and not _leaves_through_row_layer(block, full, exits):
                 how = "replicate"
             groups.setdefault((name, how), []).append(index)
     for (name, how), indices in groups.items():
         which = r"\d+" if len(indices) == len(stack.layers) else "(" + "|".join(map(str, indices)) + ")"
         entries[layers + rf"\.{which}\." + re.escape(name)] = _STYLES[how]()
+    if stack.roles.per_layer:  # each layer's slice of the per-layer inputs, cut as its hidden states are
+        entries[layers + r"\.\d+"] = SequenceParallelSplitArgument(LAYER_ARGUMENT)
     base = stack.prefix.rpartition(".")[0]
     final_norm = f"{base}.{stack.roles.final_norm}" if base else stack.roles.final_norm
     entries[re.escape(final_norm)] = SequenceParallelEnable()

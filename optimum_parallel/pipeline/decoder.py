@@ -3,9 +3,12 @@ list, its token embedding (the model's input embeddings), its final norm, and th
 embeddings). Falcon-H1's `final_layernorm`, Nemotron-H's `embeddings` / `norm_f` and LFM2's `embedding_norm` are
 found as Llama's `embed_tokens` / `norm` are.
 
-Every other child of the base model that holds parameters would have to run on some stage in some order the pipeline
-cannot know (Gemma 4's per-layer input embeddings read `input_ids` inside every layer's input): such a model is
-refused, naming those modules. Parameter-less children (rotary embeddings) are recomputed on every stage.
+Gemma 4's (and 3n's) per-layer inputs are found by their role too: a base model whose forward takes `per_layer_inputs`
+and computes them in `get_per_layer_inputs` / `project_per_layer_inputs` (one input per token and layer, from the token
+ids and the input embeddings, before the layers), whose layers take a `per_layer_input`: the children those two methods
+read run with the embedding (`per_layer.py`). Every other child of the base model that holds parameters would have to
+run on some stage in some order the pipeline cannot know: such a model is refused, naming those modules.
+Parameter-less children (rotary embeddings) are recomputed on every stage.
 
 A vision-language model nests the base model (its language model) in the module its forward calls, the *entry*
 (`model.model`: the vision tower, the projector, the language model): the entry's other parameter-holding children
@@ -19,6 +22,8 @@ from dataclasses import dataclass
 
 from torch import nn
 
+from .per_layer import per_layer_modules
+
 
 @dataclass(frozen=True)
 class DecoderRoles:
@@ -27,7 +32,9 @@ class DecoderRoles:
     children in no role (each named in the refusal); `entry`: the module every stage calls when it is not the base
     (a vision-language model's, holding the base and modules that run before it); `first_stage`: (parent, attribute)
     of the entry's modules outside the base, which run on the first stage only (vision tower, projector); `outside`:
-    the model's parameter-holding children beside the entry and the head (refused)."""
+    the model's parameter-holding children beside the entry and the head (refused); `per_layer`: the base's children
+    computing its per-layer inputs (Gemma 4's `embed_tokens_per_layer`, `per_layer_model_projection`,
+    `per_layer_projection_norm`), run with the embedding."""
 
     base: nn.Module
     layers: str
@@ -38,6 +45,7 @@ class DecoderRoles:
     entry: nn.Module | None = None
     first_stage: tuple[tuple[nn.Module, str], ...] = ()
     outside: tuple[str, ...] = ()
+    per_layer: tuple[str, ...] = ()
 
     @property
     def caller(self) -> nn.Module:
@@ -88,10 +96,13 @@ def decoder_roles(model: nn.Module, base: nn.Module, layers: str) -> DecoderRole
     head = _child_named(model, get_output() if get_output is not None else None)
     norms = [name for name, child in base.named_children() if is_norm(child)]
     final_norm = norms[0] if len(norms) == 1 else ("norm" if "norm" in norms else None)
-    placed = {layers, embedding, final_norm}
-    unplaced = tuple(name for name, child in base.named_children() if name not in placed and _holds_parameters(child))
     entry, first_stage, beside = _entry_of(model, base)
+    # a composite model's entry computes the per-layer inputs itself, from ids it holds before merging the images
+    found = per_layer_modules(base, getattr(base, layers)) if not first_stage else ()
+    per_layer = tuple(name for name in found if name != embedding)  # Gemma 4 reads it to invert an embeds-only call
+    placed = {layers, embedding, final_norm, *per_layer}
+    unplaced = tuple(name for name, child in base.named_children() if name not in placed and _holds_parameters(child))
     if not first_stage:  # nothing runs before the base: the stages call it directly
-        return DecoderRoles(base, layers, embedding, final_norm, head, unplaced)
+        return DecoderRoles(base, layers, embedding, final_norm, head, unplaced, per_layer=per_layer)
     outside = tuple(name for name in beside if name != head)
     return DecoderRoles(base, layers, embedding, final_norm, head, unplaced, entry, tuple(first_stage), outside)

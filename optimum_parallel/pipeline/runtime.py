@@ -29,6 +29,7 @@ from ..state import parallel_state, refuse
 from .batches import PipelineBatches
 from .carrier import LanguageInputs, StepCarrier, deepstack_layers
 from .images import IMAGE_KEYS, deal_images
+from .per_layer import PerLayerInputs
 from .schedules import (
     SCHEDULES,
     check_pipeline,
@@ -426,8 +427,11 @@ def apply_pipeline(
     tied = getattr(model, roles.head).weight is getattr(roles.base, roles.embedding).weight
     batches = batches or PipelineBatches()
     language = LanguageInputs(deepstack_layers(model, roles.base), ranges) if roles.entry is not None else None
+    per_layer = PerLayerInputs(ranges) if roles.per_layer else None
     stages = [
-        DecoderStage(model, roles, ranges[index], index, num_stages, batches.stage_inputs, sequence, language)
+        DecoderStage(
+            model, roles, ranges[index], index, num_stages, batches.stage_inputs, sequence, language, per_layer
+        )
         for index in indices
     ]
     keep = {i for index in indices for i in ranges[index]}

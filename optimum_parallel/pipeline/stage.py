@@ -12,7 +12,8 @@ vision tower, the projector, the features merged into the input embeddings, the 
 the language model's inputs the entry computed travel on (`carrier.LanguageInputs`). Every later stage calls the
 entry too, with the hidden states as input embeddings, so the model's own code builds its masks (Gemma 3's image
 blocks from `token_type_ids`); what only the first stage could compute is handed to the language model by a
-forward pre-hook.
+forward pre-hook. A text model's per-layer inputs (Gemma 4's) are computed on the first stage and travel likewise
+(`per_layer.PerLayerInputs`).
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from ..comm.tp_entry import SequenceRegion
 from ..styles.sequence_parallel import enter_sequence_region_at
 from .carrier import LANGUAGE_INPUTS, MASK, ROWS, LanguageInputs, StepCarrier, decode_positions
 from .decoder import DecoderRoles
+from .per_layer import PER_LAYER, PerLayerInputs
 
 
 class _Placeholder(nn.Identity):
@@ -90,6 +92,7 @@ class DecoderStage(nn.Module):
         inputs: Callable[[torch.Tensor], dict] | None = None,
         sequence: SequenceRegion | None = None,
         language: LanguageInputs | None = None,
+        per_layer: PerLayerInputs | None = None,
     ) -> None:
         super().__init__()
         is_first, is_last = stage_index == 0, stage_index == num_stages - 1
@@ -113,6 +116,9 @@ class DecoderStage(nn.Module):
         self.lm_head = getattr(model, roles.head) if is_last else None
         # a vision-language model's vision tower and projector, run by the entry on the first stage
         self.encoders = nn.ModuleDict({n: getattr(p, n) for p, n in roles.first_stage}) if is_first else None
+        # what computes the per-layer inputs (Gemma 4's) runs on the first stage too; they travel from there
+        self.per_layer_modules = nn.ModuleDict({n: getattr(base, n) for n in roles.per_layer}) if is_first else None
+        self.per_layer = per_layer if roles.per_layer else None
         self.is_first, self.is_last = is_first, is_last
         # the layers' mask (and position) arguments from the padding mask that travels with the activations
         self.inputs = inputs or (lambda attention_mask: {"attention_mask": attention_mask})
@@ -125,7 +131,8 @@ class DecoderStage(nn.Module):
         """The names of the carrier this stage receives after its first input."""
         if self.is_first:
             return self.carrier.first_names()
-        return self.carrier.names_after(self.language, self.stage_index - 1)
+        names = self.carrier.names_after(self.language, self.stage_index - 1)
+        return (*names, *(self.per_layer.names_after(self.stage_index - 1) if self.per_layer is not None else ()))
 
     @contextmanager
     def _stage_view(self):
@@ -165,10 +172,21 @@ class DecoderStage(nn.Module):
         finally:
             handle.remove()
 
+    @contextmanager
+    def _per_layer_inputs(self, received: torch.Tensor | None, inputs: dict) -> Iterator[dict]:
+        """Around a stage's forward of a model with per-layer inputs: recorded on the first stage, given on the
+        later ones (`per_layer.PerLayerInputs`)."""
+        if self.per_layer is None:
+            yield {}
+            return
+        with self.per_layer.around(self._base, self.stage_index, received, inputs) as captured:
+            yield captured
+
     def forward(self, x: torch.Tensor, *carried: torch.Tensor):
         given = dict(zip(self.names_in(), carried, strict=True))
         travelling = given.pop(MASK)
         rows = given.pop(ROWS, None)
+        per_layer_received = given.pop(PER_LAYER, None)
         received = {name: given.pop(name) for name in LANGUAGE_INPUTS if name in given}
         inputs = dict(given)  # the batch's row-aligned model inputs, sent on as they came
         if self.is_first:
@@ -183,13 +201,19 @@ class DecoderStage(nn.Module):
         if self.language is None:
             inputs["use_cache"] = False
         masks = self.inputs(travelling)
-        with self._stage_view(), self._language_inputs(received) as captured:
+        with (
+            self._stage_view(),
+            self._language_inputs(received) as captured,
+            self._per_layer_inputs(per_layer_received, inputs) as per_layer,
+        ):
             if self.is_last:  # the model's own head code (soft-capping and the like), no loss
                 return type(self._model).forward(self._model, **masks, **inputs).logits
             hidden = self._roles.caller(**masks, **inputs).last_hidden_state
         if self.sequence is not None:  # the next stage derives positions from the length
             hidden = self.sequence.gather(hidden)
         out = (hidden, travelling, *given.values())
+        if self.per_layer is not None:  # a text model's (a composite model's entry computes them: refused)
+            return (*out, *self.per_layer.send(self.stage_index, per_layer, per_layer_received))
         if self.language is None:
             return out
         if self.is_first:
@@ -205,6 +229,8 @@ def prune_to_stages(model: nn.Module, roles: DecoderRoles, keep: set[int], first
             layers[index] = _Placeholder()
     if not first:
         setattr(roles.base, roles.embedding, None)
+        for name in roles.per_layer:  # per-layer inputs are computed on the first stage
+            setattr(roles.base, name, None)
         for parent, name in roles.first_stage:  # the vision tower and projector live on the first stage
             setattr(parent, name, None)
     if not last:

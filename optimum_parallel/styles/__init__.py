@@ -13,6 +13,7 @@ from .sequence_parallel import (
     SequenceParallelDisable,
     SequenceParallelEnable,
     SequenceParallelEnd,
+    SequenceParallelSplitArgument,
 )
 from .tp_experts import IdentityExpertParallel, TensorParallelExperts
 
@@ -34,6 +35,7 @@ __all__ = [
     "SequenceParallelDisable",
     "SequenceParallelEnable",
     "SequenceParallelEnd",
+    "SequenceParallelSplitArgument",
     "SplitParameter",
     "TensorParallelExperts",
     "IdentityExpertParallel",

@@ -19,9 +19,16 @@ column layers gather the sequence, which row layers reduce-scatter it) is decide
 
 from __future__ import annotations
 
+import inspect
+
 import torch
 
-from ..comm.autograd_collectives import SEQ_DIM, copy_to_tensor_parallel_region, gather_from_sequence_parallel_region
+from ..comm.autograd_collectives import (
+    SEQ_DIM,
+    copy_to_tensor_parallel_region,
+    gather_from_sequence_parallel_region,
+    scatter_to_sequence_parallel_region,
+)
 from ..comm.tp_entry import SequenceRegion
 from ..tensor_parallel.replicated import sum_parameter_gradients
 from .base import ParallelStyle, PlanContext
@@ -122,4 +129,40 @@ class SequenceParallelDisable(ParallelStyle):
         else:
             module.register_forward_pre_hook(_first_input_hook(region.gather), with_kwargs=True)
             module.register_forward_hook(_output_hook(region.scatter))
+        return module
+
+
+class SequenceParallelSplitArgument(ParallelStyle):
+    """Split the module's `argument` (batch-first, one entry per token) along the sequence as the region splits the
+    hidden states: an input computed whole beside the residual stream, before the region (Gemma 4's per-layer inputs),
+    read by a layer on this rank's slice. Every tp rank computed all of it; the split's backward gathers its gradient,
+    whole on every rank, as the work before it had it on one device."""
+
+    def __init__(self, argument: str) -> None:
+        self.argument = argument
+
+    def check(self, module, name, ctx: PlanContext) -> None:
+        if self.argument not in inspect.signature(type(module).forward).parameters:
+            raise ValueError(
+                f"SequenceParallelSplitArgument({self.argument!r}) on {name} ({type(module).__name__}): its forward "
+                f"takes no such argument; allowed: {', '.join(inspect.signature(type(module).forward).parameters)}"
+            )
+
+    def apply(self, module, name, ctx: PlanContext):
+        region, group = ctx.sequence, ctx.mesh.tp_group
+        index = list(inspect.signature(type(module).forward).parameters).index(self.argument) - 1  # after self
+
+        def split(x):  # the rule the region's entry applies to the hidden states of the same forward
+            if not torch.is_tensor(x) or not region.splits(x.shape[SEQ_DIM]):
+                return x
+            return scatter_to_sequence_parallel_region(x, group, dim=SEQ_DIM)
+
+        def hook(module, args, kwargs):
+            if len(args) > index:
+                return (*args[:index], split(args[index]), *args[index + 1 :]), kwargs
+            if self.argument in kwargs:
+                return args, {**kwargs, self.argument: split(kwargs[self.argument])}
+            return None
+
+        module.register_forward_pre_hook(hook, with_kwargs=True)
         return module
