@@ -257,3 +257,16 @@ def test_mpirun_on_several_hosts_without_master_addr_fails_at_once_on_every_rank
     for rc, text in out:
         assert rc == 3 and "raised: MASTER_ADDR is not set" in text and "mpirun -x MASTER_ADDR=" in text, text
     assert seconds < FAST_S
+
+
+@pytest.mark.parametrize("env", [SLURM, OMPI, HYDRA], ids=["srun", "mpirun", "hydra"])
+def test_the_trainer_sizes_its_job_from_any_launcher(monkeypatch, env):
+    """ParallelTrainingArguments (which makes CPU runs distributed) reads the job's size from the launcher, not
+    from WORLD_SIZE alone (unset under srun and mpirun: each rank would think it ran alone, the loss scale 0)."""
+    from optimum_parallel.integrations.transformers import training_args
+
+    for name in [*TORCHRUN, *SLURM, *OMPI, *HYDRA]:
+        monkeypatch.delenv(name, raising=False)
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    assert training_args._launched_world_size() == 8

@@ -286,7 +286,18 @@ class Pipeline:
             logits = self.batches.gather_logits(logits, cut)
         if logits is not None and restore is not None:  # back in the caller's rows
             logits = restore(logits)
-        return PipelineOutput(loss=loss, logits=logits)
+        return PipelineOutput(loss=loss, logits=self._whole_vocabulary(logits))
+
+    def _whole_vocabulary(self, logits: torch.Tensor | None) -> torch.Tensor | None:
+        """A vocab-parallel head computed this tp rank's slice of the vocabulary: the caller reads the whole of it,
+        as the model's own forward gives it (`plan/caller_outputs.py`), unless `logits_mode(model, "local")`."""
+        head = next((s.lm_head for s in self.stages if s.is_last), None)
+        gather = getattr(head, "gather", None)
+        if logits is None or gather is None or getattr(head, "logits_mode", "auto") == "local":
+            return logits
+        if getattr(head, "gather_output", False) or logits.shape[-1] == head.out_features:
+            return logits  # already whole
+        return gather(logits)
 
     def _end_step(self) -> None:
         """The step's carrier dropped (its images with it)."""

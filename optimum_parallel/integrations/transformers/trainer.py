@@ -36,7 +36,7 @@ from ...engine.replicas import check_replicas
 from ...engine.request import ParallelRequest
 from ...frontends.family_request import validate_family_request
 from ...frontends.manager import ParallelizersManager
-from ...mesh import ParallelMesh, get_mesh, init_mesh, ranks
+from ...mesh import ParallelMesh, get_mesh, init_mesh, launchers, ranks
 from ...packing import PACKING_KEYS
 from ...plan import logits_mode
 from ...plan.wrappers import plan_root
@@ -54,7 +54,7 @@ PIPELINE_COLUMNS = ["input_ids", "attention_mask", "labels", "label", "label_ids
 
 def _mesh_for(request: ParallelRequest, timeout: float) -> ParallelMesh:
     """The current mesh if it has the asked sizes, else a new dp x pp x cp x tp one (dp = world / (tp * pp * cp))."""
-    world = ranks.world_size() if dist.is_initialized() else int(os.environ.get("WORLD_SIZE", "1"))
+    world = ranks.world_size() if dist.is_initialized() else launchers.detect().world_size
     layout = mesh_layout(request, world)
     with contextlib.suppress(RuntimeError):
         if get_mesh().layout == layout:
@@ -329,8 +329,6 @@ class ParallelTrainerMixin:
 
     def _logits_from_last_stage(self, logits: torch.Tensor | None, input_ids: torch.Tensor) -> torch.Tensor:
         pipeline = self._pipeline
-        if logits is not None and isinstance(self.model.lm_head, ColumnParallelLinear):
-            logits = self.model.lm_head.gather(logits)
         if logits is None:
             shape = (*input_ids.shape, self.model.config.vocab_size)
             logits = torch.empty(shape, dtype=self.model.dtype, device=input_ids.device)

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import logging
 import math
-import os
 from dataclasses import dataclass, field
 
 import torch
@@ -18,7 +17,7 @@ from ...engine.compile import CompileConfig
 from ...engine.data_parallel import DataParallelConfig
 from ...engine.request import TRAINER_KEYS, ParallelRequest, PipelineRequest
 from ...mesh import device as devices
-from ...mesh import ranks
+from ...mesh import launchers, ranks
 from ...mesh.rendezvous import init_before_accelerate
 from ...pipeline import SCHEDULES
 
@@ -215,8 +214,8 @@ def check_ddp_timeout(value: object) -> None:
 
 
 def _launched_world_size() -> int:
-    """Processes in the job: the process group's size, else torchrun's WORLD_SIZE."""
-    return ranks.world_size() if dist.is_initialized() else int(os.environ.get("WORLD_SIZE", "1"))
+    """Processes in the job: the process group's size, else the launcher's (torchrun, srun, mpirun: launchers.py)."""
+    return ranks.world_size() if dist.is_initialized() else launchers.detect().world_size
 
 
 def _no_accelerator() -> bool:
