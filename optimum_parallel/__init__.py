@@ -62,6 +62,8 @@ _EXPORTS = {  # public name -> the module defining it
     "ParallelDPOConfig": ".integrations.trl",
     "ParallelGRPOTrainer": ".integrations.trl",
     "ParallelGRPOConfig": ".integrations.trl",
+    "ParallelRLOOTrainer": ".integrations.trl",
+    "ParallelRLOOConfig": ".integrations.trl",
     "save_plan": ".planning.plan_files",
     "load_plan": ".planning.plan_files",
     "check_plan_fits": ".planning.plan_files",

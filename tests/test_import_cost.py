@@ -29,6 +29,8 @@ LATER = (
     "ParallelDPOConfig",
     "ParallelGRPOTrainer",
     "ParallelGRPOConfig",
+    "ParallelRLOOTrainer",
+    "ParallelRLOOConfig",
     "MemoryPlanner",
     "estimate_memory",
     "suggest_layouts",

@@ -8,11 +8,14 @@ mesh; packed rows keep every document to itself on every layout (`optimum_parall
 log-probabilities, entropy and token accuracy with the vocab-parallel log-softmax
 (`optimum_parallel.tensor_parallel.logprobs`), never gathering the vocabulary.
 `ParallelGRPOTrainer(model, reward_funcs=..., args=ParallelGRPOConfig(...), train_dataset=...)` is TRL's
-`GRPOTrainer` over a tp / sp / dp mesh: completions sampled by the parallel model's own generate, each scored once."""
+`GRPOTrainer` over a tp / sp / dp mesh: completions sampled by the parallel model's own generate, each scored once.
+`ParallelRLOOTrainer(model, reward_funcs=..., args=ParallelRLOOConfig(...), train_dataset=...)` is TRL's
+`RLOOTrainer` over a tp / sp / cp / dp mesh, on GRPO's parallel generation and scoring."""
 
 from .dpo import ParallelDPOConfig, ParallelDPOTrainer, check_dpo_options
 from .fused_head import install_fused_head
 from .grpo import ParallelGRPOConfig, ParallelGRPOTrainer, check_grpo_options
+from .rloo import ParallelRLOOConfig, ParallelRLOOTrainer, check_rloo_options
 from .sft import ParallelSFTConfig, ParallelSFTTrainer, check_sft_options
 
 __all__ = [
@@ -20,10 +23,13 @@ __all__ = [
     "ParallelDPOTrainer",
     "ParallelGRPOConfig",
     "ParallelGRPOTrainer",
+    "ParallelRLOOConfig",
+    "ParallelRLOOTrainer",
     "ParallelSFTConfig",
     "ParallelSFTTrainer",
     "check_dpo_options",
     "check_grpo_options",
+    "check_rloo_options",
     "check_sft_options",
     "install_fused_head",
 ]

@@ -1,0 +1,213 @@
+"""TRL's `RLOOTrainer` with `ParallelTrainerMixin`: completions generated, scored and trained on by the parallel model
+on a tp / sp / cp / dp mesh (sharding levels 0-3), equal to TRL's `RLOOTrainer` on one process.
+
+RLOO in TRL 1.16 is GRPO's generation and scoring with a leave-one-out baseline and a per-sequence loss, so the
+parallel pieces are GRPO's (`grpo.py`), applied to TRL's RLOO module:
+
+- the prompts are sharded over the batch replicas (dp) only, the generation batch counted in replicas
+  (`ParallelRLOOConfig`); after TRL's per-process seeding the ranks of a replica share `seed + replica index` and
+  sample alike through the parallel model's tp-synchronised `generate` (under cp without a kv cache);
+- every gather and reduction TRL makes over processes (rewards, kl, lengths, metrics, completion logs) runs over the
+  batch replicas (`_ReplicaView`): the tp / cp ranks of a replica hold copies;
+- the reward functions run on every rank of a replica (same completions, same rewards); the first rank's rewards are
+  then sent to the others, so a reward function that draws random numbers cannot split a replica (GRPO's trainer runs
+  them on the first rank only: a reward with side effects runs tp x cp times here);
+- the per-token log-probabilities are TRL's own `_get_per_token_logps_and_entropies` through the parallel fused head
+  (`fused_head.py`: vocab-parallel, the logits divided by the temperature, gathered over cp), on the policy and the
+  reference (loaded from the policy's checkpoint, lazily and parallel on the same mesh, frozen);
+- at dp > 1 the evaluation loss is the mean of the replicas' losses (`prediction_step`), as for GRPO.
+
+Refused before anything changes, by name (`check_rloo_options`): pipeline parallelism (generation runs the whole
+model on every rank of a replica, as GRPO's), vLLM, continuous batching, Liger, `sync_ref_model` with FSDP2,
+multimodal processors and a MoE router aux loss.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch.distributed as dist
+from transformers import ProcessorMixin, set_seed
+from trl import RLOOConfig, RLOOTrainer
+from trl.trainer import rloo_trainer as trl_rloo
+
+from ...plan import logits_mode
+from ...plan.wrappers import plan_root
+from ...tensor_parallel.random import share_rng_states
+from ..transformers.internals import InternalsChanged, check_overrides, private_override
+from ..transformers.trainer import ParallelTrainerMixin
+from ..transformers.training_args import ParallelTrainingArguments
+from .fused_head import install_fused_head
+from .grpo import (
+    ParallelGRPOConfig,
+    ParallelGRPOTrainer,
+    _generate_without_cache,
+    _ReplicaView,
+    _size_generation_batch,
+    _use_adapter_as_it_was,
+    _vocab_parallel_head,
+)
+
+TRL_MODULE_GLOBALS = ("gather", "gather_object", "create_model_from_path", "use_adapter")  # `_swapped_globals`
+for _name in TRL_MODULE_GLOBALS:
+    if not callable(getattr(trl_rloo, _name, None)):
+        raise InternalsChanged(
+            f"trl.trainer.rloo_trainer.{_name} no longer exists; ParallelRLOOTrainer swaps it (see the module "
+            "docstring). Install a TRL version this release supports."
+        )
+
+
+@dataclass
+class ParallelRLOOConfig(RLOOConfig, ParallelTrainingArguments):
+    """TRL's `RLOOConfig` plus the mesh settings of `ParallelTrainingArguments` (`RLOOConfig` first: TRL's defaults
+    win); the generation batch is counted in batch replicas (world / (tp * pp * cp)), as TRL counts processes."""
+
+    def __post_init__(self) -> None:
+        asked = self.generation_batch_size, self.steps_per_generation
+        super().__post_init__()  # TRL sized the generation batch with world_size processes: sized again below
+        self.generation_batch_size, self.steps_per_generation = asked
+        _size_generation_batch(self, max(1, self.world_size // self.ranks_per_replica))
+
+    ranks_per_replica = ParallelGRPOConfig.ranks_per_replica
+
+
+def check_rloo_options(args: ParallelRLOOConfig, kwargs: dict[str, Any]) -> None:
+    """ValueError naming the first RLOO option the layout `args` asks for cannot run (see the module docstring)."""
+    if args.pipeline_parallel_size > 1:
+        raise ValueError(
+            f"pipeline_parallel_size={args.pipeline_parallel_size} is not supported by ParallelRLOOTrainer: generation "
+            "runs the whole sequence through the model on every rank of a replica; allowed: 1 (use "
+            "tensor_parallel_size, sequence_parallel, context_parallel_size and data parallelism)"
+        )
+    flags = {
+        "use_vllm": "vLLM generates outside the parallel model",
+        "use_transformers_continuous_batching": "generate_batch is not synchronised over the tp ranks",
+        "use_liger_kernel": "Liger's kernels replace the forward the parallel layout is built on",
+    }
+    for name, why in flags.items():
+        if getattr(args, name, False):
+            raise ValueError(f"{name}=True is not supported by ParallelRLOOTrainer ({why}); allowed: False")
+    if args.sync_ref_model and args.sharding_level >= 2:
+        raise ValueError(
+            f"sync_ref_model=True is not supported with sharding_level={args.sharding_level} (FSDP2 shards the "
+            "policy's parameters over dp, the reference's are whole, and TRL's callback mixes them element by "
+            "element); allowed there: sync_ref_model=False, or sharding_level 0-1"
+        )
+    if isinstance(kwargs.get("processing_class"), ProcessorMixin):
+        raise ValueError(
+            f"processing_class={type(kwargs['processing_class']).__name__} (a multimodal processor) is not supported "
+            "by ParallelRLOOTrainer; allowed: a tokenizer (text-only policies)"
+        )
+
+
+@contextlib.contextmanager
+def _swapped_globals(values: dict[str, Any]) -> Iterator[None]:
+    """TRL's rloo_trainer module reaches a few accelerate/TRL functions by module-level name; swap them for a block."""
+    saved = {name: getattr(trl_rloo, name) for name in values}
+    for name, value in values.items():
+        setattr(trl_rloo, name, value)
+    try:
+        yield
+    finally:
+        for name, value in saved.items():
+            setattr(trl_rloo, name, value)
+
+
+class ParallelRLOOTrainer(ParallelTrainerMixin, RLOOTrainer):
+    """TRL's `RLOOTrainer` on a parallel model (see the module docstring); `args` is a `ParallelRLOOConfig`.
+
+    `ParallelRLOOTrainer(model_or_path, reward_funcs=..., args=ParallelRLOOConfig(...), train_dataset=...,
+    processing_class=tokenizer)`; launch with torchrun.
+    """
+
+    def __init__(self, model, reward_funcs=None, args: ParallelRLOOConfig | None = None, **kwargs: Any) -> None:
+        if not isinstance(args, ParallelRLOOConfig):
+            raise TypeError(f"ParallelRLOOTrainer needs ParallelRLOOConfig arguments, got {type(args).__name__}")
+        check_rloo_options(args, kwargs)
+        set_seed(args.seed)  # as TRL seeds before it builds the model: adapters (peft_config) start as TRL's do
+        self._replica_view: _ReplicaView | None = None
+        # the reference (beta > 0) as GRPO's: lazily loaded, parallel on the policy's mesh
+        load_reference = ParallelGRPOTrainer._load_reference.__get__(self)
+        with _swapped_globals({"create_model_from_path": load_reference}):
+            super().__init__(model, args=args, reward_funcs=reward_funcs, **kwargs)
+        if self.aux_loss_enabled:
+            raise ValueError(
+                f"router_aux_loss_coef={self.router_aux_loss_coef} is not supported by ParallelRLOOTrainer (the "
+                "parallel fused head computes no router aux loss); allowed: 0.0"
+            )
+        for scorer in (self.model, self.ref_model):  # TRL's fused heads, replaced by the parallel one
+            if scorer is not None:
+                unwrapped = self.accelerator.unwrap_model(scorer)
+                base = unwrapped.get_base_model() if hasattr(unwrapped, "get_base_model") else unwrapped
+                install_fused_head(plan_root(base), self.temperature)
+        # TRL seeded every process apart (seed + process index): the ranks of a replica sample, shuffle and draw
+        # alike, so they share seed + replica index (one process: the seed TRL gives process 0)
+        set_seed(args.seed + self.mesh.rank("batch"))
+        share_rng_states(self.mesh.group("peers"))
+
+    @contextlib.contextmanager
+    def _over_replicas(self) -> Iterator[None]:
+        """TRL's gathers and reductions over the batch replicas for the block (see `grpo._ReplicaView`)."""
+        if self._replica_view is not None:  # already inside
+            yield
+            return
+        accelerator = self.accelerator
+        view = self._replica_view = _ReplicaView(accelerator, self.mesh)
+        self.accelerator = view
+        swapped = {"gather_object": view.gather_object, "gather": view.gather, "use_adapter": _use_adapter_as_it_was}
+        try:
+            with _swapped_globals(swapped):
+                yield
+        finally:
+            self.accelerator, self._replica_view = accelerator, None
+
+    @private_override
+    def _prepare_inputs(self, generation_batch):
+        """TRL's generation, scoring and buffering, with the replicas as its processes."""
+        with self._over_replicas():
+            return super()._prepare_inputs(generation_batch)
+
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        """TRL's clipped per-sequence loss and its metrics, with the replicas as its processes."""
+        with self._over_replicas():
+            return super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
+
+    def prediction_step(self, model, inputs, prediction_loss_only, ignore_keys=None):
+        """TRL's evaluation loss, the mean of the replicas' (each the mean over its sequences), on every replica."""
+        loss, logits, labels = super().prediction_step(model, inputs, prediction_loss_only, ignore_keys)
+        if loss is not None and self.mesh.size("batch") > 1:
+            loss = loss.detach().clone()
+            dist.all_reduce(loss, group=self.mesh.group("batch"))
+            loss = loss / self.mesh.size("batch")
+        return loss, logits, labels
+
+    @private_override
+    def _generate_single_turn(self, prompt_ids, images, multimodal_fields):
+        """TRL's generation through the parallel model's tp-synchronised `generate`, sampling from full-vocabulary
+        logits even inside an evaluation that keeps them local; under cp without a kv cache."""
+        full = _vocab_parallel_head(self.model) is not None
+        cp = self.mesh.size("cp") > 1
+        with (
+            logits_mode(self.model, "full") if full else contextlib.nullcontext(),
+            _generate_without_cache(self.accelerator.unwrap_model(self.model), self.mesh)
+            if cp
+            else contextlib.nullcontext(),
+        ):
+            return super()._generate_single_turn(prompt_ids, images, multimodal_fields)
+
+    @private_override
+    def _calculate_rewards(self, inputs, prompts, completions, completion_ids_list):
+        """TRL's rewards of this replica's completions (every rank of the replica runs the functions), the replica's
+        first rank's sent to its other ranks, then gathered over the replicas (TRL's `gather`, swapped)."""
+        with _swapped_globals({"gather": lambda tensor: tensor}):
+            rewards = super()._calculate_rewards(inputs, prompts, completions, completion_ids_list)
+        if self.mesh.size("peers") > 1:
+            group = self.mesh.group("peers")
+            dist.broadcast(rewards, src=dist.get_global_rank(group, 0), group=group)
+        return self._replica_view.gather(rewards) if self._replica_view is not None else rewards
+
+
+check_overrides(ParallelRLOOTrainer, RLOOTrainer)
