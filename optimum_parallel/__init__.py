@@ -64,6 +64,8 @@ _EXPORTS = {  # public name -> the module defining it
     "ParallelGRPOConfig": ".integrations.trl",
     "ParallelRLOOTrainer": ".integrations.trl",
     "ParallelRLOOConfig": ".integrations.trl",
+    "ParallelRewardTrainer": ".integrations.trl",
+    "ParallelRewardConfig": ".integrations.trl",
     "save_plan": ".planning.plan_files",
     "load_plan": ".planning.plan_files",
     "check_plan_fits": ".planning.plan_files",

@@ -31,6 +31,8 @@ LATER = (
     "ParallelGRPOConfig",
     "ParallelRLOOTrainer",
     "ParallelRLOOConfig",
+    "ParallelRewardTrainer",
+    "ParallelRewardConfig",
     "MemoryPlanner",
     "estimate_memory",
     "suggest_layouts",

@@ -17,6 +17,7 @@ from ..engine.checks import check, check_capabilities
 from ..engine.request import ParallelRequest, ResolvedRequest
 from ..engine.resolve import resolve_settled, settle
 from ..mesh import ParallelMesh
+from ..styles import SequenceParallelEnd, optional
 
 if TYPE_CHECKING:  # the Parallelizer calls these: the class is only an annotation here
     from .parallelizer import Parallelizer
@@ -35,7 +36,18 @@ def family_request(
     check_capabilities(request, capabilities, pp, family.__name__)
     family.check(model, mesh)
     plan = family.plan(model, mesh, request.parallelize_embeddings, request.sequence_parallel)
+    if request.sequence_parallel:
+        plan = _with_classifier_head(model, plan)
     return replace(request, plan=plan, pipeline=pipeline, capabilities=capabilities, after_plan=family.after_plan)
+
+
+def _with_classifier_head(model: nn.Module, plan: dict) -> dict:
+    """A sequence-classification head (transformers' `score`, replicated) scores every token, then pools the last
+    non-padding one of each row: under sp it must see the whole sequence, gathered at its input (split backward), as
+    the LM head does; the families' plans only name `lm_head`."""
+    if not isinstance(getattr(model, "score", None), nn.Linear) or "score" in plan:
+        return plan
+    return {**plan, "score": optional(SequenceParallelEnd())}
 
 
 def validate_family_request(

@@ -10,11 +10,15 @@ log-probabilities, entropy and token accuracy with the vocab-parallel log-softma
 `ParallelGRPOTrainer(model, reward_funcs=..., args=ParallelGRPOConfig(...), train_dataset=...)` is TRL's
 `GRPOTrainer` over a tp / sp / dp mesh: completions sampled by the parallel model's own generate, each scored once.
 `ParallelRLOOTrainer(model, reward_funcs=..., args=ParallelRLOOConfig(...), train_dataset=...)` is TRL's
-`RLOOTrainer` over a tp / sp / cp / dp mesh, on GRPO's parallel generation and scoring."""
+`RLOOTrainer` over a tp / sp / cp / dp mesh, on GRPO's parallel generation and scoring.
+`ParallelRewardTrainer(model, args=ParallelRewardConfig(...), train_dataset=..., processing_class=...)` is TRL's
+`RewardTrainer` over a tp / sp / dp mesh: a one-label sequence-classification model, its value head whole on every
+rank."""
 
 from .dpo import ParallelDPOConfig, ParallelDPOTrainer, check_dpo_options
 from .fused_head import install_fused_head
 from .grpo import ParallelGRPOConfig, ParallelGRPOTrainer, check_grpo_options
+from .reward import ParallelRewardConfig, ParallelRewardTrainer, check_reward_options
 from .rloo import ParallelRLOOConfig, ParallelRLOOTrainer, check_rloo_options
 from .sft import ParallelSFTConfig, ParallelSFTTrainer, check_sft_options
 
@@ -23,12 +27,15 @@ __all__ = [
     "ParallelDPOTrainer",
     "ParallelGRPOConfig",
     "ParallelGRPOTrainer",
+    "ParallelRewardConfig",
+    "ParallelRewardTrainer",
     "ParallelRLOOConfig",
     "ParallelRLOOTrainer",
     "ParallelSFTConfig",
     "ParallelSFTTrainer",
     "check_dpo_options",
     "check_grpo_options",
+    "check_reward_options",
     "check_rloo_options",
     "check_sft_options",
     "install_fused_head",

@@ -1,0 +1,111 @@
+"""TRL's RewardTrainer on a parallel model: ParallelRewardTrainer at tp=2 and tp=2 + sp logs, step by step, the loss,
+min / mean / max reward, accuracy, margin and num_tokens TRL's RewardTrainer logs on one process (prompts, chosen and
+rejected completions of uneven lengths, right-padded rows: the value head pools each row's last real token), with and
+without `center_rewards_coefficient`, and so does its evaluation; cp and pp are refused by name before anything runs
+(gloo, 2 ranks). dp=2 x tp=2 at sharding level 3: test_trl_reward_dp.py."""
+
+from __future__ import annotations
+
+import pytest
+
+pytest.importorskip("trl")
+
+from _dpo import check_against, noise_floor, perturbed_copy, save_tiny  # noqa: E402
+from _reward import reward_checkpoint, train_parallel_reward, trl_reference  # noqa: E402
+
+WORLD_SIZE = 2
+TOL = 1e-5  # relative, per step and metric, or 10 x the fp32 noise floor where larger (see `_dpo.check_against`)
+
+TP2 = {"tensor_parallel_size": 2}
+SP = {"tensor_parallel_size": 2, "sequence_parallel": True}
+CASES = {
+    "tp2": ({}, TP2),
+    "sp": ({}, SP),
+    "tp2-centred": ({"center_rewards_coefficient": 0.01}, TP2),
+}
+
+
+@pytest.fixture(scope="module")
+def causal_dir(tmp_path_factory) -> str:
+    return save_tiny(tmp_path_factory.mktemp("hf") / "llama")
+
+
+@pytest.fixture(scope="module")
+def reward_dirs(causal_dir, tmp_path_factory) -> tuple[str, str]:
+    """The reward checkpoint and the same with its backbone perturbed by relative 1e-7 (for the noise floor)."""
+    moved = perturbed_copy(causal_dir, tmp_path_factory.mktemp("perturbed") / "llama")
+    return tuple(reward_checkpoint(path, tmp_path_factory.mktemp("reward")) for path in (causal_dir, moved))
+
+
+@pytest.fixture(scope="module")
+def reference(reward_dirs, tmp_path_factory):
+    done: dict[str, tuple] = {}
+
+    def run(**options) -> tuple[dict, dict]:
+        key = repr(sorted(options.items()))
+        if key not in done:
+            expected = trl_reference(reward_dirs[0], str(tmp_path_factory.mktemp("ref")), **options)
+            moved = trl_reference(reward_dirs[1], str(tmp_path_factory.mktemp("ref")), **options)
+            done[key] = expected, noise_floor(expected, moved)
+            print("noise", options, {k: f"{v:.1e}" for k, v in done[key][1].items()})
+        return done[key]
+
+    return run
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_reward_matches_trl_on_one_process(pool, reward_dirs, reference, tmp_path, case):
+    options, layout = CASES[case]
+    expected, noise = reference(**options)
+    assert len(expected) == 3 and 0 < expected[1]["accuracy"] < 1, expected  # a real comparison, not a constant
+    for rank, got in enumerate(pool.run(train_parallel_reward, reward_dirs[0], str(tmp_path), options, layout)):
+        worst = check_against(got, expected, noise, TOL)
+        print(case, rank, {k: f"{v:.1e}" for k, v in worst.items()})
+
+
+def test_evaluation_matches_trl_on_one_process(pool, reward_dirs, tmp_path, tmp_path_factory):
+    expected = trl_reference(reward_dirs[0], str(tmp_path_factory.mktemp("ref")), evaluate=True)
+    assert "loss" in expected[1] and "margin" in expected[1], expected
+    noise = dict.fromkeys(expected[1], 0.0)
+    for rank, got in enumerate(pool.run(train_parallel_reward, reward_dirs[0], str(tmp_path), {}, SP, True)):
+        worst = check_against(got, expected, noise, TOL)
+        print("evaluate", rank, {k: f"{v:.1e}" for k, v in worst.items()})
+
+
+def test_a_causal_checkpoint_gets_the_head_trl_draws(pool, causal_dir, tmp_path, tmp_path_factory):
+    """From a causal LM's checkpoint the one-label head is new: drawn from the seed on every rank, as TRL draws it
+    (its loss and rewards from step 1 on show the same head)."""
+    expected = trl_reference(causal_dir, str(tmp_path_factory.mktemp("ref")))
+    noise = dict.fromkeys(expected[1], 0.0)
+    for rank, got in enumerate(pool.run(train_parallel_reward, causal_dir, str(tmp_path), {}, TP2)):
+        worst = check_against(got, expected, noise, TOL)
+        print("from-causal", rank, {k: f"{v:.1e}" for k, v in worst.items()})
+
+
+def refused(hf_dir: str, output_dir: str, layout: dict) -> str:
+    from _reward import reward_args
+    from transformers import AutoTokenizer
+
+    from optimum_parallel.integrations.trl import ParallelRewardConfig, ParallelRewardTrainer
+
+    tokenizer = AutoTokenizer.from_pretrained(hf_dir)
+    try:
+        ParallelRewardTrainer(hf_dir, args=ParallelRewardConfig(**reward_args(output_dir, **layout)),
+                              train_dataset=None, processing_class=tokenizer)  # fmt: skip
+    except ValueError as err:
+        return str(err)
+    return "no error"
+
+
+@pytest.mark.parametrize(
+    "layout,words",
+    [
+        ({"context_parallel_size": 2}, "context_parallel_size=2 is not supported by ParallelRewardTrainer"),
+        ({"pipeline_parallel_size": 2}, "pipeline_parallel_size=2 is not supported by ParallelRewardTrainer"),
+    ],
+    ids=["cp2", "pp2"],
+)
+def test_layouts_it_cannot_run_are_refused_by_name_before_anything_runs(pool, reward_dirs, tmp_path, layout, words):
+    """Refused before the model is loaded or the dataset read (no dataset is even given)."""
+    for message in pool.run(refused, reward_dirs[0], str(tmp_path), layout):
+        assert words in message and "allowed: 1" in message, message
