@@ -62,6 +62,8 @@ _EXPORTS = {  # public name -> the module defining it
     "ParallelDPOConfig": ".integrations.trl",
     "ParallelGRPOTrainer": ".integrations.trl",
     "ParallelGRPOConfig": ".integrations.trl",
+    "ParallelKTOTrainer": ".integrations.trl",
+    "ParallelKTOConfig": ".integrations.trl",
     "ParallelRLOOTrainer": ".integrations.trl",
     "ParallelRLOOConfig": ".integrations.trl",
     "ParallelRewardTrainer": ".integrations.trl",

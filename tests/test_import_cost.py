@@ -29,6 +29,8 @@ LATER = (
     "ParallelDPOConfig",
     "ParallelGRPOTrainer",
     "ParallelGRPOConfig",
+    "ParallelKTOTrainer",
+    "ParallelKTOConfig",
     "ParallelRLOOTrainer",
     "ParallelRLOOConfig",
     "ParallelRewardTrainer",

@@ -21,6 +21,7 @@ RUNS = {
     "sft": ["--packing", "--max_length", "64", "--per_device_train_batch_size", "4", "--learning_rate", "5e-3"],
     "dpo": ["--per_device_train_batch_size", "8", "--learning_rate", "1e-2"],
     "reward": ["--per_device_train_batch_size", "8", "--learning_rate", "1e-2", "--sequence_parallel"],
+    "kto": ["--per_device_train_batch_size", "8", "--learning_rate", "1e-2"],
 }
 
 

@@ -11,6 +11,8 @@ log-probabilities, entropy and token accuracy with the vocab-parallel log-softma
 `GRPOTrainer` over a tp / sp / dp mesh: completions sampled by the parallel model's own generate, each scored once.
 `ParallelRLOOTrainer(model, reward_funcs=..., args=ParallelRLOOConfig(...), train_dataset=...)` is TRL's
 `RLOOTrainer` over a tp / sp / cp / dp mesh, on GRPO's parallel generation and scoring.
+`ParallelKTOTrainer(model, args=ParallelKTOConfig(...), train_dataset=..., processing_class=...)` is TRL's
+`KTOTrainer` over a tp / sp / cp / pp / dp mesh, its policy and reference both parallel (as DPO's).
 `ParallelRewardTrainer(model, args=ParallelRewardConfig(...), train_dataset=..., processing_class=...)` is TRL's
 `RewardTrainer` over a tp / sp / dp mesh: a one-label sequence-classification model, its value head whole on every
 rank."""
@@ -18,6 +20,7 @@ rank."""
 from .dpo import ParallelDPOConfig, ParallelDPOTrainer, check_dpo_options
 from .fused_head import install_fused_head
 from .grpo import ParallelGRPOConfig, ParallelGRPOTrainer, check_grpo_options
+from .kto import ParallelKTOConfig, ParallelKTOTrainer, check_kto_options
 from .reward import ParallelRewardConfig, ParallelRewardTrainer, check_reward_options
 from .rloo import ParallelRLOOConfig, ParallelRLOOTrainer, check_rloo_options
 from .sft import ParallelSFTConfig, ParallelSFTTrainer, check_sft_options
@@ -27,6 +30,8 @@ __all__ = [
     "ParallelDPOTrainer",
     "ParallelGRPOConfig",
     "ParallelGRPOTrainer",
+    "ParallelKTOConfig",
+    "ParallelKTOTrainer",
     "ParallelRewardConfig",
     "ParallelRewardTrainer",
     "ParallelRLOOConfig",
@@ -35,6 +40,7 @@ __all__ = [
     "ParallelSFTTrainer",
     "check_dpo_options",
     "check_grpo_options",
+    "check_kto_options",
     "check_reward_options",
     "check_rloo_options",
     "check_sft_options",
