@@ -94,6 +94,15 @@ class FixedCompletions:
         return [fixed_completion(list(ids), first + i, step) for i, ids in enumerate(prompt_ids)], None
 
 
+class RecordedCompletions:
+    """Real generation, each call's completion ids kept in order (`self.drawn`): the tokens a layout sampled."""
+
+    def _generate_single_turn(self, prompt_ids, images, multimodal_fields, num_generations, has_tool_images=False):
+        out = super()._generate_single_turn(prompt_ids, images, multimodal_fields, num_generations, has_tool_images)
+        self.__dict__.setdefault("drawn", []).append([list(map(int, ids)) for ids in out[0]])
+        return out
+
+
 def grpo_args(output_dir: str, **extra) -> dict:
     return dict(
         output_dir=output_dir, per_device_train_batch_size=12, max_steps=STEPS, learning_rate=2e-2, logging_steps=1,
@@ -140,24 +149,30 @@ def lora_config():
 
 
 def trl_reference(
-    hf_dir: str, output_dir: str, peft: bool = False, every: bool = False, **options
-) -> dict[int, dict[str, float]]:
-    """TRL's GRPOTrainer on this one process (fixed completions; LoRA adapters with `peft`), its metrics per step
-    (`every`: every figure it logged)."""
+    hf_dir: str, output_dir: str, peft: bool = False, every: bool = False, fixed: bool = True, **options
+) -> dict:
+    """TRL's GRPOTrainer on this one process (fixed completions unless `fixed=False`; LoRA adapters with `peft`), its
+    metrics per step (`every`: every figure it logged); with `fixed=False` also what `train_parallel` returns."""
     from transformers import AutoTokenizer
     from trl import GRPOConfig, GRPOTrainer
 
     class FixedGRPOTrainer(FixedCompletions, GRPOTrainer):
         pass
 
+    class SampledGRPOTrainer(RecordedCompletions, GRPOTrainer):
+        pass
+
     args = GRPOConfig(**grpo_args(output_dir, **options))
-    trainer = FixedGRPOTrainer(
+    trainer = (FixedGRPOTrainer if fixed else SampledGRPOTrainer)(
         hf_dir, reward_funcs=[even_tokens, short], args=args, train_dataset=prompts(),
         eval_dataset=prompts(6), processing_class=AutoTokenizer.from_pretrained(hf_dir),
         peft_config=lora_config() if peft else None,
     )  # fmt: skip
     trainer.train()
-    return (every_figure if every else logged)(trainer.state.log_history)
+    history = trainer.state.log_history
+    if not fixed:
+        return {"logged": logged(history), "every": every_figure(history), "drawn": trainer.drawn}
+    return (every_figure if every else logged)(history)
 
 
 def train_parallel(hf_dir: str, output_dir: str, fixed: bool = True, peft: bool = False, **options) -> dict:
@@ -170,8 +185,11 @@ def train_parallel(hf_dir: str, output_dir: str, fixed: bool = True, peft: bool 
     class FixedParallelGRPOTrainer(FixedCompletions, ParallelGRPOTrainer):
         pass
 
+    class SampledParallelGRPOTrainer(RecordedCompletions, ParallelGRPOTrainer):
+        pass
+
     args = ParallelGRPOConfig(**grpo_args(output_dir, **options))
-    trainer = (FixedParallelGRPOTrainer if fixed else ParallelGRPOTrainer)(
+    trainer = (FixedParallelGRPOTrainer if fixed else SampledParallelGRPOTrainer)(
         hf_dir, reward_funcs=[even_tokens, short], args=args, train_dataset=prompts(),
         eval_dataset=prompts(6), processing_class=AutoTokenizer.from_pretrained(hf_dir),
         model_kwargs={"dtype": torch.float32},
@@ -179,7 +197,8 @@ def train_parallel(hf_dir: str, output_dir: str, fixed: bool = True, peft: bool 
     )  # fmt: skip
     trainer.train()
     history = trainer.state.log_history
-    return {"logged": logged(history), "every": every_figure(history), "completions": list(trainer._logs["completion"])}
+    return {"logged": logged(history), "every": every_figure(history), "completions": list(trainer._logs["completion"]),
+            "drawn": getattr(trainer, "drawn", None), "replica": trainer.mesh.rank("batch")}  # fmt: skip
 
 
 def worst_errors(got: dict, expected: dict) -> dict[str, float]:

@@ -8,7 +8,9 @@ split (Megatron's discipline, without asking the caller to seed in a special way
   rank's heads, dropout on a column layer's output) draws from generators of its own (`SplitRegions`), seeded per tp
   rank from a number drawn from the shared default stream: each shard's mask is independent, as on one device. The
   seed comes from the default stream, so activation checkpointing, which restores the default generators before it
-  recomputes, draws the same masks again.
+  recomputes, draws the same masks again. A region that drew nothing (no dropout, or eval mode) gives its seed's draw
+  back: the default stream is then where one device's would be, so sampling (`generate` runs training-mode forwards
+  inside TRL's trainers) and everything else drawn from it match one device's draw for draw.
 
 Data-parallel replicas and pipeline stages keep their own streams (the sharing is within a tp group).
 """
@@ -54,22 +56,30 @@ class SplitRegions:
 
     def __init__(self, tp_rank: int) -> None:
         self.tp_rank = tp_rank
-        self._saved: dict[str, torch.Tensor] | None = None  # the default states while inside a split region
+        # while inside a split region: the default states before and after the seed's draw, and the region's own
+        # states as seeded (to tell whether the region drew anything)
+        self._saved: tuple[dict[str, torch.Tensor], ...] | None = None
 
     def enter(self) -> None:
         """Draw this region's seed from the shared default stream (the same draw on every tp rank), then switch the
         default generators to ones seeded for this rank (nothing if already inside)."""
         if self._saved is not None:
             return
+        before = devices.rng_states()
         seed = int(torch.randint(0, _SEED_RANGE, (1,)).item())
-        self._saved = devices.rng_states()
-        devices.set_rng_states(devices.seeded_rng_states(hash((seed, self.tp_rank)) % _SEED_RANGE))
+        seeded = devices.seeded_rng_states(hash((seed, self.tp_rank)) % _SEED_RANGE)
+        self._saved = before, devices.rng_states(), seeded
+        devices.set_rng_states(seeded)
 
     def leave(self) -> None:
-        """Back to the default streams, as they were after the seed's draw."""
+        """Back to the default streams: as they were after the seed's draw if the region drew random numbers, as they
+        were before it otherwise (one device would have drawn nothing there). The tp ranks run the same operations on
+        their shards, so they all draw or all do not, and their default streams stay equal."""
         if self._saved is not None:
-            saved, self._saved = self._saved, None
-            devices.set_rng_states(saved)
+            (before, after, seeded), self._saved = self._saved, None
+            now = devices.rng_states()
+            drew = any(not torch.equal(now[kind], seeded[kind]) for kind in seeded if kind in now)
+            devices.set_rng_states(after if drew else before)
 
     def install(self, model: nn.Module, columns: list[nn.Module], rows: list[nn.Module]) -> None:
         """Enter after every column layer of `columns`, leave before every row layer of `rows`, and leave at the end

@@ -5,8 +5,12 @@ What differs from TRL on one process, and why:
 - the prompts are sharded over the batch replicas (dp) only: every rank of a replica (its tp ranks) gets the same
   prompts, and `ParallelGRPOConfig` sizes the generation batch with the replica count, not the process count;
 - completions come from the parallel model's own `generate` (tp-synchronised: the ranks of a replica check that they
-  hold the same prompts and sample with their first rank's generator, so they draw the same tokens); after TRL's
-  per-process seeding every replica's ranks share the seed `seed + replica index` (TRL: `seed + process index`);
+  hold the same prompts and sample with their first rank's generator from the full-vocabulary logits, so they draw
+  the same tokens); after TRL's per-process seeding every replica's ranks share the seed `seed + replica index`
+  (TRL: `seed + process index`). A forward's split regions give back the seed they drew when they drew nothing
+  (`tensor_parallel/random.py`: no dropout), so the default stream is one device's: at tp, sp or cp a replica draws,
+  token by token, the completions TRL draws on one process, and at dp=N those TRL's N processes draw
+  (tests/trl/test_trl_grpo_sampling.py);
 - the reward functions run once per completion, on the first rank of each replica; the rewards (and whatever the
   functions logged) reach the replica's other ranks and the other replicas in one collective, and a reward function's
   error (TRL's own, e.g. a wrong number of rewards) is raised on every rank;
@@ -19,10 +23,9 @@ What differs from TRL on one process, and why:
 - with `beta > 0` the reference model is loaded as TRL loads it (from the policy's checkpoint path), lazily and
   parallel on the same mesh (each rank reads its slices), frozen; with LoRA adapters (`peft_config`, added after the
   split) TRL's own reference, a copy of the fresh adapters, is used;
-- with `steps_per_generation > 1` TRL shuffles the generation batch with the default generator, which the parallel
-  model's training-mode forwards also draw from (the seeds of their split regions, `tensor_parallel/random.py`): the
-  micro-batches are cut differently from one process. The loss of the optimizer step (dapo, grpo with equal
-  micro-batches) does not depend on the cut; metrics averaged per micro-batch (`kl`, `entropy`) do;
+- with `steps_per_generation > 1` TRL shuffles the generation batch with the default generator: the micro-batches are
+  cut as on one process unless the model has dropout (a tp forward's split regions then draw their seeds from that
+  stream, `tensor_parallel/random.py`; so would the samples, and one device's dropout masks are not drawn there);
 - the evaluation loss is the whole evaluation batch's on every replica (`prediction_step`);
 - at dp > 1 `loss_type="bnpo"` is each replica's token mean averaged over the replicas, as TRL's is each process's
   (one process: the token mean of the whole batch); the other loss types are the whole batch's;
