@@ -217,14 +217,14 @@ def rollout(prompts, trainer):
 @pytest.mark.parametrize(
     "options,words",
     [
-        ({"pipeline_parallel_size": 2, "pipeline_parallel_num_microbatches": 2}, "pipeline_parallel_size=2"),
+        ({"pipeline_parallel_size": 2, "context_parallel_size": 2}, "pipeline_parallel_size=2 with context_parallel"),
         ({"tensor_parallel_size": 2, "entropy_coef": 0.01}, "entropy_coef=0.01"),
         ({"tensor_parallel_size": 2, "cast_lm_head_to_fp32": True}, "cast_lm_head_to_fp32=True"),
         ({"tensor_parallel_size": 2, "rollout_func": rollout}, "rollout_func"),
         ({"tensor_parallel_size": 2, "per_device_train_batch_size": 2}, "generation_batch_size (2) must be divisible"),
         ({"sync_ref_model": True, "sharding_level": 3}, "sync_ref_model=True is not supported with sharding_level=3"),
     ],
-    ids=["pp", "entropy_coef", "cast_lm_head_to_fp32", "rollout_func", "generation_batch", "sync_ref_fsdp2"],
+    ids=["pp_cp", "entropy_coef", "cast_lm_head_to_fp32", "rollout_func", "generation_batch", "sync_ref_fsdp2"],
 )
 def test_what_a_layout_cannot_run_is_refused_by_name(pool, hf_dir, tmp_path, options, words):
     for message in pool.run(refused, hf_dir, str(tmp_path), options):

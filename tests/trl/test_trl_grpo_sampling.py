@@ -1,9 +1,9 @@
 """Sampling that does not depend on the layout: with TRL's real generation (temperature 1, no fixed completions),
-ParallelGRPOTrainer at tp=2, tp=2 + sp and cp=2 draws, token by token, the completions TRL's GRPOTrainer draws on one
-process at the same seed, and so logs every figure TRL logs; at dp=2 x tp=2 each replica draws what TRL's process of
-the same index draws on 2 processes. The tiny model's next-token distributions are close to uniform (entropy ~4.8
-nats over 128 tokens): no two tokens' cumulative probabilities sit within fp32 rounding of a draw, so a reduction
-order flipping a sample is not what these runs could hide.
+ParallelGRPOTrainer at tp=2, tp=2 + sp, cp=2, pp=2 and pp=2 x tp=2 draws, token by token, the completions TRL's
+GRPOTrainer draws on one process at the same seed, and so logs every figure TRL logs; at dp=2 x tp=2 each replica draws
+what TRL's process of the same index draws on 2 processes. The tiny model's next-token distributions are close to
+uniform (entropy ~4.8 nats over 128 tokens), so an fp32 reduction order moving a probability by ~1e-7 flips a draw
+only if the draw lands that close to a boundary: at this seed none does (a flip would fail here, not be tolerated).
 
 What made the draws differ before: the split regions of a tp layer (tensor_parallel/random.py) drew a seed from the
 shared default stream at every training-mode forward, and TRL generates with the model in training mode, so every
@@ -28,6 +28,7 @@ LAYOUTS = {  # (the parallel layout, TRL's options)
     "tp2": ({"tensor_parallel_size": 2}, {}),
     "tp2-sp": ({"tensor_parallel_size": 2, "sequence_parallel": True, "pad_to_multiple_of": 2}, {}),
     "cp2": ({"context_parallel_size": 2}, {}),
+    "pp2": ({"pipeline_parallel_size": 2}, {}),  # generation through the stages, a token at a time, no kv cache
     "tp2-shuffled": ({"tensor_parallel_size": 2}, SHUFFLED),
 }
 
@@ -90,6 +91,18 @@ def pool4():
     workers = WorkerPool(4)
     yield workers
     workers.close()
+
+
+def test_pp2_tp2_draws_what_trl_draws_on_one_process(pool4, hf_dir, one_process, tmp_path):
+    """pp x tp: the pipeline's generation samples from the whole vocabulary, its scoring reads each tp rank's slice."""
+    expected, noise = one_process({})
+    results = pool4.run(train_parallel, hf_dir, str(tmp_path), fixed=False, pipeline_parallel_size=2,
+                        tensor_parallel_size=2)  # fmt: skip
+    for rank, result in enumerate(results):
+        assert result["drawn"] == expected["drawn"], rank  # token by token, every generation
+        worst = check_against(result["every"], expected["every"], noise, TOL)
+        if rank == 0:
+            print("\npp2 x tp2: worst relative error per figure", {k: f"{v:.1e}" for k, v in worst.items() if v})
 
 
 # TRL on 2 processes weighs its evaluation loss by accelerate's `gather_for_metrics`, which keeps the first

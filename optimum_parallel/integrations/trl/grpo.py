@@ -37,22 +37,28 @@ What differs from TRL on one process, and why:
   times cp, averaged over the dp x cp ranks, is the one-process one. Generation runs through the cp model without a
   kv cache (ring attention keeps none; `_generate_without_cache`): every new token is a forward of the whole rows,
   with positions counting up from each row's first (padding) token, as in training;
+- under pipeline parallelism (pp) the per-token log-probs come from the parallel fused head run through the
+  pipeline's stages without a graph (scored on the last stage, sent to the others); a training step is DPO's two
+  passes (`training_step`: TRL's loss backpropagated to those log-probs, then the pipeline's forward and backward of
+  their weighted sum). Generation runs every new token's rows through the stages without a kv cache
+  (`_PipelineNextToken`: slow, a forward of the whole rows per token, micro-batch by micro-batch), the last position's
+  logits sent from the last stage, every rank sampling from the shared random state;
 - with LoRA adapters the reference runs under TRL's "ref" adapter (or none) with every `requires_grad` flag kept
   (`_use_adapter_as_it_was`): torch's composable DDP builds its reducer at the first forward, over the parameters
   that require a gradient then.
 
-Refused before training, by name (`check_grpo_options`): pipeline parallelism (generation and the per-token log-probs
-need the whole sequence through `model.forward` on every rank of a replica), vLLM, continuous
-batching, Liger, `cast_lm_head_to_fp32` under tp (it replaces the vocab-parallel head with a plain linear),
-`rollout_func`, `tools` and `environment_factory` on a replica of several ranks (they would run on every rank),
-`sync_ref_model` with FSDP2 (`sharding_level` 2-3: the policy's shards and the reference's whole tensors do not mix),
-the entropy bonus (`entropy_coef`, `use_adaptive_entropy`: its gradient through the entropy), a MoE router aux loss,
-and multimodal inputs.
+Refused before training, by name (`check_grpo_options`): pipeline parallelism together with cp (the pipeline scores and
+generates on whole rows), vLLM, continuous batching, Liger, `cast_lm_head_to_fp32` under tp (it replaces the
+vocab-parallel head with a plain linear), `rollout_func`, `tools` and `environment_factory` on a replica of several
+ranks (they would run on every rank), `sync_ref_model` with FSDP2 (`sharding_level` 2-3: the policy's shards and the
+reference's whole tensors do not mix), the entropy bonus (`entropy_coef`, `use_adaptive_entropy`: its gradient through
+the entropy), a MoE router aux loss, and multimodal inputs.
 """
 
 from __future__ import annotations
 
 import contextlib
+import inspect
 import pickle
 from collections.abc import Iterator
 from dataclasses import dataclass, replace
@@ -62,6 +68,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from transformers import AutoModelForCausalLM, set_seed
+from transformers.modeling_outputs import CausalLMOutputWithPast
 from trl import GRPOConfig, GRPOTrainer
 from trl.trainer import grpo_trainer as trl_grpo
 
@@ -73,13 +80,14 @@ from ...plan import logits_mode
 from ...plan.caller_outputs import sync_generation
 from ...plan.wrappers import plan_root
 from ...tensor_parallel.layers import ColumnParallelLinear
-from ...tensor_parallel.logprobs import token_entropy, token_log_probs, vocab_slice
+from ...tensor_parallel.logprobs import IGNORE_INDEX, token_entropy, token_log_probs, vocab_slice
 from ...tensor_parallel.random import share_rng_states
 from ..transformers.internals import InternalsChanged, check_overrides, private_override
 from ..transformers.lazy_loading import lazy_load_for_parallelism
 from ..transformers.trainer import ParallelTrainerMixin
 from ..transformers.training_args import ParallelTrainingArguments, trainer_request
-from .fused_head import install_fused_head
+from .dpo import _WeightedLogProbs
+from .fused_head import FusedHead, install_fused_head
 
 TRL_MODULE_GLOBALS = ("gather", "gather_object", "create_model_from_path", "use_adapter")  # `_swapped_globals`
 for _name in TRL_MODULE_GLOBALS:
@@ -146,11 +154,11 @@ def _size_generation_batch(args: GRPOConfig, replicas: int) -> None:
 
 def check_grpo_options(args: ParallelGRPOConfig, kwargs: dict[str, Any]) -> None:
     """ValueError naming the first GRPO option the layout `args` asks for cannot run (see the module docstring)."""
-    if args.pipeline_parallel_size > 1:
+    if args.pipeline_parallel_size > 1 and args.context_parallel_size > 1:
         raise ValueError(
-            f"pipeline_parallel_size={args.pipeline_parallel_size} is not supported by ParallelGRPOTrainer: generation "
-            "and the per-token log-probs run the whole sequence through model.forward on every rank of a replica; "
-            "allowed: 1 (use tensor_parallel_size, sequence_parallel, context_parallel_size and data parallelism)"
+            f"pipeline_parallel_size={args.pipeline_parallel_size} with context_parallel_size="
+            f"{args.context_parallel_size} is not supported by ParallelGRPOTrainer (the pipeline scores and generates "
+            "on whole rows); allowed with pp > 1: context_parallel_size=1"
         )
     flags = {
         "use_vllm": "vLLM generates outside the parallel model",
@@ -305,14 +313,23 @@ class ParallelGRPOTrainer(ParallelTrainerMixin, GRPOTrainer):
                 "per-token log-probs come from the logits, not TRL's fused head that adds the router loss); "
                 "allowed: 0.0"
             )
-        if self.mesh.size("cp") > 1:  # the per-token log-probs through the parallel fused head (gathered over cp)
+        self._policy_head: FusedHead | None = None
+        self._pipeline_pass: tuple[torch.Tensor, ...] | None = None  # under pp: the step's rows (`training_step`)
+        if self._through_fused_head:  # the per-token log-probs through the parallel fused head (cp, pp)
             for scorer in (self.model, self.ref_model):
                 if scorer is not None:
-                    install_fused_head(plan_root(self.accelerator.unwrap_model(scorer)), self.temperature)
+                    head = install_fused_head(plan_root(self.accelerator.unwrap_model(scorer)), self.temperature)
+                    self._policy_head = self._policy_head or head
         # TRL seeded every process apart (seed + process index): the ranks of a replica sample, shuffle and draw
         # alike, so they share seed + replica index (one process: the seed TRL gives process 0)
         set_seed(args.seed + self.mesh.rank("batch"))
         share_rng_states(self.mesh.group("peers"))
+
+    @property
+    def _through_fused_head(self) -> bool:
+        """Whether the per-token log-probs come from the parallel fused head: under cp (gathered over cp) and under pp
+        (scored by the pipeline's last stage, sent to the others)."""
+        return self.mesh.size("cp") > 1 or self._pipeline is not None
 
     def _load_reference(self, model_id: str, **model_init_kwargs: Any) -> nn.Module:
         """TRL's reference model (`create_model_from_path(policy's path, ...)`), loaded lazily and made parallel on
@@ -361,12 +378,37 @@ class ParallelGRPOTrainer(ParallelTrainerMixin, GRPOTrainer):
         shares): the Trainer repeats each rank's loss per example, gathers them over dp and keeps only the first
         `remainder` examples of the last batch (accelerate's gather_for_metrics), which would weigh the replicas'
         shares unevenly where one process weighs one loss."""
-        loss, logits, labels = super().prediction_step(model, inputs, prediction_loss_only, ignore_keys)
+        if self._pipeline is None:
+            loss, logits, labels = super().prediction_step(model, inputs, prediction_loss_only, ignore_keys)
+        else:  # TRL's, its scoring through the pipeline (the Trainer's pp evaluation scores labels of its own)
+            loss, logits, labels = GRPOTrainer.prediction_step(self, model, inputs, prediction_loss_only, ignore_keys)
         if loss is not None and self.mesh.size("batch") > 1:
             loss = loss.detach().clone()
             dist.all_reduce(loss, group=self.mesh.group("batch"))
             loss = loss / self.mesh.size("batch")
         return loss, logits, labels
+
+    def training_step(self, model, inputs, num_items_in_batch=None) -> torch.Tensor:
+        """Under pp, DPO's two passes (`ParallelDPOTrainer.training_step`): TRL's step, whose log-probs the pipeline
+        scored without a graph (a leaf, `FusedHead.pipeline_log_probs`), backpropagates TRL's loss to them; then the
+        pipeline's forward and backward of sum(weight x log p(token)), the weights being that gradient and the logits
+        divided by the temperature, give the parameters the gradient of TRL's loss (one forward more than TRL's)."""
+        if self._pipeline is None:
+            return super().training_step(model, inputs, num_items_in_batch)
+        self._pipeline_pass = None
+        loss = GRPOTrainer.training_step(self, model, inputs, num_items_in_batch)  # TRL's, backward to the leaf
+        input_ids, attention_mask, labels = self._pipeline_pass
+        weights = self._policy_head.pipeline_log_probs.grad
+        root = plan_root(self.accelerator.unwrap_model(model))
+        surrogate = _TemperedLogProbs(root, weights, root.config.get_text_config().vocab_size, self.temperature)
+        previous, root.loss_function = root.loss_function, surrogate
+        try:
+            with self.accelerator.autocast():
+                model.run_train(input_ids=input_ids, labels=surrogate.encode(labels), attention_mask=attention_mask)
+        finally:
+            root.loss_function = previous
+            self._pipeline_pass = None
+        return loss
 
     # ------------------------------------------------------------------ generation
 
@@ -375,11 +417,11 @@ class ParallelGRPOTrainer(ParallelTrainerMixin, GRPOTrainer):
         """TRL's generation through the parallel model's tp-synchronised `generate`, sampling from full-vocabulary
         logits even inside an evaluation that keeps them local."""
         full = _vocab_parallel_head(self.model) is not None
-        cp = self.mesh.size("cp") > 1
+        without_cache = self.mesh.size("cp") > 1 or self._pipeline is not None
         with (
             logits_mode(self.model, "full") if full else contextlib.nullcontext(),
-            _generate_without_cache(self.accelerator.unwrap_model(self.model), self.mesh)
-            if cp
+            _generate_without_cache(self.accelerator.unwrap_model(self.model), self.mesh, self._pipeline)
+            if without_cache
             else contextlib.nullcontext(),
         ):
             return super()._generate_single_turn(
@@ -450,7 +492,7 @@ class ParallelGRPOTrainer(ParallelTrainerMixin, GRPOTrainer):
         if compute_aux_loss:
             raise ValueError("router_aux_loss_coef is not supported by ParallelGRPOTrainer; allowed: 0.0")
         batch_size = batch_size or input_ids.size(0)
-        if self.mesh.size("cp") > 1:
+        if self._through_fused_head:
             return self._per_token_over_context(model, input_ids, attention_mask, logits_to_keep, batch_size,
                                                 compute_entropy)  # fmt: skip
         where = vocab_slice(self.accelerator.unwrap_model(model))  # this rank's vocabulary slice (tp) or all of it
@@ -473,27 +515,75 @@ class ParallelGRPOTrainer(ParallelTrainerMixin, GRPOTrainer):
     def _per_token_over_context(self, model, input_ids, attention_mask, logits_to_keep, batch_size, compute_entropy):
         """Under cp: TRL's own labels through the parallel fused head (`fused_head.py`), which scores each rank's
         chunks and gathers the per-token numbers over cp (its backward: this rank's part, times cp, which the dp x cp
-        gradient average makes the one-process gradient), so every cp rank holds the whole rows TRL's loss reads."""
+        gradient average makes the one-process gradient), so every cp rank holds the whole rows TRL's loss reads.
+        Under pp the pipeline scores the rows (no graph); the policy's scored rows are kept for `training_step`."""
+        if self._pipeline is not None and torch.is_grad_enabled():
+            if batch_size != input_ids.size(0):  # one leaf per step: TRL scores the policy's rows in one call
+                raise NotImplementedError("the policy's log-probs in several calls under pipeline parallelism")
+            labels = input_ids.masked_fill(attention_mask == 0, IGNORE_INDEX)
+            labels[:, :-logits_to_keep] = IGNORE_INDEX
+            self._pipeline_pass = input_ids, attention_mask, labels
+        # under pp x tp the pipeline would gather the last stage's logits over the vocabulary; the fused head scores
+        # this rank's slice (on the other stages there is no head to set)
+        local = _vocab_parallel_head(model) is not None and self._pipeline is not None
         logps, entropies = [], []
         for start in range(0, input_ids.size(0), batch_size):
             ids, mask = input_ids[start : start + batch_size], attention_mask[start : start + batch_size]
             labels = ids.masked_fill(mask == 0, -100)
             labels[:, :-logits_to_keep] = -100
-            with self.accelerator.autocast():
+            with self.accelerator.autocast(), logits_mode(model, "local") if local else contextlib.nullcontext():
                 output = model(input_ids=ids, attention_mask=mask, labels=labels, fused_lm_head=True)
             logps.append(output.log_probs[:, -logits_to_keep:])
             entropies.append(output.entropy[:, -logits_to_keep:])
         return torch.cat(logps), (torch.cat(entropies) if compute_entropy else None), None
 
 
+class _TemperedLogProbs(_WeightedLogProbs):
+    """DPO's pp surrogate, sum(weight x log p(label)), with the logits divided by GRPO's temperature as TRL's fused
+    head divides them."""
+
+    def __init__(self, model, weights: torch.Tensor, vocab_size: int, temperature: float) -> None:
+        super().__init__(model, weights, vocab_size)
+        self.temperature = temperature
+
+    def __call__(self, logits, labels, **kwargs) -> torch.Tensor:
+        return super().__call__(logits / self.temperature, labels, **kwargs)
+
+
+class _PipelineNextToken:
+    """`forward` for generation under pp: the rows through the pipeline's stages (`run_eval`, no kv cache), the last
+    position's logits sent from the last stage to every stage, so every rank of the replica samples the same token.
+    Slow (each token runs the whole rows through every stage, micro-batch by micro-batch) but exact."""
+
+    def __init__(self, root: nn.Module, pipeline) -> None:
+        self.root, self.pipeline = root, pipeline
+        # the model's own signature: `generate` checks its keyword arguments against it
+        self.__signature__ = inspect.signature(type(root).forward.__get__(root))
+
+    def __call__(self, input_ids=None, attention_mask=None, **kwargs) -> CausalLMOutputWithPast:
+        pipeline = self.pipeline
+        logits = pipeline.run_eval(input_ids=input_ids, attention_mask=attention_mask).logits
+        if pipeline.holds_last:
+            last = logits[:, -1:].contiguous()
+        else:
+            vocab = self.root.config.get_text_config().vocab_size
+            last = torch.empty(input_ids.shape[0], 1, vocab, dtype=self.root.dtype, device=input_ids.device)
+        dist.broadcast(last, src=pipeline.last_rank, group=pipeline.pp_group)
+        return CausalLMOutputWithPast(logits=last)
+
+
 @contextlib.contextmanager
-def _generate_without_cache(model: nn.Module, mesh: ParallelMesh) -> Iterator[None]:
+def _generate_without_cache(model: nn.Module, mesh: ParallelMesh, pipeline=None) -> Iterator[None]:
     """Generation under cp: the model refuses `generate` (ring attention keeps no kv cache), so for the block its
     `generate` is transformers' own without a cache -- every new token runs the whole sequence through the cp ranks
     (a forward of the whole rows per token), whose logits, gathered over cp, are the same on every rank of the
-    replica; they sample alike from one shared random state (the tp-synchronised generate's check and draw)."""
+    replica; they sample alike from one shared random state (the tp-synchronised generate's check and draw). Under
+    pp (`pipeline`) the forward is the pipeline's (`_PipelineNextToken`)."""
     root = plan_root(model)
     saved = root.__dict__.get("generate")
+    saved_forward = root.__dict__.get("forward")
+    if pipeline is not None:
+        root.forward = _PipelineNextToken(root, pipeline)
 
     def generate(input_ids=None, attention_mask=None, **kwargs):
         sync_generation(mesh.group("peers"), (), {"input_ids": input_ids})
@@ -508,10 +598,11 @@ def _generate_without_cache(model: nn.Module, mesh: ParallelMesh) -> Iterator[No
     try:
         yield
     finally:
-        if saved is None:
-            del root.generate
-        else:
-            root.generate = saved
+        for name, value in (("generate", saved), ("forward", saved_forward)):
+            if value is None:
+                root.__dict__.pop(name, None)
+            else:
+                setattr(root, name, value)
 
 
 check_overrides(ParallelGRPOTrainer, GRPOTrainer)
