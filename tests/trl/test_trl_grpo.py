@@ -232,6 +232,14 @@ def test_what_a_layout_cannot_run_is_refused_by_name(pool, hf_dir, tmp_path, opt
         assert "allowed" in message or "divisible" in message, message
 
 
+def test_a_generation_batch_valid_per_replica_is_taken(pool, hf_dir, tmp_path):
+    """generation_batch_size=12 at tp=2 (one replica of 12 prompts a step): TRL's own sizing, over 2 processes,
+    would refuse it as not divisible by 24."""
+    options = {"tensor_parallel_size": 2, "generation_batch_size": 12}
+    for message in pool.run(refused, hf_dir, str(tmp_path), options):
+        assert message == "no error", message
+
+
 def test_example_runs_under_torchrun(tmp_path):
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     example = str(ROOT / "examples" / "grpo.py")

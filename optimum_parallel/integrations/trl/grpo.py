@@ -109,7 +109,11 @@ class ParallelGRPOConfig(GRPOConfig, ParallelTrainingArguments):
 
     def __post_init__(self) -> None:
         asked = self.generation_batch_size, self.steps_per_generation
-        super().__post_init__()  # TRL sized the generation batch with world_size processes: sized again below
+        # TRL sizes the generation batch with world_size processes: what the user asked is hidden from it (a size
+        # valid per replica is not always valid per process, and TRL's error would name the world's batch) and
+        # sized below per replica; TRL's defaults pass wherever the replicas' do (world = replicas x ranks each)
+        self.generation_batch_size = self.steps_per_generation = None
+        super().__post_init__()
         self.generation_batch_size, self.steps_per_generation = asked
         _size_generation_batch(self, max(1, self.world_size // self.ranks_per_replica))
 
