@@ -68,6 +68,8 @@ _EXPORTS = {  # public name -> the module defining it
     "ParallelRLOOConfig": ".integrations.trl",
     "ParallelRewardTrainer": ".integrations.trl",
     "ParallelRewardConfig": ".integrations.trl",
+    "ParallelDistillationTrainer": ".integrations.trl",
+    "ParallelDistillationConfig": ".integrations.trl",
     "save_plan": ".planning.plan_files",
     "load_plan": ".planning.plan_files",
     "check_plan_fits": ".planning.plan_files",

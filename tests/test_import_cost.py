@@ -35,6 +35,8 @@ LATER = (
     "ParallelRLOOConfig",
     "ParallelRewardTrainer",
     "ParallelRewardConfig",
+    "ParallelDistillationTrainer",
+    "ParallelDistillationConfig",
     "MemoryPlanner",
     "estimate_memory",
     "suggest_layouts",

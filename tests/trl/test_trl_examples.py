@@ -20,6 +20,7 @@ COMMON = ["--tensor_parallel_size", "2", "--use_cpu", "--bf16", "False", "--repo
 RUNS = {
     "sft": ["--packing", "--max_length", "64", "--per_device_train_batch_size", "4", "--learning_rate", "5e-3"],
     "dpo": ["--per_device_train_batch_size", "8", "--learning_rate", "1e-2"],
+    "distillation": ["--per_device_train_batch_size", "8", "--learning_rate", "1e-2", "--max_completion_length", "8"],
     "reward": ["--per_device_train_batch_size", "8", "--learning_rate", "1e-2", "--sequence_parallel"],
     "kto": ["--per_device_train_batch_size", "8", "--learning_rate", "1e-2"],
 }

@@ -15,8 +15,11 @@ log-probabilities, entropy and token accuracy with the vocab-parallel log-softma
 `KTOTrainer` over a tp / sp / cp / pp / dp mesh, its policy and reference both parallel (as DPO's).
 `ParallelRewardTrainer(model, args=ParallelRewardConfig(...), train_dataset=..., processing_class=...)` is TRL's
 `RewardTrainer` over a tp / sp / dp mesh: a one-label sequence-classification model, its value head whole on every
-rank."""
+rank.
+`ParallelDistillationTrainer(model, teacher_model=..., args=ParallelDistillationConfig(...), train_dataset=...)` is
+TRL's `DistillationTrainer` over a tp / sp / dp mesh, the teacher parallel like DPO's reference."""
 
+from .distillation import ParallelDistillationConfig, ParallelDistillationTrainer, check_distillation_options
 from .dpo import ParallelDPOConfig, ParallelDPOTrainer, check_dpo_options
 from .fused_head import install_fused_head
 from .grpo import ParallelGRPOConfig, ParallelGRPOTrainer, check_grpo_options
@@ -26,6 +29,8 @@ from .rloo import ParallelRLOOConfig, ParallelRLOOTrainer, check_rloo_options
 from .sft import ParallelSFTConfig, ParallelSFTTrainer, check_sft_options
 
 __all__ = [
+    "ParallelDistillationConfig",
+    "ParallelDistillationTrainer",
     "ParallelDPOConfig",
     "ParallelDPOTrainer",
     "ParallelGRPOConfig",
@@ -38,6 +43,7 @@ __all__ = [
     "ParallelRLOOTrainer",
     "ParallelSFTConfig",
     "ParallelSFTTrainer",
+    "check_distillation_options",
     "check_dpo_options",
     "check_grpo_options",
     "check_kto_options",
