@@ -18,7 +18,7 @@ import torch.distributed as dist
 
 from optimum_parallel.mesh import device as devices
 from optimum_parallel.mesh import rendezvous, timeouts
-from optimum_parallel.mesh.timeouts import INIT_TIMEOUT, TRAIN_TIMEOUT, Timeouts
+from optimum_parallel.mesh.timeouts import INIT_TIMEOUT, TRAIN_TIMEOUT, WATCHED_TIMEOUT, Timeouts
 
 WORLD_SIZE = 2
 S = timedelta(seconds=1)
@@ -32,6 +32,13 @@ def test_defaults_are_long_until_training_then_short():
     assert Timeouts.of(timedelta(minutes=30)) == Timeouts(timedelta(minutes=30), TRAIN_TIMEOUT)
     assert Timeouts.of(900, train_timeout=45.5) == Timeouts(900 * S, timedelta(seconds=45.5))
     assert Timeouts.of(Timeouts(100 * S, 20 * S)) == Timeouts(100 * S, 20 * S)
+
+
+def test_with_the_heartbeat_collectives_wait_long_in_every_phase():
+    """The heartbeat decides death (mesh/heartbeat.py): 30 minutes everywhere unless the caller says otherwise."""
+    assert Timeouts.of(watched=True) == Timeouts(WATCHED_TIMEOUT, WATCHED_TIMEOUT) and WATCHED_TIMEOUT >= INIT_TIMEOUT
+    assert Timeouts.of(1800, watched=True) == Timeouts(1800 * S, 1800 * S)  # the Trainer's ddp_timeout, kept after
+    assert Timeouts.of(30, train_timeout=7, watched=True) == Timeouts(30 * S, 7 * S)
 
 
 @pytest.mark.parametrize(

@@ -1,4 +1,5 @@
-"""The default group this package made is destroyed when the process ends cleanly, before the interpreter finalizes.
+"""The default group this package made is destroyed when the process ends cleanly, before the interpreter finalizes,
+and the exit never waits more than a few seconds for it.
 
 gloo runs each collective on a worker thread, which drops its last reference to the collective's tensors a moment
 after the caller's wait returns. When the process ends straight after a collective (a Trainer's last metrics
@@ -7,16 +8,23 @@ all-gather), the thread can drop it while Python finalizes: the decref takes the
 example; core: `~AsyncAllgatherWork` -> `decref_pyobject` -> `PyThread_exit_thread`). `destroy_process_group` at
 exit joins those threads while Python still runs, as torch asks every program to do. Only after a clean end: after an
 uncaught exception (`sys.last_value`) a collective may still wait on a peer, and joining it would keep a failed rank
-alive until the timeout instead of ending the job at once.
+alive until the timeout instead of ending the job at once. Nor when the heartbeat (heartbeat.py) last saw a peer fail
+or miss its beats, and never for longer than `DESTROY_WAIT_S`: under NCCL, destroying a group can block on work queued
+to a dead peer, and a rank that finished must not hang its launcher's teardown.
 """
 
 from __future__ import annotations
 
 import atexit
+import os
 import sys
+import threading
 
 import torch.distributed as dist
 
+from . import heartbeat
+
+DESTROY_WAIT_S = 5.0
 _REGISTERED: list[bool] = []
 
 
@@ -30,4 +38,17 @@ def destroy_at_clean_exit() -> None:
 def _destroy_if_clean() -> None:
     if hasattr(sys, "last_value") or not dist.is_initialized():  # a crash, or the program destroyed it itself
         return
-    dist.destroy_process_group()
+    if heartbeat.peers_in_trouble():  # a peer failed or went silent: its work may never complete
+        return
+    destroying = threading.Thread(target=dist.destroy_process_group, name="optimum-parallel-destroy", daemon=True)
+    destroying.start()
+    destroying.join(DESTROY_WAIT_S)
+    if destroying.is_alive():
+        message = (
+            f"[optimum-parallel] destroy_process_group did not return within {DESTROY_WAIT_S:g} s at exit (a peer "
+            "gone?); exiting without it\n"
+        )
+        try:
+            os.write(sys.stderr.fileno(), message.encode())
+        except (AttributeError, OSError, ValueError):
+            pass

@@ -23,6 +23,8 @@ from datetime import timedelta
 
 import torch.distributed as dist
 
+from . import heartbeat
+
 _PREFIX = "optimum_parallel/failed_collective/"
 _MARKERS = ("timed out", "connection closed", "connection reset", "broken pipe", "timeout")
 _names: dict[int, str] = {}  # id(process group) -> its mesh dim
@@ -39,6 +41,7 @@ def install(group_names: dict[dist.ProcessGroup, str], grace: timedelta) -> None
     previous = sys.excepthook
 
     def hook(kind, error, trace) -> None:
+        heartbeat.mark_ending()  # its watcher must not end this process before the report is out
         # torchrun SIGTERMs every rank once the first one exits: let this one finish its report first
         terminate = signal.signal(signal.SIGTERM, signal.SIG_IGN)
         try:

@@ -9,13 +9,14 @@ from datetime import timedelta
 
 import torch.distributed as dist
 
-from . import binding, launchers, rendezvous, timeouts
+from . import binding, heartbeat, launchers, rendezvous, timeouts
 from . import device as devices
+from .heartbeat import HeartbeatSettings
 from .layout import ALIASES, EXPERT_DIM, GRID_DIMS, MeshLayout
 from .protocol import ParallelMesh
 from .timeouts import Timeouts
 
-DEFAULT_TIMEOUT = timeouts.INIT_TIMEOUT
+DEFAULT_TIMEOUT = timeouts.WATCHED_TIMEOUT  # with the heartbeat on (the default); timeouts.INIT_TIMEOUT without
 _INIT_LOCK = threading.Lock()  # on XLA one process may drive several devices, one thread each: one group for all
 _CURRENT_MESH: ParallelMesh | None = None
 
@@ -30,6 +31,8 @@ def init_mesh(
     timeout: Timeouts | timedelta | float | None = None,
     train_timeout: timedelta | float | None = None,
     device: str | None = None,
+    heartbeat_interval: float | None = None,
+    heartbeat_dead_after: float | None = None,
     **dims: int,
 ) -> ParallelMesh:
     """Build (and set as current) the dp x pp x cp x tp mesh; `tp` (alias `mp`) defaults to world / (dp * pp * cp).
@@ -46,11 +49,19 @@ def init_mesh(
     Trainium, ...), bound to this process's device (its local rank's, set first in every path) where the backend can
     split groups from it (binding.py).
 
-    Timeouts (`timeouts.py`): every process group waits `timeout` (seconds or a timedelta; default 10 minutes) until
-    this process's first optimizer step ends and around checkpoint saves and loads, `train_timeout` (default 2
-    minutes, or `timeout` if shorter) in between; or pass one `Timeouts(init=..., train=...)` as `timeout`.
+    Heartbeat (`heartbeat.py`): every rank beats through the rendezvous store every `heartbeat_interval` seconds
+    (default 2, or OPTIMUM_PARALLEL_HEARTBEAT_INTERVAL; 0: off); a rank silent for `heartbeat_dead_after` seconds
+    (default 15, or OPTIMUM_PARALLEL_HEARTBEAT_DEAD_AFTER) is dead or frozen, and the ranks that see it end the job.
+
+    Timeouts (`timeouts.py`): with the heartbeat, every process group waits `timeout` (seconds or a timedelta; default
+    30 minutes) in every phase, unless `train_timeout` is given for the time after the first optimizer step. Without
+    it, `timeout` (default 10 minutes) until this process's first optimizer step ends and around checkpoint saves and
+    loads, `train_timeout` (default 2 minutes, or `timeout` if shorter) in between. Or pass one
+    `Timeouts(init=..., train=...)` as `timeout`.
     """
-    chosen = Timeouts.of(timeout, train_timeout)  # a bad timeout raises here, on every rank, before anything starts
+    # bad settings raise here, on every rank, before anything starts
+    beat = HeartbeatSettings.of(heartbeat_interval, heartbeat_dead_after)
+    chosen = Timeouts.of(timeout, train_timeout, watched=beat.on)
     sizes: dict[str, int | None] = {"dp": dp, "pp": pp, "cp": cp, "tp": tp}
     for name, value in dims.items():
         dim = ALIASES.get(name, name)
@@ -62,6 +73,8 @@ def init_mesh(
         sizes[dim] = value
     device_type = devices.resolve_device_type(device)
     _init_process_group(chosen.init, device_type)
+    if device_type == devices.XLA or not heartbeat.start(beat):  # XLA: torch-xla's runtime has no store to beat in
+        chosen = Timeouts.of(timeout, train_timeout)  # the timeouts alone tell a slow rank from a dead one
     timeouts.configure(chosen)  # every group, the default one included, waits the init timeout from here
     layout = MeshLayout.for_world(dist.get_world_size(), sizes, ep)
     if device_type == devices.XLA:

@@ -24,9 +24,10 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from . import binding, launchers
+from . import binding, launchers, timeouts
 from . import device as devices
 from .clean_exit import destroy_at_clean_exit
+from .heartbeat import HeartbeatSettings
 
 VARIABLE = "TORCH_DISABLE_SHARE_RDZV_TCP_STORE"
 _ADDRESS_KEY = "optimum_parallel/rendezvous/rank0"  # in the agent's store: "host:port:token" of rank 0's small store
@@ -59,6 +60,8 @@ def init_process_group(
     one device raise first, on each of them."""
     launch = launchers.detect() if launch is None else launch
     rank, world = launch.rank, launch.world_size
+    if "nccl" in backend:
+        timeouts.nccl_report_defaults()  # read when the NCCL group is made
     check = device_id is not None and world > 1 and not devices.shares_devices(backend)
     if shares_agent_store():
         store = attempt_store(rank, world, timeout, launch.master_addr, launch.master_port)
@@ -180,6 +183,7 @@ def init_before_accelerate(ddp_backend: str | None, use_cpu: bool, timeout_s: fl
     """For `ParallelTrainingArguments`, before transformers has accelerate make the default group (on the shared
     store, where a restarted attempt would read the dead one's keys): make it here, with accelerate's backend and
     timeout; accelerate then uses it. Nothing off torchrun's shared store, on XLA, or once a group exists."""
+    HeartbeatSettings.of()  # a bad OPTIMUM_PARALLEL_HEARTBEAT_* variable raises here, before any group is made
     if not shares_agent_store() or int(os.environ.get("WORLD_SIZE", "1")) <= 1 or dist.is_initialized():
         return
     if devices.xla_requested() or "torch_xla" in sys.modules:  # accelerate's xla:// group: no TCPStore

@@ -1,15 +1,16 @@
-"""Process-group timeouts that tell a slow rank from a dead one: a long one while ranks may legitimately drift apart
-(start-up, loading, the first optimizer step with its compiles, checkpoint saves and loads), a shorter one once
-training runs.
+"""Process-group timeouts that let a slow rank through, while the heartbeat (heartbeat.py) tells a dead one.
 
-Every process group of the job (`torch.distributed`'s own list, the default group included) waits `init` (default
-10 minutes, torch's NCCL default) until this process's first optimizer step ends, then `train` (default 2 minutes,
-or `init` if that is shorter). `long_running(what)` puts `init` back for the span of a checkpoint save or load
-(`checkpoint/save.py`, `load.py`, `engine/full_model.py`), and torch.compile's own start/end callbacks do for each
-compilation (once dynamo is in use).
+With the heartbeat on (the default on torch's native backends), every process group waits 30 minutes in every phase,
+as transformers' `ddp_timeout`: a dead or frozen rank is found by its missing beats within seconds, so a collective
+can wait as long as a live rank may be late (an evaluation callback, a save's exchange while the writers write, a
+recompile on some ranks only). Without the heartbeat (`OPTIMUM_PARALLEL_HEARTBEAT_INTERVAL=0`, XLA), the timeouts
+themselves tell the two apart: every group waits `init` (default 10 minutes, torch's NCCL default) until this
+process's first optimizer step ends, then `train` (default 2 minutes, or `init` if that is shorter).
+`long_running(what)` puts `init` back for the span of a checkpoint save or load (`checkpoint/save.py`, `load.py`,
+`engine/full_model.py`), and torch.compile's own start/end callbacks do for each compilation (once dynamo is in use);
+both also name what this process is doing for the heartbeat's reports (phase.py).
 A timeout is changed in place on each group's backend (`ProcessGroup.set_timeout`, what torch's `_set_pg_timeout`
-calls): nothing is made again and no rank has to take part. A dead rank does not wait for either: its sockets close
-(gloo and NCCL's socket transport fail at once), and torchrun's agent ends the job when one of its workers dies.
+calls): nothing is made again and no rank has to take part.
 
 The switch is `torch.optim`'s global optimizer-step post-hook, installed by `configure` (called by `init_mesh`) and
 removed after the first step: it sees every loop (a custom one, the Trainer, TRL) without any loop knowing.
@@ -19,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import os
 import sys
 import threading
 import warnings
@@ -32,7 +34,9 @@ import torch.distributed as dist
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from . import device as devices
+from . import phase
 
+WATCHED_TIMEOUT = timedelta(minutes=30)  # every phase while the heartbeat runs: transformers' ddp_timeout
 INIT_TIMEOUT = timedelta(minutes=10)  # until the first optimizer step ends, and around saves, loads and compiles
 TRAIN_TIMEOUT = timedelta(minutes=2)  # afterwards: a stuck (not dead) rank fails the job this long after
 
@@ -48,18 +52,24 @@ class Timeouts:
 
     @classmethod
     def of(
-        cls, timeout: Timeouts | timedelta | float | None = None, train_timeout: timedelta | float | None = None
+        cls,
+        timeout: Timeouts | timedelta | float | None = None,
+        train_timeout: timedelta | float | None = None,
+        *,
+        watched: bool = False,
     ) -> Timeouts:
         """From `init_mesh`'s arguments: `timeout` a Timeouts, or the init timeout (seconds or a timedelta; None: 10
-        minutes); `train_timeout` the steady-state one (None: 2 minutes, or `timeout` if that is shorter). Raises
+        minutes, 30 when `watched`); `train_timeout` the steady-state one (None: 2 minutes, or `timeout` if that is
+        shorter; with `watched`, the init one). `watched`: the heartbeat decides when a rank is dead. Raises
         ValueError naming the key for a timeout <= 0 or of another type."""
         if isinstance(timeout, Timeouts):
             if train_timeout is not None:
                 raise ValueError("pass train_timeout inside the Timeouts given as timeout=, not beside it")
             return cls(_seconds("timeout.init", timeout.init), _seconds("timeout.train", timeout.train))
-        init = INIT_TIMEOUT if timeout is None else _seconds("timeout", timeout)
-        train = min(TRAIN_TIMEOUT, init) if train_timeout is None else _seconds("train_timeout", train_timeout)
-        return cls(init, train)
+        init = (WATCHED_TIMEOUT if watched else INIT_TIMEOUT) if timeout is None else _seconds("timeout", timeout)
+        if train_timeout is not None:
+            return cls(init, _seconds("train_timeout", train_timeout))
+        return cls(init, init if watched else min(TRAIN_TIMEOUT, init))
 
 
 def _seconds(key: str, value: object) -> timedelta:
@@ -131,12 +141,14 @@ def long_running(what: str) -> Iterator[None]:
     minutes longer than the others; the previous timeout after it. Nests."""
     with _STATE.lock:
         _STATE.long += 1
+    phase.enter(what)
     apply()
     try:
         yield
     finally:
         with _STATE.lock:
             _STATE.long -= 1
+        phase.leave(what)
         apply()
 
 
@@ -156,12 +168,14 @@ def _watch_compiles() -> None:
 def _compile_started(*_) -> None:
     with _STATE.lock:
         _STATE.long += 1
+    phase.enter("compile")
     apply()
 
 
 def _compile_ended(*_) -> None:
     with _STATE.lock:
         _STATE.long = max(0, _STATE.long - 1)
+    phase.leave("compile")
     apply()
 
 
@@ -209,3 +223,19 @@ def group_timeout(group: dist.ProcessGroup) -> timedelta | None:
         return group._get_backend(torch.device("cpu")).options._timeout
     except (AttributeError, RuntimeError):
         return None
+
+
+NCCL_REPORT_DEFAULTS = {
+    # a timed-out NCCL collective aborts in torch's watchdog thread, before any Python hook can report: let the
+    # watchdog dump its flight recorder (the last collectives of every group, with their state) first
+    "TORCH_NCCL_DUMP_ON_TIMEOUT": "1",
+    "TORCH_NCCL_TRACE_BUFFER_SIZE": "2000",
+}
+
+
+def nccl_report_defaults() -> None:
+    """Turn torch's NCCL flight recorder on, where the user set nothing else, so a timeout leaves a report (under
+    TORCH_NCCL_DEBUG_INFO_TEMP_FILE, /tmp/nccl_trace_rank_<rank> by default; read it with torch's `fr_trace`).
+    Read when an NCCL group is made: call before `init_process_group`."""
+    for name, value in NCCL_REPORT_DEFAULTS.items():
+        os.environ.setdefault(name, value)

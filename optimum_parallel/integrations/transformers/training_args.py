@@ -94,8 +94,8 @@ class ParallelTrainingArguments(TrainingArguments):
     )
 
     def __post_init__(self) -> None:
-        # ddp_timeout is the mesh's init timeout (until the first optimizer step ends, and around saves and loads);
-        # the steady-state one is min(2 minutes, ddp_timeout) (mesh/timeouts.py; the Trainer passes it to init_mesh)
+        # ddp_timeout is every collective's timeout in every phase while the heartbeat runs (mesh/heartbeat.py); without
+        # it, until the first optimizer step ends and around saves and loads, min(2 minutes, ddp_timeout) in between
         check_ddp_timeout(self.ddp_timeout)
         world = _launched_world_size()
         if world > 1 and not self.use_cpu and _no_accelerator():
@@ -209,7 +209,7 @@ def check_ddp_timeout(value: object) -> None:
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
         raise ValueError(
             f"ddp_timeout={value!r}: the process groups' timeout must be a number of seconds > 0 (allowed: > 0; it "
-            "is the init timeout, the steady-state one is min(120, ddp_timeout))"
+            "is every collective's timeout)"
         )
 
 
