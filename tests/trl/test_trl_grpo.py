@@ -28,6 +28,7 @@ from _grpo import (  # noqa: E402
     trl_reference,
     worst_errors,
 )
+from transformers import ProcessorMixin  # noqa: E402
 
 WORLD_SIZE = 2
 CP2 = {"context_parallel_size": 2}
@@ -200,11 +201,11 @@ def refused(hf_dir: str, output_dir: str, options: dict) -> str:
 
     from optimum_parallel.integrations.trl import ParallelGRPOConfig, ParallelGRPOTrainer
 
-    extra = {k: options.pop(k) for k in ("rollout_func",) if k in options}
+    extra = {k: options.pop(k) for k in ("rollout_func", "processing_class") if k in options}
+    extra.setdefault("processing_class", AutoTokenizer.from_pretrained(hf_dir))
     try:
         args = ParallelGRPOConfig(**grpo_args(output_dir, eval_strategy="no", **options))
-        ParallelGRPOTrainer(hf_dir, reward_funcs=even_tokens, args=args, train_dataset=prompts(),
-                            processing_class=AutoTokenizer.from_pretrained(hf_dir), **extra)  # fmt: skip
+        ParallelGRPOTrainer(hf_dir, reward_funcs=even_tokens, args=args, train_dataset=prompts(), **extra)
     except ValueError as err:
         return str(err)
     return "no error"
@@ -212,6 +213,13 @@ def refused(hf_dir: str, output_dir: str, options: dict) -> str:
 
 def rollout(prompts, trainer):
     raise AssertionError("never called")
+
+
+class ImageProcessor(ProcessorMixin):
+    """A multimodal processor as far as the refusal looks (it must come before any generation)."""
+
+    def __init__(self) -> None:
+        pass
 
 
 @pytest.mark.parametrize(
@@ -223,8 +231,9 @@ def rollout(prompts, trainer):
         ({"tensor_parallel_size": 2, "rollout_func": rollout}, "rollout_func"),
         ({"tensor_parallel_size": 2, "per_device_train_batch_size": 2}, "generation_batch_size (2) must be divisible"),
         ({"sync_ref_model": True, "sharding_level": 3}, "sync_ref_model=True is not supported with sharding_level=3"),
+        ({"tensor_parallel_size": 2, "processing_class": ImageProcessor()}, "processing_class=ImageProcessor"),
     ],
-    ids=["pp_cp", "entropy_coef", "cast_lm_head_to_fp32", "rollout_func", "generation_batch", "sync_ref_fsdp2"],
+    ids=["pp_cp", "entropy_coef", "cast_lm_head_to_fp32", "rollout_func", "generation_batch", "sync_ref", "multimodal"],
 )
 def test_what_a_layout_cannot_run_is_refused_by_name(pool, hf_dir, tmp_path, options, words):
     for message in pool.run(refused, hf_dir, str(tmp_path), options):

@@ -52,7 +52,7 @@ generates on whole rows), vLLM, continuous batching, Liger, `cast_lm_head_to_fp3
 vocab-parallel head with a plain linear), `rollout_func`, `tools` and `environment_factory` on a replica of several
 ranks (they would run on every rank), `sync_ref_model` with FSDP2 (`sharding_level` 2-3: the policy's shards and the
 reference's whole tensors do not mix), the entropy bonus (`entropy_coef`, `use_adaptive_entropy`: its gradient through
-the entropy), a MoE router aux loss, and multimodal inputs.
+the entropy), a MoE router aux loss, and a multimodal processor (before anything runs).
 """
 
 from __future__ import annotations
@@ -67,7 +67,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
-from transformers import AutoModelForCausalLM, set_seed
+from transformers import AutoModelForCausalLM, ProcessorMixin, set_seed
 from transformers.modeling_outputs import CausalLMOutputWithPast
 from trl import GRPOConfig, GRPOTrainer
 from trl.trainer import grpo_trainer as trl_grpo
@@ -188,6 +188,11 @@ def check_grpo_options(args: ParallelGRPOConfig, kwargs: dict[str, Any]) -> None
             f"sync_ref_model=True is not supported with sharding_level={args.sharding_level} (FSDP2 shards the "
             "policy's parameters over dp, the reference's are whole, and TRL's callback mixes them element by "
             "element); allowed there: sync_ref_model=False, or sharding_level 0-1"
+        )
+    if isinstance(kwargs.get("processing_class"), ProcessorMixin):  # refused here, not after a first generation
+        raise ValueError(
+            f"processing_class={type(kwargs['processing_class']).__name__} (a multimodal processor) is not supported "
+            "by ParallelGRPOTrainer; allowed: a tokenizer (text-only policies)"
         )
     if args.ranks_per_replica > 1:
         for name in ("rollout_func", "tools", "environment_factory"):
