@@ -13,6 +13,7 @@ as for the cp loss, `context_parallel/loss.py`).
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 
 import torch
@@ -21,6 +22,7 @@ from torch import nn
 from torch.distributed import ProcessGroup
 
 from ...mesh import ranks
+from ...plan import logits_mode
 from ...state import parallel_state
 from ...tensor_parallel.logprobs import IGNORE_INDEX, token_log_probs, token_statistics, vocab_slice
 
@@ -124,7 +126,9 @@ class FusedHead:
         if shift_labels is not None:
             raise NotImplementedError("shift_labels with the fused head under pipeline parallelism")
         input_ids, mask = kwargs["input_ids"], kwargs.get("attention_mask")
-        logits = pipeline.run_eval(input_ids=input_ids, attention_mask=mask).logits
+        split = pipeline.holds_last and vocab_slice(self.model).group is not None
+        with logits_mode(self.model, "local") if split else contextlib.nullcontext():  # scored on this rank's slice
+            logits = pipeline.run_eval(input_ids=input_ids, attention_mask=mask).logits
         if pipeline.holds_last and self.temperature != 1.0:
             logits = logits / self.temperature
         targets = labels[:, 1:].to(input_ids.device)
