@@ -10,7 +10,8 @@ One fault, from FAULT="what:where:rank[:seconds]", on global rank `rank`:
 - where: `load` (inside from_pretrained, before parallelize), `train` (after step 3's optimizer step: the other rank
   waits in step 4's forward), `save` (inside the checkpoint save after step 2, at its first exchange of results),
   `evaluate` (in the evaluation loop, at its first prediction step), `on_evaluate` / `on_save` (in a callback after
-  the evaluation / the save, as logging sample generations or uploading a checkpoint does).
+  the evaluation / the save, as logging sample generations or uploading a checkpoint does), `end` (after training,
+  once the other rank may have exited: a rank still at work alone).
 
 The rank writes OUT/fault-rank<r> (the time) just before its fault; every rank writes OUT/done-rank<r> (the time)
 when training ends.
@@ -135,6 +136,7 @@ def main() -> None:
     )
     trainer.train()
     (OUT / f"done-rank{dist.get_rank()}").write_text(str(time.time()))
+    fault("end")
 
 
 if __name__ == "__main__":

@@ -9,7 +9,8 @@ optimum_parallel/mesh/timeouts.py). One fault, from the environment, on one rank
 - `LATE=save:r:s`: rank r sleeps s seconds inside the save, before its second exchange of results with the others
   (the others wait for it in that all_gather: a slow disk);
 - `KILL=step:r`: rank r SIGKILLs itself after step 1 (training runs: the others wait with the train timeout);
-- `KILL=save:r`: rank r SIGKILLs itself inside that save, at its first exchange (the init timeout is on).
+- `KILL=save:r`: rank r SIGKILLs itself inside that save, at its first exchange (the init timeout is on);
+- `STOP=step:r`, `STOP=save:r`: the same places, SIGSTOP instead (frozen, threads and all: the heartbeat finds it).
 
 A rank about to die writes the time to OUT/killed-rank<r>; a rank that finishes writes OUT/done-rank<r> (JSON: time,
 losses); a rank whose collective fails writes OUT/failed-rank<r> (JSON: time, error) and re-raises.
@@ -42,9 +43,9 @@ def fault(kind: str) -> tuple[str, int, float] | None:
     return where, int(rank), float(seconds[0]) if seconds else 0.0
 
 
-def die(out: Path) -> None:
+def die(out: Path, how: signal.Signals = signal.SIGKILL) -> None:
     (out / f"killed-rank{dist.get_rank()}").write_text(str(time.time()))
-    os.kill(os.getpid(), signal.SIGKILL)
+    os.kill(os.getpid(), how)
 
 
 def sleep_late(out: Path, seconds: float) -> None:
@@ -71,6 +72,20 @@ def slow_before_exchange(out: Path, n: int, seconds: float) -> None:
     ranks.crash_point = slow
 
 
+def stop_before_exchange(out: Path) -> None:
+    """SIGSTOP at this rank's first result exchange inside the next save."""
+    from optimum_parallel.checkpoint import ranks
+
+    point = ranks.crash_point
+
+    def frozen(name: str) -> None:
+        if name == "gather":
+            die(out, signal.SIGSTOP)
+        point(name)
+
+    ranks.crash_point = frozen
+
+
 def run(args: argparse.Namespace, out: Path) -> list[float]:
     from transformers import AutoModelForCausalLM
 
@@ -79,7 +94,7 @@ def run(args: argparse.Namespace, out: Path) -> list[float]:
     from optimum_parallel.engine.data_parallel import DataParallelConfig, apply_data_parallel
 
     mesh = op.init_mesh(dp=args.dp, tp=args.tp)  # the default timeouts
-    late, kill = fault("LATE"), fault("KILL")
+    late, kill, stop = fault("LATE"), fault("KILL"), fault("STOP")
     model = AutoModelForCausalLM.from_pretrained(args.hf_dir, dtype=torch.float32, attn_implementation="eager")
     if late and late[0] == "parallelize":
         sleep_late(out, late[2])
@@ -100,6 +115,8 @@ def run(args: argparse.Namespace, out: Path) -> list[float]:
         losses.append(loss.item())
         if kill and kill[0] == "step" and step == 1:
             die(out)
+        if stop and stop[0] == "step" and step == 1:
+            die(out, signal.SIGSTOP)
         if step != args.save_at:
             continue
         if late and late[0] == "save":
@@ -107,6 +124,8 @@ def run(args: argparse.Namespace, out: Path) -> list[float]:
         if kill and kill[0] == "save":
             (out / f"killed-rank{dist.get_rank()}").write_text(str(time.time()))  # an instant before the kill
             os.environ[CRASH_ENV] = "gather:1"  # its first result exchange: every rank has one
+        if stop and stop[0] == "save":
+            stop_before_exchange(out)
         parallelizer.save_model_checkpoint(model, out / f"checkpoint-{step}", optimizer=optimizer)
     return losses
 

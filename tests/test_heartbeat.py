@@ -5,7 +5,8 @@
   inside a checkpoint save and in the evaluation loop: the job ends (torchrun exits non-zero) under 60 s after the
   fault, and the output names the rank (the heartbeat's line for a frozen one, torchrun's summary for a killed one).
 - A rank alive but minutes late -- 180 s in an `on_evaluate` callback, 180 s inside the save's exchange, both with the
-  defaults; 60 s in an `on_save` callback with a 5 s dead-after -- is waited for: the job trains to the end.
+  defaults; 60 s in an `on_save` callback with a 5 s dead-after -- is waited for: the job trains to the end; and a
+  rank still at work 40 s after the other one exited cleanly is left to finish.
 
 Every job starts at once when the module starts (one wall-clock wait: the module takes about as long as its slowest
 case, the 180 s ones); each test waits for its own. Settings errors are checked in-process.
@@ -47,6 +48,7 @@ SLOW = {
     "late-on_evaluate-defaults": ("sleep:on_evaluate:0:180", {}),
     "late-in-save-defaults": ("sleep:save:1:180", {}),
     "late-on_save-short": ("sleep:on_save:0:60", SHORT),
+    "late-alone-after-training-defaults": ("sleep:end:0:40", {}),  # rank 1 has exited cleanly: not a dead rank
 }
 
 

@@ -8,10 +8,11 @@ the others watch rank 0's: a beat that has not changed for `dead_after` seconds 
 clock, so the hosts' clocks need not agree) is a dead rank, or a frozen one (SIGSTOP, a host that stopped answering:
 its threads stop with it). The watcher then writes a line naming the rank, its last phase and this rank's phase, and
 ends its own process (exit code 75), so the launcher tears the job down; rank 0 first leaves the verdict in the store
-for the others, which end at their next beat. A rank that ends with an uncaught error says so in its key at exit
-(the others end at once); one that ends cleanly says it is done (never judged again). A peer that has not beaten yet
-(late to `init_mesh`) is not judged: the collective timeouts cover it. A store that stops answering for
-`dead_after` (its host died) ends the rank too, unless rank 0 had said it was done.
+for the others, which end at their next beat; each SIGKILLs the silent ranks on its own machine first (a frozen
+process cannot act on the launcher's SIGTERM: local_process.py). A rank that ends with an uncaught error says so in
+its key at exit (the others end at once); one that ends cleanly says it is done (never judged again). A peer that
+has not beaten yet (late to `init_mesh`) is not judged: the collective timeouts cover it. A store that stops answering
+for `dead_after` (its host died) ends the rank too, unless rank 0 had said it was done.
 
 While the heartbeat runs, the collective timeouts default to 30 minutes in every phase (timeouts.py), as
 transformers' `ddp_timeout`: the heartbeat, not a collective, decides that a rank is dead.
@@ -41,7 +42,7 @@ DEAD_AFTER_S = 15.0
 EXIT_CODE = 75  # EX_TEMPFAIL: a peer failed, not this rank; a restart may succeed
 DONE, FAILED = "done", "failed"
 _PREFIX = "optimum_parallel/heartbeat"
-_VERDICT = "verdict"  # rank 0's word to the others: the dead ranks and why
+_VERDICT = "verdict"  # rank 0's word to the others: "<silent ranks>|why"
 _STORE_OP_S = 5.0  # one store operation's longest wait (a frozen store host answers nothing)
 
 
@@ -104,8 +105,10 @@ class _Heartbeat:
         self.store = dist.PrefixStore(_PREFIX, store)
         self.watched = list(range(1, self.world)) if self.rank == 0 else [0]
         self.seen: dict[int, tuple[str, float]] = {}  # rank -> (its last beat, when it changed, this clock)
-        self.finished: set[int] = set()
+        self.finished: set[int] = set()  # said they are done: never judged again
+        self.failed: set[int] = set()  # said they ended with an error
         self.count = 0
+        self.writing = threading.Lock()  # a beat and the final status never cross: the status is the last word
         self.last_ok = time.monotonic()
         self.stopping = threading.Event()
         self.store.set(f"process/{self.rank}", local_process.identity() or "")
@@ -114,8 +117,11 @@ class _Heartbeat:
         self.thread.start()
 
     def beat(self) -> None:
-        self.count += 1
-        self.store.set(str(self.rank), f"{self.count}|{phase.describe()}")
+        with self.writing:
+            if self.stopping.is_set():
+                return
+            self.count += 1
+            self.store.set(str(self.rank), f"{self.count}|{phase.describe()}")
 
     def run(self) -> None:
         while not self.stopping.wait(self.settings.interval):
@@ -143,14 +149,16 @@ class _Heartbeat:
             return
         self.last_ok = now
         if verdict:
-            self.end(f"rank 0 found {verdict}")
+            self.end(f"rank 0 found {verdict[0]}", verdict[1])
         if dead:
             self.end(dead, silent)
 
-    def verdict_from_rank0(self) -> str | None:
+    def verdict_from_rank0(self) -> tuple[str, list[int]] | None:
+        """Rank 0's verdict, once given: why, and the silent ranks (each rank SIGKILLs those on its own host)."""
         if self.rank == 0 or not self.store.check([_VERDICT]):
             return None
-        return self.store.get(_VERDICT).decode(errors="replace")
+        silent, _, why = self.store.get(_VERDICT).decode(errors="replace").partition("|")
+        return why, [int(r) for r in silent.split(",") if r]
 
     def look(self, now: float) -> tuple[str | None, list[int]]:
         """The watched ranks' beats read: a description of the dead ones (None: none) and the silent ones among them
@@ -166,6 +174,7 @@ class _Heartbeat:
                 self.finished.add(rank)
                 continue
             if status == FAILED:
+                self.failed.add(rank)
                 dead.append(f"rank {rank} ended with an error ({doing})")
                 continue
             last = self.seen.get(rank)
@@ -180,7 +189,7 @@ class _Heartbeat:
 
     def end(self, why: str, silent: list[int] = ()) -> None:
         """Report, leave the verdict for the others (rank 0) and this rank's own end in the store, SIGKILL the
-        `silent` ranks that run on this host (local_process.py: a frozen one holds torchrun's teardown 30 s), and
+        `silent` ranks that run on this machine (local_process.py: a frozen one holds torchrun's teardown 30 s), and
         exit."""
         self.stopping.set()
         doing = phase.describe()
@@ -190,13 +199,15 @@ class _Heartbeat:
         )
         try:
             if self.rank == 0:
-                self.store.set(_VERDICT, why)
+                self.store.set(_VERDICT, f"{','.join(map(str, silent))}|{why}")
             self.store.set(str(self.rank), f"{FAILED}|ended by its heartbeat: {why}"[:2000])
             if self.rank == 0 and self.world > 1:
                 time.sleep(self.settings.interval + 0.5)  # the others read the verdict at their next beat
             for rank in silent:
                 if local_process.kill_if_here(self.store.get(f"process/{rank}").decode()):
-                    _write_line(f"[optimum-parallel] heartbeat on rank {self.rank}: SIGKILLed rank {rank} (this host)")
+                    _write_line(
+                        f"[optimum-parallel] heartbeat on rank {self.rank}: SIGKILLed rank {rank} (on this machine)"
+                    )
         except (RuntimeError, OSError):
             pass
         for stream in (sys.stdout, sys.stderr):
@@ -207,25 +218,23 @@ class _Heartbeat:
         os._exit(EXIT_CODE)
 
     def stop(self, status: str, detail: str = "") -> None:
-        """Stop beating and say why in this rank's key (`DONE` or `FAILED`), once."""
-        if self.stopping.is_set():
-            return
-        self.stopping.set()
-        try:
-            self.store.set(str(self.rank), f"{status}|{detail}"[:2000])
-        except (RuntimeError, OSError):
-            pass
+        """Stop beating and say why in this rank's key (`DONE` or `FAILED`), once, after any beat in flight."""
+        with self.writing:
+            if self.stopping.is_set():
+                return
+            self.stopping.set()
+            try:
+                self.store.set(str(self.rank), f"{status}|{detail}"[:2000])
+            except (RuntimeError, OSError):
+                pass
 
     def peers_in_trouble(self) -> bool:
         """Whether a watched rank failed or missed two beats, as last seen (the exit hook then skips anything that
         waits on peers)."""
         now = time.monotonic()
         late = 2 * self.settings.interval + _STORE_OP_S
-        return any(
-            value.startswith(FAILED) or now - changed > late
-            for rank, (value, changed) in self.seen.items()
-            if rank not in self.finished
-        )
+        silent = any(now - changed > late for rank, (_, changed) in self.seen.items() if rank not in self.finished)
+        return silent or bool(self.failed)
 
 
 _CURRENT: list[_Heartbeat] = []  # this process's heartbeat, if one runs

@@ -1,10 +1,11 @@
 """A rank's process, told apart from every other process of its host, so that a rank declared dead by the heartbeat
-can be SIGKILLed by a live rank of the same host.
+can be SIGKILLed by a live rank on the same machine.
 
 Why: a frozen process (SIGSTOP, stuck in the kernel) cannot act on the SIGTERM torchrun sends when the job ends, and
 torchrun's agent waits its --shutdown-timeout (30 s) before it sends SIGKILL, which alone would hold the job's end
-past a minute. The identity is the host's boot id, the PID namespace, the PID and the process's start time (in clock
-ticks since boot), so a recycled PID, another container or another machine never match. Linux only; elsewhere no
+past a minute. The identity is the kernel's boot id, the PID namespace, the PID and the process's start time (in
+clock ticks since boot), so a recycled PID, another container or another machine never match (ranks in network
+namespaces of one machine do: they are processes of one kernel). Linux only; elsewhere no
 identity is given and nothing is killed.
 """
 
@@ -30,8 +31,8 @@ def identity(pid: int | None = None) -> str | None:
 
 
 def kill_if_here(claimed: str) -> bool:
-    """SIGKILL the process of `claimed` (another rank's `identity()`) if it runs on this host, in this PID namespace,
-    and is the same process (not a later one with a recycled PID). True when it was killed."""
+    """SIGKILL the process of `claimed` (another rank's `identity()`) if it runs on this machine, in this PID
+    namespace, and is the same process (not a later one with a recycled PID). True when it was killed."""
     try:
         pid = int(claimed.split(":")[-2])
     except (IndexError, ValueError):
