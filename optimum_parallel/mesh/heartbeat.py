@@ -250,8 +250,8 @@ def start(settings: HeartbeatSettings) -> bool:
     if running is not None and running.group is dist.distributed_c10d._get_default_group():
         running.settings = settings
         return True
-    if running is not None:  # the group it watched was replaced
-        running.stop(DONE)
+    if running is not None:  # the group it watched was replaced: its store may be gone with it, so no last word
+        running.stopping.set()
     try:
         heartbeat = _Heartbeat(settings)
     except (AttributeError, NotImplementedError, RuntimeError):  # a store without clone(): no heartbeat
