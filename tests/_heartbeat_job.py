@@ -13,8 +13,8 @@ One fault, from FAULT="what:where:rank[:seconds]", on global rank `rank`:
   the evaluation / the save, as logging sample generations or uploading a checkpoint does), `end` (after training,
   once the other rank may have exited: a rank still at work alone).
 
-The rank writes OUT/fault-rank<r> (the time) just before its fault; every rank writes OUT/done-rank<r> (the time)
-when training ends.
+The rank writes OUT/fault-rank<r> (the time) just before its fault; every rank writes OUT/pid-rank<r> when it starts
+(for the test's clean-up) and OUT/done-rank<r> (the time) when training ends.
 """
 
 from __future__ import annotations
@@ -109,6 +109,7 @@ class Blocks(torch.utils.data.Dataset):
 
 def main() -> None:
     torch.set_num_threads(1)
+    (OUT / f"pid-rank{os.environ['RANK']}").write_text(str(os.getpid()))  # torchrun puts each in a session of its own
     hf_dir = sys.argv[1]
     args = ParallelTrainingArguments(
         output_dir=str(OUT),

@@ -97,9 +97,16 @@ class Job:
         return self.log.read_text()[-tail:]
 
     def kill(self) -> None:
+        """The agent's session, and the workers' (torchrun starts each in a session of its own: a frozen one would
+        outlive its killed agent), where their command line still names this job."""
         with contextlib.suppress(ProcessLookupError):
             os.killpg(self.agent.pid, signal.SIGKILL)
         self.agent.wait()
+        for pid_file in self.out.glob("pid-rank*"):
+            pid = int(pid_file.read_text())
+            with contextlib.suppress(OSError):
+                if str(self.out).encode() in Path(f"/proc/{pid}/cmdline").read_bytes():
+                    os.killpg(pid, signal.SIGKILL)
 
 
 @pytest.fixture(scope="module")
