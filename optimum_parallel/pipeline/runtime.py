@@ -19,7 +19,6 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.pipelining import PipelineStage
 
 from ..comm.tp_entry import SequenceRegion
 from ..mesh import ParallelMesh, ranks
@@ -40,6 +39,7 @@ from .schedules import (
 )
 from .split import SplitPoint
 from .stage import DecoderStage, prune_to_stages
+from .torch_versions import TorchStage, torch_schedule
 
 IGNORE_INDEX = -100
 MAX_SCHEDULES = 8
@@ -77,12 +77,16 @@ class Pipeline:
         self.num_microbatches = num_microbatches
         self.pp_group = mesh.group("pp")
         per_rank, self.placement = SCHEDULES[schedule]
-        schedule_cls = schedule_class(schedule)
+        schedule_cls = torch_schedule(schedule_class(schedule))
         num_stages = self.num_stages = mesh.size("pp") * per_rank
         self.stages_by_index = {stage.stage_index: stage for stage in stages}
         self.device = devices.current_device(mesh.device_type)
         self._single = per_rank == 1
         self._schedule_cls = schedule_cls
+        # torch 2.13's step() takes return_outputs (False: the last stage's outputs are not merged); torch 2.9's has no
+        # such parameter and would hand it to the stage's forward
+        takes_flag = "return_outputs" in inspect.signature(schedule_cls.step).parameters
+        self._step_options = {"return_outputs": False} if takes_flag else {}
         # torch's stages fix their buffers' shapes at their first step: one schedule per micro-batch shape (batches of
         # other lengths, packed rows), the most recent few kept
         self._schedules: dict[tuple, object] = {}
@@ -106,7 +110,7 @@ class Pipeline:
         schedule = self._schedules.pop(key, None)
         if schedule is None:
             torch_stages = [
-                PipelineStage(stage, stage.stage_index, self.num_stages, self.device, group=self.pp_group)
+                TorchStage(stage, stage.stage_index, self.num_stages, self.device, group=self.pp_group)
                 for stage in self.stages
             ]
             # each micro-batch's loss is its token-loss sum over the whole batch's token count (`_loss`): the schedule
@@ -238,7 +242,7 @@ class Pipeline:
         key = (*((tuple(t.shape), t.dtype) for t in inputs), carrier.first_names())
         schedule = self._schedule_for(key)
         try:
-            schedule.step(*(inputs if self.holds_first else ()), target=target, losses=losses, return_outputs=False)
+            schedule.step(*(inputs if self.holds_first else ()), target=target, losses=losses, **self._step_options)
         finally:
             self._num_items = None
             self._end_step()
