@@ -519,28 +519,6 @@ CASES = {
         "NotImplementedError",
         ["'lm_head'", "vocab-parallel LM head", "target_modules", "Supported: LoRA on Linear"],
     ),
-    "peft_before/gathered_output": (
-        peft_before(
-            ["q_proj", "up_proj"],
-            door="paddle",
-            plan=lambda: {"model.layers.*.mlp.up_proj": _colwise(gather_output=True)},
-        ),
-        "NotImplementedError",
-        [
-            "'model.layers.0.mlp.up_proj'",
-            "gather_output=True",
-            "supported: ColumnParallelLinear without gathered output",
-        ],
-    ),
-    "peft_before/row_splits_its_input": (
-        peft_before(
-            ["down_proj"],
-            door="paddle",
-            plan=lambda: {"model.layers.*.mlp.down_proj": _rowwise(input_is_parallel=False)},
-        ),
-        "NotImplementedError",
-        ["'model.layers.0.mlp.down_proj'", "input_is_parallel=False", "supported"],
-    ),
 }
 
 

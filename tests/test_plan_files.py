@@ -243,6 +243,7 @@ SAMPLE_ARGS = {
     "SplitParameter": dict(param="sinks", units=4),
     "ColWiseParallel": dict(gather_output=True, units=8),
     "LatentKeyValueProjection": dict(rope_dim=8),
+    "SequenceParallelSplitArgument": dict(argument="per_layer_input"),
 }
 
 
