@@ -50,6 +50,18 @@ class _Torch29Stage(PipelineStage):
                     info.buffer.requires_grad_(True)
         return outputs
 
+    def _shape_inference(self, args, kwargs=None):
+        if not self.is_first:
+            return super()._shape_inference(args, kwargs)
+        # torch 2.9 runs the first stage on zeros of its inputs' shapes, where a VLM's image tokens vanish ('tokens: 0,
+        # features: 1024'): here on the first micro-batch itself
+        submod = self.submod
+        self.submod = lambda *zeros, **named: submod(*args, **named)
+        try:
+            return super()._shape_inference(args, kwargs)
+        finally:
+            self.submod = submod
+
     def _create_grad_recv_info(self, act_send_info):
         infos = super()._create_grad_recv_info(act_send_info)
         for info in infos:
