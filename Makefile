@@ -8,7 +8,7 @@ BIN     = $(VENV)/bin
 
 export OMP_NUM_THREADS ?= 1
 
-.PHONY: demo test test-families test-trl test-hosts test-accel test-xla xla-env lint install clean
+.PHONY: demo test test-families test-trl test-hosts test-accel test-xla xla-env test-compat compat-env lint install clean
 
 $(BIN)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -23,7 +23,8 @@ demo: $(BIN)/.installed
 	$(BIN)/optimum-parallel demo
 
 test: $(BIN)/.installed
-	$(BIN)/python -m pytest --ignore=tests/test_hosts.py --ignore=tests/test_hosts_launchers.py --durations=30
+	$(BIN)/python -m pytest --ignore=tests/test_hosts.py --ignore=tests/test_hosts_launchers.py --ignore=tests/test_heartbeat.py \
+		--durations=30
 
 # the family matrix: tiny models of today's families (transformers' own config classes) at every layout their structure
 # allows, against one process, or refused naming the module (tests/family_matrix.py); each cell is written to
@@ -36,10 +37,11 @@ test-families: $(BIN)/.installed
 test-trl: $(BIN)/.installed
 	$(BIN)/python -m pytest tests/trl --durations=10
 
-# several hosts: network namespaces joined by a veth pair (root and iproute2's `ip`; skipped with the reason otherwise)
+# several hosts: network namespaces joined by a veth pair (root and iproute2's `ip`; skipped with the reason otherwise);
+# the launchers across them; the heartbeat's torchrun jobs with a dead, frozen or slow rank (~4 min, mostly sleeping)
 test-hosts: $(BIN)/.installed
 	@command -v ip >/dev/null || [ "$$(id -u)" != 0 ] || (apt-get update -qq && apt-get install -y -qq iproute2)
-	$(BIN)/python -m pytest tests/test_hosts.py tests/test_hosts_launchers.py
+	$(BIN)/python -m pytest tests/test_hosts.py tests/test_hosts_launchers.py tests/test_heartbeat.py
 
 # the accelerator lane: every parallelism on a simulated accelerator, `neuron` (PrivateUse1 over host memory, its own
 # process-group backend; tests/accel/simulated_neuron.py), about a minute on 2 cores. Its C++ hooks (generators,
@@ -72,6 +74,33 @@ xla-env: $(XLA_BIN)/.installed
 
 test-xla: xla-env
 	PJRT_DEVICE=CPU $(XLA_BIN)/python -m pytest tests/xla
+
+# the oldest versions this release is tested on (pyproject.toml's floors, TESTED in integrations/transformers/
+# internals.py): torch 2.9, transformers 5.17 and accelerate 1.15 (the GPU image's), on a representative subset: tp+sp,
+# pp, cp, dp levels 0-3, ep, the Trainer with save and resume, sharded checkpoints, lazy loading, PEFT, TRL's SFT. Its
+# environment holds only what differs from the XLA one, whose torch 2.9 it reads through a .pth file (no second 7 GB
+# copy); USE_TORCH_XLA=0 keeps accelerate and transformers off torch-xla's device, so the processes run gloo on CPU.
+COMPAT_VENV  ?= $(HOME)/.cache/optimum-parallel/compat-venv
+COMPAT_PINS  ?= transformers==5.17.0 accelerate==1.15.0 peft==0.21.2 trl==1.16.0
+COMPAT_BIN    = $(COMPAT_VENV)/bin
+COMPAT_TESTS ?= tests/test_internals.py tests/test_trainer.py tests/test_checkpoint.py tests/test_sequence_parallel.py \
+	tests/test_pipeline.py tests/test_context_parallel.py tests/test_data_parallel.py tests/test_expert_parallel.py \
+	tests/test_trl.py tests/test_peft.py tests/test_lazy.py
+PURELIB       = -c "import sysconfig; print(sysconfig.get_paths()['purelib'])"
+
+$(COMPAT_BIN)/.installed: $(XLA_BIN)/.installed
+	$(PYTHON) -m venv $(COMPAT_VENV)
+	$(XLA_BIN)/python $(PURELIB) > "$$($(COMPAT_BIN)/python $(PURELIB))/zz_xla_env.pth"
+	$(COMPAT_BIN)/python -m pip install --quiet $(COMPAT_PINS) zlib-ng
+	touch $@
+
+compat-env: $(COMPAT_BIN)/.installed
+	@(cd / && $(COMPAT_BIN)/python -c "import optimum_parallel as m, sys; sys.exit(not m.__file__.startswith('$(CURDIR)/'))") \
+		2>/dev/null || $(COMPAT_BIN)/python -m pip install --quiet --no-deps -e .
+
+# (GraniteMoE's config has a tensor-parallel plan from transformers 5.21 on: refused by name before it, as it should be)
+test-compat: compat-env
+	USE_TORCH_XLA=0 $(COMPAT_BIN)/python -m pytest $(COMPAT_TESTS) -k "not granitemoe"
 
 # style, the import arrows of docs/architecture.md (import-linter, pyproject.toml [tool.importlinter]) and dead code
 # (vulture, [tool.vulture])

@@ -16,7 +16,7 @@ import inspect
 from dataclasses import dataclass
 
 # the versions the test lanes run: `make test` the newest, `make test-compat` the oldest (pyproject.toml's floors)
-TESTED = {"transformers": ("5.17.0", "5.24.0"), "accelerate": ("1.15.0", "1.15.0"), "torch": ("2.13.0", "2.13.0")}
+TESTED = {"transformers": ("5.17.0", "5.24.0"), "accelerate": ("1.15.0", "1.15.0"), "torch": ("2.9.0", "2.13.0")}
 
 # private Trainer methods overridden here that transformers added after the oldest tested release: before it, nothing
 # calls them and nothing needs overriding: 5.19 added the replicated-parameter fix-up for DTensor models; 5.23 the
