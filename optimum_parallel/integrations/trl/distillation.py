@@ -12,8 +12,8 @@ tp-synchronised `generate` --, buffering, metrics); what changes:
   KLs and the student's entropy are summed over the vocabulary slices with all-reduces (`vocab_parallel_divergence`:
   TRL's formula, its gradient to the student only);
 - TRL routes that loss through the DDP/FSDP wrapper (`_forward_redirection`); the parallel model owns its gradient
-  reduction, so it is called directly; TRL's gathers, process count and index are the batch replicas' (GRPO's
-  `_ReplicaView`), so its sampler, token counts and loss scale are those of TRL on dp processes.
+  reduction, so it is called directly; TRL's gathers, process count and index are the batch replicas'
+  (`replicas.ReplicaView`), so its sampler, token counts and loss scale are those of TRL on dp processes.
 
 Refused before anything changes, by name (`check_distillation_options`): cp and pp (TRL itself refuses sequence
 splitting here; the pipeline has no generate), `use_vllm`, tools (`tools` / a replica of several ranks would run them
@@ -43,7 +43,7 @@ from ..transformers.internals import check_overrides, private_override
 from ..transformers.trainer import ParallelTrainerMixin
 from ..transformers.training_args import ParallelTrainingArguments
 from .dpo import ParallelDPOTrainer
-from .grpo import _ReplicaView
+from .replicas import over_replicas
 
 
 @dataclass
@@ -153,18 +153,10 @@ class ParallelDistillationTrainer(ParallelTrainerMixin, DistillationTrainer):
 
     # ------------------------------------------------------------------ the batch replicas as TRL's processes
 
-    @contextlib.contextmanager
-    def _over_replicas(self) -> Iterator[None]:
-        """TRL's gathers, process count and index over the batch replicas for the block (GRPO's `_ReplicaView`): the
+    def _over_replicas(self):
+        """TRL's gathers, process count and index over the batch replicas for the block (`replicas.ReplicaView`): the
         ranks of a replica are one of TRL's processes (its sampler's batches, token counts and loss scale)."""
-        if isinstance(self.accelerator, _ReplicaView):
-            yield
-            return
-        accelerator, self.accelerator = self.accelerator, _ReplicaView(self.accelerator, self.mesh)
-        try:
-            yield
-        finally:
-            self.accelerator = accelerator
+        return over_replicas(self)
 
     def get_train_dataloader(self):
         with self._over_replicas():

@@ -15,8 +15,8 @@ What differs from TRL on one process, and why:
   functions logged) reach the replica's other ranks and the other replicas in one collective, and a reward function's
   error (TRL's own, e.g. a wrong number of rewards) is raised on every rank;
 - every gather and reduction TRL makes over the processes (rewards, lengths, token counts, metrics, completion logs)
-  runs over the batch replicas (`_ReplicaView`): the tp ranks hold copies, so gathering over the world would count
-  each completion tp times and split the reward groups wrongly;
+  runs over the batch replicas (`replicas.ReplicaView`): the tp ranks hold copies, so gathering over the world would
+  count each completion tp times and split the reward groups wrongly;
 - the per-token log-probabilities and entropies come from the model's local logits of the completion positions (this
   rank's slice of the vocabulary under tp) through `tensor_parallel.logprobs`, never whole logits: TRL's
   fused LM head multiplies the hidden states by `lm_head.weight`, which under tp is a shard of the vocabulary;
@@ -44,8 +44,8 @@ What differs from TRL on one process, and why:
   (`_PipelineNextToken`: slow, a forward of the whole rows per token, micro-batch by micro-batch), the last position's
   logits sent from the last stage, every rank sampling from the shared random state;
 - with LoRA adapters the reference runs under TRL's "ref" adapter (or none) with every `requires_grad` flag kept
-  (`_use_adapter_as_it_was`): torch's composable DDP builds its reducer at the first forward, over the parameters
-  that require a gradient then.
+  (`replicas.use_adapter_as_it_was`): torch's composable DDP builds its reducer at the first forward, over the
+  parameters that require a gradient then.
 
 Refused before training, by name (`check_grpo_options`): pipeline parallelism together with cp (the pipeline scores and
 generates on whole rows), vLLM, continuous batching, Liger, `cast_lm_head_to_fp32` under tp (it replaces the
@@ -88,8 +88,9 @@ from ..transformers.trainer import ParallelTrainerMixin
 from ..transformers.training_args import ParallelTrainingArguments, trainer_request
 from .dpo import _WeightedLogProbs
 from .fused_head import FusedHead, install_fused_head
+from .replicas import over_replicas, swapped_globals
 
-TRL_MODULE_GLOBALS = ("gather", "gather_object", "create_model_from_path", "use_adapter")  # `_swapped_globals`
+TRL_MODULE_GLOBALS = ("gather", "gather_object", "create_model_from_path", "use_adapter")  # `swapped_globals`
 for _name in TRL_MODULE_GLOBALS:
     if not callable(getattr(trl_grpo, _name, None)):
         raise InternalsChanged(
@@ -203,90 +204,6 @@ def check_grpo_options(args: ParallelGRPOConfig, kwargs: dict[str, Any]) -> None
                 )
 
 
-class _ReplicaView:
-    """accelerate's Accelerator as TRL's GRPO code asks it, with the batch replicas as the processes: gathers and
-    reductions run over the mesh's `batch` group, `process_index` / `num_processes` are the replica's. Everything
-    else (autocast, backward, sync_gradients, ...) is the Accelerator's own."""
-
-    def __init__(self, accelerator, mesh: ParallelMesh) -> None:
-        self._accelerator = accelerator
-        self._group = mesh.group("batch")
-        self.num_processes = mesh.size("batch")
-        self.process_index = mesh.rank("batch")
-
-    def __getattr__(self, name: str):
-        return getattr(self._accelerator, name)
-
-    def gather(self, tensor: torch.Tensor) -> torch.Tensor:
-        if self.num_processes == 1:
-            return tensor
-        flat = tensor if tensor.dim() else tensor[None]
-        wire = flat.to(torch.uint8) if flat.dtype == torch.bool else flat.contiguous()  # gloo gathers no bools
-        parts = [torch.empty_like(wire) for _ in range(self.num_processes)]
-        dist.all_gather(parts, wire, group=self._group)
-        return torch.cat(parts).to(flat.dtype)
-
-    gather_for_metrics = gather
-
-    def reduce(self, tensor: torch.Tensor, reduction: str = "sum", scale: float = 1.0) -> torch.Tensor:
-        out = tensor.clone() * scale
-        if self.num_processes > 1:
-            dist.all_reduce(out, group=self._group)
-        return out / self.num_processes if reduction == "mean" else out
-
-    def pad_across_processes(self, tensor: torch.Tensor, dim: int = 0, pad_index=0, pad_first: bool = False):
-        if self.num_processes == 1:
-            return tensor
-        size = torch.tensor([tensor.shape[dim]], device=tensor.device)
-        longest = int(self.gather(size).max())
-        if longest == tensor.shape[dim]:
-            return tensor
-        shape = list(tensor.shape)
-        shape[dim] = longest - tensor.shape[dim]
-        pad = tensor.new_full(shape, pad_index)
-        return torch.cat([pad, tensor] if pad_first else [tensor, pad], dim=dim)
-
-    def gather_object(self, obj: list) -> list:
-        """accelerate's `gather_object` (lists concatenated in replica order) over the replicas."""
-        if self.num_processes == 1:
-            return obj
-        parts: list = [None] * self.num_processes
-        dist.all_gather_object(parts, obj, group=self._group)
-        return [item for part in parts for item in part]
-
-
-@contextlib.contextmanager
-def _swapped_globals(values: dict[str, Any]) -> Iterator[None]:
-    """TRL's grpo_trainer module reaches a few accelerate/TRL functions by module-level name; swap them for a block."""
-    saved = {name: getattr(trl_grpo, name) for name in values}
-    for name, value in values.items():
-        setattr(trl_grpo, name, value)
-    try:
-        yield
-    finally:
-        for name, value in saved.items():
-            setattr(trl_grpo, name, value)
-
-
-_trl_use_adapter = trl_grpo.use_adapter
-
-
-@contextlib.contextmanager
-def _use_adapter_as_it_was(model: nn.Module, adapter_name: str | None) -> Iterator[None]:
-    """TRL's `use_adapter` (the reference's adapter, or none, for the reference log-probs, computed without a graph)
-    with every parameter's `requires_grad` kept: PEFT marks the adapter it activates trainable and the others frozen,
-    and torch's composable DDP (data parallelism over dp x cp at levels 0-1) builds its reducer at the model's first
-    forward over the parameters that require a gradient then: with the "ref" adapter active it would reduce the
-    reference's parameters, not the policy's."""
-    flags = [(param, param.requires_grad) for param in model.parameters()]
-    with _trl_use_adapter(model, adapter_name):
-        for param, flag in flags:
-            param.requires_grad_(flag)
-        yield
-    for param, flag in flags:
-        param.requires_grad_(flag)
-
-
 def _vocab_parallel_head(model: nn.Module) -> ColumnParallelLinear | None:
     """The model's LM head if it is split over the vocabulary (through any wrapper: DDP, PEFT), else None."""
     found = (m for m in model.modules() if isinstance(m, ColumnParallelLinear) and hasattr(m, "logits_mode"))
@@ -313,8 +230,8 @@ class ParallelGRPOTrainer(ParallelTrainerMixin, GRPOTrainer):
             raise TypeError(f"ParallelGRPOTrainer needs ParallelGRPOConfig arguments, got {type(args).__name__}")
         check_grpo_options(args, kwargs)
         set_seed(args.seed)  # as TRL seeds before it builds the model: adapters (peft_config) start as TRL's do
-        self._replica_view: _ReplicaView | None = None
-        with _swapped_globals({"create_model_from_path": self._load_reference}):  # the reference, when beta > 0
+        # the reference, when beta > 0
+        with swapped_globals(trl_grpo, {"create_model_from_path": self._load_reference}):
             super().__init__(model, args=args, reward_funcs=reward_funcs, **kwargs)
         if self.aux_loss_enabled:
             raise ValueError(
@@ -355,21 +272,9 @@ class ParallelGRPOTrainer(ParallelTrainerMixin, GRPOTrainer):
 
     # ------------------------------------------------------------------ the batch replicas as TRL's processes
 
-    @contextlib.contextmanager
-    def _over_replicas(self) -> Iterator[None]:
-        """TRL's gathers and reductions over the batch replicas for the block (see `_ReplicaView`)."""
-        if self._replica_view is not None:  # already inside
-            yield
-            return
-        accelerator = self.accelerator
-        view = self._replica_view = _ReplicaView(accelerator, self.mesh)
-        self.accelerator = view
-        swapped = {"gather_object": view.gather_object, "gather": view.gather, "use_adapter": _use_adapter_as_it_was}
-        try:
-            with _swapped_globals(swapped):
-                yield
-        finally:
-            self.accelerator, self._replica_view = accelerator, None
+    def _over_replicas(self):
+        """TRL's gathers and reductions over the batch replicas for the block (`replicas.over_replicas`)."""
+        return over_replicas(self, trl_grpo)
 
     @private_override
     def _prepare_inputs(self, generation_batch):
@@ -448,7 +353,7 @@ class ParallelGRPOTrainer(ParallelTrainerMixin, GRPOTrainer):
         own_error: Exception | None = None
         if leader:
             try:
-                with _swapped_globals({"gather": lambda tensor: tensor}):  # this replica's rows; shared below
+                with swapped_globals(trl_grpo, {"gather": lambda tensor: tensor}):  # this replica's rows; shared below
                     payload = super()._calculate_rewards(inputs, prompts, completions, completion_ids_list).cpu()
             except Exception as err:  # noqa: BLE001 - raised again below, on every rank
                 own_error = err

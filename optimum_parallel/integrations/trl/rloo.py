@@ -8,7 +8,7 @@ parallel pieces are GRPO's (`grpo.py`), applied to TRL's RLOO module:
   (`ParallelRLOOConfig`); after TRL's per-process seeding the ranks of a replica share `seed + replica index` and
   sample alike through the parallel model's tp-synchronised `generate` (under cp without a kv cache);
 - every gather and reduction TRL makes over processes (rewards, kl, lengths, metrics, completion logs) runs over the
-  batch replicas (`_ReplicaView`): the tp / cp ranks of a replica hold copies;
+  batch replicas (`replicas.ReplicaView`): the tp / cp ranks of a replica hold copies;
 - the reward functions run on every rank of a replica (same completions, same rewards); the first rank's rewards are
   then sent to the others, so a reward function that draws random numbers cannot split a replica (GRPO's trainer runs
   them on the first rank only: a reward with side effects runs tp x cp times here);
@@ -25,7 +25,6 @@ multimodal processors and a MoE router aux loss.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -45,13 +44,12 @@ from .grpo import (
     ParallelGRPOConfig,
     ParallelGRPOTrainer,
     _generate_without_cache,
-    _ReplicaView,
     _size_generation_batch,
-    _use_adapter_as_it_was,
     _vocab_parallel_head,
 )
+from .replicas import ReplicaView, over_replicas, swapped_globals
 
-TRL_MODULE_GLOBALS = ("gather", "gather_object", "create_model_from_path", "use_adapter")  # `_swapped_globals`
+TRL_MODULE_GLOBALS = ("gather", "gather_object", "create_model_from_path", "use_adapter")  # `swapped_globals`
 for _name in TRL_MODULE_GLOBALS:
     if not callable(getattr(trl_rloo, _name, None)):
         raise InternalsChanged(
@@ -103,19 +101,6 @@ def check_rloo_options(args: ParallelRLOOConfig, kwargs: dict[str, Any]) -> None
         )
 
 
-@contextlib.contextmanager
-def _swapped_globals(values: dict[str, Any]) -> Iterator[None]:
-    """TRL's rloo_trainer module reaches a few accelerate/TRL functions by module-level name; swap them for a block."""
-    saved = {name: getattr(trl_rloo, name) for name in values}
-    for name, value in values.items():
-        setattr(trl_rloo, name, value)
-    try:
-        yield
-    finally:
-        for name, value in saved.items():
-            setattr(trl_rloo, name, value)
-
-
 class ParallelRLOOTrainer(ParallelTrainerMixin, RLOOTrainer):
     """TRL's `RLOOTrainer` on a parallel model (see the module docstring); `args` is a `ParallelRLOOConfig`.
 
@@ -128,10 +113,9 @@ class ParallelRLOOTrainer(ParallelTrainerMixin, RLOOTrainer):
             raise TypeError(f"ParallelRLOOTrainer needs ParallelRLOOConfig arguments, got {type(args).__name__}")
         check_rloo_options(args, kwargs)
         set_seed(args.seed)  # as TRL seeds before it builds the model: adapters (peft_config) start as TRL's do
-        self._replica_view: _ReplicaView | None = None
         # the reference (beta > 0) as GRPO's: lazily loaded, parallel on the policy's mesh
         load_reference = ParallelGRPOTrainer._load_reference.__get__(self)
-        with _swapped_globals({"create_model_from_path": load_reference}):
+        with swapped_globals(trl_rloo, {"create_model_from_path": load_reference}):
             super().__init__(model, args=args, reward_funcs=reward_funcs, **kwargs)
         if self.aux_loss_enabled:
             raise ValueError(
@@ -148,21 +132,9 @@ class ParallelRLOOTrainer(ParallelTrainerMixin, RLOOTrainer):
         set_seed(args.seed + self.mesh.rank("batch"))
         share_rng_states(self.mesh.group("peers"))
 
-    @contextlib.contextmanager
-    def _over_replicas(self) -> Iterator[None]:
-        """TRL's gathers and reductions over the batch replicas for the block (see `grpo._ReplicaView`)."""
-        if self._replica_view is not None:  # already inside
-            yield
-            return
-        accelerator = self.accelerator
-        view = self._replica_view = _ReplicaView(accelerator, self.mesh)
-        self.accelerator = view
-        swapped = {"gather_object": view.gather_object, "gather": view.gather, "use_adapter": _use_adapter_as_it_was}
-        try:
-            with _swapped_globals(swapped):
-                yield
-        finally:
-            self.accelerator, self._replica_view = accelerator, None
+    def _over_replicas(self):
+        """TRL's gathers and reductions over the batch replicas for the block (`replicas.over_replicas`)."""
+        return over_replicas(self, trl_rloo)
 
     @private_override
     def _prepare_inputs(self, generation_batch):
@@ -202,12 +174,13 @@ class ParallelRLOOTrainer(ParallelTrainerMixin, RLOOTrainer):
     def _calculate_rewards(self, inputs, prompts, completions, completion_ids_list):
         """TRL's rewards of this replica's completions (every rank of the replica runs the functions), the replica's
         first rank's sent to its other ranks, then gathered over the replicas (TRL's `gather`, swapped)."""
-        with _swapped_globals({"gather": lambda tensor: tensor}):
+        with swapped_globals(trl_rloo, {"gather": lambda tensor: tensor}):
             rewards = super()._calculate_rewards(inputs, prompts, completions, completion_ids_list)
         if self.mesh.size("peers") > 1:
             group = self.mesh.group("peers")
             dist.broadcast(rewards, src=dist.get_global_rank(group, 0), group=group)
-        return self._replica_view.gather(rewards) if self._replica_view is not None else rewards
+        view = self.accelerator
+        return view.gather(rewards) if isinstance(view, ReplicaView) else rewards
 
 
 check_overrides(ParallelRLOOTrainer, RLOOTrainer)
