@@ -251,8 +251,10 @@ class AutoPlanParallelizer(Parallelizer):
         base = model.get_submodule(prefix[:-1]) if prefix else model
         head = []
         if parallelize_embeddings:
-            if isinstance(getattr(base, "embed_tokens", None), nn.Embedding):
-                plan.setdefault(re.escape(prefix) + "embed_tokens", RowWiseParallel())
+            # Gemma 4's per-layer table (vocabulary x layers x width) is split by vocabulary as the token embedding
+            for name in ("embed_tokens", "embed_tokens_per_layer"):
+                if isinstance(getattr(base, name, None), nn.Embedding):
+                    plan.setdefault(re.escape(prefix) + name, RowWiseParallel())
             if isinstance(getattr(model, "lm_head", None), nn.Linear):
                 causal = getattr(model, "loss_type", None) in CAUSAL_LOSS_TYPES
                 head.append(ColWiseParallel(gather_output=not causal))

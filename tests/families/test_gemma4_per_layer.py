@@ -98,6 +98,8 @@ def test_per_layer_inputs_equal_one_process(pool, layout):
     worst = {k: max(r["errors"][k] for r in results) for k in ("loss", "grad", "steps")} if outcome != "refused" else {}
     print(f"gemma4 per-layer inputs {layout}: {outcome} {detail} {worst} held={results[0].get('held')}")
     assert outcome == "equal", f"{layout}: {outcome} {detail} ({results[0]})"
+    if results[0].get("held") is not None and "pp" not in layout:  # at tp the per-layer table is split too
+        assert results[0]["held"] <= 0.51, results[0]["held"]
 
 
 @pytest.mark.parametrize("layout", ["pp2", "cp2"])
