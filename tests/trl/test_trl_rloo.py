@@ -2,8 +2,9 @@
 by step and in the evaluation after step 3, every figure TRL's RLOOTrainer logs on one process (completions fixed by
 the prompt and its place in the batch, as the GRPO tests: 1-8 tokens, prompts of 2-6, so rows carry padding on both
 sides), within 1e-5 relative or 10 x the figure's fp32 noise floor (TRL's run from weights perturbed by 1e-7); real
-sampling draws the same completions on both ranks of a replica; pp and the options a layout cannot run are refused by
-name before anything runs; `examples/rloo.py` runs under torchrun. (dp=2 x tp=2 at level 3: test_trl_rloo_dp.py.)"""
+sampling draws the same completions on both ranks of a replica; the options a layout cannot run are refused by name
+before anything runs; `examples/rloo.py` runs under torchrun. (dp=2 x tp=2 at level 3: test_trl_rloo_dp.py; pp=2 and
+pp=2 x tp=2, and pp with cp refused: test_trl_rloo_pp.py.)"""
 
 from __future__ import annotations
 
@@ -88,12 +89,11 @@ def refused(hf_dir: str, output_dir: str, options: dict) -> str:
 @pytest.mark.parametrize(
     "options,words",
     [
-        ({"pipeline_parallel_size": 2}, "pipeline_parallel_size=2 is not supported by ParallelRLOOTrainer"),
         ({"tensor_parallel_size": 2, "use_liger_kernel": True}, "use_liger_kernel=True"),
         ({"sync_ref_model": True, "sharding_level": 3}, "sync_ref_model=True is not supported with sharding_level=3"),
         ({"tensor_parallel_size": 2, "per_device_train_batch_size": 2}, "generation_batch_size (2) must be divisible"),
     ],
-    ids=["pp", "liger", "sync_ref_fsdp2", "generation_batch"],
+    ids=["liger", "sync_ref_fsdp2", "generation_batch"],
 )
 def test_what_a_layout_cannot_run_is_refused_by_name(pool, hf_dir, tmp_path, options, words):
     for message in pool.run(refused, hf_dir, str(tmp_path), options):

@@ -1,5 +1,5 @@
 """TRL's `RLOOTrainer` with `ParallelTrainerMixin`: completions generated, scored and trained on by the parallel model
-on a tp / sp / cp / dp mesh (sharding levels 0-3), equal to TRL's `RLOOTrainer` on one process.
+on a tp / sp / cp / pp / dp mesh (sharding levels 0-3), equal to TRL's `RLOOTrainer` on one process.
 
 RLOO in TRL 1.16 is GRPO's generation and scoring with a leave-one-out baseline and a per-sequence loss, so the
 parallel pieces are GRPO's (`grpo.py`), applied to TRL's RLOO module:
@@ -15,11 +15,19 @@ parallel pieces are GRPO's (`grpo.py`), applied to TRL's RLOO module:
 - the per-token log-probabilities are TRL's own `_get_per_token_logps_and_entropies` through the parallel fused head
   (`fused_head.py`: vocab-parallel, the logits divided by the temperature, gathered over cp), on the policy and the
   reference (loaded from the policy's checkpoint, lazily and parallel on the same mesh, frozen);
-- at dp > 1 the evaluation loss is the mean of the replicas' losses (`prediction_step`), as for GRPO.
+- at dp > 1 the evaluation loss is the mean of the replicas' losses (`prediction_step`), as for GRPO;
+- under pipeline parallelism (pp) GRPO's pieces again: generation runs every new token's rows through the stages
+  without a kv cache (`grpo._PipelineNextToken`, the last position's logits sent from the last stage, every rank of
+  the replica sampling from the shared random state); the fused head runs the pipeline's stages without a graph
+  (scored on the last stage, this rank's vocabulary slice under tp, sent to the others), so the policy's log-probs
+  are a leaf; a training step is DPO's two passes (`training_step`: TRL's step backpropagates its loss to that leaf,
+  then the pipeline's forward and backward of sum(weight x log p), the weights being that gradient and the logits
+  divided by the temperature, `grpo._TemperedLogProbs`). One forward more than TRL's step, and a forward of the whole
+  rows per generated token.
 
-Refused before anything changes, by name (`check_rloo_options`): pipeline parallelism (generation runs the whole
-model on every rank of a replica, as GRPO's), vLLM, continuous batching, Liger, `sync_ref_model` with FSDP2,
-multimodal processors and a MoE router aux loss.
+Refused before anything changes, by name (`check_rloo_options`): pipeline parallelism together with cp (the pipeline
+scores and generates on whole rows), vLLM, continuous batching, Liger, `sync_ref_model` with FSDP2, multimodal
+processors and a MoE router aux loss.
 """
 
 from __future__ import annotations
@@ -28,6 +36,7 @@ import contextlib
 from dataclasses import dataclass
 from typing import Any
 
+import torch
 import torch.distributed as dist
 from transformers import ProcessorMixin, set_seed
 from trl import RLOOConfig, RLOOTrainer
@@ -35,16 +44,18 @@ from trl.trainer import rloo_trainer as trl_rloo
 
 from ...plan import logits_mode
 from ...plan.wrappers import plan_root
+from ...tensor_parallel.logprobs import IGNORE_INDEX
 from ...tensor_parallel.random import share_rng_states
 from ..transformers.internals import InternalsChanged, check_overrides, private_override
 from ..transformers.trainer import ParallelTrainerMixin
 from ..transformers.training_args import ParallelTrainingArguments
-from .fused_head import install_fused_head
+from .fused_head import FusedHead, install_fused_head
 from .grpo import (
     ParallelGRPOConfig,
     ParallelGRPOTrainer,
     _generate_without_cache,
     _size_generation_batch,
+    _TemperedLogProbs,
     _vocab_parallel_head,
 )
 from .replicas import ReplicaView, over_replicas, swapped_globals
@@ -74,11 +85,11 @@ class ParallelRLOOConfig(RLOOConfig, ParallelTrainingArguments):
 
 def check_rloo_options(args: ParallelRLOOConfig, kwargs: dict[str, Any]) -> None:
     """ValueError naming the first RLOO option the layout `args` asks for cannot run (see the module docstring)."""
-    if args.pipeline_parallel_size > 1:
+    if args.pipeline_parallel_size > 1 and args.context_parallel_size > 1:
         raise ValueError(
-            f"pipeline_parallel_size={args.pipeline_parallel_size} is not supported by ParallelRLOOTrainer: generation "
-            "runs the whole sequence through the model on every rank of a replica; allowed: 1 (use "
-            "tensor_parallel_size, sequence_parallel, context_parallel_size and data parallelism)"
+            f"pipeline_parallel_size={args.pipeline_parallel_size} with context_parallel_size="
+            f"{args.context_parallel_size} is not supported by ParallelRLOOTrainer (the pipeline scores and generates "
+            "on whole rows); allowed with pp > 1: context_parallel_size=1"
         )
     flags = {
         "use_vllm": "vLLM generates outside the parallel model",
@@ -108,6 +119,9 @@ class ParallelRLOOTrainer(ParallelTrainerMixin, RLOOTrainer):
     processing_class=tokenizer)`; launch with torchrun.
     """
 
+    # under pp the dataset keeps TRL's columns (TRL generates from the prompts), not the pipeline's input columns
+    pipeline_columns = ("prompt", "image", "images")
+
     def __init__(self, model, reward_funcs=None, args: ParallelRLOOConfig | None = None, **kwargs: Any) -> None:
         if not isinstance(args, ParallelRLOOConfig):
             raise TypeError(f"ParallelRLOOTrainer needs ParallelRLOOConfig arguments, got {type(args).__name__}")
@@ -122,11 +136,14 @@ class ParallelRLOOTrainer(ParallelTrainerMixin, RLOOTrainer):
                 f"router_aux_loss_coef={self.router_aux_loss_coef} is not supported by ParallelRLOOTrainer (the "
                 "parallel fused head computes no router aux loss); allowed: 0.0"
             )
+        self._policy_head: FusedHead | None = None  # under pp: its leaf of log-probs weighs `training_step`'s pass
+        self._pipeline_pass: tuple[torch.Tensor, ...] | None = None  # under pp: the step's rows (`compute_loss`)
         for scorer in (self.model, self.ref_model):  # TRL's fused heads, replaced by the parallel one
             if scorer is not None:
                 unwrapped = self.accelerator.unwrap_model(scorer)
                 base = unwrapped.get_base_model() if hasattr(unwrapped, "get_base_model") else unwrapped
-                install_fused_head(plan_root(base), self.temperature)
+                head = install_fused_head(plan_root(base), self.temperature)
+                self._policy_head = self._policy_head or head
         # TRL seeded every process apart (seed + process index): the ranks of a replica sample, shuffle and draw
         # alike, so they share seed + replica index (one process: the seed TRL gives process 0)
         set_seed(args.seed + self.mesh.rank("batch"))
@@ -143,13 +160,46 @@ class ParallelRLOOTrainer(ParallelTrainerMixin, RLOOTrainer):
             return super()._prepare_inputs(generation_batch)
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
-        """TRL's clipped per-sequence loss and its metrics, with the replicas as its processes."""
+        """TRL's clipped per-sequence loss and its metrics, with the replicas as its processes. Under pp, in training,
+        the rows TRL scores (prompt and completion, the completion's tokens labelled) are kept for `training_step`."""
+        if self._pipeline is not None and torch.is_grad_enabled():
+            input_ids = torch.cat([inputs["prompt_ids"], inputs["completion_ids"]], dim=1)
+            attention_mask = torch.cat([inputs["prompt_mask"], inputs["completion_mask"]], dim=1)
+            labels = input_ids.masked_fill(attention_mask == 0, IGNORE_INDEX)
+            labels[:, : inputs["prompt_ids"].size(1)] = IGNORE_INDEX
+            self._pipeline_pass = input_ids, attention_mask, labels
         with self._over_replicas():
             return super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
 
+    def training_step(self, model, inputs, num_items_in_batch=None) -> torch.Tensor:
+        """Under pp, DPO's two passes (as `ParallelGRPOTrainer.training_step`): TRL's step, whose log-probs the
+        pipeline scored without a graph (a leaf, `FusedHead.pipeline_log_probs`), backpropagates TRL's loss to them;
+        then the pipeline's forward and backward of sum(weight x log p(token)), the weights being that gradient and
+        the logits divided by the temperature, give the parameters the gradient of TRL's loss."""
+        if self._pipeline is None:
+            return super().training_step(model, inputs, num_items_in_batch)
+        self._pipeline_pass = None
+        loss = RLOOTrainer.training_step(self, model, inputs, num_items_in_batch)  # TRL's, backward to the leaf
+        input_ids, attention_mask, labels = self._pipeline_pass
+        weights = self._policy_head.pipeline_log_probs.grad
+        root = plan_root(self.accelerator.unwrap_model(model))
+        surrogate = _TemperedLogProbs(root, weights, root.config.get_text_config().vocab_size, self.temperature)
+        previous, root.loss_function = root.loss_function, surrogate
+        try:
+            with self.accelerator.autocast():
+                model.run_train(input_ids=input_ids, labels=surrogate.encode(labels), attention_mask=attention_mask)
+        finally:
+            root.loss_function = previous
+            self._pipeline_pass = None
+        return loss
+
     def prediction_step(self, model, inputs, prediction_loss_only, ignore_keys=None):
-        """TRL's evaluation loss, the mean of the replicas' (each the mean over its sequences), on every replica."""
-        loss, logits, labels = super().prediction_step(model, inputs, prediction_loss_only, ignore_keys)
+        """TRL's evaluation loss, the mean of the replicas' (each the mean over its sequences), on every replica;
+        under pp TRL's own, its scoring through the pipeline (the Trainer's pp evaluation scores labels of its own)."""
+        if self._pipeline is None:
+            loss, logits, labels = super().prediction_step(model, inputs, prediction_loss_only, ignore_keys)
+        else:
+            loss, logits, labels = RLOOTrainer.prediction_step(self, model, inputs, prediction_loss_only, ignore_keys)
         if loss is not None and self.mesh.size("batch") > 1:
             loss = loss.detach().clone()
             dist.all_reduce(loss, group=self.mesh.group("batch"))
@@ -159,13 +209,14 @@ class ParallelRLOOTrainer(ParallelTrainerMixin, RLOOTrainer):
     @private_override
     def _generate_single_turn(self, prompt_ids, images, multimodal_fields):
         """TRL's generation through the parallel model's tp-synchronised `generate`, sampling from full-vocabulary
-        logits even inside an evaluation that keeps them local; under cp without a kv cache."""
+        logits even inside an evaluation that keeps them local; under cp and pp without a kv cache (under pp through
+        the pipeline's stages)."""
         full = _vocab_parallel_head(self.model) is not None
-        cp = self.mesh.size("cp") > 1
+        without_cache = self.mesh.size("cp") > 1 or self._pipeline is not None
         with (
             logits_mode(self.model, "full") if full else contextlib.nullcontext(),
-            _generate_without_cache(self.accelerator.unwrap_model(self.model), self.mesh)
-            if cp
+            _generate_without_cache(self.accelerator.unwrap_model(self.model), self.mesh, self._pipeline)
+            if without_cache
             else contextlib.nullcontext(),
         ):
             return super()._generate_single_turn(prompt_ids, images, multimodal_fields)
