@@ -1,5 +1,5 @@
 """TRL's `DistillationTrainer` with `ParallelTrainerMixin`: on-policy distillation of a teacher into a student on a
-tp / sp / dp (sharding levels 0-3) mesh, equal to TRL's `DistillationTrainer` on one process.
+tp / sp / cp / pp / dp (sharding levels 0-3) mesh, equal to TRL's `DistillationTrainer` on one process.
 
 TRL's trainer is used as it is (prompt preparation, the student's generation -- through the parallel model's
 tp-synchronised `generate` --, buffering, metrics); what changes:
@@ -11,13 +11,26 @@ tp-synchronised `generate` --, buffering, metrics); what changes:
   sequence gathered under sp, the models' own logit scale and soft-capping applied), and the generalized JSD, the
   KLs and the student's entropy are summed over the vocabulary slices with all-reduces (`vocab_parallel_divergence`:
   TRL's formula, its gradient to the student only);
+- under context parallelism (cp) a training forward keeps each rank's chunks of the rows: the teacher runs with
+  gradients on as well (frozen, so no graph; without them the cp model gathers its logits over cp), both models'
+  logits of the same tokens meet on the rank, and the per-token divergences and entropies are gathered over cp
+  (`fused_head.whole_sequence`: backward this rank's part times cp, which the dp x cp gradient average makes the
+  one-process gradient), so every cp rank computes TRL's loss on whole rows; no rank holds the whole rows' logits.
+  An evaluation (no gradient) reads the logits gathered over cp. Generation runs without a kv cache (ring attention
+  keeps none; grpo's `_generate_without_cache`): each new token a forward of the whole rows over the cp ranks;
+- under pipeline parallelism (pp) both models run as pipelines without a graph (`run_eval`); the last stage computes
+  the per-token divergence from the two models' logits and sends it, with the entropy, to every stage, where it is a
+  leaf TRL's loss backpropagates to. A training step is then DPO's and GRPO's two passes (`training_step`): on the last
+  stage that gradient is taken back to the student's logits, and the student's pipeline runs forward and backward of
+  sum(that gradient x logit) (`_LogitWeights`), which gives its weights the gradient of TRL's loss (one student
+  forward more than TRL's). Generation runs every new token's rows through the stages (grpo's `_PipelineNextToken`);
 - TRL routes that loss through the DDP/FSDP wrapper (`_forward_redirection`); the parallel model owns its gradient
   reduction, so it is called directly; TRL's gathers, process count and index are the batch replicas'
   (`replicas.ReplicaView`), so its sampler, token counts and loss scale are those of TRL on dp processes.
 
-Refused before anything changes, by name (`check_distillation_options`): cp and pp (TRL itself refuses sequence
-splitting here; the pipeline has no generate), `use_vllm`, tools (`tools` / a replica of several ranks would run them
-on each rank), and `quantization_config`.
+Refused before anything changes, by name (`check_distillation_options`): pp together with cp (the pipelines score and
+generate on whole rows), `use_vllm`, tools (`tools` / a replica of several ranks would run them on each rank), and
+`quantization_config`.
 """
 
 from __future__ import annotations
@@ -29,6 +42,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch.distributed as dist
 import torch.distributed.nn.functional as dist_nn
 from torch import nn
 from transformers import AutoModelForCausalLM, PreTrainedModel, set_seed
@@ -36,13 +50,19 @@ from trl import DistillationConfig, DistillationTrainer
 
 from ...comm.autograd_collectives import reduce_from_tensor_parallel_region
 from ...comm.collectives import all_reduce
+from ...context_parallel import mark_gradients_reduced
 from ...plan import logits_mode
+from ...plan.wrappers import plan_root
+from ...state import parallel_state
+from ...tensor_parallel.layers import ColumnParallelLinear
 from ...tensor_parallel.logprobs import vocab_slice
 from ...tensor_parallel.random import share_rng_states
 from ..transformers.internals import check_overrides, private_override
 from ..transformers.trainer import ParallelTrainerMixin
 from ..transformers.training_args import ParallelTrainingArguments
 from .dpo import ParallelDPOTrainer
+from .fused_head import whole_sequence
+from .grpo import _generate_without_cache
 from .replicas import over_replicas
 
 
@@ -54,15 +74,12 @@ class ParallelDistillationConfig(DistillationConfig, ParallelTrainingArguments):
 
 def check_distillation_options(args: DistillationConfig, kwargs: dict[str, Any]) -> None:
     """ValueError naming the first option ParallelDistillationTrainer cannot run."""
-    for option, why in (
-        ("context_parallel_size", "TRL's DistillationTrainer splits no sequence, and the completions are generated "
-         "whole"),
-        ("pipeline_parallel_size", "the student generates its completions, which the pipeline's stages do not run"),
-    ):  # fmt: skip
-        if getattr(args, option) > 1:
-            raise ValueError(
-                f"{option}={getattr(args, option)} is not supported by ParallelDistillationTrainer ({why}); allowed: 1"
-            )
+    if args.pipeline_parallel_size > 1 and args.context_parallel_size > 1:
+        raise ValueError(
+            f"pipeline_parallel_size={args.pipeline_parallel_size} with context_parallel_size="
+            f"{args.context_parallel_size} is not supported by ParallelDistillationTrainer (the pipelines score and "
+            "generate on whole rows); allowed with pp > 1: context_parallel_size=1"
+        )
     if args.use_vllm:
         raise ValueError("use_vllm=True is not supported by ParallelDistillationTrainer; allowed: False")
     for name in ("tools", "quantization_config"):
@@ -144,9 +161,12 @@ class ParallelDistillationTrainer(ParallelTrainerMixin, DistillationTrainer):
         teacher = ParallelDPOTrainer._parallel_reference(
             self, teacher_model, args, AutoModelForCausalLM, _teacher_kwargs(args)
         )
+        # under cp the teacher runs with gradients on (`_compute_loss`): frozen, it has none to reduce over dp x cp
+        mark_gradients_reduced(plan_root(teacher))
         with _loaded_here(args):
             super().__init__(model, args, model_kwargs=model_kwargs, teacher_model=teacher, **kwargs)
         self._forward_redirection = _call_directly
+        self._pipeline_pass: tuple | None = None  # under pp: the step's rows and leaves (`training_step`)
         # TRL seeded each process apart; the ranks of a replica sample alike (the seed TRL gives its process)
         set_seed(args.seed + self.mesh.rank("batch"))
         share_rng_states(self.mesh.group("peers"))
@@ -183,7 +203,13 @@ class ParallelDistillationTrainer(ParallelTrainerMixin, DistillationTrainer):
     @private_override
     def _generate_single_turn(self, prompt_ids, images, multimodal_fields, has_tool_images=False):
         """TRL's generation through the parallel model's `generate`, sampling from the whole vocabulary's logits."""
-        with logits_mode(self.model, "full"):
+        model = self.accelerator.unwrap_model(self.model)
+        with (
+            _vocab_logits(self.model, "full"),
+            _generate_without_cache(model, self.mesh, self._pipeline)
+            if self.mesh.size("cp") > 1 or self._pipeline is not None
+            else contextlib.nullcontext(),
+        ):
             return super()._generate_single_turn(prompt_ids, images, multimodal_fields, has_tool_images)
 
     @private_override
@@ -195,10 +221,10 @@ class ParallelDistillationTrainer(ParallelTrainerMixin, DistillationTrainer):
         mask = inputs["completion_mask"] * inputs.get("tool_mask", 1)
         keep = inputs["completion_ids"].size(1)
         self.teacher_model.eval()
-        with torch.no_grad():
-            teacher = self._completion_logits(self.teacher_model, input_ids, attention_mask, keep)
-        student = self._completion_logits(unwrapped_student, input_ids, attention_mask, keep)
-        divergence, entropy = vocab_parallel_divergence(student, teacher, self.beta, vocab_slice(self.model).group)
+        if self._pipeline is not None:
+            divergence, entropy = self._divergence_through_pipelines(input_ids, attention_mask, keep)
+        else:
+            divergence, entropy = self._divergence(unwrapped_student, input_ids, attention_mask, keep)
         valid = mask != 0
         loss = divergence.masked_fill(~valid, 0).sum()
         count = valid.sum()
@@ -208,12 +234,114 @@ class ParallelDistillationTrainer(ParallelTrainerMixin, DistillationTrainer):
             loss = loss / torch.as_tensor(num_items_in_batch, device=loss.device)
         return loss, entropy.masked_fill(~valid, 0).sum(), count
 
-    def _completion_logits(self, model: nn.Module, input_ids, attention_mask, keep: int) -> torch.Tensor:
-        """The logits (this rank's vocabulary slice) that predict the last `keep` tokens, divided by the
-        temperature as TRL divides them."""
-        with logits_mode(model, "local"):
-            logits = model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).logits
-        return logits[:, -keep - 1 : -1] / self.temperature
+    def _divergence(self, student_model: nn.Module, input_ids, attention_mask, keep: int):
+        """Per completion token (batch, keep): the divergence (its gradient to the student) and the student's
+        entropy, on every rank of the replica."""
+        # under cp a forward taking a gradient keeps this rank's chunks of the rows (without one, its hook gathers
+        # the logits over cp): the teacher then runs with gradients on too, frozen (no graph), so that both models
+        # hold the same tokens' logits and no rank holds the whole rows' vocabulary
+        chunks = self.mesh.size("cp") > 1 and torch.is_grad_enabled()
+        with contextlib.nullcontext() if chunks else torch.no_grad():
+            teacher = self._local_logits(self.teacher_model, input_ids, attention_mask)
+        student = self._local_logits(student_model, input_ids, attention_mask)
+        if not chunks:  # the whole rows: the positions that predict the completion's tokens
+            student, teacher = student[:, -keep - 1 : -1], teacher[:, -keep - 1 : -1]
+        group = vocab_slice(student_model).group  # divided by the temperature as TRL divides them
+        divergence, entropy = vocab_parallel_divergence(
+            student / self.temperature, teacher / self.temperature, self.beta, group
+        )
+        if chunks:  # the whole shifted rows from the cp ranks' tokens (backward: this rank's part, times cp)
+            root = plan_root(student_model)
+            divergence, entropy = (whole_sequence(x, root)[:, -keep:] for x in (divergence, entropy))
+        return divergence, entropy
+
+    @staticmethod
+    def _local_logits(model: nn.Module, input_ids, attention_mask) -> torch.Tensor:
+        """The logits of this rank's vocabulary slice (under cp in a forward with gradients on: of this rank's
+        chunks of the rows)."""
+        with _vocab_logits(model, "local"):
+            return model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).logits
+
+    # ------------------------------------------------------------------ pipeline parallelism
+
+    def _divergence_through_pipelines(self, input_ids, attention_mask, keep: int):
+        """Under pp: both models' rows through their pipelines without a graph (`run_eval`, this rank's vocabulary
+        slice on the last stage), the per-token divergence and entropy computed there and sent to every stage. In
+        training the student's logits are a leaf there and the divergence sent is a leaf on every stage: TRL's loss
+        backpropagates to it, and `training_step` takes it on to the student's weights."""
+        teacher_pipeline = parallel_state(plan_root(self.teacher_model)).pipeline
+        student_model = self.accelerator.unwrap_model(self.model)
+        pipeline = self._pipeline
+        with _vocab_logits(self.teacher_model, "local"), _vocab_logits(student_model, "local"):
+            teacher = teacher_pipeline.run_eval(input_ids=input_ids, attention_mask=attention_mask).logits
+            student = pipeline.run_eval(input_ids=input_ids, attention_mask=attention_mask).logits
+        fields = torch.zeros(2, input_ids.size(0), keep, device=input_ids.device)
+        own = None
+        if pipeline.holds_last:
+            student = student[:, -keep - 1 : -1].detach().requires_grad_(torch.is_grad_enabled())
+            teacher = teacher[:, -keep - 1 : -1]
+            group = vocab_slice(student_model).group
+            divergence, entropy = vocab_parallel_divergence(
+                student / self.temperature, teacher / self.temperature, self.beta, group
+            )
+            fields = torch.stack([divergence.detach().float(), entropy.float()])
+            own = divergence, student
+        dist.broadcast(fields, src=pipeline.last_rank, group=pipeline.pp_group)
+        divergence = fields[0].clone().requires_grad_(torch.is_grad_enabled())
+        if torch.is_grad_enabled():
+            self._pipeline_pass = input_ids, attention_mask, own, divergence
+        return divergence, fields[1]
+
+    def training_step(self, model, inputs, num_items_in_batch=None) -> torch.Tensor:
+        """Under pp, two passes (as DPO's and GRPO's): TRL's step, whose divergence the pipelines computed without a
+        graph (`_divergence_through_pipelines`), backpropagates TRL's loss to the per-token divergence; on the last
+        stage that gradient is taken back to the student's logits, and the pipeline's forward and backward of
+        sum(logit weight x logit) give the weights the gradient of TRL's loss (one student forward more than TRL's)."""
+        if self._pipeline is None:
+            return super().training_step(model, inputs, num_items_in_batch)
+        self._pipeline_pass = None
+        loss = DistillationTrainer.training_step(self, model, inputs, num_items_in_batch)  # TRL's, to the leaf
+        input_ids, attention_mask, own, leaf = self._pipeline_pass
+        self._pipeline_pass = None
+        weights = None
+        if own is not None:  # the last stage: d loss / d (the student's local logits of the completion positions)
+            divergence, logits = own
+            (weights,) = torch.autograd.grad(divergence, logits, grad_outputs=leaf.grad.to(divergence.dtype))
+        root = plan_root(self.accelerator.unwrap_model(model))
+        rows = torch.arange(input_ids.size(0), device=input_ids.device)[:, None].expand_as(input_ids)
+        previous, root.loss_function = root.loss_function, _LogitWeights(weights)
+        try:
+            with self.accelerator.autocast():
+                model.run_train(input_ids=input_ids, labels=rows, attention_mask=attention_mask)
+        finally:
+            root.loss_function = previous
+        return loss
+
+    def prediction_step(self, model, inputs, prediction_loss_only, ignore_keys=None):
+        """TRL's (the divergence on generated completions); under pp its forwards run through the pipelines."""
+        if self._pipeline is None:
+            return super().prediction_step(model, inputs, prediction_loss_only, ignore_keys)
+        return DistillationTrainer.prediction_step(self, model, inputs, prediction_loss_only, ignore_keys)
+
+
+class _LogitWeights:
+    """The loss the student's pipeline backpropagates under pp: sum(weight x logit) over the completion positions
+    of this rank's vocabulary slice, each micro-batch's share on the last stage; the labels it is given are each
+    token's row in the batch, so every share finds its rows' weights."""
+
+    def __init__(self, weights: torch.Tensor | None) -> None:
+        self.weights = weights  # (batch, completion, local vocabulary); None off the last stage
+
+    def __call__(self, logits, labels, **kwargs) -> torch.Tensor:
+        weights = self.weights[labels[:, 0]].to(logits.dtype)
+        return (weights * logits[:, -weights.size(1) - 1 : -1]).sum()
+
+
+def _vocab_logits(model: nn.Module, mode: str) -> contextlib.AbstractContextManager:
+    """`logits_mode(model, mode)` for the block where the model's LM head is split over the vocabulary (tp); else
+    its logits are whole already."""
+    split = any(isinstance(m, ColumnParallelLinear) and hasattr(m, "logits_mode") for m in model.modules())
+    return logits_mode(model, mode) if split else contextlib.nullcontext()
 
 
 @contextlib.contextmanager
