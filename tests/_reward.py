@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 from _dpo import dpo_args, preference_dataset
 
-METRICS = ("loss", "min_reward", "mean_reward", "max_reward", "accuracy", "margin", "num_tokens")
+METRICS = ("loss", "grad_norm", "min_reward", "mean_reward", "max_reward", "accuracy", "margin", "num_tokens")
 
 
 def reward_checkpoint(causal_dir: str, out_dir) -> str:

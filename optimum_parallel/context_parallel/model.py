@@ -6,7 +6,8 @@ of 2 cp, then every rank keeps its two chunks of input_ids / inputs_embeds, posi
 rotary embeddings follow the split) and labels. The padding mask of the whole sequence goes to the layers as
 the marker the attention function reads. A forward hook adds the router aux loss of a MoE model over the whole
 rows (router_loss.py) and gathers the logits over cp when no gradient is being taken (evaluation, metrics); a
-training forward keeps this rank's chunks (the loss is already complete).
+training forward keeps this rank's chunks (the loss is already complete). A sequence classifier's head pools each
+row's last real token over cp instead, its logits whole on every rank, its per-row labels left whole (classifier.py).
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ from .attention import (
     register_attention,
     sequence_mask,
 )
+from .classifier import PooledScores, classifier_head
 from .layout import ChunkLayout, SequenceCut, pad_sequence
 from .loss import ContextParallelLoss
 from .packed import Documents, chunk_count, documents_for
@@ -55,7 +57,7 @@ def check_context_parallel(
     check_strategy(strategy, key)
     config = getattr(model, "config", None)
     model_type = getattr(config, "model_type", None)
-    if not supported or not hasattr(model, "lm_head"):
+    if not supported or not (hasattr(model, "lm_head") or classifier_head(model) is not None):
         reason = why or "its family does not declare context parallelism"
         raise NotImplementedError(
             f"context parallelism (cp={cp}) is not supported for {type(model).__name__} (model_type {model_type!r}): "
@@ -85,15 +87,21 @@ def apply_context_parallel(model: nn.Module, group, strategy: str = "ring") -> N
         parallel_state(module).context_parallel = settings
     register_attention()
     scope.config._attn_implementation = ATTENTION_KEY
-    model.loss_function = ContextParallelLoss(model.loss_function, group)
+    head = classifier_head(model)
+    pooled = None if head is None else PooledScores(model, group)  # a sequence classifier: see classifier.py
+    if pooled is None:
+        model.loss_function = ContextParallelLoss(model.loss_function, group)
+    else:
+        head.register_forward_hook(pooled)
     parallel_state(model).context_parallel = settings
     router_loss = install_router_loss(model, group)
     if decoder is None:
-        model.register_forward_pre_hook(functools.partial(_split_inputs, router_loss=router_loss), with_kwargs=True)
+        split = functools.partial(_split_inputs, router_loss=router_loss, pooled=pooled)
+        model.register_forward_pre_hook(split, with_kwargs=True)
     else:  # the labels at the model's entry, the embeddings (image features merged in) at the language model's
         model.register_forward_pre_hook(_split_labels, with_kwargs=True)
         decoder.register_forward_pre_hook(functools.partial(_split_decoder_inputs, owner=model), with_kwargs=True)
-    model.register_forward_hook(functools.partial(_after_forward, router_loss=router_loss))
+    model.register_forward_hook(functools.partial(_after_forward, router_loss=router_loss, whole=pooled is not None))
     refuse(model, "generate", NotImplementedError, NO_GENERATE)
 
 
@@ -207,7 +215,7 @@ def _forward_signature(model_class: type) -> inspect.Signature:
     return inspect.signature(model_class.forward)
 
 
-def _split_inputs(model: nn.Module, args: tuple, kwargs: dict, router_loss: RouterLoss):
+def _split_inputs(model: nn.Module, args: tuple, kwargs: dict, router_loss: RouterLoss, pooled: PooledScores | None):
     if kwargs.get("past_key_values") is not None:
         raise NotImplementedError("key/value caches are not supported under context parallelism")
     bound = _forward_signature(type(model)).bind_partial(model, *args, **kwargs).arguments
@@ -216,7 +224,12 @@ def _split_inputs(model: nn.Module, args: tuple, kwargs: dict, router_loss: Rout
     check_gradients_reduced(model)
     state = parallel_state(model)
     settings = state.context_parallel
-    split, cut = split_batch(settings, {**bound, **extra})
+    whole = {**bound, **extra}
+    labels = whole.pop("labels", None) if pooled is not None else None  # a classifier's: one per row, kept whole
+    split, cut = split_batch(settings, whole)
+    if pooled is not None:
+        pooled.record(whole, cut.layout)
+        split["labels"] = labels
     state.sequence_length, state.sequence_layout = cut.length, cut.layout
     requested = extra.get("output_router_logits", bound.get("output_router_logits"))
     if wants_router_logits(model, router_loss, requested):
@@ -333,11 +346,11 @@ def _split_decoder_inputs(decoder: nn.Module, args: tuple, kwargs: dict, owner: 
     return (), split
 
 
-def _after_forward(model: nn.Module, args: tuple, output, router_loss: RouterLoss):
+def _after_forward(model: nn.Module, args: tuple, output, router_loss: RouterLoss, whole: bool):
     if router_loss.mask is not None:
         output = add_router_loss(model, router_loss, output)
     logits = getattr(output, "logits", None)
-    if logits is None or torch.is_grad_enabled():
+    if logits is None or torch.is_grad_enabled() or whole:  # whole: a classifier's pooled logits
         return output
     state = parallel_state(model)
     output.logits = state.sequence_layout.gather(logits, state.context_parallel.group)[:, : state.sequence_length]

@@ -25,6 +25,7 @@ from functools import cache
 
 from torch import nn
 
+from ..context_parallel import classifier_head
 from ..expert_parallel import find_experts
 from ..mixers import builds_recurrent_mask
 from ..pipeline.decoder import DecoderRoles, decoder_roles, is_norm
@@ -200,8 +201,11 @@ def _context_parallel_blocker(model: nn.Module, stack: DecoderStack, needs_head:
                     f"{where} may use chunked attention (attention_chunk_size={chunk}), and config.layer_types does "
                     "not say which layers do, which the context-parallel attention reads"
                 )
-    if needs_head and not hasattr(model, "lm_head"):
-        return f"{type(model).__name__} has no LM head (context parallelism runs causal language models)"
+    if needs_head and not hasattr(model, "lm_head") and classifier_head(model) is None:
+        return (
+            f"{type(model).__name__} has no LM head (context parallelism runs causal language models and their "
+            "sequence classifiers)"
+        )
     return None
 
 

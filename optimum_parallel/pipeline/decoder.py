@@ -22,19 +22,21 @@ from dataclasses import dataclass
 
 from torch import nn
 
+from ..context_parallel import classifier_head
 from .per_layer import per_layer_modules
 
 
 @dataclass(frozen=True)
 class DecoderRoles:
     """`base`: the module holding the layer list; `embedding` / `final_norm` / `layers`: attribute names in it;
-    `head`: the attribute of the model holding the output embeddings; `unplaced`: the base's parameter-holding
-    children in no role (each named in the refusal); `entry`: the module every stage calls when it is not the base
-    (a vision-language model's, holding the base and modules that run before it); `first_stage`: (parent, attribute)
-    of the entry's modules outside the base, which run on the first stage only (vision tower, projector); `outside`:
-    the model's parameter-holding children beside the entry and the head (refused); `per_layer`: the base's children
-    computing its per-layer inputs (Gemma 4's `embed_tokens_per_layer`, `per_layer_model_projection`,
-    `per_layer_projection_norm`), run with the embedding."""
+    `head`: the attribute of the model holding the output embeddings, or a sequence classifier's head (`classifier`:
+    the last stage gives every position's scores, which the caller pools: no stage holds the token ids); `unplaced`:
+    the base's parameter-holding children in no role (each named in the refusal); `entry`: the module every stage
+    calls when it is not the base (a vision-language model's, holding the base and modules that run before it);
+    `first_stage`: (parent, attribute) of the entry's modules outside the base, which run on the first stage only
+    (vision tower, projector); `outside`: the model's parameter-holding children beside the entry and the head
+    (refused); `per_layer`: the base's children computing its per-layer inputs (Gemma 4's `embed_tokens_per_layer`,
+    `per_layer_model_projection`, `per_layer_projection_norm`), run with the embedding."""
 
     base: nn.Module
     layers: str
@@ -46,6 +48,7 @@ class DecoderRoles:
     first_stage: tuple[tuple[nn.Module, str], ...] = ()
     outside: tuple[str, ...] = ()
     per_layer: tuple[str, ...] = ()
+    classifier: bool = False
 
     @property
     def caller(self) -> nn.Module:
@@ -94,6 +97,9 @@ def decoder_roles(model: nn.Module, base: nn.Module, layers: str) -> DecoderRole
     get_output = getattr(model, "get_output_embeddings", None)
     embedding = _child_named(base, get_input() if get_input is not None else None)
     head = _child_named(model, get_output() if get_output is not None else None)
+    classifier = head is None and classifier_head(model) is not None
+    if classifier:
+        head = _child_named(model, classifier_head(model))
     norms = [name for name, child in base.named_children() if is_norm(child)]
     final_norm = norms[0] if len(norms) == 1 else ("norm" if "norm" in norms else None)
     entry, first_stage, beside = _entry_of(model, base)
@@ -103,6 +109,8 @@ def decoder_roles(model: nn.Module, base: nn.Module, layers: str) -> DecoderRole
     placed = {layers, embedding, final_norm, *per_layer}
     unplaced = tuple(name for name, child in base.named_children() if name not in placed and _holds_parameters(child))
     if not first_stage:  # nothing runs before the base: the stages call it directly
-        return DecoderRoles(base, layers, embedding, final_norm, head, unplaced, per_layer=per_layer)
+        return DecoderRoles(
+            base, layers, embedding, final_norm, head, unplaced, per_layer=per_layer, classifier=classifier
+        )
     outside = tuple(name for name in beside if name != head)
     return DecoderRoles(base, layers, embedding, final_norm, head, unplaced, entry, tuple(first_stage), outside)

@@ -78,7 +78,7 @@ class DecoderStage(nn.Module):
 
     first stage:  (input_ids, *carrier) -> (hidden_states, *carrier)
     middle:       (hidden_states, *carrier) -> (hidden_states, *carrier)
-    last stage:   (hidden_states, *carrier) -> logits
+    last stage:   (hidden_states, *carrier) -> logits (a sequence classifier's: every position's scores)
 
     The carrier's names are the running step's (`StepCarrier`, set by the pipeline before each step)."""
 
@@ -206,9 +206,11 @@ class DecoderStage(nn.Module):
             self._language_inputs(received) as captured,
             self._per_layer_inputs(per_layer_received, inputs) as per_layer,
         ):
-            if self.is_last:  # the model's own head code (soft-capping and the like), no loss
+            if self.is_last and not self._roles.classifier:  # the model's own head code (soft-capping...), no loss
                 return type(self._model).forward(self._model, **masks, **inputs).logits
             hidden = self._roles.caller(**masks, **inputs).last_hidden_state
+        if self.is_last:  # a sequence classifier: every position's scores, pooled by the caller (it holds the ids)
+            return self.lm_head(hidden)
         if self.sequence is not None:  # the next stage derives positions from the length
             hidden = self.sequence.gather(hidden)
         out = (hidden, travelling, *given.values())

@@ -1,8 +1,8 @@
 """TRL's RewardTrainer on a parallel model: ParallelRewardTrainer at tp=2 and tp=2 + sp logs, step by step, the loss,
-min / mean / max reward, accuracy, margin and num_tokens TRL's RewardTrainer logs on one process (prompts, chosen and
-rejected completions of uneven lengths, right-padded rows: the value head pools each row's last real token), with and
-without `center_rewards_coefficient`, and so does its evaluation; cp and pp are refused by name before anything runs
-(gloo, 2 ranks). dp=2 x tp=2 at sharding level 3: test_trl_reward_dp.py."""
+grad_norm, min / mean / max reward, accuracy, margin and num_tokens TRL's RewardTrainer logs on one process (prompts,
+chosen and rejected completions of uneven lengths, right-padded rows: the value head pools each row's last real token),
+with and without `center_rewards_coefficient`, and so does its evaluation (gloo, 2 ranks). cp and pp:
+test_trl_reward_cp_pp.py; 4 ranks (dp x tp at sharding level 3, cp x tp with sp, dp x pp): test_trl_reward_dp.py."""
 
 from __future__ import annotations
 
@@ -80,32 +80,3 @@ def test_a_causal_checkpoint_gets_the_head_trl_draws(pool, causal_dir, tmp_path,
     for rank, got in enumerate(pool.run(train_parallel_reward, causal_dir, str(tmp_path), {}, TP2)):
         worst = check_against(got, expected, noise, TOL)
         print("from-causal", rank, {k: f"{v:.1e}" for k, v in worst.items()})
-
-
-def refused(hf_dir: str, output_dir: str, layout: dict) -> str:
-    from _reward import reward_args
-    from transformers import AutoTokenizer
-
-    from optimum_parallel.integrations.trl import ParallelRewardConfig, ParallelRewardTrainer
-
-    tokenizer = AutoTokenizer.from_pretrained(hf_dir)
-    try:
-        ParallelRewardTrainer(hf_dir, args=ParallelRewardConfig(**reward_args(output_dir, **layout)),
-                              train_dataset=None, processing_class=tokenizer)  # fmt: skip
-    except ValueError as err:
-        return str(err)
-    return "no error"
-
-
-@pytest.mark.parametrize(
-    "layout,words",
-    [
-        ({"context_parallel_size": 2}, "context_parallel_size=2 is not supported by ParallelRewardTrainer"),
-        ({"pipeline_parallel_size": 2}, "pipeline_parallel_size=2 is not supported by ParallelRewardTrainer"),
-    ],
-    ids=["cp2", "pp2"],
-)
-def test_layouts_it_cannot_run_are_refused_by_name_before_anything_runs(pool, reward_dirs, tmp_path, layout, words):
-    """Refused before the model is loaded or the dataset read (no dataset is even given)."""
-    for message in pool.run(refused, reward_dirs[0], str(tmp_path), layout):
-        assert words in message and "allowed: 1" in message, message

@@ -1,5 +1,5 @@
-"""TRL's `RewardTrainer` with `ParallelTrainerMixin`: an outcome reward model trained on a tp / sp / dp (sharding
-levels 0-3) mesh, equal to TRL's `RewardTrainer` on one process.
+"""TRL's `RewardTrainer` with `ParallelTrainerMixin`: an outcome reward model trained on a tp / sp / cp / pp / dp
+(sharding levels 0-3) mesh, equal to TRL's `RewardTrainer` on one process.
 
 TRL's trainer is used as it is (dataset preparation, the collator that puts chosen and rejected rows in one batch, the
 Bradley-Terry loss with its margin and centring, the metrics). The model is `AutoModelForSequenceClassification` with
@@ -9,9 +9,16 @@ seed set first so a head missing from a causal checkpoint is drawn as TRL draws 
 computes the same head gradient and nothing is averaged; under sp the plan gathers the sequence at its input (split
 backward, `frontends/family_request.py`), so the last non-padding token it pools is the row's own.
 
-Refused before anything changes, by name (`check_reward_options`): cp and pp (the engine's context split and pipeline
-stages are built for an LM head; the pooled token of a row lives on one cp rank or the last stage), and
-`quantization_config`.
+- cp: the engine pools a sequence classifier's score over cp (`context_parallel/classifier.py`): the rank holding a
+  row's last non-padding token gives its score, summed over cp, so the model returns the one-process logits on every
+  cp rank and TRL's loss and metrics are whole;
+- pp: the pipeline's last stage gives every position's score (`pipeline/stage.py`); a step is two passes
+  (`training_step`): the pipeline's forward without a graph, each row's score pooled on the last stage as transformers
+  pools it and sent to every stage, TRL's loss and metrics from those scores, its gradient backpropagated to them only;
+  then the pipeline's forward and backward of sum(row weight x pooled score), the weights being that gradient (one
+  forward more than TRL's step).
+
+Refused before anything changes, by name (`check_reward_options`): pp together with cp, and `quantization_config`.
 """
 
 from __future__ import annotations
@@ -21,13 +28,21 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch.distributed as dist
+from torch import nn
 from transformers import AutoModelForSequenceClassification, PreTrainedModel, set_seed
+from transformers.modeling_outputs import SequenceClassifierOutputWithPast
 from trl import RewardConfig, RewardTrainer
 from trl.trainer.reward_trainer import suppress_seqcls_warning
 
+from ...context_parallel import pooled_positions
+from ...plan.wrappers import plan_root
+from ...state import parallel_state
 from ..transformers.internals import check_overrides
 from ..transformers.trainer import ParallelTrainerMixin
 from ..transformers.training_args import ParallelTrainingArguments
+
+IGNORE_INDEX = -100
 
 
 @dataclass
@@ -38,14 +53,12 @@ class ParallelRewardConfig(RewardConfig, ParallelTrainingArguments):
 
 def check_reward_options(args: RewardConfig, quantization_config: Any = None) -> None:
     """ValueError naming the first option ParallelRewardTrainer cannot run."""
-    for option, why in (
-        ("context_parallel_size", "the context split of the engine is built for a causal LM head, and the pooled "
-         "last token of a row lives on one cp rank"),
-        ("pipeline_parallel_size", "the pipeline's stages end in an LM head, not a sequence-classification head"),
-    ):  # fmt: skip
-        size = getattr(args, option)
-        if size > 1:
-            raise ValueError(f"{option}={size} is not supported by ParallelRewardTrainer ({why}); allowed: 1")
+    if args.pipeline_parallel_size > 1 and args.context_parallel_size > 1:
+        raise ValueError(
+            f"pipeline_parallel_size={args.pipeline_parallel_size} with context_parallel_size="
+            f"{args.context_parallel_size} is not supported by ParallelRewardTrainer (the pipeline's pass pools "
+            "whole rows); allowed with pp > 1: context_parallel_size=1"
+        )
     if quantization_config is not None:
         raise ValueError(
             "quantization_config is not supported by ParallelRewardTrainer (the parallel layers hold plain weights); "
@@ -68,6 +81,8 @@ class ParallelRewardTrainer(ParallelTrainerMixin, RewardTrainer):
     """TRL's `RewardTrainer` on a parallel model (see the module docstring); `args` is a `ParallelRewardConfig`,
     `model` a sequence-classification model or a checkpoint path (a causal LM's gets a new one-label head)."""
 
+    pipeline_columns = ("chosen_ids", "rejected_ids", "margin")  # under pp TRL's collator makes the batches
+
     def __init__(
         self,
         model: PreTrainedModel | str | os.PathLike,
@@ -88,6 +103,97 @@ class ParallelRewardTrainer(ParallelTrainerMixin, RewardTrainer):
                 model, args, model_class=AutoModelForSequenceClassification, model_kwargs=model_kwargs, **kwargs
             )
         self._tp_size = self.get_tp_size()  # TRL divides its token count over the world by this
+        self._scores: _PipelineScores | None = None
+        if self._pipeline is not None:
+            root = plan_root(self.model)
+            self._scores = root.forward = _PipelineScores(root)
+
+    def training_step(self, model, inputs: dict[str, Any], num_items_in_batch=None) -> torch.Tensor:
+        """Under pp, two passes: TRL's loss and metrics from the pooled scores the pipeline computes without a graph,
+        backpropagated to those scores only; then the pipeline's forward and backward of sum(row weight x pooled
+        score), the weights being that gradient: the parameters get the gradient of TRL's loss."""
+        if self._pipeline is None:
+            return super().training_step(model, inputs, num_items_in_batch)
+        with self.maybe_activation_offload_context:  # as TRL's step
+            return self._two_pass_step(model, self._prepare_inputs(inputs), num_items_in_batch)
+
+    def _two_pass_step(self, model, inputs: dict[str, Any], num_items_in_batch) -> torch.Tensor:
+        model.train()
+        with self.compute_loss_context_manager():
+            loss = self.compute_loss(model, inputs, num_items_in_batch=num_items_in_batch)
+        scaled = getattr(self, "loss_is_scaled_for_ga", None)  # as the Trainer's own step decides it
+        if scaled is None:
+            scaled = (self.model_accepts_loss_kwargs and num_items_in_batch is not None) or (
+                self.compute_loss_func is not None
+            )
+        if not scaled:
+            loss = loss / self.current_gradient_accumulation_steps
+        (weights,) = torch.autograd.grad(loss, self._scores.pooled)
+        self._scores.pooled = None
+        root = plan_root(model)
+        surrogate = _WeightedScores(weights)
+        previous, root.loss_function = root.loss_function, surrogate
+        try:
+            with self.accelerator.autocast():
+                model.run_train(
+                    input_ids=inputs["input_ids"],
+                    labels=surrogate.labels(root, inputs["input_ids"]),
+                    attention_mask=inputs.get("attention_mask"),
+                )
+        finally:
+            root.loss_function = previous
+        return loss.detach()
+
+    def prediction_step(self, model, inputs: dict[str, Any], prediction_loss_only: bool, ignore_keys=None):
+        """TRL's (its loss and metrics); under pp the pooled scores come through the pipeline (`_PipelineScores`)."""
+        if self._pipeline is None:
+            return super().prediction_step(model, inputs, prediction_loss_only, ignore_keys)
+        return RewardTrainer.prediction_step(self, model, inputs, prediction_loss_only, ignore_keys)
+
+
+class _PipelineScores:
+    """`forward` of a pipeline-parallel reward model: the pipeline's forward without a graph, every position's score
+    on the last stage, each row's pooled there as transformers pools it (its last token that is not the pad token) and
+    sent to every stage. In training the pooled scores are a leaf (`pooled`) whose gradient, once TRL's loss is
+    backpropagated to it, weighs each row in the pipeline's own backward (`ParallelRewardTrainer.training_step`)."""
+
+    def __init__(self, model: nn.Module) -> None:
+        self.model = model
+        self.pooled: torch.Tensor | None = None
+
+    def __call__(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None, **kwargs: Any):
+        pipeline = parallel_state(self.model).pipeline
+        scores = pipeline.run_eval(input_ids=input_ids, attention_mask=attention_mask).logits
+        batch, length = input_ids.shape
+        pooled = torch.zeros(batch, self.model.config.num_labels, device=input_ids.device)
+        if pipeline.holds_last:
+            positions = pooled_positions(self.model, input_ids, batch, length, input_ids.device)
+            pooled = scores[torch.arange(batch, device=input_ids.device), positions].float()
+        dist.broadcast(pooled, src=pipeline.last_rank, group=pipeline.pp_group)
+        if torch.is_grad_enabled():
+            self.pooled = pooled.requires_grad_()
+        return SequenceClassifierOutputWithPast(logits=pooled)
+
+
+class _WeightedScores:
+    """The loss the pipeline backpropagates under pp: sum over rows of weight x pooled score, each micro-batch's share
+    on the last stage. Its labels mark each row's pooled position with the row's number in the batch (`labels`), so
+    every share finds its rows' positions and weights."""
+
+    def __init__(self, weights: torch.Tensor) -> None:
+        self.weights = weights
+
+    def labels(self, model: nn.Module, input_ids: torch.Tensor) -> torch.Tensor:
+        batch, length = input_ids.shape
+        rows = torch.arange(batch, device=input_ids.device)
+        positions = pooled_positions(model, input_ids, batch, length, input_ids.device)
+        marks = torch.full_like(input_ids, IGNORE_INDEX)
+        marks[rows, positions] = rows
+        return marks
+
+    def __call__(self, logits: torch.Tensor, labels: torch.Tensor, **kwargs: Any) -> torch.Tensor:
+        marked = labels != IGNORE_INDEX  # one position a row
+        return (logits[marked].float() * self.weights.to(logits.device)[labels[marked]]).sum()
 
 
 check_overrides(ParallelRewardTrainer, RewardTrainer)
