@@ -28,7 +28,7 @@ from _grpo import (  # noqa: E402
     trl_reference,
     worst_errors,
 )
-from transformers import ProcessorMixin  # noqa: E402
+from transformers import BitsAndBytesConfig, ProcessorMixin  # noqa: E402
 
 WORLD_SIZE = 2
 CP2 = {"context_parallel_size": 2}
@@ -201,7 +201,7 @@ def refused(hf_dir: str, output_dir: str, options: dict) -> str:
 
     from optimum_parallel.integrations.trl import ParallelGRPOConfig, ParallelGRPOTrainer
 
-    extra = {k: options.pop(k) for k in ("rollout_func", "processing_class") if k in options}
+    extra = {k: options.pop(k) for k in ("processing_class", "quantization_config", "model_kwargs") if k in options}
     extra.setdefault("processing_class", AutoTokenizer.from_pretrained(hf_dir))
     try:
         args = ParallelGRPOConfig(**grpo_args(output_dir, eval_strategy="no", **options))
@@ -209,10 +209,6 @@ def refused(hf_dir: str, output_dir: str, options: dict) -> str:
     except ValueError as err:
         return str(err)
     return "no error"
-
-
-def rollout(prompts, trainer):
-    raise AssertionError("never called")
 
 
 class ImageProcessor(ProcessorMixin):
@@ -228,13 +224,19 @@ class ImageProcessor(ProcessorMixin):
         ({"pipeline_parallel_size": 2, "context_parallel_size": 2}, "pipeline_parallel_size=2 with context_parallel"),
         ({"tensor_parallel_size": 2, "entropy_coef": 0.01}, "entropy_coef=0.01"),
         ({"tensor_parallel_size": 2, "cast_lm_head_to_fp32": True}, "cast_lm_head_to_fp32=True"),
-        ({"tensor_parallel_size": 2, "rollout_func": rollout}, "rollout_func"),
+        ({"tensor_parallel_size": 2, "quantization_config": BitsAndBytesConfig(load_in_4bit=True)},
+         "quantization_config is not supported"),
+        ({"model_init_kwargs": {"quantization_config": {"load_in_4bit": True}}},
+         "quantization_config is not supported"),
+        ({"model_init_kwargs": {"dtype": "int8"}}, "model_init_kwargs['dtype']='int8'"),
+        ({"model_init_kwargs": {"dtype": "float32"}, "model_kwargs": {}}, "model_kwargs and args.model_init_kwargs"),
         ({"tensor_parallel_size": 2, "per_device_train_batch_size": 2}, "generation_batch_size (2) must be divisible"),
         ({"sync_ref_model": True, "sharding_level": 3}, "sync_ref_model=True is not supported with sharding_level=3"),
         ({"tensor_parallel_size": 2, "processing_class": ImageProcessor()}, "processing_class=ImageProcessor"),
     ],
-    ids=["pp_cp", "entropy_coef", "cast_lm_head_to_fp32", "rollout_func", "generation_batch", "sync_ref", "multimodal"],
-)
+    ids=["pp_cp", "entropy_coef", "cast_lm_head_to_fp32", "quantization_config", "quantization_in_init_kwargs",
+         "init_kwargs_dtype", "model_kwargs_twice", "generation_batch", "sync_ref", "multimodal"],
+)  # fmt: skip
 def test_what_a_layout_cannot_run_is_refused_by_name(pool, hf_dir, tmp_path, options, words):
     for message in pool.run(refused, hf_dir, str(tmp_path), options):
         assert words in message, message

@@ -45,22 +45,37 @@ What differs from TRL on one process, and why:
   logits sent from the last stage, every rank sampling from the shared random state;
 - with LoRA adapters the reference runs under TRL's "ref" adapter (or none) with every `requires_grad` flag kept
   (`replicas.use_adapter_as_it_was`): torch's composable DDP builds its reducer at the first forward, over the
-  parameters that require a gradient then.
+  parameters that require a gradient then;
+- tools, environments and the rollout function (`tools`, `environment_factory`, `rollout_func`) run on the first rank
+  of each replica only (`from_first_rank`): the tools' results (a synchronous tool's call by call, a completion's async
+  calls together, run concurrently as TRL runs them), the environments' `reset` observations (the prompts) and the
+  rollout function's output, or the error raised, reach the replica's other ranks in a broadcast with the random
+  states the user code left, so they go on drawing as one process does. The other ranks hold stand-in environments of
+  the same class (never constructed: TRL reads their methods' schemas) and call nothing. The generation after a tool
+  turn runs on every rank, so a rollout function must not run the policy itself (its forward is a collective of the
+  replica's ranks);
+- a policy given as a path is loaded as TRL loads it, with `model_init_kwargs` (float32 unless they name a dtype;
+  transformers' own default would keep the checkpoint's) or `model_kwargs`, not both.
 
 Refused before training, by name (`check_grpo_options`): pipeline parallelism together with cp (the pipeline scores and
 generates on whole rows), vLLM, continuous batching, Liger, `cast_lm_head_to_fp32` under tp (it replaces the
-vocab-parallel head with a plain linear), `rollout_func`, `tools` and `environment_factory` on a replica of several
-ranks (they would run on every rank), `sync_ref_model` with FSDP2 (`sharding_level` 2-3: the policy's shards and the
+vocab-parallel head with a plain linear), `quantization_config` (as an argument or in `model_init_kwargs`: the parallel
+layers split full-precision weights), `sync_ref_model` with FSDP2 (`sharding_level` 2-3: the policy's shards and the
 reference's whole tensors do not mix), the entropy bonus (`entropy_coef`, `use_adaptive_entropy`: its gradient through
 the entropy), a MoE router aux loss, and a multimodal processor (before anything runs).
 """
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
+import functools
 import inspect
+import logging
+import os
 import pickle
-from collections.abc import Iterator
+import types
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -76,6 +91,7 @@ from ...engine.compose import compose_model
 from ...frontends.family_request import validate_family_request
 from ...frontends.manager import ParallelizersManager
 from ...mesh import ParallelMesh, ranks
+from ...mesh import device as devices
 from ...plan import logits_mode
 from ...plan.caller_outputs import sync_generation
 from ...plan.wrappers import plan_root
@@ -97,6 +113,11 @@ for _name in TRL_MODULE_GLOBALS:
             f"trl.trainer.grpo_trainer.{_name} no longer exists; ParallelGRPOTrainer swaps it (see the module "
             "docstring). Install a TRL version this release supports."
         )
+if getattr(trl_grpo, "asyncio", None) is not asyncio:  # the tool loop's, swapped for `_SharedAsyncio`
+    raise InternalsChanged(
+        "trl.trainer.grpo_trainer no longer reaches asyncio by module-level name; ParallelGRPOTrainer swaps it "
+        "around the tool-calling loop (see the module docstring). Install a TRL version this release supports."
+    )
 
 
 @dataclass
@@ -195,13 +216,61 @@ def check_grpo_options(args: ParallelGRPOConfig, kwargs: dict[str, Any]) -> None
             f"processing_class={type(kwargs['processing_class']).__name__} (a multimodal processor) is not supported "
             "by ParallelGRPOTrainer; allowed: a tokenizer (text-only policies)"
         )
-    if args.ranks_per_replica > 1:
-        for name in ("rollout_func", "tools", "environment_factory"):
-            if kwargs.get(name):
-                raise ValueError(
-                    f"{name} is not supported by ParallelGRPOTrainer with {args.ranks_per_replica} ranks per batch "
-                    f"replica (it would run on every one of them); allowed there: None"
-                )
+    if kwargs.get("quantization_config") is not None or "quantization_config" in (args.model_init_kwargs or {}):
+        raise ValueError(
+            "quantization_config is not supported by ParallelGRPOTrainer (the parallel layers split full-precision "
+            "weights, not a quantized model's packed ones); allowed: None"
+        )
+    if args.model_init_kwargs is not None:
+        _torch_dtype(args.model_init_kwargs.get("dtype", "float32"))  # a wrong name, before any loading
+
+
+def _torch_dtype(dtype: Any) -> Any:
+    """`model_init_kwargs["dtype"]` as TRL's `create_model_from_path` takes it: a torch dtype, "auto" or None as
+    given, a float type's name made that torch dtype."""
+    if isinstance(dtype, torch.dtype) or dtype in ("auto", None):
+        return dtype
+    if dtype in ("bfloat16", "float16", "float32"):
+        return getattr(torch, dtype)
+    raise ValueError(
+        f"model_init_kwargs['dtype']={dtype!r} is not supported by ParallelGRPOTrainer; allowed: a torch.dtype, "
+        "'auto', 'bfloat16', 'float16', 'float32'"
+    )
+
+
+def _policy_kwargs(args: GRPOConfig) -> dict[str, Any]:
+    """TRL's `from_pretrained` arguments for a policy given as a path: `model_init_kwargs`, the dtype float32 unless
+    named there (TRL's default, where transformers' is "auto"), no device map (each rank places its slices)."""
+    kwargs = dict(args.model_init_kwargs or {})
+    kwargs["dtype"] = _torch_dtype(kwargs.get("dtype", "float32"))
+    kwargs.pop("device_map", None)
+    kwargs.setdefault("trust_remote_code", args.trust_remote_code)
+    return kwargs
+
+
+class _DropWarning(logging.Filter):
+    """Drops the log records whose message holds `words` (TRL's warning about kwargs this trainer did use)."""
+
+    def __init__(self, words: str) -> None:
+        super().__init__()
+        self.words = words
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return self.words not in record.getMessage()
+
+
+@contextlib.contextmanager
+def _without_warning(logger: logging.Logger, words: str | None) -> Iterator[None]:
+    """For the block, `logger` drops the records holding `words` (nothing dropped when None)."""
+    if words is None:
+        yield
+        return
+    dropped = _DropWarning(words)
+    logger.addFilter(dropped)
+    try:
+        yield
+    finally:
+        logger.removeFilter(dropped)
 
 
 def _vocab_parallel_head(model: nn.Module) -> ColumnParallelLinear | None:
@@ -218,6 +287,162 @@ def _picklable(value: object) -> bool:
     return True
 
 
+# ---------------------------------------------------------------------- user code on the replica's first rank
+
+
+def _portable(err: BaseException) -> BaseException:
+    """`err` if it survives a pickle round trip with its message, else a RuntimeError with that message."""
+    try:
+        copy = pickle.loads(pickle.dumps(err))
+    except Exception:  # noqa: BLE001 - whatever pickling raises
+        return RuntimeError(str(err))
+    return copy if str(copy) == str(err) else RuntimeError(str(err))
+
+
+def _same(value: Any) -> Any:
+    return value
+
+
+def from_first_rank(mesh: ParallelMesh, compute: Callable[[], Any], sent: Callable[[Any], Any] = _same,
+                    what: str = "the result") -> Any:  # fmt: skip
+    """`compute()` (a tool, the rollout function, an environment) on the replica's first rank only: what it returned
+    (as `sent` makes it: what TRL reads of it) or the error it raised, and the random states it left, reach the
+    replica's other ranks in one broadcast; they return that value or raise that error, and draw on from the first
+    rank's states (one process's stream, which the user code drew from). One rank per replica: `compute()`."""
+    if mesh.size("peers") == 1:
+        return compute()
+    first = mesh.rank("peers") == 0
+    box: list[Any] = [None]
+    value: Any = None
+    error: BaseException | None = None
+    if first:
+        try:
+            value = compute()
+            message: tuple[bool, Any] = (True, sent(value))
+        except BaseException as err:  # noqa: BLE001 - raised again below, on every rank of the replica
+            error, message = err, (False, _portable(err))
+        try:
+            box[0] = pickle.dumps((*message, devices.rng_states()))
+        except Exception as err:  # noqa: BLE001 - whatever pickling raises: the other ranks must not wait
+            error = TypeError(f"{what} cannot be sent to the replica's other ranks ({type(err).__name__}: {err})")
+            box[0] = pickle.dumps((False, error, devices.rng_states()))
+    dist.broadcast_object_list(box, src=mesh.ranks("peers")[0], group=mesh.group("peers"))
+    if first:
+        if error is not None:
+            raise error
+        return value
+    ok, payload, states = pickle.loads(box[0])
+    devices.set_rng_states(states)
+    if not ok:
+        raise payload
+    return payload
+
+
+def _tool_content(result: Any) -> Any:
+    """What TRL's tool loop reads of a tool's result: a list of content blocks as it is, anything else as text."""
+    return result if isinstance(result, list) else str(result)
+
+
+def _async_contents(results: list) -> list:
+    """One completion's async tool results as TRL's tool loop reads them: an error by its message."""
+    return [(name, RuntimeError(str(r)) if isinstance(r, Exception) else _tool_content(r)) for name, r in results]
+
+
+def _tool_on_first_rank(trainer: ParallelGRPOTrainer, tool: Callable) -> Callable:
+    """A synchronous tool run on the replica's first rank, its result (or error) returned on every rank."""
+
+    @functools.wraps(tool)
+    def call(**arguments: Any) -> Any:
+        return from_first_rank(trainer.mesh, lambda: tool(**arguments), _tool_content, f"tool {tool.__name__}'s result")
+
+    return call
+
+
+async def _nothing() -> None:
+    return None
+
+
+def _async_stand_in(tool: Callable) -> Callable:
+    """An async tool on a rank that does not run it: the call binds the arguments as the first rank's does (the same
+    TypeError) and runs nothing; the results come from the first rank (`_SharedAsyncio`)."""
+
+    def call(**arguments: Any) -> Any:
+        coroutine = tool(**arguments)
+        getattr(coroutine, "close", _same)()
+        return _nothing()
+
+    return call
+
+
+class _SharedAsyncio:
+    """`asyncio` as TRL's tool loop reaches it: the loop waits for one completion's async tool calls with
+    `run_coroutine_threadsafe(...).result()`; the result, on the replica's first rank the tools' (the other ranks
+    gather stand-ins), is handed to the other ranks."""
+
+    def __init__(self, mesh: ParallelMesh) -> None:
+        self.mesh = mesh
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(asyncio, name)
+
+    def run_coroutine_threadsafe(self, coroutine, loop) -> _SharedResult:
+        return _SharedResult(self.mesh, asyncio.run_coroutine_threadsafe(coroutine, loop))
+
+
+class _SharedResult:
+    def __init__(self, mesh: ParallelMesh, future) -> None:
+        self.mesh, self.future = mesh, future
+
+    def result(self, timeout: float | None = None) -> list:
+        return from_first_rank(self.mesh, lambda: self.future.result(timeout), _async_contents, "async tools' results")
+
+
+_STAND_INS: dict[type, type] = {}
+
+
+def _no_observation(self, **kwargs: Any) -> None:
+    return None
+
+
+def _stand_in(cls: type) -> Any:
+    """An environment of class `cls` on a rank that does not run it: TRL lists its public methods as tools and renders
+    their schemas, never its state, so its `__init__` does not run; its `reset` gives no observation (the first rank's
+    prompts replace this rank's, `_generate`) and its tools are never called (`_tool_call_loop`)."""
+    shadow = _STAND_INS.get(cls)
+    if shadow is None:
+
+        def body(namespace: dict) -> None:
+            namespace.update(__module__=cls.__module__, __qualname__=cls.__qualname__, __doc__=cls.__doc__)
+            if inspect.isfunction(getattr(cls, "reset", None)):
+                namespace["reset"] = _no_observation
+
+        shadow = _STAND_INS[cls] = types.new_class(cls.__name__, (cls,), exec_body=body)
+    return object.__new__(shadow)
+
+
+class _EnvironmentOnFirstRank:
+    """An `environment_factory` whose environments are made, reset and called on the replica's first rank only; the
+    other ranks get stand-ins of the same class (`_stand_in`)."""
+
+    def __init__(self, trainer: ParallelGRPOTrainer, factory: Callable[[], Any]) -> None:
+        self.trainer, self.factory = trainer, factory
+
+    def __call__(self) -> Any:
+        mesh = self.trainer.mesh
+        made = from_first_rank(mesh, self.factory, type, "environment_factory's class")
+        return made if mesh.rank("peers") == 0 else _stand_in(made)
+
+
+def _rollout_on_first_rank(rollout_func: Callable) -> Callable:
+    """`rollout_func` run on the replica's first rank, its output (or error) returned on every rank."""
+
+    @functools.wraps(rollout_func)
+    def rollout(prompts: list, trainer: ParallelGRPOTrainer) -> dict:
+        return from_first_rank(trainer.mesh, lambda: rollout_func(prompts, trainer), what="rollout_func's output")
+
+    return rollout
+
+
 class ParallelGRPOTrainer(ParallelTrainerMixin, GRPOTrainer):
     """TRL's `GRPOTrainer` on a parallel model (see the module docstring); `args` is a `ParallelGRPOConfig`.
 
@@ -229,9 +454,29 @@ class ParallelGRPOTrainer(ParallelTrainerMixin, GRPOTrainer):
         if not isinstance(args, ParallelGRPOConfig):
             raise TypeError(f"ParallelGRPOTrainer needs ParallelGRPOConfig arguments, got {type(args).__name__}")
         check_grpo_options(args, kwargs)
+        used_init_kwargs = None  # TRL's warning that they are ignored, when the policy was loaded with them here
+        if isinstance(model, (str, os.PathLike)):
+            if kwargs.get("model_kwargs") is not None and args.model_init_kwargs is not None:
+                raise ValueError(
+                    "model_kwargs and args.model_init_kwargs both given for a policy path; allowed: one of them"
+                )
+            if kwargs.get("model_kwargs") is None:
+                kwargs["model_kwargs"] = _policy_kwargs(args)  # TRL's: float32 unless model_init_kwargs names one
+                used_init_kwargs = None if args.model_init_kwargs is None else "model_init_kwargs"
+        # tools, environments and the rollout function run on each replica's first rank (see the module docstring)
+        if kwargs.get("rollout_func") is not None:
+            kwargs["rollout_func"] = _rollout_on_first_rank(kwargs["rollout_func"])
+        factory = kwargs.get("environment_factory")
+        if isinstance(factory, dict):
+            kwargs["environment_factory"] = {k: _EnvironmentOnFirstRank(self, f) for k, f in factory.items()}
+        elif factory is not None:
+            kwargs["environment_factory"] = _EnvironmentOnFirstRank(self, factory)
         set_seed(args.seed)  # as TRL seeds before it builds the model: adapters (peft_config) start as TRL's do
         # the reference, when beta > 0
-        with swapped_globals(trl_grpo, {"create_model_from_path": self._load_reference}):
+        with (
+            swapped_globals(trl_grpo, {"create_model_from_path": self._load_reference}),
+            _without_warning(logging.getLogger(trl_grpo.__name__), used_init_kwargs),
+        ):
             super().__init__(model, args=args, reward_funcs=reward_funcs, **kwargs)
         if self.aux_loss_enabled:
             raise ValueError(
@@ -258,9 +503,10 @@ class ParallelGRPOTrainer(ParallelTrainerMixin, GRPOTrainer):
         return self.mesh.size("cp") > 1 or self._pipeline is not None
 
     def _load_reference(self, model_id: str, **model_init_kwargs: Any) -> nn.Module:
-        """TRL's reference model (`create_model_from_path(policy's path, ...)`), loaded lazily and made parallel on
-        the policy's mesh with the policy's layout; frozen, in eval mode."""
+        """TRL's reference model (`create_model_from_path(policy's path, ...)`: `model_init_kwargs`, else the policy's
+        dtype), loaded lazily and made parallel on the policy's mesh with the policy's layout; frozen, in eval mode."""
         model_init_kwargs.pop("device_map", None)
+        model_init_kwargs["dtype"] = _torch_dtype(model_init_kwargs.get("dtype", "float32"))
         args = self.args
         sizes = args.tensor_parallel_size, args.pipeline_parallel_size, args.expert_parallel_size
         with lazy_load_for_parallelism(*sizes):
@@ -341,6 +587,35 @@ class ParallelGRPOTrainer(ParallelTrainerMixin, GRPOTrainer):
             return super()._generate_single_turn(
                 prompt_ids, images, multimodal_fields, num_generations, has_tool_images
             )
+
+    # ------------------------------------------------------------------ tools and environments
+
+    @private_override
+    def _generate(self, prompts):
+        """With environments, the prompts as the replica's first rank's environments left them (their `reset`
+        observations; the other ranks hold stand-ins, `_stand_in`)."""
+        if self.environments and self.mesh.size("peers") > 1:
+            prompts = from_first_rank(self.mesh, lambda: prompts, what="the prompts after the environments' reset")
+        return super()._generate(prompts)
+
+    @private_override
+    def _tool_call_loop(self, prompts, prompt_ids, completion_ids, completions, logprobs, images, multimodal_fields):
+        """TRL's tool loop (the generation after each tool turn runs on every rank of the replica), the tools run on
+        the replica's first rank: its synchronous tools' results reach the other ranks one call at a time, a
+        completion's async tool results (run there concurrently, as TRL runs them) together."""
+        if self.mesh.size("peers") == 1:
+            return super()._tool_call_loop(prompts, prompt_ids, completion_ids, completions, logprobs, images,
+                                           multimodal_fields)  # fmt: skip
+        saved = self._sync_tool_dicts, self._async_tool_dicts
+        self._sync_tool_dicts = [{n: _tool_on_first_rank(self, t) for n, t in d.items()} for d in saved[0]]
+        if self.mesh.rank("peers") != 0:
+            self._async_tool_dicts = [{n: _async_stand_in(t) for n, t in d.items()} for d in saved[1]]
+        try:
+            with swapped_globals(trl_grpo, {"asyncio": _SharedAsyncio(self.mesh)}):
+                return super()._tool_call_loop(prompts, prompt_ids, completion_ids, completions, logprobs, images,
+                                               multimodal_fields)  # fmt: skip
+        finally:
+            self._sync_tool_dicts, self._async_tool_dicts = saved
 
     # ------------------------------------------------------------------ rewards
 
