@@ -30,7 +30,7 @@ from _models import build_model, tiny_config
 
 SCRIPT = str(Path(__file__).parent / "_host_train.py")
 SLOW_SCRIPT = str(Path(__file__).parent / "_host_slow.py")
-ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(Path(__file__).parent.parent)}
+ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONFAULTHANDLER": "1", "PYTHONPATH": str(Path(__file__).parent.parent)}
 ENV.pop("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", None)  # restarts work without it (optimum_parallel/mesh/rendezvous.py)
 STEPS, SAVE_EVERY = 4, 2
 CHECKPOINTS = [f"checkpoint-{s}" for s in range(SAVE_EVERY, STEPS + 1, SAVE_EVERY)] + ["final"]

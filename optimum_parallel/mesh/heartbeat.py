@@ -292,14 +292,18 @@ def mark_ending() -> None:
 
 
 def _at_exit() -> None:
-    running = current()
-    if running is None:
+    if not _CURRENT:
         return
+    running = _CURRENT[0]  # stopped or not: its thread may still be inside a store call
     error = getattr(sys, "last_value", None)
     if error is None and not _ENDING.is_set():
         running.stop(DONE)
     else:
         running.stop(FAILED, f"{type(error).__name__}: {_first_line(error)}" if error else "an uncaught exception")
+    # a daemon thread still inside a store call when Python finalizes exits as it takes the GIL back, through
+    # pybind11's noexcept frames: "terminate called without an active exception", SIGABRT, a clean run failed
+    if running.thread is not threading.current_thread():
+        running.thread.join(_STORE_OP_S + 1.0)
 
 
 def _first_line(error: BaseException) -> str:
