@@ -13,6 +13,7 @@
 #include <pybind11/pybind11.h>
 #include <torch/csrc/Generator.h>
 #include <torch/csrc/Storage.h>
+#include <torch/csrc/utils/pybind.h>
 
 #include <atomic>
 #include <cstring>
@@ -194,7 +195,7 @@ void install(py::object module) {
   if (g_py != nullptr) return;
   g_py = new py::object(std::move(module));  // leaked on purpose: lives as long as the process
   at::RegisterPrivateUse1HooksInterface(new NeuronHooks());
-  c10::impl::registerDeviceGuard(kNeuron, new NeuronGuard());
+  static c10::impl::DeviceGuardImplRegistrar guard(kNeuron, new NeuronGuard());  // torch 2.9 has no registerDeviceGuard
   static NeuronAllocator allocator;
   c10::SetAllocator(kNeuron, &allocator, /*priority=*/1);
 }
@@ -211,10 +212,29 @@ void make_resizable(py::handle storage) {
   impl->set_resizable(true);
 }
 
+at::Tensor empty_tensor(const at::Tensor& like) {
+  // torch._C._acc.create_empty_tensor, which torch 2.9 does not have: an empty neuron tensor of `like`'s dtype
+  return at::detail::empty_generic({0}, c10::GetAllocator(kNeuron), c10::DispatchKeySet(c10::DispatchKey::PrivateUse1),
+                                   like.scalar_type(), std::nullopt);
+}
+
+void swap_storage(py::handle a, py::handle b) {
+  // UntypedStorage._swap_data_ptr_, which torch 2.9 does not have: the two storages trade memory and sizes
+  c10::StorageImpl* x = THPStorage_Unpack(a.ptr()).unsafeGetStorageImpl();
+  c10::StorageImpl* y = THPStorage_Unpack(b.ptr()).unsafeGetStorageImpl();
+  size_t x_bytes = x->nbytes(), y_bytes = y->nbytes();
+  c10::DataPtr x_data = x->set_data_ptr(y->set_data_ptr(c10::DataPtr()));
+  y->set_data_ptr_noswap(std::move(x_data));
+  x->set_nbytes(y_bytes);
+  y->set_nbytes(x_bytes);
+}
+
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("install", &install, "register the neuron hooks, device guard and allocator (once per process)");
   m.def("default_generator", &default_generator, "the default neuron generator");
   m.def("make_resizable", &make_resizable, "let storage resize_ reach the resize hook");
+  m.def("empty_tensor", &empty_tensor, "an empty neuron tensor of a tensor's dtype");
+  m.def("swap_storage", &swap_storage, "two storages trade their memory and sizes");
 }

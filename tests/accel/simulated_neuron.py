@@ -102,7 +102,12 @@ def _storage_over(host: torch.UntypedStorage | None) -> torch.UntypedStorage:
 
 def _on(storage: torch.UntypedStorage, like: torch.Tensor, into: torch.Tensor | None = None) -> torch.Tensor:
     """A neuron tensor (`into`, or a new one) on `storage` with `like`'s dtype, offset, sizes and strides."""
-    t = torch._C._acc.create_empty_tensor([0], like.dtype) if into is None else into
+    if into is not None:
+        t = into
+    elif _state.cpp is not None:
+        t = _state.cpp.empty_tensor(like)
+    else:
+        t = torch._C._acc.create_empty_tensor([0], like.dtype)
     return _SET.redispatch(_CPU_KEYS, t, storage, like.storage_offset(), like.size(), like.stride())
 
 
@@ -120,6 +125,13 @@ def _bytes(storage: torch.UntypedStorage) -> torch.Tensor:
     return torch.empty(0, dtype=torch.uint8).set_(hs)
 
 
+def _swap(storage: torch.UntypedStorage, other: torch.UntypedStorage) -> None:
+    if hasattr(storage, "_swap_data_ptr_"):
+        storage._swap_data_ptr_(other)
+    else:  # torch 2.9
+        _state.cpp.swap_storage(storage, other)
+
+
 def _resize_storage(storage: torch.UntypedStorage, nbytes: int) -> None:
     """Storage resize_ (FSDP2 frees and re-allocates unsharded parameters this way): new host memory, old bytes kept."""
     old = storage.nbytes()
@@ -130,8 +142,8 @@ def _resize_storage(storage: torch.UntypedStorage, nbytes: int) -> None:
     if min(old, nbytes):
         _bytes(fresh)[: min(old, nbytes)].copy_(_bytes(storage)[: min(old, nbytes)])
     if old and nbytes:  # _swap_data_ptr_ swaps only when one side is empty: park the old memory first
-        storage._swap_data_ptr_(_storage_over(None))
-    storage._swap_data_ptr_(fresh)  # `fresh` now holds the old memory and frees it when it goes
+        _swap(storage, _storage_over(None))
+    _swap(storage, fresh)  # `fresh` now holds the old memory and frees it when it goes
     storage._host, fresh._host = fresh._host, getattr(storage, "_host", None)
 
 
@@ -528,6 +540,17 @@ def _load_cpp():
         return None
 
 
+def _fall_through_autograd() -> None:
+    """torch 2.9 has an autograd fallback for the built-in devices only ('Could not run c10d::broadcast_ with
+    arguments from the Autogradneuron backend'); 2.13 for PrivateUse1 too. Ops without an autograd kernel of their
+    own (the collectives) then pass through autograd, as on the CPU."""
+    if torch._C._dispatch_has_backend_fallback(torch._C.DispatchKey.AutogradPrivateUse1):
+        return
+    library = torch.library.Library("_", "IMPL")
+    library.fallback(torch.library.fallthrough_kernel, "AutogradPrivateUse1")
+    _state.libs.append(library)
+
+
 def install() -> None:
     """Makes `neuron` a device of this process (idempotent; call it in every process before any neuron tensor)."""
     global _DEVICE
@@ -568,6 +591,7 @@ def install() -> None:
                 c10d.impl(name[6:], _collective(getattr(torch.ops.c10d, name[6:]).default), "PrivateUse1")
     _register_autocast(aten)
     _state.libs = [fallback, aten, c10d]
+    _fall_through_autograd()
     dist.Backend.register_backend(BACKEND, _create_backend, devices=[NAME])
     _announce_package()
     _state.installed = True
