@@ -343,7 +343,7 @@ def optimizer_state(optimizer: torch.optim.Optimizer) -> list[object]:
 def sharding_step(args: argparse.Namespace, level: int) -> ShardingResult:
     """Build, parallelize (tp, then dp at `level`), and measure one forward + backward + AdamW step on this rank."""
     import optimum_parallel as op
-    from optimum_parallel.engine.data_parallel import DataParallelConfig, apply_data_parallel
+    from optimum_parallel.data_parallel.levels import DataParallelConfig, apply_data_parallel
 
     mesh = op.get_mesh()
     model = build_model(args, "sdpa")

@@ -91,7 +91,7 @@ def run(args: argparse.Namespace, out: Path) -> list[float]:
 
     import optimum_parallel as op
     from optimum_parallel.checkpoint.crash import CRASH_ENV
-    from optimum_parallel.engine.data_parallel import DataParallelConfig, apply_data_parallel
+    from optimum_parallel.data_parallel.levels import DataParallelConfig, apply_data_parallel
 
     mesh = op.init_mesh(dp=args.dp, tp=args.tp)  # the default timeouts
     late, kill, stop = fault("LATE"), fault("KILL"), fault("STOP")

@@ -72,7 +72,7 @@ def custom_loop(args: argparse.Namespace) -> list[float]:
     from transformers import AutoModelForCausalLM
 
     import optimum_parallel as op
-    from optimum_parallel.engine.data_parallel import DataParallelConfig, apply_data_parallel
+    from optimum_parallel.data_parallel.levels import DataParallelConfig, apply_data_parallel
 
     mesh = op.init_mesh(dp=args.dp, pp=args.pp, tp=args.tp, timeout=args.timeout)
     with op.lazy_load_for_parallelism(tensor_parallel_size=args.tp, pipeline_parallel_size=args.pp):

@@ -225,7 +225,7 @@ def data_parallel_round_trip(hf_dir: str, ckpt: str, consolidated: str, level: i
     A fresh model at that level loading the checkpoint holds the same weights and takes the same step, one at
     the next level (1 -> 2 -> 3 -> 0) too; consolidating gives the trained weights bit for bit."""
     import optimum_parallel as op
-    from optimum_parallel.engine.data_parallel import DataParallelConfig, apply_data_parallel
+    from optimum_parallel.data_parallel.levels import DataParallelConfig, apply_data_parallel
 
     def build(new_mesh: bool, at: int = level):
         parallelizer, model, optimizer = _setup(hf_dir, 2, new_mesh=new_mesh)
@@ -408,7 +408,7 @@ def async_against_blocking(hf_dir: str, out: str, level: int) -> dict:
     import optimum_parallel as op
     from optimum_parallel.checkpoint import AsyncCheckpoint, wait_for_pending_save
     from optimum_parallel.checkpoint.crash import SLOW_ENV
-    from optimum_parallel.engine.data_parallel import DataParallelConfig, apply_data_parallel
+    from optimum_parallel.data_parallel.levels import DataParallelConfig, apply_data_parallel
 
     parallelizer, model, optimizer = _setup(hf_dir, 2)
     model, optimizer = apply_data_parallel(model, optimizer, op.get_mesh(), DataParallelConfig(sharding_level=level))

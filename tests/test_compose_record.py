@@ -13,8 +13,8 @@ from _models import build_model, make_batch, tiny_config
 WORLD_SIZE = 2
 INSTALLED_ONCE = (
     "optimum_parallel.packing.hook",
-    "optimum_parallel.engine.shared_batch",
-    "optimum_parallel.engine.replicas",
+    "optimum_parallel.data_parallel.shared_batch",
+    "optimum_parallel.data_parallel.replica_watch",
 )
 
 

@@ -214,7 +214,7 @@ def check_pipeline_context(steps: int = 2) -> dict:
     """pp=2 x cp=2, two micro-batches holding different numbers of labelled tokens, against one process on the
     whole batch (the pipeline's loss is the token mean of the batch, not the mean of the micro-batch means)."""
     import optimum_parallel as op
-    from optimum_parallel.engine.data_parallel import apply_data_parallel
+    from optimum_parallel.data_parallel.levels import apply_data_parallel
 
     mesh = op.init_mesh(pp=2, cp=2)
     config = cp_config("llama", num_hidden_layers=4)

@@ -39,7 +39,7 @@ def _optimizer_state(optimizer) -> list:
 
 def check_sharding_level(level: int, sequence_parallel: bool) -> dict:
     import optimum_parallel as op
-    from optimum_parallel.engine.data_parallel import DataParallelConfig, apply_data_parallel
+    from optimum_parallel.data_parallel.levels import DataParallelConfig, apply_data_parallel
 
     mesh = op.init_mesh(dp=2, tp=2)
     config = tiny_config("llama")
@@ -105,7 +105,7 @@ def test_sequence_parallel_composes_with_fsdp(pool):
 def test_xla_devices_allow_sharding_level_0_only(level):
     """The check `validate` runs on an XLA mesh (the XLA lane, `make test-xla`, runs it on devices): levels
     1-3 are refused at dp x cp > 1, naming the caller's key and the level XLA allows; at dp x cp = 1 no level acts."""
-    from optimum_parallel.engine.data_parallel import DataParallelConfig
+    from optimum_parallel.data_parallel.levels import DataParallelConfig
     from optimum_parallel.engine.request import PARALLELIZER_KEYS as keys
     from optimum_parallel.engine.validate import check_data_parallel
 

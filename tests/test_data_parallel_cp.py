@@ -57,7 +57,7 @@ def parallel_copy(reference, pp: int = 1):
 def check_gradients(dp: int, cp: int, tp: int, pp: int, level: int, steps: int = 2) -> dict:
     """Every gradient against one process on the global batch, for `steps` SGD steps."""
     import optimum_parallel as op
-    from optimum_parallel.engine.data_parallel import DataParallelConfig, apply_data_parallel
+    from optimum_parallel.data_parallel.levels import DataParallelConfig, apply_data_parallel
 
     mesh = op.init_mesh(dp=dp, pp=pp, cp=cp, tp=tp)
     config = tiny_config("llama", num_hidden_layers=2 * pp)
@@ -139,7 +139,7 @@ def test_paddle_front_door_averages_over_cp_without_dp_config(pool):
 
 def _model_and_optimizer(layout: dict, level: int):
     import optimum_parallel as op
-    from optimum_parallel.engine.data_parallel import DataParallelConfig, apply_data_parallel
+    from optimum_parallel.data_parallel.levels import DataParallelConfig, apply_data_parallel
 
     mesh = op.init_mesh(**layout)
     model = build_model(tiny_config("llama", tie_word_embeddings=True), seed=11)

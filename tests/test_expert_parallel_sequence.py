@@ -2,7 +2,7 @@
 with `sequence_parallel_enabled=True` against one process on the whole batch (loss, every gradient, the global
 gradient norm, the loss after 3 AdamW steps; gloo, 4 ranks). mixtral, qwen2_moe, qwen3_moe and gpt_oss have family
 parallelizers; olmoe, granitemoe, deepseek_v3 and phimoe take the automatic plan's sequence-parallel entries,
-derived from their structure (`frontends/sequence_plan.py`); refusals: tests/family_matrix.py."""
+derived from their structure (`autoplan/sequence_plan.py`); refusals: tests/family_matrix.py."""
 
 from __future__ import annotations
 

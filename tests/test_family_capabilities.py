@@ -9,7 +9,7 @@ from test_families import AUTO, FAMILIES, TOKENS
 from transformers import AutoConfig
 
 import optimum_parallel as op
-from optimum_parallel.engine.structure import derive_capabilities
+from optimum_parallel.autoplan.structure import derive_capabilities
 
 TASKS = {"bert": "mlm", "roberta": "mlm", "t5": "s2s"}
 LAYOUTS = {"sequence": "sequence_parallel", "pipeline": "pipeline_parallel", "context": "context_parallel"}

@@ -1,6 +1,6 @@
 """Llama 4 under sequence parallelism (issue 47): its MoE block returns the tokens flattened ([batch x seq, hidden]),
 so the replicated block's output is given back in its input's shape before the sequence is split again
-(`frontends/sequence_plan.py`). The family matrix's tiny llama4_text at tp=2 with sp, alone and with its experts
+(`autoplan/sequence_plan.py`). The family matrix's tiny llama4_text at tp=2 with sp, alone and with its experts
 split over ep=2 (expert-major rows exchanged whole), at data-parallel levels 0 and 3, against one process on the whole
 batch: loss, every gradient, the loss after 3 AdamW steps."""
 

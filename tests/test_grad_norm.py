@@ -53,7 +53,7 @@ def _whole(tensor: torch.Tensor) -> torch.Tensor:
 
 def check_norms(name: str) -> dict:
     import optimum_parallel as op
-    from optimum_parallel.engine.data_parallel import DataParallelConfig, apply_data_parallel
+    from optimum_parallel.data_parallel.levels import DataParallelConfig, apply_data_parallel
 
     sizes, model_type, overrides, options, level, lora = LAYOUTS[name]
     mesh = op.init_mesh(**sizes)

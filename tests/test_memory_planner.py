@@ -59,7 +59,7 @@ def measure(level: int, sp: bool, dtype: str, attn: str) -> dict[str, int]:
     from transformers import AutoModelForCausalLM
 
     import optimum_parallel as op
-    from optimum_parallel.engine.data_parallel import DataParallelConfig, apply_data_parallel
+    from optimum_parallel.data_parallel.levels import DataParallelConfig, apply_data_parallel
 
     mesh = op.init_mesh(dp=2, tp=2)
     torch.manual_seed(0)

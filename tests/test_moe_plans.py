@@ -57,7 +57,7 @@ def test_errors_name_what_does_not_fit():
 
 
 def test_automatic_plans_take_what_their_structure_allows():
-    """sp / pp / cp of an automatic plan come from the model's layers (engine/structure.py), not from a list of
+    """sp / pp / cp of an automatic plan come from the model's layers (autoplan/structure.py), not from a list of
     types: a Llama-shaped MoE takes all three, so does Jamba (its Mamba mixers run under cp through mixers/); a
     mixer whose decoder builds no mask the cp layout can travel in blocks cp, naming its layer and class."""
     import optimum_parallel as op
@@ -87,7 +87,7 @@ def test_sparse_attention_indexers_refuse_context_parallelism_by_name():
     """DeepSeek sparse attention's indexer picks keys over the whole sequence beside the attention; DeepSeek-V4's
     compressor pools windows of it: the context-parallel attention computes neither, so cp is refused naming them."""
     import optimum_parallel as op
-    from optimum_parallel.engine.structure import _inner_mixer
+    from optimum_parallel.autoplan.structure import _inner_mixer
 
     sys.path.insert(0, str(Path(__file__).parent / "families"))
     from family_matrix import family_config

@@ -58,7 +58,7 @@ def check_pipeline(
     )
     optimizer = parallelizer.optimizer_for_mp(optimizer, model.orig_param_to_parallel_param)
     if dp > 1:
-        from optimum_parallel.engine.data_parallel import DataParallelConfig, apply_data_parallel
+        from optimum_parallel.data_parallel.levels import DataParallelConfig, apply_data_parallel
 
         model, optimizer = apply_data_parallel(model, optimizer, mesh, DataParallelConfig(sharding_level))
     batch = pipeline_batch(config, rows=4 * dp)
@@ -192,7 +192,7 @@ def check_accumulation(sharding_level: int) -> dict:
     """pp=2 x dp=2, tied embeddings: two run_train calls per optimizer step (gradient accumulation in a custom
     loop), each given the labelled-token count of both calls' global rows, against one process on the whole batch."""
     import optimum_parallel as op
-    from optimum_parallel.engine.data_parallel import DataParallelConfig, apply_data_parallel
+    from optimum_parallel.data_parallel.levels import DataParallelConfig, apply_data_parallel
 
     mesh = op.init_mesh(dp=2, pp=2)
     config = tiny_config("llama", num_hidden_layers=4, tie_word_embeddings=True)

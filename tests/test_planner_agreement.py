@@ -15,7 +15,7 @@ import torch
 from _models import tiny_config
 from transformers import AutoModelForCausalLM
 
-from optimum_parallel.engine.data_parallel import DataParallelConfig
+from optimum_parallel.data_parallel.levels import DataParallelConfig
 from optimum_parallel.frontends.manager import ParallelizersManager
 from optimum_parallel.mesh import SimulatedMesh
 from optimum_parallel.planning.memory_planner import MemoryPlanner

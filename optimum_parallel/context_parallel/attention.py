@@ -155,7 +155,7 @@ def context_parallel_attention(
 def _sinks(module, sinks, heads: int) -> torch.Tensor | None:
     """The attention sinks passed as `s_aux`: one logit per query head of this rank, or None. A module holding
     `sinks` it did not pass, or sinks of another shape, is refused (found before composing where the structure shows
-    it, engine/structure.py; this is the last guard, never a silent answer)."""
+    it, autoplan/structure.py; this is the last guard, never a silent answer)."""
     name = type(module).__name__
     if sinks is None:
         if isinstance(getattr(module, "sinks", None), torch.nn.Parameter):

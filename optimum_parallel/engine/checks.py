@@ -17,7 +17,10 @@ from collections.abc import Mapping
 import torch
 from torch import nn
 
+from ..autoplan.capabilities import Capabilities
 from ..context_parallel import check_context_parallel, check_strategy
+from ..data_parallel.levels import DataParallelConfig
+from ..data_parallel.shared_batch import SHARED_BATCH
 from ..expert_parallel import check_expert_parallel
 from ..mesh import MeshLayout, ParallelMesh, check_expert_parallel_size, check_positive_int
 from ..mesh import device as devices
@@ -27,11 +30,8 @@ from ..pipeline import SCHEDULES, check_pipeline, check_schedule
 from ..pipeline.split import SplitPoint
 from ..state import find_state
 from ..styles import ExpertParallel, optional
-from .capabilities import Capabilities
 from .compile import CompileConfig, check_compile_config, compile_config
-from .data_parallel import DataParallelConfig
 from .request import ParallelRequest, PipelineRequest, RequestKeys, ResolvedRequest
-from .shared_batch import SHARED_BATCH
 
 SHARDING_LEVELS = (0, 1, 2, 3)
 XLA_SHARDING_LEVELS = (0,)

@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 from ..context_parallel import apply_context_parallel
+from ..data_parallel.levels import DataParallelConfig, apply_data_parallel
 from ..expert_parallel import apply_expert_parallel
 from ..mesh import ParallelMesh
 from ..mixers import install_mixers
@@ -25,14 +26,13 @@ from ..packing import install_packing
 from ..pipeline import SPLIT_BACKWARD
 from ..pipeline.batches import stage_batches
 from ..plan.apply import AppliedPlan, apply_checked_plan
+from ..plan.optimizer import rebuild_optimizer, shard_states_in_place
+from ..plan.parameters import keep_original_parameters
 from ..state import find_state, parallel_state
 from .compile import compile_blocks
-from .data_parallel import DataParallelConfig, apply_data_parallel
 from .guards import install_guards
 from .lazy_optimizer import build_lazy_optimizer, is_lazy_optimizer
 from .materialize import materialize_lazy_model, move_to_device
-from .optimizer import rebuild_optimizer, shard_states_in_place
-from .parameters import keep_original_parameters
 from .request import CheckedRequest
 from .rng import install_tp_random
 from .runtime import ParallelRuntime, ParamMap

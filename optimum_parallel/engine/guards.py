@@ -1,15 +1,16 @@
 """The habits a parallel model must not silently break, installed once per model: the ranks of a batch replica share
-one batch (`shared_batch.py`), the copies of every replicated tensor stay equal (`replicas.py`, on a cadence), and
-`save_pretrained` writes the whole model, as one device would (`full_model.py`)."""
+one batch (`data_parallel/shared_batch.py`), the copies of every replicated tensor stay equal
+(`data_parallel/replica_watch.py`, on a cadence), and `save_pretrained` writes the whole model, as one device would
+(`full_model.py`)."""
 
 from __future__ import annotations
 
 from torch import nn
 
+from ..data_parallel.replica_watch import install_replica_watch
+from ..data_parallel.shared_batch import install_shared_batch
 from ..mesh import ParallelMesh
 from .full_model import install_save_pretrained
-from .replicas import install_replica_watch
-from .shared_batch import install_shared_batch
 
 
 def install_guards(model: nn.Module, mesh: ParallelMesh, shared_batch: str, installed: bool) -> bool:

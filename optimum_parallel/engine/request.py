@@ -17,12 +17,12 @@ from typing import Any
 import torch
 from torch import nn
 
+from ..autoplan.capabilities import Capabilities
+from ..data_parallel.levels import DataParallelConfig
 from ..mixers import MixerSpec
 from ..pipeline.split import SplitPoint
 from ..styles import ParallelStyle
-from .capabilities import Capabilities
 from .compile import CompileConfig
-from .data_parallel import DataParallelConfig
 
 
 @dataclass(frozen=True)

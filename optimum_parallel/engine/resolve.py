@@ -13,14 +13,14 @@ from dataclasses import dataclass
 
 from torch import nn
 
+from ..autoplan.structure import derive_capabilities, state_mixers
+from ..data_parallel.levels import DataParallelConfig
 from ..mesh import ParallelMesh
 from ..mixers import plan_mixer
 from ..plan import check_plan
 from .checks import check_on_mesh, check_settings
 from .compile import CompileConfig
-from .data_parallel import DataParallelConfig
 from .request import ParallelRequest, PipelineRequest, ResolvedRequest
-from .structure import derive_capabilities, state_mixers
 
 
 @dataclass(frozen=True)

@@ -6,7 +6,7 @@ from __future__ import annotations
 from torch import nn
 
 from optimum_parallel import ColWiseParallel, Parallelizer, ParallelMesh, RowWiseParallel, SequenceParallelEnd, optional
-from optimum_parallel.frontends.sequence_plan import sequence_parallel_plan
+from optimum_parallel.autoplan.sequence_plan import sequence_parallel_plan
 from optimum_parallel.tensor_parallel import ColumnParallelLinear
 from optimum_parallel.tensor_parallel.spec import check_attention_heads as check_heads
 
@@ -126,7 +126,7 @@ def localize_attention(model: nn.Module, projection: str, heads: str, head_dim: 
 
 def with_structural_sequence_parallel(model: nn.Module, plan: dict) -> dict:
     """`plan` (a family's tensor-parallel plan) with the sequence-parallel entries derived from `model`'s structure
-    (every norm of a layer on the slices, every block on the whole sequence: `frontends/sequence_plan.py`) and the LM
+    (every norm of a layer on the slices, every block on the whole sequence: `autoplan/sequence_plan.py`) and the LM
     head gathering the sequence: for families whose layers carry more norms than Llama's (Gemma 2/3's pre/post
     feed-forward norms)."""
     plan = {**plan, **sequence_parallel_plan(model, plan)}

@@ -7,8 +7,8 @@ the module sits in an attention block (its parent has `head_dim`), the gathered/
 packed gate|up experts with the experts module as one tp region, replicated-with-grad-all-reduce
 norms and the vocab-parallel embedding. A plan using any other style is not supported (the model
 type is then reported unsupported rather than parallelized wrongly). What such a model supports beyond
-tensor parallelism (sp, pp, cp) is derived from its structure (`engine/structure.py`), its sequence
-parallelism planned from the same structure (`sequence_plan.py`).
+tensor parallelism (sp, pp, cp) is derived from its structure (`autoplan/structure.py`), its sequence
+parallelism planned from the same structure (`autoplan/sequence_plan.py`).
 """
 
 from __future__ import annotations
@@ -20,8 +20,11 @@ from functools import cache
 
 from torch import nn
 
-from ..engine.capabilities import Capabilities
-from ..engine.structure import derive_capabilities
+from ..autoplan.capabilities import Capabilities
+from ..autoplan.mixer_plan import check_mixers, merge_mixer_plan, mixers_left_whole
+from ..autoplan.sequence_plan import sequence_parallel_plan
+from ..autoplan.split_activations import split_activation_entries
+from ..autoplan.structure import derive_capabilities
 from ..mesh import ParallelMesh
 from ..styles import (
     ColWiseParallel,
@@ -36,10 +39,7 @@ from ..styles import (
     optional,
 )
 from ..tensor_parallel.spec import check_attention_heads
-from .mixer_plan import check_mixers, merge_mixer_plan, mixers_left_whole
 from .parallelizer import Parallelizer
-from .sequence_plan import sequence_parallel_plan
-from .split_activations import split_activation_entries
 
 MODULE_STYLES = {
     "colwise",
@@ -226,7 +226,7 @@ class AutoPlanParallelizer(Parallelizer):
 
     @classmethod
     def capabilities_for(cls, model: nn.Module) -> Capabilities:
-        """Derived from the model's structure, layer by layer (`engine/structure.py`)."""
+        """Derived from the model's structure, layer by layer (`autoplan/structure.py`)."""
         return derive_capabilities(model)
 
     @classmethod

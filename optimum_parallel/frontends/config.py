@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import MISSING, dataclass, fields
 
-from ..engine.data_parallel import DataParallelConfig
+from ..data_parallel.levels import DataParallelConfig
 from ..pipeline import SplitPoint
 
 
@@ -41,7 +41,7 @@ OPTIONS = ("shared_batch", "compile")  # top-level settings beside the sections
 @dataclass
 class ParallelConfig:
     """The sections, `shared_batch` ("check", "broadcast" or "trust": how the ranks of one batch replica get their
-    batch, see `engine/shared_batch.py`) and `compile` (each decoder block through torch.compile: True, a backend
+    batch, see `data_parallel/shared_batch.py`) and `compile` (each decoder block through torch.compile: True, a backend
     name or {"backend", "mode", "dynamic"}, see `engine/compile.py`)."""
 
     dp_config: DataParallelConfig | None = None

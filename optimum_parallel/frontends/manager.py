@@ -12,7 +12,7 @@ from importlib.metadata import EntryPoint
 
 from torch import nn
 
-from ..engine.capabilities import Capabilities
+from ..autoplan.capabilities import Capabilities
 from ..plugins import plugin_entry_points
 from .auto_plan import auto_parallelizer, auto_plan_model_types
 from .multimodal import multimodal_parallelizer

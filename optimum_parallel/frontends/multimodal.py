@@ -34,11 +34,12 @@ from functools import cache
 
 from torch import nn
 
+from ..autoplan.capabilities import Capabilities
+from ..autoplan.sequence_plan import sequence_parallel_plan
+from ..autoplan.structure import context_parallel_layer_blocker, derive_capabilities
 from ..comm.autograd_collectives import copy_to_tensor_parallel_region
 from ..comm.tp_entry import SequenceRegion
 from ..context_parallel.layout import pad_sequence
-from ..engine.capabilities import Capabilities
-from ..engine.structure import context_parallel_layer_blocker, derive_capabilities
 from ..mesh import ParallelMesh, ranks
 from ..state import parallel_state
 from ..styles import (
@@ -54,7 +55,6 @@ from ..tensor_parallel import ColumnParallelLinear
 from ..tensor_parallel.spec import check_attention_heads
 from .auto_plan import AutoPlanParallelizer, auto_parallelizer, tp_plan_of
 from .parallelizer import Parallelizer
-from .sequence_plan import sequence_parallel_plan
 
 VISION_NAMES = ("vision_tower", "visual", "vision_model")
 PROJECTOR_NAMES = ("multi_modal_projector", "mm_projector")  # Qwen's projector is inside its vision tower (merger)
@@ -299,7 +299,7 @@ class MultimodalParallelizer(Parallelizer):
     @classmethod
     def capabilities_for(cls, model: nn.Module) -> Capabilities:
         """The declared capabilities, with context parallelism refused where the language model's layers refuse it:
-        the same per-layer check as a text model's (`engine/structure.py`), naming the layer."""
+        the same per-layer check as a text model's (`autoplan/structure.py`), naming the layer."""
         capabilities = cls.capabilities
         if not capabilities.context_parallel:
             return capabilities

@@ -11,10 +11,10 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from ..autoplan.capabilities import Capabilities
 from ..checkpoint import AsyncCheckpoint, load_model_checkpoint, save_model_checkpoint
-from ..engine.capabilities import Capabilities
+from ..data_parallel.levels import DataParallelConfig
 from ..engine.compose import compose_model, optimizer_for_parallel_model
-from ..engine.data_parallel import DataParallelConfig
 from ..engine.request import PARALLELIZER_KEYS, ParallelRequest, PipelineRequest, RequestKeys
 from ..mesh import ParallelMesh, get_mesh
 from ..plan.wrappers import plan_root

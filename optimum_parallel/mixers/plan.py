@@ -1,7 +1,7 @@
 """How each token mixer that carries a state along the sequence runs under context parallelism, decided from the
 checked plan before anything changes (pure: it reads the original modules and the plan's styles).
 
-A mixer the plan splits by heads (`frontends/mixer_plan.py`: projections, convolution channels, per-head parameters
+A mixer the plan splits by heads (`autoplan/mixer_plan.py`: projections, convolution channels, per-head parameters
 and the forward's own size attributes) runs its heads split once more over the cp ranks, on the whole sequence
 (`mode="heads"`): its head split over tp x cp ranks must be whole heads, or the request is refused naming the layer
 and the number. A mixer the plan leaves whole (a gated norm spanning every head, a custom plan naming none of it)

@@ -47,8 +47,8 @@ from functools import cached_property
 
 from torch import nn
 
-from ..engine.capabilities import LLAMA_ACTIVATIONS
-from ..engine.data_parallel import DataParallelConfig
+from ..autoplan.capabilities import LLAMA_ACTIVATIONS
+from ..data_parallel.levels import DataParallelConfig
 from ..engine.layouts import layout_mesh
 from ..engine.request import ParallelRequest
 from ..frontends.family_request import validate_family_request

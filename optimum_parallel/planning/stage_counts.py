@@ -1,7 +1,7 @@
 """What the planner counts per pipeline stage (local parameter numel, dense and expert, and tensors), and the
 per-rank bytes of parameters, gradients and AdamW state those give at a sharding level: the dense tensors split
 over the sharding group, the experts (under ep) over the dp x cp / ep ranks holding the same experts, as the engine
-shards them (`engine/data_parallel.py`, `engine/expert_data_parallel.py`)."""
+shards them (`data_parallel/levels.py`, `data_parallel/experts.py`)."""
 
 from __future__ import annotations
 

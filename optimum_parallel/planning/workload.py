@@ -7,8 +7,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ..data_parallel.levels import DataParallelConfig
 from ..engine.checks import check_data_parallel_config, check_expert_data_parallel, check_shard_size
-from ..engine.data_parallel import DataParallelConfig
 from ..engine.request import RequestKeys
 from ..mesh import check_expert_parallel_size, check_positive_int
 

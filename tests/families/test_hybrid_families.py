@@ -1,6 +1,6 @@
 """Hybrid and unusual families through the automatic plan at tp=2 (2 gloo ranks): their Mamba / gated-delta-net /
 short-convolution mixers and the plain attention and MLPs their tp plan leaves whole are split by heads
-(`frontends/mixer_plan.py`), and logits, loss, every gradient and the loss over 3 AdamW steps equal the single-device
+(`autoplan/mixer_plan.py`), and logits, loss, every gradient and the loss over 3 AdamW steps equal the single-device
 transformers model (its torch fallbacks: no mamba-ssm / causal-conv1d / fla kernels are installed here). Each family
 also reports the share of the single-device parameter elements one rank holds (`held_fraction`; goal <= 0.75).
 """
@@ -418,8 +418,8 @@ def test_every_mixer_is_planned_and_only_small_parts_stay_whole(model_type):
     gates and low-rank / shared projections stay whole (`replicated_by_layer`)."""
     from transformers import AutoModelForCausalLM
 
+    from optimum_parallel.autoplan.mixer_plan import mixer_plan, mixers_left_whole, replicated_by_layer
     from optimum_parallel.frontends.auto_plan import auto_parallelizer
-    from optimum_parallel.frontends.mixer_plan import mixer_plan, mixers_left_whole, replicated_by_layer
     from optimum_parallel.mesh.simulated import SimulatedMesh
 
     model = AutoModelForCausalLM.from_config(tiny_config(model_type))

@@ -73,7 +73,7 @@ def check_vlm_data_parallel(model_dir: str, level: int, halves: list[dict]) -> d
     """dp=2 x tp=2 at `level`: each dp rank trains on its half, the reference on the whole batch (both halves hold
     the same number of labelled tokens, so the mean of the halves' losses is the whole batch's)."""
     import optimum_parallel as op
-    from optimum_parallel.engine.data_parallel import DataParallelConfig, apply_data_parallel
+    from optimum_parallel.data_parallel.levels import DataParallelConfig, apply_data_parallel
 
     mesh = op.init_mesh(dp=2, tp=2)
     reference = load_vlm(model_dir)
@@ -103,7 +103,7 @@ def check_vlm_data_parallel(model_dir: str, level: int, halves: list[dict]) -> d
 
 
 # llava never reads its CLIP tower's post_layernorm: composable DDP (levels 0-1) searches unused parameters as
-# transformers' Trainer does (engine/data_parallel.py), else its reducer waits for that one and averages nothing
+# transformers' Trainer does (data_parallel/levels.py), else its reducer waits for that one and averages nothing
 DP_CASES = [(model_type, level) for model_type in TINY_VLM_CONFIGS for level in (0, 3)]
 
 

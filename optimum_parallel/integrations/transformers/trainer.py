@@ -28,11 +28,11 @@ from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, SaveStrategy, rota
 from ...checkpoint import find_last_checkpoint, read_index, reshard_checkpoint, save_model_checkpoint
 from ...checkpoint.async_save import AsyncCheckpoint, wait_for_pending_save
 from ...checkpoint.ranks import current_rank
+from ...data_parallel.replica_watch import check_replicas
 from ...engine.checks import mesh_layout
 from ...engine.compose import compose_model, compose_training, optimizer_for_parallel_model
 from ...engine.grad_norm import clip_grad_norm_
 from ...engine.grad_norm import grad_norm as global_grad_norm
-from ...engine.replicas import check_replicas
 from ...engine.request import ParallelRequest
 from ...frontends.family_request import validate_family_request
 from ...frontends.manager import ParallelizersManager

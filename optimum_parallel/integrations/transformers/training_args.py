@@ -12,9 +12,9 @@ from transformers import TrainingArguments
 from transformers.utils import is_torch_xla_available
 
 from ...context_parallel import STRATEGIES as CP_STRATEGIES
+from ...data_parallel.levels import DataParallelConfig
 from ...engine.checks import check_settings
 from ...engine.compile import CompileConfig
-from ...engine.data_parallel import DataParallelConfig
 from ...engine.request import TRAINER_KEYS, ParallelRequest, PipelineRequest
 from ...mesh import device as devices
 from ...mesh import launchers, ranks

@@ -15,7 +15,7 @@ Tensor-parallel shards are plain local tensors, so every level composes with tp 
 Context parallelism (cp) splits the sequence, not the weights, and scales each cp rank's loss by cp: averaging the
 gradients over dp x cp (`mesh.data_parallel_group` / `data_parallel_mesh`) gives the single-device gradient.
 Expert parallelism (ep) splits the experts over blocks of ep dp x cp ranks: the expert parameters stay out of the
-dp x cp reduction and get their own over their replica group, at every level (`expert_data_parallel.py`).
+dp x cp reduction and get their own over their replica group, at every level (`experts.py`).
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ from ..mesh import device as devices
 from ..plan.wrappers import plan_root
 from ..state import find_state, parallel_state
 from .gradient_sync import average_after_backward, stage_gradient_averager
-from .sharding import below_threshold, fully_shard_model, replicate_model, zero1
+from .zero_fsdp import below_threshold, fully_shard_model, replicate_model, zero1
 
 
 @dataclass
@@ -66,12 +66,12 @@ def apply_data_parallel(
     roots = list(pipeline.stages) if pipeline is not None else [model]
     if pipeline is not None:  # the loss counts every dp replica's tokens; levels 0-1: the pipeline averages itself
         pipeline.replicas_group = mesh.group("batch") if mesh.size("batch") > 1 else None
-        if config.sharding_level <= 1:  # experts: over their replica group (expert_data_parallel.py)
+        if config.sharding_level <= 1:  # experts: over their replica group (experts.py)
             dense = lambda p: expert_layout(p) is None  # noqa: E731
             pipeline.reduce_gradients = stage_gradient_averager(mesh.data_parallel_group, dense)
     state = find_state(model)
     if state is not None and state.expert_parallel is not None:  # experts reduce over their replica group only
-        from .expert_data_parallel import apply_expert_data_parallel
+        from .experts import apply_expert_data_parallel
 
         return apply_expert_data_parallel(
             model,

@@ -23,7 +23,7 @@ from ..expert_parallel import ExpertParallelRuntime, find_experts
 from ..mesh import ParallelMesh, ranks
 from .expert_optimizer import ExpertSplitOptimizer
 from .gradient_sync import average_flat
-from .sharding import below_threshold, fully_shard_model, replicate_model, zero1
+from .zero_fsdp import below_threshold, fully_shard_model, replicate_model, zero1
 
 
 def apply_expert_data_parallel(

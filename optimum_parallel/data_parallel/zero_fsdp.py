@@ -10,9 +10,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from ..plan.optimizer import rebuild_optimizer
+from ..plan.parameters import mark_replaced
 from .gradient_sync import average_after_backward
-from .optimizer import rebuild_optimizer
-from .parameters import mark_replaced
 
 
 def replicate_model(model: nn.Module, group: dist.ProcessGroup, ignored_modules: list[nn.Module] | None = None) -> None:

@@ -1,4 +1,4 @@
-"""Sequence parallelism planned from a decoder's structure (`engine/structure.py`): Megatron's, as the Llama family
+"""Sequence parallelism planned from a decoder's structure (`autoplan/structure.py`): Megatron's, as the Llama family
 writes it, for any decoder stack whose residual stream between blocks is token-wise.
 
 The sequence is split from the first decoder layer's input; every norm of a layer and the final norm run on the
@@ -20,7 +20,6 @@ import re
 import torch
 from torch import nn
 
-from ..engine.structure import decoder_stack, derive_capabilities, sequence_parallel_blocks
 from ..pipeline.per_layer import LAYER_ARGUMENT
 from ..styles import (
     PrepareLayerOutput,
@@ -31,6 +30,7 @@ from ..styles import (
     SequenceParallelSplitArgument,
     optional,
 )
+from .structure import decoder_stack, derive_capabilities, sequence_parallel_blocks
 
 
 def _in_input_shape(module: nn.Module, args: tuple, output):

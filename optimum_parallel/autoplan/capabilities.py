@@ -1,5 +1,5 @@
 """What a model supports beyond tensor parallelism: declared by a hand-written family (`Parallelizer.capabilities`),
-derived from the model's structure otherwise (`engine/structure.py`); resolved once per request by `validate` and
+derived from the model's structure otherwise (`autoplan/structure.py`); resolved once per request by `validate` and
 passed down, never looked up in a list of model types.
 """
 
