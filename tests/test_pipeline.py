@@ -172,6 +172,16 @@ def check_pipeline_errors(case: str) -> str:
         if case == "forward":  # bad requests (schedule, micro-batches, tied zbv): tests/test_bad_requests.py
             model = parallelizer.parallelize(model, pipeline_parallel_num_microbatches=2)
             model(**make_batch(model.config))
+        if case == "classifier":  # its loss pools on one device: only ParallelRewardTrainer replaces it under pp
+            from transformers import LlamaForSequenceClassification
+
+            config = tiny_config("llama", num_hidden_layers=4, num_labels=3, pad_token_id=0)
+            model = LlamaForSequenceClassification(config)
+            model = op.ParallelizersManager.parallelizer_for_model(model).parallelize(
+                model, pipeline_parallel_num_microbatches=2
+            )
+            batch = make_batch(config)
+            model.run_train(batch["input_ids"], labels=torch.zeros(batch["input_ids"].shape[0], dtype=torch.long))
     except (ValueError, RuntimeError) as err:  # NotImplementedError is a RuntimeError
         return str(err)
     return "no error"
@@ -181,6 +191,7 @@ def check_pipeline_errors(case: str) -> str:
     "case,words",
     [
         ("forward", ["run_train", "run_eval"]),
+        ("classifier", ["LlamaForSequenceClassification", "score", "ParallelRewardTrainer", "allowed"]),
     ],
 )
 def test_pipeline_errors(pool, case, words):

@@ -70,8 +70,10 @@ class Pipeline:
         tied: bool,
         batches: PipelineBatches,
         model_keys: tuple[str, ...] = (),
+        classifier: str | None = None,
     ) -> None:
         self.model, self.stages, self.mesh, self.batches = model, stages, mesh, batches
+        self.classifier = classifier  # a sequence classifier's head: its last stage returns every position's scores
         self.model_keys = model_keys  # the model's inputs beyond the token ids a batch may give (images, token types)
         self._vocab_size = model.config.get_text_config().vocab_size  # a vision-language model's: its text config's
         self.num_microbatches = num_microbatches
@@ -134,6 +136,18 @@ class Pipeline:
 
     def owner(self, index: int) -> int:
         return stage_owner(index, self.mesh.size("pp"), self.placement)
+
+    def _check_loss(self) -> None:
+        """A sequence classifier trains only with a loss over the last stage's per-position scores (the reward
+        trainer's): transformers' own pools the scores of one device's whole rows. Raised on every rank."""
+        loss = getattr(self.model, "loss_function", None)
+        if self.classifier is not None and getattr(loss, "__name__", "") == "ForSequenceClassificationLoss":
+            raise ValueError(
+                f"{type(self.model).__name__} (head {self.classifier!r}) cannot train under pipeline parallelism with "
+                "transformers' sequence-classification loss: the last stage returns every position's scores, which "
+                "that loss does not take. ParallelRewardTrainer trains it under pp; allowed otherwise: "
+                "pipeline_parallel_size=1"
+            )
 
     def _loss(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         """One micro-batch's share of the batch loss: its token losses summed, over the batch's token count (the
@@ -226,6 +240,7 @@ class Pipeline:
         batch keys the engine's batch functions take (`PipelineBatches.keys`: a packed batch's position ids and
         document boundaries; and the model's own inputs beyond the token ids: a vision-language model's images and
         their token types, each micro-batch's images run by the first stage)."""
+        self._check_loss()
         packing, model_inputs = self._split_extra(extra)
         input_ids, labels, attention_mask, _ = self.batches.prepare(
             input_ids, labels, attention_mask, self.num_microbatches, **packing
@@ -452,7 +467,8 @@ def apply_pipeline(
     keep = {i for index in indices for i in ranges[index]}
     prune_to_stages(model, roles, keep, 0 in indices, num_stages - 1 in indices)
     model_keys = _model_keys(roles.entry) if roles.entry is not None else ()
-    pipeline = Pipeline(model, stages, mesh, schedule, num_microbatches, tied, batches, model_keys)
+    classifier = roles.head if roles.classifier else None
+    pipeline = Pipeline(model, stages, mesh, schedule, num_microbatches, tied, batches, model_keys, classifier)
     parallel_state(model).pipeline = pipeline
     model.run_train = pipeline.run_train
     model.run_eval = pipeline.run_eval
