@@ -106,8 +106,8 @@ def test_xla_devices_allow_sharding_level_0_only(level):
     """The check `validate` runs on an XLA mesh (the XLA lane, `make test-xla`, runs it on devices): levels
     1-3 are refused at dp x cp > 1, naming the caller's key and the level XLA allows; at dp x cp = 1 no level acts."""
     from optimum_parallel.data_parallel.levels import DataParallelConfig
+    from optimum_parallel.engine.checks import check_data_parallel
     from optimum_parallel.engine.request import PARALLELIZER_KEYS as keys
-    from optimum_parallel.engine.validate import check_data_parallel
 
     config = DataParallelConfig(sharding_level=level)
     with pytest.raises(ValueError, match=rf"^sharding_level={level} is not supported on XLA .*; allowed on XLA: 0 "):

@@ -1,12 +1,13 @@
 """Resolve, then check (issue 43): `resolve` decides every value the steps apply once (the compile config too) into a
-frozen `ResolvedRequest`, `check` only reads it, a family door decides its family's part before the engine sees the
-request, and nothing in `engine/` calls a family. One process: a `SimulatedMesh` has the sizes and no process groups,
-which is all that resolving and checking read."""
+frozen `ResolvedRequest`, `check` only reads it, a family entry point decides its family's part before the engine
+resolves the request, and nothing in `engine/` calls a family. One process: a `SimulatedMesh` has the sizes and no
+process groups, which is all that resolving and checking read."""
 
 from __future__ import annotations
 
 import ast
 import dataclasses
+from functools import partial
 from pathlib import Path
 
 import pytest
@@ -33,7 +34,7 @@ def _mesh(tp=2, **sizes):
 
 
 def _paddle_request(compile=True):
-    """Paddle's door: the caller's plan, no family."""
+    """Paddle's entry point: the caller's plan, no family."""
     import optimum_parallel as op
     from optimum_parallel.frontends.config import ParallelConfig
     from optimum_parallel.frontends.parallelize import config_request
@@ -45,45 +46,47 @@ def _paddle_request(compile=True):
 @pytest.fixture
 def compile_calls(monkeypatch):
     """How many times the caller's `compile` value is turned into a CompileConfig."""
-    from optimum_parallel.engine import checks
+    from optimum_parallel.engine import resolve
 
     calls = []
-    real = checks.compile_config
+    real = resolve.compile_config
 
     def counting(value, key="compile"):
         calls.append(value)
         return real(value, key)
 
-    monkeypatch.setattr(checks, "compile_config", counting)
+    monkeypatch.setattr(resolve, "compile_config", counting)
     return calls
 
 
 def test_compile_config_is_made_once_per_validation(compile_calls):
+    from optimum_parallel.engine.checks import validate
     from optimum_parallel.engine.compile import CompileConfig
-    from optimum_parallel.engine.validate import validate
-    from optimum_parallel.frontends.family_request import validate_family_request
+    from optimum_parallel.frontends.family_request import family_request
 
     model = _llama()
     resolved = validate(_paddle_request(compile=True), model, _mesh())
     assert resolved.compile == CompileConfig() and len(compile_calls) == 1
     family = _family(model)
-    resolved = validate_family_request(family, family.request(compile="inductor"), model, _mesh())
+    resolved = validate(family.request(compile="inductor"), model, _mesh(), partial(family_request, family))
     assert resolved.compile == CompileConfig("inductor") and len(compile_calls) == 2
 
 
 def test_resolved_request_is_frozen_and_what_compose_reads():
-    from optimum_parallel.engine.request import CheckedRequest, ResolvedRequest
-    from optimum_parallel.engine.validate import validate
+    from optimum_parallel.engine.checks import validate
+    from optimum_parallel.engine.request import ResolvedRequest
 
     model = _llama()
     resolved = validate(_paddle_request(compile=False), model, _mesh())
-    assert CheckedRequest is ResolvedRequest and isinstance(resolved, ResolvedRequest)
+    assert isinstance(resolved, ResolvedRequest)
     assert dataclasses.is_dataclass(resolved) and type(resolved).__dataclass_params__.frozen
     with pytest.raises(dataclasses.FrozenInstanceError):
-        resolved.targets = None
-    for name in ("request", "pipeline", "targets", "after_plan", "compile", "data_parallel", "capabilities"):
+        resolved.module_styles = None
+    for name in ("request", "pipeline", "module_styles", "after_plan", "compile", "data_parallel", "capabilities"):
         assert hasattr(resolved, name), name  # engine/compose.py and the Trainer read these
-    assert sorted(resolved.targets) == [f"model.layers.{i}.mlp.{p}" for i in (0, 1) for p in ("down_proj", "gate_proj")]
+    assert sorted(resolved.module_styles) == [
+        f"model.layers.{i}.mlp.{p}" for i in (0, 1) for p in ("down_proj", "gate_proj")
+    ]
     assert resolved.compile is None and resolved.pipeline is None and resolved.after_plan is None
 
 
@@ -124,13 +127,14 @@ def _snapshot(model):
 def test_a_capability_refusal_keeps_its_message_and_order():
     """gpt2 has no sequence-parallel plan: the refusal names the key and the allowed value, comes after the settings
     checks and before the family's own check, and the model is untouched."""
-    from optimum_parallel.frontends.family_request import validate_family_request
+    from optimum_parallel.engine.checks import validate
+    from optimum_parallel.frontends.family_request import family_request
 
     model = build_model(tiny_config("gpt2", n_embd=64, n_layer=2, n_head=4, vocab_size=128, n_positions=64))
     family = _family(model)
     before = _snapshot(model)
     with pytest.raises(NotImplementedError) as refused:
-        validate_family_request(family, family.request(sequence_parallel_enabled=True), model, _mesh())
+        validate(family.request(sequence_parallel_enabled=True), model, _mesh(), partial(family_request, family))
     message = str(refused.value)
     assert "sequence_parallel_enabled=True is not supported" in message
     assert "does not support sequence parallelism" in message and "allowed for this model: False" in message
@@ -141,9 +145,9 @@ def test_a_capability_refusal_keeps_its_message_and_order():
             raise ValueError("the family's check")
 
     with pytest.raises(NotImplementedError, match="allowed for this model: False"):
-        validate_family_request(Refusing, Refusing.request(sequence_parallel_enabled=True), model, _mesh())
+        validate(Refusing.request(sequence_parallel_enabled=True), model, _mesh(), partial(family_request, Refusing))
     with pytest.raises(ValueError, match="the family's check"):
-        validate_family_request(Refusing, Refusing.request(), model, _mesh())
+        validate(Refusing.request(), model, _mesh(), partial(family_request, Refusing))
     with pytest.raises(ValueError, match=r"sequence_parallel_enabled='yes' is not allowed; allowed: True, False"):
-        validate_family_request(Refusing, Refusing.request(sequence_parallel_enabled="yes"), model, _mesh())
+        validate(Refusing.request(sequence_parallel_enabled="yes"), model, _mesh(), partial(family_request, Refusing))
     assert _snapshot(model) == before

@@ -1,18 +1,12 @@
-"""Every check of a parallelization request, in one place; the checks read values only (`resolve.py` decides them).
-
-A bad request raises ONE error, naming the key the caller used (`pp_config['schedule']` for `parallelize`,
-`pipeline_parallel_schedule` for the Parallelizer, `pipeline_schedule` for the Trainer: `request.keys`) and the allowed
-values, on every rank (the checks read only what every rank holds alike), before any module or parameter is touched.
-In the order a caller meets them: `check_settings` (neither model nor mesh: the Trainer's arguments run it when they
-are made), `check_on_mesh` (the mesh and the config sections), `check_capabilities` (a family door: what the model
-supports), then `check(resolved, model, mesh)` on what `resolve` decided (pipeline, context, data and expert
-parallelism). The checks of one room's own request (a plan's keys and styles, a pipeline split, context-parallel
-support, experts dividing ep) are functions of that room, called from here.
+"""Every check of a parallelization request, in one place, and `validate`, the one entry that runs them around
+`resolve`: `check_settings` (neither model nor mesh; the Trainer's arguments run it when they are made),
+`check_on_mesh`, a family's part (`check_capabilities` among it), `resolve`, then `check` on what it decided. Each
+error names the caller's key (`request.keys`) and the allowed values, on every rank, before anything changes.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 
 import torch
 from torch import nn
@@ -30,8 +24,9 @@ from ..pipeline import SCHEDULES, check_pipeline, check_schedule
 from ..pipeline.split import SplitPoint
 from ..state import find_state
 from ..styles import ExpertParallel, optional
-from .compile import CompileConfig, check_compile_config, compile_config
-from .request import ParallelRequest, PipelineRequest, RequestKeys, ResolvedRequest
+from .compile import check_compile_config, compile_config
+from .request import ParallelRequest, PipelineSettings, RequestKeys, ResolvedRequest
+from .resolve import resolve
 
 SHARDING_LEVELS = (0, 1, 2, 3)
 XLA_SHARDING_LEVELS = (0,)
@@ -42,6 +37,23 @@ _XLA_REFUSED = {  # why the other levels do not run on XLA devices
     3: "FSDP2 needs a torch DeviceMesh, which the XLA mesh does not build",
 }
 PIPELINE_INPUTS = ("input_ids", "attention_mask", "labels", *PACKING_KEYS)
+FamilyPart = Callable[[ParallelRequest, nn.Module, ParallelMesh], ParallelRequest]
+
+
+def validate(
+    request: ParallelRequest, model: nn.Module, mesh: ParallelMesh, family_part: FamilyPart | None = None
+) -> ResolvedRequest:
+    """Raise if any step of `compose` would refuse `request` on `model` over `mesh`; change nothing. In the order a
+    caller meets the errors: the settings, the mesh and config sections, then `family_part` (a family entry point's:
+    `request` with the family's plan, capabilities and fix-up decided, `frontends/family_request.py`), then what
+    `resolve` decides, checked. Returns that `ResolvedRequest`: what `compose` takes."""
+    check_settings(request)
+    check_on_mesh(request, mesh)
+    if family_part is not None:
+        request = family_part(request, model, mesh)
+    resolved = resolve(request, model, mesh)
+    check(resolved, model, mesh)
+    return resolved
 
 
 def check(resolved: ResolvedRequest, model: nn.Module, mesh: ParallelMesh) -> None:
@@ -82,8 +94,8 @@ def check(resolved: ResolvedRequest, model: nn.Module, mesh: ParallelMesh) -> No
         check_data_parallel(data_parallel, request.optimizer, keys, mesh.data_parallel_size, mesh.device_type)
     ep = mesh.size("ep")
     if ep > 1 and (state is None or state.expert_parallel is None):
-        targets = resolved.targets or {}
-        declared = [n for n, styles in targets.items() if any(isinstance(s, ExpertParallel) for s in styles)]
+        module_styles = resolved.module_styles or {}
+        declared = [n for n, styles in module_styles.items() if any(isinstance(s, ExpertParallel) for s in styles)]
         check_expert_parallel(model, ep, declared=declared)
         if data_parallel is not None:
             check_expert_data_parallel(data_parallel.shard_size, ep, keys.shard_size)
@@ -92,9 +104,8 @@ def check(resolved: ResolvedRequest, model: nn.Module, mesh: ParallelMesh) -> No
 # ---------------------------------------------------------------------------------------------- without model or mesh
 
 
-def check_settings(request: ParallelRequest) -> CompileConfig | None:
-    """The checks that need neither model nor mesh: types, names and ranges of every setting. Returns how to compile
-    the blocks (None: eager), made here once from the caller's `compile` value."""
+def check_settings(request: ParallelRequest) -> None:
+    """The checks that need neither model nor mesh: types, names and ranges of every setting."""
     keys = request.keys
     for dim, size in request.mesh_sizes.items():
         check_positive_int(keys.sizes.get(dim, dim), size)
@@ -132,14 +143,7 @@ def check_settings(request: ParallelRequest) -> CompileConfig | None:
             )
     if request.data_parallel is not None:
         check_data_parallel_config(request.data_parallel, keys)
-    compiled = compile_config(request.compile, keys.compile)
-    if compiled is not None:
-        check_compile_config(compiled, keys.compile)
-        if devices.is_graph_device(request.device):
-            raise ValueError(
-                f"{keys.compile} on an XLA device is not supported (torch-xla traces the whole step into its own "
-                f"graph); allowed there: {keys.compile}=False"
-            )
+    _check_compile(request.compile, keys.compile, request.device)
     if request.async_save and request.push_to_hub:
         raise ValueError("async_save=True with push_to_hub=True is not supported; allowed there: async_save=False")
     if request.async_save and devices.is_graph_device(request.device):
@@ -147,10 +151,23 @@ def check_settings(request: ParallelRequest) -> CompileConfig | None:
             "async_save=True on an XLA device (its process groups have no gloo) is not supported; allowed there: "
             "async_save=False"
         )
-    return compiled
 
 
-def _check_pipeline_settings(pipeline: PipelineRequest, keys: RequestKeys) -> None:
+def _check_compile(value: object, key: str, device: object) -> None:
+    """The caller's `compile` value is one `compile_config` reads, its backend and mode are known to torch, and the
+    device is not an XLA one. `resolve` makes the CompileConfig the steps apply."""
+    compiled = compile_config(value, key)
+    if compiled is None:
+        return
+    check_compile_config(compiled, key)
+    if devices.is_graph_device(device):
+        raise ValueError(
+            f"{key} on an XLA device is not supported (torch-xla traces the whole step into its own graph); allowed "
+            f"there: {key}=False"
+        )
+
+
+def _check_pipeline_settings(pipeline: PipelineSettings, keys: RequestKeys) -> None:
     spec = pipeline.split_spec
     if isinstance(spec, Mapping):
         for name, point in spec.items():
@@ -220,7 +237,7 @@ def check_on_mesh(request: ParallelRequest, mesh: ParallelMesh) -> None:
 
 def check_capabilities(request: ParallelRequest, capabilities: Capabilities, pp: int, owner: str) -> None:
     """sequence parallelism and pp > 1 only where the model supports them (`owner`: who declared `capabilities`, the
-    family a door chose, named when the structure gave no reason)."""
+    family an entry point chose, named when the structure gave no reason)."""
     keys = request.keys
     if request.sequence_parallel and not capabilities.sequence_parallel:
         why = capabilities.reason("sequence") or f"{owner} does not support sequence parallelism"
@@ -310,7 +327,7 @@ def check_router_logits(model: nn.Module, pp: int) -> None:
 
 
 def _check_sections_act(request: ParallelRequest, mesh: ParallelMesh) -> None:
-    """Each config section a caller named needs a mesh dim to act on (Paddle's door): dp_config dp x cp > 1,
+    """Each config section a caller named needs a mesh dim to act on (`parallelize(...)`'s): dp_config dp x cp > 1,
     mp_config tp > 1 (or ep > 1 for a plan of ExpertParallel styles only), pp_config pp > 1."""
     declares_only = "mp_config" in request.sections and _only_expert_declarations(request.plan)
     needs = {
@@ -346,4 +363,15 @@ def _check_global_spec(model: nn.Module, global_spec: str, key: str) -> None:
         )
 
 
-__all__ = ["SCHEDULES", "SHARDING_LEVELS", "check", "check_capabilities", "check_on_mesh", "check_settings"]
+__all__ = [
+    "SCHEDULES",
+    "SHARDING_LEVELS",
+    "FamilyPart",
+    "check",
+    "check_capabilities",
+    "check_data_parallel",
+    "check_on_mesh",
+    "check_settings",
+    "mesh_layout",
+    "validate",
+]

@@ -1,14 +1,8 @@
 """Regional compilation: each decoder block's forward through torch.compile, the last step of the composition.
 
-The unit is one block (the classes the model names in `_no_split_modules`, as accelerate and torchtitan take them),
-so compile time does not grow with depth: every block of a model runs the same code, and dynamo keeps one graph for
-all of them (parameters are graph inputs). Only the block's `forward` is compiled, not its `__call__`: the hooks on
-the block itself (FSDP2's unshard and reshard, a pipeline stage's sequence split, activation checkpointing
-wrappers) run eagerly around it, and so does everything outside the blocks (the embedding, the LM head and its
-loss, the model-level hooks: the context-parallel batch split, the shared-batch and replica checks). Inside, the
-region collectives are custom ops (`comm/compiled.py`); the backend first folds the entries of one tensor into one
-(`merge_entries`), then hands the graph to the chosen backend ("inductor" by default, "neuron" for TorchNeuron, any
-name `torch._dynamo.list_backends()` knows).
+The unit is one block (the classes in the model's `_no_split_modules`): every block runs the same code, so dynamo
+keeps one graph for all of them. Only the block's `forward` is compiled; the hooks on it and everything outside the
+blocks run eagerly. Details: docs/architecture.md, "engine/compile.py".
 """
 
 from __future__ import annotations

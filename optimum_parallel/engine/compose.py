@@ -1,11 +1,7 @@
 """The composition order, written once: TP/SP plan -> expert parallel -> context parallel -> pipeline split ->
-materialise -> optimizer -> data parallel.
-
-Every door translates its arguments into one `ParallelRequest`, which `resolve.py` resolves and `checks.py` checks
-whole (`validate.py`: both); the steps below take the `ResolvedRequest` (alias `CheckedRequest`) that returns.
-`compose` runs every step and returns what it installed (`runtime.py`); the Trainer runs the model half
-(`compose_model`) before transformers' Trainer exists and the training half (`compose_training`) once it has built
-its optimizer, in the same order.
+materialise -> optimizer -> data parallel, from the `ResolvedRequest` that `checks.validate` returns. `compose` runs
+every step and returns what it installed (`runtime.py`); the Trainer runs the model half (`compose_model`) before
+transformers' Trainer exists and the training half (`compose_training`) once it has built its optimizer.
 """
 
 from __future__ import annotations
@@ -33,35 +29,35 @@ from .compile import compile_blocks
 from .guards import install_guards
 from .lazy_optimizer import build_lazy_optimizer, is_lazy_optimizer
 from .materialize import materialize_lazy_model, move_to_device
-from .request import CheckedRequest
+from .request import ResolvedRequest
 from .rng import install_tp_random
 from .runtime import ParallelRuntime, ParamMap
 
 if TYPE_CHECKING:
     from ..comm.tp_entry import SequenceRegion
     from ..pipeline.runtime import Pipeline
-    from .request import PipelineRequest
+    from .request import PipelineSettings
 
 
-def compose_model(model: nn.Module, mesh: ParallelMesh, checked: CheckedRequest) -> ParallelRuntime:
+def compose_model(model: nn.Module, mesh: ParallelMesh, resolved: ResolvedRequest) -> ParallelRuntime:
     """Steps 1-4 of a validated request: make `model` tensor/sequence-, expert-, context- and pipeline-parallel in
     place; returns what was installed, kept on the model too (`parallel_state(model).runtime`; its `param_map`:
     {id(original parameter): parallel parameter, or None on another stage}, for the optimizer). A model composed
     before keeps its packing hook and guards: they are not installed twice."""
-    request, before = checked.request, _installed(model)
+    request, before = resolved.request, _installed(model)
     originals = {id(p): p for p in model.parameters()}
-    applied = _apply_plan(model, mesh, checked)  # 1. TP/SP on the whole model, then the family's fix-ups
+    applied = _apply_plan(model, mesh, resolved)  # 1. TP/SP on the whole model, then the family's fix-ups
     moved = _split_experts(model, mesh)  # 1b. EP, after the plan: each rank splits its tp slices
     mapping = keep_original_parameters(model, originals, _chained(originals, applied, moved))
     install_tp_random(model, mesh, applied.layers if applied is not None else None)
-    packing = _install_packing(model, mesh, checked.pipeline, before.packing if before is not None else False)
+    packing = _install_packing(model, mesh, resolved.pipeline, before.packing if before is not None else False)
     _apply_context_parallel(model, mesh, request.context_parallel)  # 2. CP
-    _install_mixers(model, mesh, checked)  # 2b. mixers carrying a state: documents apart, the sequence across cp
-    pipeline = _split_pipeline(model, mesh, checked.pipeline, applied.sequence if applied is not None else None)
+    _install_mixers(model, mesh, resolved)  # 2b. mixers carrying a state: documents apart, the sequence across cp
+    pipeline = _split_pipeline(model, mesh, resolved.pipeline, applied.sequence if applied is not None else None)
     mapping = _on_this_rank(model, mapping, pipeline)  # 3. other stages' parameters map to None
     materialize_lazy_model(model, request.device, read_checkpoint=request.read_checkpoint)  # 4. this rank's slices
     move_to_device(model, request.device)
-    compile_blocks(model, checked.compile)  # traced at the first call: wrappers added later are what it sees
+    compile_blocks(model, resolved.compile)  # traced at the first call: wrappers added later are what it sees
     guarded = install_guards(model, mesh, request.shared_batch, before is not None and before.guarded)
     layers, sequence = _plan_installed(applied, before)
     state = parallel_state(model)
@@ -75,7 +71,7 @@ def compose_model(model: nn.Module, mesh: ParallelMesh, checked: CheckedRequest)
         pipeline=state.pipeline,
         packing=packing,
         guarded=guarded,
-        compile=checked.compile or (before.compile if before is not None else None),
+        compile=resolved.compile or (before.compile if before is not None else None),
     )
     return state.runtime
 
@@ -98,12 +94,12 @@ def compose_training(
 
 
 def compose(
-    model: nn.Module, optimizer: torch.optim.Optimizer | None, mesh: ParallelMesh, checked: CheckedRequest
+    model: nn.Module, optimizer: torch.optim.Optimizer | None, mesh: ParallelMesh, resolved: ResolvedRequest
 ) -> ParallelRuntime:
     """Every step in order, for a request `validate` accepted; returns what was installed, with the (data-parallel)
     model and the optimizer over its parameters."""
-    installed = compose_model(model, mesh, checked)
-    parallel, optimizer = compose_training(model, optimizer, mesh, installed.param_map, checked.data_parallel)
+    installed = compose_model(model, mesh, resolved)
+    parallel, optimizer = compose_training(model, optimizer, mesh, installed.param_map, resolved.data_parallel)
     level = parallel_state(model).data_parallel_level
     return replace(installed, model=parallel, optimizer=optimizer, data_parallel_level=level)
 
@@ -132,16 +128,16 @@ def _installed(model: nn.Module) -> ParallelRuntime | None:
     return state.runtime if state is not None else None
 
 
-def _apply_plan(model: nn.Module, mesh: ParallelMesh, checked: CheckedRequest) -> AppliedPlan | None:
+def _apply_plan(model: nn.Module, mesh: ParallelMesh, resolved: ResolvedRequest) -> AppliedPlan | None:
     """TP/SP by the checked plan (every rank resolves and checks the same plan, tied weights stay tied), then the
     family's fix-ups of module attributes (local head counts, config views). The layers' wirings follow from the whole
     request: schedules that defer weight gradients turn the overlap off."""
     applied = None
-    if checked.targets is not None:
-        overlap = checked.pipeline is None or checked.pipeline.schedule not in SPLIT_BACKWARD
-        applied = apply_checked_plan(model, checked.targets, mesh, overlap=overlap)
-    if checked.after_plan is not None:
-        checked.after_plan(model, mesh)
+    if resolved.module_styles is not None:
+        overlap = resolved.pipeline is None or resolved.pipeline.schedule not in SPLIT_BACKWARD
+        applied = apply_checked_plan(model, resolved.module_styles, mesh, overlap=overlap)
+    if resolved.after_plan is not None:
+        resolved.after_plan(model, mesh)
     return applied
 
 
@@ -160,7 +156,7 @@ def _chained(originals: ParamMap, applied: AppliedPlan | None, moved: Mapping[in
     return {k: (moved.get(id(v), v) if v is not None else None) for k, v in mapping.items()}
 
 
-def _install_packing(model: nn.Module, mesh: ParallelMesh, pipeline: PipelineRequest | None, installed: bool) -> bool:
+def _install_packing(model: nn.Module, mesh: ParallelMesh, pipeline: PipelineSettings | None, installed: bool) -> bool:
     """Packed rows (several documents per row, told apart by restarting position ids, cu_seq_lens or seq_idx): without
     cp or pp a forward pre-hook puts them in the form the model's own mask builders turn into a document mask; cp's
     input split and the pipeline's batch functions read that form themselves. True when the hook is on the model."""
@@ -178,20 +174,20 @@ def _apply_context_parallel(model: nn.Module, mesh: ParallelMesh, strategy: str)
         apply_context_parallel(model, mesh.group("cp"), strategy)
 
 
-def _install_mixers(model: nn.Module, mesh: ParallelMesh, checked: CheckedRequest) -> None:
+def _install_mixers(model: nn.Module, mesh: ParallelMesh, resolved: ResolvedRequest) -> None:
     """Every token mixer carrying a state (gated delta nets, Mamba mixers, short convolutions) runs one device's
     answer: each packed document alone, and under cp on the whole sequence, its heads split over cp (or whole)."""
-    if not checked.mixers:
+    if not resolved.mixers:
         return
     cp = mesh.size("cp")
     group = mesh.group("cp") if cp > 1 else None
     layout_rank = parallel_state(model).context_parallel.layout_rank if cp > 1 else None
-    tp = (mesh.rank("tp"), mesh.size("tp")) if checked.targets is not None else (0, 1)
-    install_mixers(model, checked.mixers, tp, group, layout_rank)
+    tp = (mesh.rank("tp"), mesh.size("tp")) if resolved.module_styles is not None else (0, 1)
+    install_mixers(model, resolved.mixers, tp, group, layout_rank)
 
 
 def _split_pipeline(
-    model: nn.Module, mesh: ParallelMesh, pipeline: PipelineRequest | None, sequence: SequenceRegion | None
+    model: nn.Module, mesh: ParallelMesh, pipeline: PipelineSettings | None, sequence: SequenceRegion | None
 ) -> Pipeline | None:
     """The rank keeps its stages, fed by the pipeline's batch functions (packed rows; cp's cut of the sequence)."""
     if pipeline is None:

@@ -1,14 +1,9 @@
 """The whole model from a parallel one: `save_pretrained` that writes what one device would, and `full_state_dict`.
 
-A parallel model's `state_dict()` is this rank's shards (what its sharded checkpoints hold). transformers'
-`save_pretrained`, called on every rank as users do, would have each rank write its shards into one directory as if
-whole. Here it writes a standard Hugging Face checkpoint -- safetensors cut by `max_shard_size`, their index, the
-config and generation config -- that `from_pretrained` loads on one device with the trained model's logits: every
-rank saves its shards (as a sharded checkpoint does: FSDP2 shards gathered, each pp stage and ep block by its
-writer), rank 0 consolidates them tensor by tensor and moves the files into the directory, leaving any other file
-there (a tokenizer) in place. Every rank must call it: a rank that waits `EVERY_RANK_TIMEOUT` seconds for the others
-raises, naming the fix, before anything is written. The staging directory sits beside the target, so the ranks must
-share that filesystem (as they do for sharded checkpoints).
+Every rank saves its shards as a sharded checkpoint does; rank 0 consolidates them into a standard Hugging Face
+checkpoint that `from_pretrained` loads on one device. Every rank must call it (a rank left waiting
+`EVERY_RANK_TIMEOUT` seconds raises before anything is written). Details: docs/architecture.md,
+"engine/full_model.py".
 """
 
 from __future__ import annotations

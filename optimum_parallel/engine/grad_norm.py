@@ -1,13 +1,7 @@
 """The gradient norm of a parallel model, as one device computes it on the whole model: `grad_norm`, `clip_grad_norm_`.
 
-`torch.nn.utils.clip_grad_norm_` sees one rank's tensors: tp shards, one pipeline stage, an FSDP shard, and copies
-held by several ranks. Here every distinct piece of the whole gradient is counted exactly once: a tp-split shard by
-the first of the ranks holding it (kv heads replicated over tp ranks, whole or inside a packed q|k|v weight), a
-tp-replicated parameter (norms, also under sequence parallelism, whose gradients are already summed) by tp rank 0,
-a tied embedding / LM head held by two pipeline stages by the first stage, an FSDP2 shard (a DTensor) by the ranks
-whose coordinate is 0 on every dim it is replicated over, a gradient replicated over dp x cp by dp rank 0 and
-cp rank 0, and an expert-parallel expert's gradient (replicated over the ranks holding the same experts) by the
-first expert group. One all-reduce of one scalar over the world adds the pieces.
+Every distinct piece of the whole gradient is counted exactly once, by one of the ranks holding it (which one:
+docs/architecture.md, "engine/grad_norm.py"); one all-reduce of one scalar over the world adds the pieces.
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
-"""The habits a parallel model must not silently break, installed once per model: the ranks of a batch replica share
-one batch (`data_parallel/shared_batch.py`), the copies of every replicated tensor stay equal
+"""The checks and overrides installed once per model so that a parallel model behaves as one device's: the ranks of a
+batch replica share one batch (`data_parallel/shared_batch.py`), the copies of every replicated tensor stay equal
 (`data_parallel/replica_watch.py`, on a cadence), and `save_pretrained` writes the whole model, as one device would
 (`full_model.py`)."""
 

@@ -1,10 +1,8 @@
 """A mesh of sizes alone, for asking on one process whether the engine runs a layout (`SimulatedMesh`).
 
-The planner (`planning/memory_planner.py`) estimates and proposes only the layouts the engine's own validation
-accepts over this mesh (a family door's: `frontends/family_request.validate_family_request`), so each rule (the
-family's capabilities and its own model check, the plan, the pipeline split, context and expert parallelism, data
-parallelism) is written once, in the engine's checks. A meta model is enough: validation reads shapes and
-structure, changes nothing and makes no process group.
+The planner (`planning/memory_planner.py`) estimates and proposes only the layouts that `checks.validate` (with the
+family's part) accepts over this mesh, so each rule is written once, in the engine's checks. A meta model is enough:
+validation reads shapes and structure, changes nothing and makes no process group.
 """
 
 from __future__ import annotations

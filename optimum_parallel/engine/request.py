@@ -1,11 +1,7 @@
-"""A parallelization request as one value, whatever front door it came through.
-
-The doors (Paddle's `parallelize(model, optimizer, mesh, config)`, `Parallelizer.parallelize(model, ...)`,
-`ParallelTrainingArguments` / `ParallelTrainer`) only translate their arguments into a `ParallelRequest`; its `keys`
-remember what the caller called each setting, so every error names the key the caller wrote. A family door decides
-its family's part first (`frontends/family_request.py`: the plan, the capabilities, the after-plan fix-up), so the
-engine never calls a family. `resolve.resolve` decides every default once and returns a `ResolvedRequest`;
-`checks.check` checks it against the model and the mesh; `compose.compose` takes it (`validate.validate` does both).
+"""The two request types: `ParallelRequest` (what a caller asked, from any entry point: `parallelize(...)`, the
+Parallelizer, the Trainer; `keys` is the caller's name for each setting, so every error names it) and
+`ResolvedRequest` (every value the steps apply, decided by `resolve.resolve` and accepted by `checks.validate`: what
+`compose` takes). `PipelineSettings` is the pipeline part of either.
 """
 
 from __future__ import annotations
@@ -73,7 +69,7 @@ TRAINER_KEYS = RequestKeys(  # ParallelTrainingArguments
 
 
 @dataclass(frozen=True)
-class PipelineRequest:
+class PipelineSettings:
     """How to split the model into pipeline stages: `split_spec` (a layer-list prefix split evenly, or exact cuts);
     `num_microbatches` (None: pp); `schedule`; `global_spec` (a module every stage recomputes); `input_names`."""
 
@@ -89,7 +85,7 @@ class ParallelRequest:
     """Everything a caller asks of one parallelization (see the module docstring). `plan` is the caller's or the
     family's; `capabilities` what the model supports as its family declares it (None: derived from the model's
     structure); `after_plan` the family's fix-up of module attributes once the plan is applied; `sections` are the
-    config sections a caller named (Paddle's door: each needs a mesh dim to act on); `batch_sizes` and
+    config sections a caller named (`parallelize(...)`'s: each needs a mesh dim to act on); `batch_sizes` and
     `gradient_accumulation_steps` are the Trainer's (micro-batches must divide the batches); `compile` is the
     caller's value (`engine/compile.py`'s `compile_config` reads it)."""
 
@@ -98,7 +94,7 @@ class ParallelRequest:
     after_plan: Callable[[nn.Module, object], None] | None = None
     parallelize_embeddings: bool = True
     sequence_parallel: bool = False
-    pipeline: PipelineRequest | None = None
+    pipeline: PipelineSettings | None = None
     context_parallel: str = "ring"
     data_parallel: DataParallelConfig | None = None
     optimizer: torch.optim.Optimizer | None = None
@@ -118,14 +114,15 @@ class ParallelRequest:
 @dataclass(frozen=True)
 class ResolvedRequest:
     """A request with everything the steps apply decided once for one model and mesh (`resolve.resolve`): what the
-    model supports, the plan as checked ({module name: styles}; None: no plan), the pipeline with its defaults filled
+    model supports, the plan resolved to the model's modules and checked (`module_styles`: {module name: its styles};
+    None: no plan), the pipeline with its defaults filled
     (None without pp), the data parallelism to apply (None: none), the family's fix-up after the plan, how to compile
     the blocks (None: eager), and how each token mixer carrying a state runs under cp."""
 
     request: ParallelRequest
     capabilities: Capabilities
-    targets: dict[str, list[ParallelStyle]] | None
-    pipeline: PipelineRequest | None
+    module_styles: dict[str, list[ParallelStyle]] | None
+    pipeline: PipelineSettings | None
     data_parallel: DataParallelConfig | None
     after_plan: Callable[[nn.Module, object], None] | None = None
     compile: CompileConfig | None = None
@@ -134,6 +131,3 @@ class ResolvedRequest:
     @property
     def optimizer(self) -> torch.optim.Optimizer | None:
         return self.request.optimizer
-
-
-CheckedRequest = ResolvedRequest  # the name `compose` takes: a resolved request `checks.check` accepted

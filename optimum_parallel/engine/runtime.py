@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
-if TYPE_CHECKING:  # annotations only: the rooms below are imported by the steps that install them
+if TYPE_CHECKING:  # annotations only: the packages below are imported by the steps that install them
     from ..comm.tp_entry import SequenceRegion
     from ..context_parallel.attention import ContextParallelAttention
     from ..expert_parallel.expert_split import ExpertParallelRuntime

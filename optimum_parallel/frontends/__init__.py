@@ -1,1 +1,1 @@
-"""The front doors: optimum-neuron's Parallelizer/ParallelizersManager and Paddle's `parallelize(...)`."""
+"""The public entry points: optimum-neuron's Parallelizer/ParallelizersManager and Paddle's `parallelize(...)`."""

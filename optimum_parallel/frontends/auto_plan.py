@@ -1,14 +1,8 @@
-"""Automatic plans: a Parallelizer built from transformers' `base_model_tp_plan` for model types that
-have no hand-written one.
-
-transformers 5 ships a tensor-parallel plan on many configs (`"layers.*.self_attn.q_proj": "colwise"`).
-Its style names are translated to this engine's styles: colwise/rowwise split in whole heads where
-the module sits in an attention block (its parent has `head_dim`), the gathered/split-input variants,
-packed gate|up experts with the experts module as one tp region, replicated-with-grad-all-reduce
-norms and the vocab-parallel embedding. A plan using any other style is not supported (the model
-type is then reported unsupported rather than parallelized wrongly). What such a model supports beyond
-tensor parallelism (sp, pp, cp) is derived from its structure (`autoplan/structure.py`), its sequence
-parallelism planned from the same structure (`autoplan/sequence_plan.py`).
+"""Automatic plans: a Parallelizer built from transformers' `base_model_tp_plan` for model types that have no
+hand-written one, its style names translated to this engine's styles (a plan with any other style: the model type is
+reported unsupported). What such a model supports beyond tp is derived from its structure (`autoplan/structure.py`),
+its sequence parallelism planned from it (`autoplan/sequence_plan.py`). Details: docs/architecture.md,
+"frontends/auto_plan.py".
 """
 
 from __future__ import annotations
@@ -162,7 +156,7 @@ def translate_tp_plan(model: nn.Module, tp_plan: Mapping[str, str], prefix: str)
             continue
         if parent in experts or style == "replicate":
             continue
-        if style == "mla_kv_a_proj":  # stays whole: its rope key's gradient summed over the heads' ranks
+        if style == "mla_kv_a_proj":  # not split: its rope key's gradient summed over the heads' ranks
             translated = LatentKeyValueProjection(_rope_dim(model))
         elif style == "colwise":
             translated = ColWiseParallel(units=_heads_of(model, regex, 0))

@@ -1,7 +1,7 @@
 """The typed form of `parallelize`'s config (Paddle's dp_config / mp_config / pp_config), parsed from a dict.
 
 Parsing checks the shape only (a dict of known sections, each a dict of known keys, the required ones present);
-the values are the request's, checked by the engine's `validate` with the keys named as this door names them.
+the values are the request's, checked by the engine's `validate` with the keys named as `parallelize` names them.
 """
 
 from __future__ import annotations

@@ -1,9 +1,8 @@
-"""A family door's request: the family's part decided before the engine sees it, so the engine never calls a family.
+"""A family's part of a request, decided before the engine resolves it, so the engine never calls a family.
 
-The Parallelizer, the Trainer and TRL's trainers choose a family (a `Parallelizer` class) for the model; here it
-makes its plan, declares what the model supports and gives its fix-up after the plan, and the request carries those
-values into `engine/resolve.py`. The errors come in the engine's order: settings, mesh and sections (`settle`), then
-what the model supports, the family's own check, and the plan's checks (`resolve_settled`, `check`).
+The Parallelizer, the Trainer and TRL's trainers choose a family (a `Parallelizer` class) for the model; here it makes
+its plan, declares what the model supports and gives its fix-up after the plan, as values of the request. They pass
+`partial(family_request, family)` to `engine.checks.validate`, which runs it after the settings and mesh checks.
 """
 
 from __future__ import annotations
@@ -13,9 +12,8 @@ from typing import TYPE_CHECKING
 
 from torch import nn
 
-from ..engine.checks import check, check_capabilities
-from ..engine.request import ParallelRequest, ResolvedRequest
-from ..engine.resolve import resolve_settled, settle
+from ..engine.checks import check_capabilities
+from ..engine.request import ParallelRequest
 from ..mesh import ParallelMesh
 from ..styles import SequenceParallelEnd, optional
 
@@ -48,15 +46,3 @@ def _with_classifier_head(model: nn.Module, plan: dict) -> dict:
     if not isinstance(getattr(model, "score", None), nn.Linear) or "score" in plan:
         return plan
     return {**plan, "score": optional(SequenceParallelEnd())}
-
-
-def validate_family_request(
-    family: type[Parallelizer], request: ParallelRequest, model: nn.Module, mesh: ParallelMesh
-) -> ResolvedRequest:
-    """`validate` for a family door: settle the request, decide the family's part, resolve the rest, check it.
-    Raises on every rank before anything changes; returns what `compose` takes."""
-    settled = settle(request, mesh)
-    settled = replace(settled, request=family_request(family, settled.request, model, mesh))
-    resolved = resolve_settled(settled, model, mesh)
-    check(resolved, model, mesh)
-    return resolved

@@ -1,27 +1,7 @@
-"""Vision-language models (llava, gemma3, qwen2_5_vl, qwen3_vl, ...): a Parallelizer for a composite image-text
-model, derived from its structure.
-
-Such a model is a language model (`model.language_model`, what `get_decoder()` returns), a vision tower (`vision_tower`,
-`visual`, `vision_model`) and a projector (`multi_modal_projector`, `visual.merger`) feeding image features into the
-language model's input embeddings. Its config carries no `base_model_tp_plan` of its own; its text sub-config does.
-
-- The language model gets the plan its text model type gets alone (the registered family, else the automatic plan
-  from the text config's `base_model_tp_plan` when that splits the decoder layers, else the structural plan below),
-  re-rooted at the language model's prefix; the LM head (at the top) is vocab-parallel with the vocab-parallel loss.
-- Every attention block elsewhere (vision tower, pooling heads) is split by whole heads where tp divides its heads
-  (q/k/v or a packed qkv column-parallel, the output projection row-parallel, per-head norms replicated with their
-  gradients summed), every two-layer MLP (fc1/fc2, linear_fc1/linear_fc2, linear_1/linear_2, gate|up/down, a
-  Sequential Linear-act-Linear) column- then row-parallel where tp divides its hidden width. Everything else (patch
-  embeddings, position embeddings, norms on whole activations, Gemma 3's projection matrix) is replicated: each tp
-  rank computes it on the same whole activations, so its gradient is already whole (the region ops of the split
-  layers after it all-reduce their input gradients). `vision_report` says per module which.
-
-Beyond tp: data parallelism at every level composes as for text models; sequence parallelism runs on the language
-model where its text plan has it (a registered family's, or the Llama-shaped one) and is refused by name where the
-language model adds image features inside its layers (Qwen3-VL's deepstack); context parallelism cuts the sequence at
-the language model's entry, after the image features are merged (`context_parallel.model.composite_decoder`; Qwen3-VL's
-deepstack positions cut with it here) and is refused for bidirectional image blocks (Gemma 3's token_type_ids);
-pipeline parallelism is refused by name (the first stage would have to run the vision tower and merge its features).
+"""Vision-language models (llava, gemma3, qwen2_5_vl, qwen3_vl, ...): a Parallelizer for a composite image-text model,
+derived from its structure: the language model gets its text model type's plan, re-rooted at its prefix; the vision
+tower's attention blocks and two-layer MLPs are split where tp divides them, the rest replicated (`vision_report`
+says which). What runs beyond tp: docs/architecture.md, "frontends/multimodal.py".
 """
 
 from __future__ import annotations
@@ -398,8 +378,8 @@ def _multimodal_class(
     model_type: str, text_family: type[Parallelizer] | None, context_parallel: bool
 ) -> type[Parallelizer]:
     text = text_family.capabilities if text_family is not None else Capabilities()
-    # sp and pp are refused by name in `plan` / `check` (the family door); cp is declared only where it runs, so a
-    # door without the family (an explicit plan) refuses it too
+    # sp and pp are refused by name in `plan` / `check` (when the family is used); cp is declared only where it runs,
+    # so an explicit plan without the family refuses it too
     capabilities = Capabilities(True, True, context_parallel, activations=text.activations)
     attributes = {"model_type": model_type, "text_family": text_family, "capabilities": capabilities}
     return type(f"MultimodalParallelizer[{model_type}]", (MultimodalParallelizer,), attributes)

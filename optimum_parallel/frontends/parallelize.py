@@ -1,6 +1,6 @@
-"""`parallelize(model, optimizer, mesh, config)`: Paddle's front door, on the same engine as the Parallelizers.
+"""`parallelize(model, optimizer, mesh, config)`: Paddle's entry point, on the same engine as the Parallelizers.
 
-The config is translated into one `ParallelRequest` (this door's key names: `dp_config['sharding_level']`, ...),
+The config is translated into one `ParallelRequest` (with its key names: `dp_config['sharding_level']`, ...),
 which the engine validates whole (config values, mesh, plan, pipeline, data parallelism and optimizer) before it
 changes anything, so a bad call raises on every rank with the model untouched.
 """
@@ -13,9 +13,9 @@ from collections.abc import Mapping
 import torch
 from torch import nn
 
+from ..engine.checks import validate
 from ..engine.compose import compose
-from ..engine.request import CONFIG_KEYS, ParallelRequest, PipelineRequest
-from ..engine.validate import validate
+from ..engine.request import CONFIG_KEYS, ParallelRequest, PipelineSettings
 from ..mesh import ParallelMesh, get_mesh
 from ..plan.wrappers import plan_root
 from .config import ParallelConfig
@@ -48,11 +48,11 @@ def parallelize(
 
 
 def config_request(config: ParallelConfig, optimizer: torch.optim.Optimizer | None = None) -> ParallelRequest:
-    """Paddle's config as one request (its sections named as this door names them)."""
+    """Paddle's config as one request (its sections named as `parallelize` names them)."""
     pipeline = None
     if config.pp_config is not None:
         pp = config.pp_config
-        pipeline = PipelineRequest(pp.split_spec, pp.num_microbatches, pp.schedule, pp.global_spec)
+        pipeline = PipelineSettings(pp.split_spec, pp.num_microbatches, pp.schedule, pp.global_spec)
     sections = tuple(name for name in ("mp_config", "dp_config", "pp_config") if getattr(config, name) is not None)
     return ParallelRequest(
         plan=config.mp_config.parallelize_plan if config.mp_config is not None else None,

@@ -1,11 +1,12 @@
-"""Parallelizer: the per-model-family front door (optimum-neuron's API). Its methods translate their arguments into
-one `ParallelRequest` (this door's key names); the family's part is decided here (`family_request.py`) and the rest by
-the engine (`resolve`, `check`, `compose`)."""
+"""Parallelizer: the per-model-family entry point (optimum-neuron's API). Its methods translate their arguments into
+one `ParallelRequest` (with this API's key names); the family's part is decided here (`family_request.py`) and the
+rest by the engine (`validate`, `compose`)."""
 
 from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import replace
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -14,11 +15,12 @@ from torch import nn
 from ..autoplan.capabilities import Capabilities
 from ..checkpoint import AsyncCheckpoint, load_model_checkpoint, save_model_checkpoint
 from ..data_parallel.levels import DataParallelConfig
+from ..engine.checks import validate
 from ..engine.compose import compose_model, optimizer_for_parallel_model
-from ..engine.request import PARALLELIZER_KEYS, ParallelRequest, PipelineRequest, RequestKeys
+from ..engine.request import PARALLELIZER_KEYS, ParallelRequest, PipelineSettings, RequestKeys
 from ..mesh import ParallelMesh, get_mesh
 from ..plan.wrappers import plan_root
-from .family_request import validate_family_request
+from .family_request import family_request
 
 
 class Parallelizer:
@@ -94,10 +96,10 @@ class Parallelizer:
         keys: RequestKeys = PARALLELIZER_KEYS,
         **settings,
     ) -> ParallelRequest:
-        """This door's arguments as one request (`keys`: what the caller calls them; the Trainer passes its own),
+        """This entry point's arguments as one request (`keys`: what the caller calls them; the Trainer passes its own),
         before its family's part (`family_request`) is decided."""
         names = tuple(pipeline_parallel_input_names) if pipeline_parallel_input_names is not None else None
-        pipeline = PipelineRequest(None, pipeline_parallel_num_microbatches, pipeline_parallel_schedule, None, names)
+        pipeline = PipelineSettings(None, pipeline_parallel_num_microbatches, pipeline_parallel_schedule, None, names)
         return ParallelRequest(
             parallelize_embeddings=parallelize_embeddings,
             sequence_parallel=sequence_parallel_enabled,
@@ -115,7 +117,7 @@ class Parallelizer:
     def validate(cls, model: nn.Module, *args, **kwargs) -> None:
         """Raise, changing nothing, if `parallelize` with these arguments (`request`'s: data parallelism at
         `data_parallel` over `optimizer` included) would refuse."""
-        validate_family_request(cls, cls.request(*args, **kwargs), plan_root(model), get_mesh())
+        validate(cls.request(*args, **kwargs), plan_root(model), get_mesh(), partial(family_request, cls))
 
     @classmethod
     def parallelize(
@@ -162,7 +164,7 @@ class Parallelizer:
             compile=compile,
         )
         mesh = get_mesh()
-        composed = compose_model(inner, mesh, validate_family_request(cls, request, inner, mesh))  # checked, composed
+        composed = compose_model(inner, mesh, validate(request, inner, mesh, partial(family_request, cls)))
         model.orig_param_to_parallel_param = composed.param_map  # optimum-neuron's name, for `optimizer_for_mp`
         if checkpoint_dir is not None:
             cls.load_model_checkpoint(model, checkpoint_dir)

@@ -43,15 +43,16 @@ from __future__ import annotations
 import itertools
 from collections.abc import Iterator
 from dataclasses import replace
-from functools import cached_property
+from functools import cached_property, partial
 
 from torch import nn
 
 from ..autoplan.capabilities import LLAMA_ACTIVATIONS
 from ..data_parallel.levels import DataParallelConfig
+from ..engine.checks import validate
 from ..engine.layouts import layout_mesh
 from ..engine.request import ParallelRequest
-from ..frontends.family_request import validate_family_request
+from ..frontends.family_request import family_request
 from ..pipeline.split import stage_layers
 from .activations import (
     Dims,
@@ -171,7 +172,7 @@ class MemoryPlanner:
         `workload` for this model: the family door's request checked over a mesh of sizes alone. The planner's one
         call into the engine's checks (`frontends/family_request.py` over `engine/layouts.py`'s mesh)."""
         mesh = layout_mesh(layout.mesh_sizes)
-        validate_family_request(self.parallelizer, self.request(layout, workload), self.model, mesh)
+        validate(self.request(layout, workload), self.model, mesh, partial(family_request, self.parallelizer))
 
     def refusal(self, layout: Layout, workload: Workload | None = None) -> str | None:
         """Why the engine refuses `layout` for this model (its error's message), or None if it runs it (cached)."""

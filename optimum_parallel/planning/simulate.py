@@ -8,12 +8,14 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 
 import torch
 from torch import nn
 
-from ..frontends.family_request import validate_family_request
+from ..engine.checks import validate
+from ..frontends.family_request import family_request
 from ..frontends.manager import ParallelizersManager
 from ..frontends.parallelizer import Parallelizer
 from ..mesh import SimulatedMesh, check_positive_int
@@ -88,7 +90,7 @@ def resolve_for_tp(
         parallelizer = ParallelizersManager.parallelizer_for_model(model)
         # the engine's checks of the family's request (its capabilities, its own model check, its plan) at this tp
         request = parallelizer.request(parallelize_embeddings, sequence_parallel_enabled)
-        plan = validate_family_request(parallelizer, request, model, mesh).request.plan
+        plan = validate(request, model, mesh, partial(family_request, parallelizer)).request.plan
     targets = check_plan(model, plan, mesh)
     layouts: list[dict[str, ShardLayout]] = [{} for _ in range(tp)]
     styles_of: dict[str, list[str]] = {}

@@ -113,17 +113,20 @@ def test_context_parallel_over_several_mixer_chunks(pool, model_type, checkpoint
 
 
 def _refusal(model_type: str, overrides: dict, sizes: dict) -> str:
+    from functools import partial
+
     import optimum_parallel as op
+    from optimum_parallel.engine.checks import validate
     from optimum_parallel.engine.layouts import layout_mesh
     from optimum_parallel.engine.request import ParallelRequest
-    from optimum_parallel.frontends.family_request import validate_family_request
+    from optimum_parallel.frontends.family_request import family_request
 
     config = AutoConfig.for_model(model_type, **{**BASE, **FAMILIES[model_type], **overrides})
     model = build(config)
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
     family = op.ParallelizersManager.parallelizer_for_model(model)
     with pytest.raises(ValueError) as refused:
-        validate_family_request(family, ParallelRequest(), model, layout_mesh(sizes))
+        validate(ParallelRequest(), model, layout_mesh(sizes), partial(family_request, family))
     assert all(torch.equal(p, before[n]) for n, p in model.named_parameters())
     return str(refused.value)
 

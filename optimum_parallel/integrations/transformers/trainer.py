@@ -12,6 +12,7 @@ import contextlib
 import os
 import shutil
 import tempfile
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -29,12 +30,12 @@ from ...checkpoint import find_last_checkpoint, read_index, reshard_checkpoint, 
 from ...checkpoint.async_save import AsyncCheckpoint, wait_for_pending_save
 from ...checkpoint.ranks import current_rank
 from ...data_parallel.replica_watch import check_replicas
-from ...engine.checks import mesh_layout
+from ...engine.checks import mesh_layout, validate
 from ...engine.compose import compose_model, compose_training, optimizer_for_parallel_model
 from ...engine.grad_norm import clip_grad_norm_
 from ...engine.grad_norm import grad_norm as global_grad_norm
 from ...engine.request import ParallelRequest
-from ...frontends.family_request import validate_family_request
+from ...frontends.family_request import family_request
 from ...frontends.manager import ParallelizersManager
 from ...mesh import ParallelMesh, get_mesh, init_mesh, launchers, ranks
 from ...packing import PACKING_KEYS
@@ -139,11 +140,11 @@ class ParallelTrainerMixin:
         changes, then the model half of the composition, then the adapters on the parallel model (after the split:
         their targets are checked against the plan; its frozen base may have been loaded lazily)."""
         inner = plan_root(model)
-        checked = validate_family_request(self.parallelizer, request, inner, self.mesh)
+        checked = validate(request, inner, self.mesh, partial(family_request, self.parallelizer))
         if peft_config is not None:
             from ..peft.lora import check_adapter_targets
 
-            check_adapter_targets(inner, checked.targets or {}, peft_config)
+            check_adapter_targets(inner, checked.module_styles or {}, peft_config)
         composed = compose_model(inner, self.mesh, checked)
         model.orig_param_to_parallel_param = composed.param_map
         if peft_config is not None:

@@ -15,7 +15,7 @@ from ...context_parallel import STRATEGIES as CP_STRATEGIES
 from ...data_parallel.levels import DataParallelConfig
 from ...engine.checks import check_settings
 from ...engine.compile import CompileConfig
-from ...engine.request import TRAINER_KEYS, ParallelRequest, PipelineRequest
+from ...engine.request import TRAINER_KEYS, ParallelRequest, PipelineSettings
 from ...mesh import device as devices
 from ...mesh import launchers, ranks
 from ...mesh.rendezvous import init_before_accelerate
@@ -166,7 +166,7 @@ def trainer_request(
 ) -> ParallelRequest:
     """The Trainer's arguments as one request, named as the Trainer names them (the model's Parallelizer decides the
     plan: `frontends/family_request.py`)."""
-    pipeline = PipelineRequest(None, args.pipeline_parallel_num_microbatches, args.pipeline_schedule)
+    pipeline = PipelineSettings(None, args.pipeline_parallel_num_microbatches, args.pipeline_schedule)
     data_parallel = DataParallelConfig(
         args.sharding_level, shard_size=args.shard_size, threshold=args.sharding_threshold_kb
     )

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass, replace
+from functools import partial
 from typing import Any
 
 import torch
@@ -35,8 +36,9 @@ from torch.utils.data import DataLoader
 from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel, set_seed
 from trl import DPOConfig, DPOTrainer
 
+from ...engine.checks import validate
 from ...engine.compose import compose_model
-from ...frontends.family_request import validate_family_request
+from ...frontends.family_request import family_request
 from ...frontends.manager import ParallelizersManager
 from ...plan.wrappers import plan_root
 from ...tensor_parallel.logprobs import IGNORE_INDEX, token_log_probs, vocab_slice
@@ -177,7 +179,7 @@ class ParallelDPOTrainer(ParallelTrainerMixin, DPOTrainer):
                 ref = model_class.from_pretrained(ref, **kwargs)
         inner = plan_root(ref)
         family = ParallelizersManager.parallelizer_for_model(ref)
-        checked = validate_family_request(family, replace(request, optimizer=None), inner, mesh)
+        checked = validate(replace(request, optimizer=None), inner, mesh, partial(family_request, family))
         compose_model(inner, mesh, checked)
         ref.requires_grad_(False)
         return ref.eval()

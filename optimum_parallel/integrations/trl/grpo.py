@@ -87,8 +87,9 @@ from transformers.modeling_outputs import CausalLMOutputWithPast
 from trl import GRPOConfig, GRPOTrainer
 from trl.trainer import grpo_trainer as trl_grpo
 
+from ...engine.checks import validate
 from ...engine.compose import compose_model
-from ...frontends.family_request import validate_family_request
+from ...frontends.family_request import family_request
 from ...frontends.manager import ParallelizersManager
 from ...mesh import ParallelMesh, ranks
 from ...mesh import device as devices
@@ -513,7 +514,8 @@ class ParallelGRPOTrainer(ParallelTrainerMixin, GRPOTrainer):
             reference = AutoModelForCausalLM.from_pretrained(model_id, **model_init_kwargs)
         parallelizer = ParallelizersManager.parallelizer_for_model(reference)
         request = replace(trainer_request(args, device=args.device), compile=None)
-        compose_model(reference, self.mesh, validate_family_request(parallelizer, request, reference, self.mesh))
+        resolved = validate(request, reference, self.mesh, functools.partial(family_request, parallelizer))
+        compose_model(reference, self.mesh, resolved)
         return reference.eval().requires_grad_(False)
 
     # ------------------------------------------------------------------ the batch replicas as TRL's processes
