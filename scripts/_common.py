@@ -1,7 +1,9 @@
 """What the benchmark scripts share: the random Llama they build (its arguments, config and batch; the ~0.5B one
-of the load and checkpoint benchmarks), the timing harness (timed steps after a warm-up, in rounds over variants,
-the slowest rank's time, median and p90), the table printer (optimum_parallel/planning/tables.py's, as markdown),
-quiet transformers, and byte counts of tensors and of the process.
+of the load and checkpoint benchmarks), the timing harness (one clock, `now`; timed steps after a warm-up, in rounds
+over variants, the slowest rank's time, median and p90; a `Stopwatch` for one-off spans), the result rows every
+benchmark reports in one schema (`record`, and every `print_table` row; `scripts/bench.py NAME --json` writes them),
+the table printer (optimum_parallel/planning/tables.py's, as markdown), quiet transformers, and byte counts of tensors
+and of the process.
 
     parser = argparse.ArgumentParser(...)
     add_llama_args(parser, seq=256, layers=4, vocab=8192)
@@ -10,12 +12,27 @@ quiet transformers, and byte counts of tensors and of the process.
     batch = random_batch(args.vocab, args.batch, args.seq, args.seed)
     seconds = timed_steps(lambda: train_step(model, batch, optimizer), timed=args.steps, warmup=args.warmup)
     print_table(("variant", "median ms"), [("eager", f"{seconds.median * 1e3:.1f}")])  # seconds.p90 too
+    with Stopwatch() as watch:                        # a one-off span (a load, a save) on the same clock
+        load()
+    record("load", "time", watch.seconds, "s")        # a result row that is not in a printed table
+
+The result schema (`results_document`, version 1): {"schema": 1, "benchmark": NAME, "config": {the parsed
+arguments}, "argv": [...], "tables": [{"name", "columns"}], "rows": [{"table", "row", "variant", "metric", "value",
+"unit", "ratio_to", "text"}], "environment": {torch, transformers, python, platform, cpus, load average, date,
+git}}. A row's `value` is a number where its cell reads as one (else null, with the cell in `text`), `ratio_to` the
+"(0.94x)" beside it; `row` the printed table's row (absent for a `record`ed one: its variant is its row);
+`scripts/readme_tables.py` prints the tables back from `text`.
 """
 
 from __future__ import annotations
 
 import argparse
+import datetime
+import os
+import platform
+import re
 import statistics
+import subprocess
 import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
@@ -70,6 +87,21 @@ def train_step(model: nn.Module, batch: Batch, optimizer: torch.optim.Optimizer)
     return loss.detach()
 
 
+now = time.perf_counter  # the one clock every benchmark times with (seconds)
+
+
+class Stopwatch:
+    """The seconds of the `with` block on `now`: `with Stopwatch() as watch: ...` then `watch.seconds`."""
+
+    def __enter__(self) -> Stopwatch:
+        self.start = now()
+        self.seconds = 0.0
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.seconds = now() - self.start
+
+
 class StepTimes(list):
     """Step times (seconds, or whatever unit they were put in) with their median and 90th percentile."""
 
@@ -100,9 +132,9 @@ def timed_rounds(
         for step, times in zip(steps, seconds, strict=True):
             if before is not None:
                 before()
-            start = time.perf_counter()
+            start = now()
             step()
-            elapsed = time.perf_counter() - start
+            elapsed = now() - start
             if round_ >= warmup:
                 times.append(elapsed)
     return [slowest_rank(times) for times in seconds] if across_ranks else seconds
@@ -129,15 +161,132 @@ def slowest_rank(seconds: list[float]) -> StepTimes:
     return StepTimes(slowest.tolist())
 
 
-def print_table(header: Sequence[str], rows: Iterable[Sequence[object]], *, align_numbers: bool = False) -> None:
+def markdown_lines(
+    header: Sequence[str], rows: Iterable[Sequence[object]], *, align_numbers: bool = False
+) -> list[str]:
     """A markdown table, padded by the planning reports' printer (`planning/tables.py`): columns as wide as their
     widest cell; with `align_numbers`, every column but the first right-aligned."""
     lines = table(list(header), [list(row) for row in rows], align_numbers=align_numbers)
     widths = [len(rule) for rule in lines[1].split("  ")]  # the printer's rule: one run of dashes per column
+    out = []
     for line in lines:
         starts = [sum(widths[:c]) + 2 * c for c in range(len(widths))]
         cells = [line[start : start + w].ljust(w) for start, w in zip(starts, widths, strict=True)]
-        print("| " + " | ".join(cells) + " |")
+        out.append("| " + " | ".join(cells) + " |")
+    return out
+
+
+def print_table(
+    header: Sequence[str], rows: Iterable[Sequence[object]], *, align_numbers: bool = False, title: str = ""
+) -> None:
+    """`markdown_lines` printed, and every row recorded as result rows (`record_table`) under `title`."""
+    rows = [[str(cell) for cell in row] for row in rows]
+    record_table(header, rows, title=title)
+    print("\n".join(markdown_lines(header, rows, align_numbers=align_numbers)))
+
+
+# Results: one schema for every benchmark
+
+
+@dataclass
+class Results:
+    """What this process's benchmark reported: its rows, its tables' columns, its parsed arguments."""
+
+    benchmark: str = ""
+    config: dict = field(default_factory=dict)
+    tables: list[dict] = field(default_factory=list)
+    rows: list[dict] = field(default_factory=list)
+
+
+RESULTS = Results()
+UNITS = ("tokens/s", "ms", "us", "s", "MiB", "GiB", "KiB", "MB", "GB", "B", "x", "%")
+_UNIT_WORDS = {"seconds": "s", "sec": "s"}
+_NUMBER = re.compile(r"^\s*([-+]?\d+(?:\.\d+)?(?:e[-+]?\d+)?)\s*([A-Za-z/%]*)\s*(?:\(([-+]?\d+(?:\.\d+)?)x\))?")
+
+
+def record(
+    variant: str,
+    metric: str,
+    value: float | None,
+    unit: str = "",
+    *,
+    ratio_to: float | None = None,
+    table: str = "",
+    text: str | None = None,
+) -> None:
+    """One result row: `variant`'s `metric` (a number in `unit`, or None), `ratio_to` a reference where it has one."""
+    if text is None:
+        text = "" if value is None else f"{value:g}"
+    if not any(t["name"] == table for t in RESULTS.tables):
+        RESULTS.tables.append({"name": table, "columns": ["", metric]})
+    columns = next(t for t in RESULTS.tables if t["name"] == table)["columns"]
+    if metric not in columns:
+        columns.append(metric)
+    RESULTS.rows.append(
+        {"table": table, "variant": variant, "metric": metric, "value": value, "unit": unit, "ratio_to": ratio_to,
+         "text": text}
+    )  # fmt: skip
+
+
+def parse_cell(text: str, header: str = "") -> tuple[float | None, str, float | None]:
+    """A printed cell as (value, unit, ratio): "12.02 (0.94x)" -> (12.02, "", 0.94); the unit from the cell
+    ("3.2 GiB") or else the header's last word ("median ms"); (None, "", None) for text that is not a number."""
+    match = _NUMBER.match(text.replace(",", ""))
+    if not match or text.strip() in ("-", ""):
+        return None, "", None
+    number, unit, ratio = match.groups()
+    if unit not in UNITS:
+        words = header.replace("(", " ").replace(")", " ").split()
+        last = _UNIT_WORDS.get(words[-1], words[-1]) if words else ""
+        unit = last if last in UNITS else ""
+    return float(number), unit, float(ratio) if ratio else None
+
+
+def record_table(header: Sequence[str], rows: Sequence[Sequence[str]], *, title: str = "") -> None:
+    """Each row of a printed table as result rows: its first cell the variant, every other column a metric."""
+    name = title or f"table {len(RESULTS.tables) + 1}"
+    RESULTS.tables.append({"name": name, "columns": [str(h) for h in header]})
+    for index, row in enumerate(rows):
+        for column, cell in zip(header[1:], row[1:], strict=True):
+            value, unit, ratio = parse_cell(cell, column)
+            RESULTS.rows.append(
+                {"table": name, "row": index, "variant": row[0], "metric": str(column), "value": value, "unit": unit,
+                 "ratio_to": ratio, "text": cell}
+            )  # fmt: skip
+
+
+def environment() -> dict:
+    """Where the numbers came from: versions, the machine's CPUs and load, the date, the commit."""
+    try:
+        commit = subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=Path(__file__).parent
+        ).stdout.strip()
+    except OSError:
+        commit = ""
+    return {
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "python": platform.python_version(),
+        "platform": platform.platform(),
+        "cpus": os.cpu_count(),
+        "load_average": list(os.getloadavg()) if hasattr(os, "getloadavg") else None,
+        "omp_num_threads": os.environ.get("OMP_NUM_THREADS"),
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "git": commit,
+    }
+
+
+def results_document(argv: Sequence[str] = ()) -> dict:
+    """The result schema (module docstring) of what this process recorded."""
+    return {
+        "schema": 1,
+        "benchmark": RESULTS.benchmark,
+        "config": RESULTS.config,
+        "argv": list(argv),
+        "tables": RESULTS.tables,
+        "rows": RESULTS.rows,
+        "environment": environment(),
+    }
 
 
 def add_llama_args(

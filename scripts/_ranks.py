@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import os
 import queue
-import socket
 import time
 import traceback
 from collections.abc import Callable
@@ -22,11 +21,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+from optimum_parallel.mesh.ports import free_port
 
 
 def _rank(rank: int, world: int, port: int, fn: Callable, fn_args: tuple, results: Queue) -> None:

@@ -36,11 +36,10 @@ import shutil
 import statistics
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import torch
-from _common import LLAMA_0_5B, print_table, proc_status_bytes, quiet_transformers, random_batch
+from _common import LLAMA_0_5B, Stopwatch, now, print_table, proc_status_bytes, quiet_transformers, random_batch
 from _ranks import run_on_ranks
 
 CONFIG = LLAMA_0_5B
@@ -94,11 +93,11 @@ def rank_main(rank: int, world: int, args: argparse.Namespace) -> dict:
     workdir = Path(args.workdir)
 
     def step() -> float:
-        start = time.perf_counter()
-        model(**batch).loss.backward()
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=False)
-        return time.perf_counter() - start
+        with Stopwatch() as watch:
+            model(**batch).loss.backward()
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=False)
+        return watch.seconds
 
     def between_saves(path: Path) -> None:
         dist.barrier()
@@ -116,9 +115,9 @@ def rank_main(rank: int, world: int, args: argparse.Namespace) -> dict:
         nonlocal quiet
         _reset_peak()
         dist.barrier()
-        start = time.perf_counter()
+        start = now()
         handle = save()
-        stall = time.perf_counter() - start  # the next step starts now
+        stall = now() - start  # the next step starts now
         during, finished, first = [], None, None
 
         def all_done() -> bool:  # the ranks agree, or one would step alone
@@ -127,7 +126,7 @@ def rank_main(rank: int, world: int, args: argparse.Namespace) -> dict:
             return bool(flag.item())
 
         while handle is not None and not all_done():
-            step_start = time.perf_counter()
+            step_start = now()
             took = step()
             first = took if first is None else first
             if not handle.done() or (handle.finished_at or 0) > step_start + took / 2:
@@ -135,7 +134,7 @@ def rank_main(rank: int, world: int, args: argparse.Namespace) -> dict:
         if handle is not None:
             handle.wait()
             finished = handle.finished_at
-        total = (finished or time.perf_counter()) - start if handle is not None else stall
+        total = (finished or now()) - start if handle is not None else stall
         peak = proc_status_bytes("VmHWM")
         snapshot = getattr(handle, "snapshot_bytes", None)
         waited = getattr(handle, "copy_waited", 0.0)
@@ -196,7 +195,7 @@ class _ProcessWrite:
 
     def done(self) -> bool:
         if self.finished_at is None and self.proc.poll() is not None:
-            self.finished_at = time.perf_counter()
+            self.finished_at = now()
         return self.finished_at is not None
 
     def wait(self) -> None:
@@ -234,7 +233,7 @@ def main() -> None:
     args = parser.parse_args()
     shutil.rmtree(args.workdir, ignore_errors=True)
     Path(args.workdir).mkdir(parents=True)
-    started = time.perf_counter()
+    started = now()
     ranks = run_on_ranks(args.tp, rank_main, (args,), deadline_s=args.deadline, what="bench_checkpoint")
     shutil.rmtree(args.workdir, ignore_errors=True)
     quiet = [t for r in ranks for t in r["quiet"]]
@@ -242,7 +241,7 @@ def main() -> None:
     print(
         f"Llama {ranks[0]['parameters'] / 1e9:.2f}B parameters fp32 + AdamW, tp={args.tp} (CPU, gloo, 1 thread per "
         f"rank), batch {args.batch} x seq {args.seq}; steps without a save: mean {step:.2f} s over {len(quiet)} "
-        f"(both ranks), run in {time.perf_counter() - started:.0f} s"
+        f"(both ranks), run in {now() - started:.0f} s"
     )
     header = [
         "",

@@ -31,7 +31,6 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-import time
 import traceback
 from dataclasses import dataclass
 from datetime import timedelta
@@ -44,6 +43,7 @@ import torch.distributed as dist
 import transformers
 from _common import (
     StepResult,
+    Stopwatch,
     build_llama,
     llama_config,
     print_table,
@@ -104,9 +104,9 @@ def first_step(result: Result, model, batch, sync: bool) -> None:
     together (the one-process variants run on rank 0 alone: a barrier there would meet rank 1's wait)."""
     if sync:
         dist.barrier()
-    start = time.perf_counter()
-    result.loss = step(model, batch).item()
-    result.first_ms = (time.perf_counter() - start) * 1e3
+    with Stopwatch() as watch:
+        result.loss = step(model, batch).item()
+    result.first_ms = watch.seconds * 1e3
 
 
 def single_variants(margs: argparse.Namespace, batch) -> list[Result]:

@@ -11,11 +11,11 @@ from __future__ import annotations
 
 import argparse
 import os
-import statistics
 import subprocess
 import sys
-import time
 from pathlib import Path
+
+from _common import print_table, timed_rounds
 
 CLI = str(Path(sys.executable).with_name("optimum-parallel"))
 SURFACE = (
@@ -46,28 +46,24 @@ CASES = {
 ENV = {k: v for k, v in os.environ.items() if k != "PYTHONDONTWRITEBYTECODE"}
 
 
-def seconds(command: list[str]) -> float:
-    start = time.perf_counter()
-    subprocess.run(command, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=ENV)
-    return time.perf_counter() - start
+def launcher(command: list[str]):
+    """A step that runs `command` in a fresh interpreter (what the harness times)."""
+    return lambda: subprocess.run(command, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=ENV)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--runs", type=int, default=5)
     args = parser.parse_args()
-    for command in CASES.values():  # warm the page cache
-        seconds(command)
-    times: dict[str, list[float]] = {name: [] for name in CASES}
-    for _ in range(args.runs):  # round-robin, so a slow spell of the machine falls on every case alike
-        for name, command in CASES.items():
-            times[name].append(seconds(command))
-    medians = {name: statistics.median(values) for name, values in times.items()}
+    # one warm-up round warms the page cache; then round-robin, so a slow spell of the machine falls on every case alike
+    times = timed_rounds([launcher(command) for command in CASES.values()], timed=args.runs, warmup=1)
+    medians = {name: seconds.median for name, seconds in zip(CASES, times, strict=True)}
     base = medians["import torch, transformers (+ AutoModelForCausalLM)"]
-    print(f"| what (median of {args.runs} fresh interpreters) | seconds | minus torch+transformers |")
-    print("|---|---|---|")
-    for name, value in medians.items():
-        print(f"| {name} | {value:.2f} | {value - base:+.2f} |")
+    print_table(
+        (f"what (median of {args.runs} fresh interpreters)", "seconds", "minus torch+transformers (seconds)"),
+        [(name, f"{value:.2f}", f"{value - base:+.2f}") for name, value in medians.items()],
+        title="import cost",
+    )
     extra = medians["import torch, transformers + the surface"] - base
     worst_help = max(v for n, v in medians.items() if "--help" in n)
     print(f"surface over torch+transformers: {extra:+.2f} s ({'PASS' if extra <= 0.3 else 'FAIL'} <= 0.3)")

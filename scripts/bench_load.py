@@ -24,10 +24,9 @@ import shutil
 import statistics
 import subprocess
 import sys
-import time
 from pathlib import Path
 
-from _common import LLAMA_0_5B, local_tensor, proc_status_bytes
+from _common import LLAMA_0_5B, Stopwatch, local_tensor, now, proc_status_bytes, record
 
 CONFIG = LLAMA_0_5B
 IMPLS = ("optimum-parallel", "transformers")
@@ -39,7 +38,7 @@ CHECKPOINTS = {  # name: (dtype, max_shard_size): the issue's two cases
 }
 
 
-def build_checkpoint(path: Path, kind: str) -> None:
+def build_checkpoint(path: Path, kind: str, layers: int) -> None:
     import torch
     from transformers import AutoModelForCausalLM, LlamaConfig
 
@@ -48,7 +47,8 @@ def build_checkpoint(path: Path, kind: str) -> None:
     dtype, shard_size = CHECKPOINTS[kind]
     print(f"building the checkpoint in {path} ...", flush=True)
     torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(LlamaConfig(**CONFIG), dtype=getattr(torch, dtype))
+    config = LlamaConfig(**{**CONFIG, "num_hidden_layers": layers})
+    model = AutoModelForCausalLM.from_config(config, dtype=getattr(torch, dtype))
     print(f"  {sum(p.numel() for p in model.parameters()) / 1e9:.3f}B parameters", flush=True)
     model.save_pretrained(path, max_shard_size=shard_size)
 
@@ -78,7 +78,7 @@ def worker(impl: str, checkpoint: str, result_dir: str, sharded_out: str | None)
         dist.init_process_group("gloo")
     dist.barrier()
     after_imports = proc_status_bytes("VmRSS")
-    start = time.perf_counter()
+    start = now()
     if impl == "optimum-parallel":
         with lazy_load_for_parallelism(tensor_parallel_size=world):
             model = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=dtype)
@@ -89,16 +89,16 @@ def worker(impl: str, checkpoint: str, result_dir: str, sharded_out: str | None)
             checkpoint, dtype=dtype, distributed_config=DistributedConfig(tp_size=world)
         )
     dist.barrier()
-    seconds = time.perf_counter() - start
+    seconds = now() - start
     peak = proc_status_bytes("VmHWM")
 
     tensors = [local_tensor(t.detach()) for t in [*model.parameters(), *model.buffers()]]
     # a weight that is still a view of the file mapping is only read when first used: touch every page
-    start = time.perf_counter()
-    for t in tensors:
-        t.reshape(-1)[:: max(1, 4096 // t.element_size())].float().sum()
-    dist.barrier()
-    touched = time.perf_counter() - start
+    with Stopwatch() as touch:
+        for t in tensors:
+            t.reshape(-1)[:: max(1, 4096 // t.element_size())].float().sum()
+        dist.barrier()
+    touched = touch.seconds
     shard = sum(t.numel() * t.element_size() for t in tensors)
     rank = dist.get_rank()
     result = {"impl": impl, "rank": rank, "after_imports": after_imports, "peak": peak, "shard": shard, "s": seconds}
@@ -122,10 +122,9 @@ def _read_floor(checkpoint: Path, size: int, rank: int) -> dict[str, float]:
     from optimum_parallel.io.fresh_memory import populated_empty
 
     files = sorted(checkpoint.glob("*.safetensors"))
-    start = time.perf_counter()
-    memory = populated_empty((size,), torch.uint8)
-    fault_s = time.perf_counter() - start
-    start = time.perf_counter()
+    with Stopwatch() as fault:
+        memory = populated_empty((size,), torch.uint8)
+    start = now()
     buffer, done, skip = memoryview(memory.numpy()), 0, rank * size
     for f in files:
         length = f.stat().st_size
@@ -139,7 +138,7 @@ def _read_floor(checkpoint: Path, size: int, rank: int) -> dict[str, float]:
         skip = 0
         if done >= size:
             break
-    return {"floor_fault_s": fault_s, "floor_read_s": time.perf_counter() - start}
+    return {"floor_fault_s": fault.seconds, "floor_read_s": now() - start}
 
 
 def _time_sharded_load(parallelizer, model, sharded: Path, result_dir: Path) -> dict:
@@ -153,21 +152,19 @@ def _time_sharded_load(parallelizer, model, sharded: Path, result_dir: Path) -> 
     shutil.rmtree(target, ignore_errors=True)
     target.mkdir()
     dist.barrier()
-    start = time.perf_counter()
-    for f in files:
-        shutil.copyfile(f, target / f.name)
-    copy_s = time.perf_counter() - start
+    with Stopwatch() as copy:
+        for f in files:
+            shutil.copyfile(f, target / f.name)
     shutil.rmtree(target)
     dist.barrier()
-    start = time.perf_counter()
-    parallelizer.load_model_checkpoint(model, sharded)  # into lazily loaded weights: file mappings, copied on write
-    load_s = time.perf_counter() - start
+    with Stopwatch() as load:
+        parallelizer.load_model_checkpoint(model, sharded)  # into lazily loaded weights: file mappings, copied on write
     dist.barrier()
-    start = time.perf_counter()
-    parallelizer.load_model_checkpoint(model, sharded)  # again, into weights now resident (as after training steps)
-    resident_s = time.perf_counter() - start
+    with Stopwatch() as resident:
+        parallelizer.load_model_checkpoint(model, sharded)  # again, into weights now resident (as after training steps)
     size = sum(f.stat().st_size for f in files)
-    return {"ckpt_load_s": load_s, "ckpt_resident_s": resident_s, "ckpt_copy_s": copy_s, "ckpt_bytes": size}
+    return {"ckpt_load_s": load.seconds, "ckpt_resident_s": resident.seconds, "ckpt_copy_s": copy.seconds,
+            "ckpt_bytes": size}  # fmt: skip
 
 
 def timed_child(kind: str, source: str, output: str, result: str) -> None:
@@ -177,17 +174,17 @@ def timed_child(kind: str, source: str, output: str, result: str) -> None:
         import optimum_parallel as op
 
         after_imports = proc_status_bytes("VmRSS")
-        start = time.perf_counter()
+        start = now()
         op.consolidate_checkpoint(source, output, progress=False)
     else:
         after_imports = proc_status_bytes("VmRSS")
-        start = time.perf_counter()
+        start = now()
         Path(output).mkdir(parents=True)
         for f in sorted(Path(source).glob("model-pp*.safetensors")):
             shutil.copyfile(f, Path(output) / f.name)
             with open(Path(output) / f.name, "rb+") as copy:  # durable, as consolidate's files are
                 os.fsync(copy.fileno())
-    seconds = time.perf_counter() - start
+    seconds = now() - start
     data = {"s": seconds, "peak": proc_status_bytes("VmHWM"), "after_imports": after_imports}
     Path(result).write_text(json.dumps(data))
 
@@ -284,11 +281,28 @@ def _bench_loads(args, hf_dir: Path, kind: str, results: Path, sharded: Path | N
         best = {impl: min(t[column] for t in history[impl]) for impl in IMPLS}
         middle = {impl: statistics.median(t[column] for t in history[impl]) for impl in IMPLS}
         op_s, hf_s = best["optimum-parallel"], best["transformers"]
+        for impl in IMPLS:
+            table = f"{kind} at tp={args.tp}"
+            record(
+                impl,
+                f"{what} fastest s",
+                best[impl],
+                "s",
+                ratio_to=best[impl] / hf_s,
+                table=table,
+                text=f"{best[impl]:.2f}",
+            )
+            record(impl, f"{what} median s", middle[impl], "s", ratio_to=middle[impl] / middle["transformers"],
+                   table=table, text=f"{middle[impl]:.2f}")  # fmt: skip
         print(
             f"{kind} {what} time: optimum-parallel {op_s:.2f} s, transformers {hf_s:.2f} s "
             f"(ours / transformers {op_s / hf_s:.2f}x, goal <= 0.6x; medians {middle['optimum-parallel']:.2f} s, "
             f"{middle['transformers']:.2f} s, {middle['optimum-parallel'] / middle['transformers']:.2f}x)"
         )
+    for impl in IMPLS:
+        ratio = peaks[impl] / peaks["transformers"]
+        record(impl, "peak once used GiB", peaks[impl] / GB, "GiB", ratio_to=ratio, table=f"{kind} at tp={args.tp}",
+               text=f"{peaks[impl] / GB:.2f} ({ratio:.2f}x)")  # fmt: skip
     print(
         f"{kind} peak once used: optimum-parallel / transformers "
         f"{peaks['optimum-parallel'] / peaks['transformers']:.2f}x (goal <= 0.7x)"
@@ -310,6 +324,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--workdir", default="/tmp/op-bench-load")
     parser.add_argument("--tp", type=int, default=2)
+    parser.add_argument(
+        "--layers", type=int, default=CONFIG["num_hidden_layers"], help="fewer: a smaller model (a quick look)"
+    )
     parser.add_argument("--repeats", type=int, default=2, help="loads per implementation (alternating order)")
     parser.add_argument(
         "--part", choices=("all", "consolidate"), default="all", help="consolidate: reuse the last sharded checkpoint"
@@ -338,8 +355,8 @@ def main() -> None:
     if args.part == "all":
         shutil.rmtree(sharded, ignore_errors=True)
         for kind in args.checkpoints:
-            hf_dir = work / ("hf" if kind == "bf16-files" else kind)
-            build_checkpoint(hf_dir, kind)
+            hf_dir = work / (("hf" if kind == "bf16-files" else kind) + _layers_suffix(args.layers))
+            build_checkpoint(hf_dir, kind, args.layers)
             _bench_loads(args, hf_dir, kind, results, sharded if kind == "bf16-files" else None)
     if not (sharded / "parallel_checkpoint.json").exists():
         return  # the sharded checkpoint comes from the bf16 load
@@ -357,6 +374,17 @@ def main() -> None:
     size = sum(f.stat().st_size for f in sharded.glob("model-pp*.safetensors"))
     largest = max(f.stat().st_size for f in (work / "consolidate-out").glob("*.safetensors"))
     c, p = timings["consolidate"], timings["copy"]
+    for kind, r in (("plain copy + fsync", p), ("consolidate", c)):
+        record(kind, "fastest s", r["s"], "s", ratio_to=r["s"] / p["s"], table=f"consolidate at tp={args.tp}",
+               text=f"{r['s']:.2f} ({r['s'] / p['s']:.2f}x)")  # fmt: skip
+        record(
+            kind,
+            "peak RSS GiB",
+            r["peak"] / GB,
+            "GiB",
+            table=f"consolidate at tp={args.tp}",
+            text=f"{r['peak'] / GB:.2f}",
+        )
     print(f"\nconsolidate of the tp={args.tp} sharded checkpoint ({size / GB:.2f} GiB of model shards; fastest runs)")
     print(f"  runs: copy {runs_text['copy']} s; consolidate {runs_text['consolidate']} s")
     print(f"  plain copy of the same bytes (shutil.copyfile + fsync): {p['s']:.2f} s")
@@ -366,6 +394,11 @@ def main() -> None:
         f"+ {(c['peak'] - c['after_imports']) / GB:.2f} GiB (largest tensor {_largest_tensor(sharded) / GB:.3f} GiB, "
         f"largest output file {largest / GB:.2f} GiB)"
     )
+
+
+def _layers_suffix(layers: int) -> str:
+    """The checkpoint directories of a smaller model get names of their own (a built checkpoint is reused)."""
+    return "" if layers == CONFIG["num_hidden_layers"] else f"-{layers}-layers"
 
 
 def _verdict(peak: int, goal: float) -> str:

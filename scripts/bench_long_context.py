@@ -44,14 +44,21 @@ import argparse
 import gc
 import json
 import os
-import time
 import warnings
 from collections import defaultdict
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from _common import add_run_args, print_table, proc_status_bytes, quiet_transformers, random_batch, timed_steps
+from _common import (
+    add_run_args,
+    now,
+    print_table,
+    proc_status_bytes,
+    quiet_transformers,
+    random_batch,
+    timed_steps,
+)
 from _ranks import run_on_ranks
 from transformers import AutoModelForCausalLM, LlamaConfig, Qwen3_5TextConfig
 
@@ -130,7 +137,7 @@ class Breakdown:
 
     def _enter(self, part: str):
         def hook(module, args, kwargs):
-            self.current, module._bench_start = part, time.perf_counter()
+            self.current, module._bench_start = part, now()
             x = kwargs.get("hidden_states", args[0] if args else None)
             if torch.is_tensor(x) and x.requires_grad:
                 x.register_hook(lambda _grad: self._backward_end(module, part))
@@ -139,16 +146,16 @@ class Breakdown:
 
     def _leave(self, part: str):
         def hook(module, args, kwargs, output):
-            self.forward_ms[part] += (time.perf_counter() - module._bench_start) * 1e3
+            self.forward_ms[part] += (now() - module._bench_start) * 1e3
             self.current = "other"
             y = output[0] if isinstance(output, tuple) else output
             if torch.is_tensor(y) and y.requires_grad:
-                y.register_hook(lambda _grad: setattr(module, "_bench_backward", time.perf_counter()))
+                y.register_hook(lambda _grad: setattr(module, "_bench_backward", now()))
 
         return hook
 
     def _backward_end(self, module, part: str) -> None:
-        self.backward_ms[part] += (time.perf_counter() - module._bench_backward) * 1e3
+        self.backward_ms[part] += (now() - module._bench_backward) * 1e3
 
     def _pack(self, tensor: torch.Tensor) -> torch.Tensor:
         storage = tensor.untyped_storage()
@@ -226,12 +233,12 @@ def configuration(_rank: int, world: int, kind: str, length: int, measure: str, 
     if measure == "time" and args.breakdown == length:
         before()
         watch = Breakdown(model)
-        start = time.perf_counter()
+        start = now()
         with watch.hooks():
             loss = model(**batch).loss
-        forward = time.perf_counter() - start
+        forward = now() - start
         loss.backward()
-        result["breakdown"] = {**watch.close(), "step_ms": (time.perf_counter() - start) * 1e3}
+        result["breakdown"] = {**watch.close(), "step_ms": (now() - start) * 1e3}
         result["breakdown"]["forward_total_ms"] = forward * 1e3
     if world == 1:
         return {"ranks": [result]}

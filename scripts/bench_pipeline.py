@@ -74,7 +74,16 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 import transformers
-from _common import add_llama_args, add_run_args, build_llama, quiet_transformers, random_batch
+from _common import (
+    add_llama_args,
+    add_run_args,
+    build_llama,
+    now,
+    print_table,
+    quiet_transformers,
+    random_batch,
+    timed_steps,
+)
 from _ranks import run_on_ranks
 from torch import nn
 
@@ -175,11 +184,11 @@ class BusyTimer:
         inner: Callable = getattr(owner, name)
 
         def timed(*args, **kwargs):
-            wall, cpu = time.perf_counter(), time.thread_time()
+            wall, cpu = now(), time.thread_time()
             try:
                 return inner(*args, **kwargs)
             finally:
-                self.wall += time.perf_counter() - wall
+                self.wall += now() - wall
                 self.cpu += time.thread_time() - cpu
 
         setattr(owner, name, timed)  # an instance attribute: shadows the bound method on this object only
@@ -199,18 +208,16 @@ def measure_p2p_ms(args: argparse.Namespace, rounds: int = 20) -> float:
     """One-way time of one activation message (mb_rows x seq x hidden fp32) between ranks 0 and 1 (median)."""
     rank = dist.get_rank()
     payload = torch.randn(args.mb_rows, args.seq, args.hidden)
-    times = []
-    for _ in range(rounds + 2):
-        dist.barrier()
-        start = time.perf_counter()
+
+    def round_trip() -> None:
         if rank == 0:
             dist.send(payload, dst=1)
             dist.recv(payload, src=1)
         elif rank == 1:
             dist.recv(payload, src=0)
             dist.send(payload, dst=0)
-        times.append((time.perf_counter() - start) / 2)
-    return statistics.median(times[2:]) * 1e3
+
+    return timed_steps(round_trip, timed=rounds, warmup=2, before=dist.barrier).median / 2 * 1e3
 
 
 def run_case(args: argparse.Namespace, case: Case, p2p_ms: float) -> CaseResult | None:
@@ -226,22 +233,26 @@ def run_case(args: argparse.Namespace, case: Case, p2p_ms: float) -> CaseResult 
     pipeline = op.parallel_state(model).pipeline
     timer = BusyTimer.attach(pipeline)
     input_ids = make_input_ids(args, case.m)
-    samples: list[tuple[float, float, float]] = []  # (step, busy wall, busy cpu) seconds
-    for step in range(args.warmup + args.steps):
+    busy: list[tuple[float, float]] = []  # (busy wall, busy cpu) seconds of every step, warm-up ones included
+
+    def before() -> None:
+        model.zero_grad(set_to_none=True)
         dist.barrier()
         timer.reset()
-        start = time.perf_counter()
+
+    def step() -> None:
         model.run_train(input_ids=input_ids, labels=input_ids)
         dist.barrier()
-        elapsed = time.perf_counter() - start
-        if step >= args.warmup:
-            samples.append((elapsed, timer.wall, timer.cpu))
-        model.zero_grad(set_to_none=True)
+        busy.append((timer.wall, timer.cpu))
+
+    seconds = timed_steps(step, timed=args.steps, warmup=args.warmup, before=before)
+    samples = [(elapsed, *rest) for elapsed, rest in zip(seconds, busy[args.warmup :], strict=True)]
+    model.zero_grad(set_to_none=True)
     gathered: list = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, samples)
     boundaries = sum(pipeline.owner(i) != pipeline.owner(i + 1) for i in range(pipeline.num_stages - 1))
     v = pipeline.num_stages // case.pp
-    del model, pipeline, timer
+    model = pipeline = timer = None  # freed before the next case (the closures above hold the names, not a del)
     gc.collect()
     if dist.get_rank() != 0:
         return None
@@ -370,15 +381,6 @@ HEADER = (
 )
 
 
-def print_table(header: tuple[str, ...], rows: list[tuple[str, ...]]) -> None:
-    widths = [max(len(h), *(len(row[i]) for row in rows)) for i, h in enumerate(header)]
-    line = " | ".join(h.ljust(w) for h, w in zip(header, widths, strict=True))
-    print(line)
-    print("-" * len(line))
-    for row in rows:
-        print(" | ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)))
-
-
 def print_assessment(results: list[CaseResult], args: argparse.Namespace) -> None:
     """One line per group of rows: how many are within tolerance, which are not, which could not be judged."""
     cores = cpu_cores()
@@ -420,7 +422,7 @@ def print_report(args: argparse.Namespace, results: list[CaseResult], loads: lis
         f"after {args.warmup} warm-up.\nOne-way p2p of one activation: {p2p}. Load average (1/5/15 min) before each "
         f"group and at the end: {'; '.join(loads)} on {cpu_cores()} cores.\n"
     )
-    print_table(HEADER, table_rows(results, args.tolerance, args.min_cpu_share))
+    print_table(HEADER, table_rows(results, args.tolerance, args.min_cpu_share), title="pipeline bubble")
     cores = cpu_cores()
     legend = [
         "",

@@ -9,20 +9,15 @@ from __future__ import annotations
 
 import os
 import queue
-import socket
 import traceback
 from datetime import timedelta
 
 import torch.multiprocessing as mp
 
+from optimum_parallel.mesh.ports import free_port
+
 PG_TIMEOUT_S = 60
 _TESTS = os.path.dirname(os.path.abspath(__file__))
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def forkserver_context():
@@ -68,7 +63,7 @@ class WorkerPool:
 
     def _start(self) -> None:
         ctx = forkserver_context()
-        port = _free_port()
+        port = free_port()
         self._tasks = [ctx.Queue() for _ in range(self.world_size)]
         self._results = ctx.Queue()
         self._procs = [

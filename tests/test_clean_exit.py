@@ -7,13 +7,14 @@ the package's, which runs after it."""
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import sys
 import textwrap
 import time
 
 import pytest
+
+from optimum_parallel.mesh.ports import free_port
 
 SCRIPT = textwrap.dedent(
     """
@@ -37,9 +38,7 @@ SCRIPT = textwrap.dedent(
     ("how", "initialized", "returncode"), [("clean", False, 0), ("raise", True, 1), ("stuck", True, 0)]
 )
 def test_default_group_destroyed_only_at_a_clean_exit(tmp_path, how, initialized, returncode):
-    with socket.socket() as probe:  # a free port for this process's store
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
+    port = free_port()  # for this process's store
     env = {**os.environ, "OMP_NUM_THREADS": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
     started = time.monotonic()
     done = subprocess.run(

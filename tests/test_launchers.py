@@ -7,7 +7,6 @@ timeout, 120 s here). The same across the two network-namespace hosts: tests/tes
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -16,6 +15,7 @@ from pathlib import Path
 import pytest
 
 from optimum_parallel.mesh.launchers import LaunchError, detect, first_host, tasks_per_node
+from optimum_parallel.mesh.ports import free_port
 
 TESTS = Path(__file__).parent
 ROOT = TESTS.parent
@@ -142,17 +142,6 @@ def _plain_env() -> dict[str, str]:
     return {**keep, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join(paths + [keep.get("PYTHONPATH", "")])}
 
 
-def _free_port(candidates=None) -> int:
-    for port in candidates or [0]:
-        with socket.socket() as s:
-            try:
-                s.bind(("127.0.0.1", port))
-            except OSError:
-                continue
-            return s.getsockname()[1]
-    raise RuntimeError("no free port among the candidates")
-
-
 def start(
     tmp_path: Path, envs: list[dict[str, str]], exclusive: bool = False, prefixes=None, world: int | None = None
 ) -> tuple[list, float]:
@@ -183,7 +172,7 @@ def start(
 def srun_env(world: int, per_node: int, port_job: int | None = None, nodelist: str = "127.0.0.1") -> list[dict]:
     """What `srun -n world --ntasks-per-node per_node` gives each task (the port derived from SLURM_JOB_ID)."""
     if port_job is None:
-        port = _free_port(range(20000 + os.getpid() % 9000, 30000))
+        port = free_port(range(20000 + os.getpid() % 9000, 30000))
         port_job = 7_000_000 + port - 20000
     nodes = world // per_node
     return [
@@ -222,12 +211,12 @@ def test_srun_two_tasks(tmp_path):
 def test_mpirun_two_ranks(tmp_path):
     """Open MPI's variables alone on one host: rank 0's address is this host's; MASTER_PORT is given only because
     torch's 29500 may be taken on a shared test machine."""
-    out, seconds = start(tmp_path, mpirun_env(2, 2, _free_port()))
+    out, seconds = start(tmp_path, mpirun_env(2, 2, free_port()))
     assert_ran(out, seconds, 2)
 
 
 def test_hydra_two_ranks(tmp_path):
-    port = _free_port()
+    port = free_port()
     envs = [{"PMI_RANK": str(r), "PMI_SIZE": "2", "MPI_LOCALRANKID": str(r), "MPI_LOCALNRANKS": "2",
              "MASTER_PORT": str(port)} for r in range(2)]  # fmt: skip
     out, seconds = start(tmp_path, envs)
@@ -245,7 +234,7 @@ def test_two_nodes_of_one_task_each_check_their_devices_without_waiting(tmp_path
 def test_a_script_without_local_world_size_checks_every_rank_without_waiting(tmp_path):
     """RANK, WORLD_SIZE, LOCAL_RANK and GROUP_RANK (two nodes) but no LOCAL_WORLD_SIZE, under an exclusive backend:
     every rank posts its device, so the check reads all of them and ends (before: a wait for a second local rank)."""
-    port = str(_free_port())
+    port = str(free_port())
     envs = [{"RANK": str(r), "WORLD_SIZE": "2", "LOCAL_RANK": "0", "GROUP_RANK": str(r), "MASTER_ADDR": "127.0.0.1",
              "MASTER_PORT": port} for r in range(2)]  # fmt: skip
     out, seconds = start(tmp_path, envs, exclusive=True)
@@ -253,7 +242,7 @@ def test_a_script_without_local_world_size_checks_every_rank_without_waiting(tmp
 
 
 def test_mpirun_on_several_hosts_without_master_addr_fails_at_once_on_every_rank(tmp_path):
-    out, seconds = start(tmp_path, mpirun_env(4, 2, _free_port())[:2], world=4)  # this host's two ranks of four
+    out, seconds = start(tmp_path, mpirun_env(4, 2, free_port())[:2], world=4)  # this host's two ranks of four
     for rc, text in out:
         assert rc == 3 and "raised: MASTER_ADDR is not set" in text and "mpirun -x MASTER_ADDR=" in text, text
     assert seconds < FAST_S

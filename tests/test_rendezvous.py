@@ -7,7 +7,6 @@ real gloo processes (the full torchrun restart is in tests/test_hosts.py)."""
 from __future__ import annotations
 
 import os
-import socket
 import time
 from datetime import timedelta
 
@@ -15,11 +14,7 @@ import pytest
 import torch.distributed as dist
 from _pool import forkserver_context
 
-
-def _closed_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from optimum_parallel.mesh.ports import free_port
 
 
 def _env(port: int, rank: int, world: int) -> dict[str, str]:
@@ -76,7 +71,8 @@ def test_unreachable_rank0_names_the_variable(agent_store):
     """Only a dead attempt's address is there and rank 0 never comes: rank 1 fails at the timeout, naming the fix."""
     from optimum_parallel.mesh import rendezvous
 
-    agent_store.set("optimum_parallel/rendezvous/rank0", f"127.0.0.1:{_closed_port()}:deadtoken")
+    dead = f"127.0.0.1:{free_port()}:deadtoken"  # a free port: nothing listens there
+    agent_store.set("optimum_parallel/rendezvous/rank0", dead)
     start = time.monotonic()
     with pytest.raises(RuntimeError, match="TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1") as error:
         rendezvous.attempt_store(1, 2, timedelta(seconds=3), "127.0.0.1", agent_store.port)

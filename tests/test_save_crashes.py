@@ -12,13 +12,14 @@ workers' server (`_pool.forkserver_context`).
 from __future__ import annotations
 
 import os
-import socket
 import warnings
 from pathlib import Path
 
 import pytest
 import torch
 from _pool import forkserver_context
+
+from optimum_parallel.mesh.ports import free_port
 
 # (crash point "name:n" -> the n-th time a rank reaches it, the rank that dies, where the second save goes)
 NEW, OVERWRITE = "checkpoint-2", "checkpoint-1"
@@ -77,12 +78,6 @@ ASYNC_STEP_POINTS = [
 ]
 
 
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _save_twice(
     rank: int, port: int, out: str, crash: str | None, crash_rank: int, target: str, async_save: str | None = None
 ) -> None:
@@ -133,7 +128,7 @@ def _run(
 ) -> list[int]:
     """Both ranks; once the crashing rank died, the other is killed (as torchrun would). Their exit codes."""
     ctx = forkserver_context()
-    port = _port()
+    port = free_port()
     args = (str(out), crash, crash_rank, target, async_save)
     procs = [ctx.Process(target=_save_twice, args=(r, port, *args)) for r in (0, 1)]
     for p in procs:

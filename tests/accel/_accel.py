@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import os
 import queue
-import socket
 import time
 import traceback
 from datetime import timedelta
@@ -26,6 +25,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch.utils._python_dispatch import TorchDispatchMode
+
+from optimum_parallel.mesh.ports import free_port
 
 DEVICE = os.environ.get("OP_TEST_DEVICE", simulated_neuron.NAME)
 SIMULATED = DEVICE == simulated_neuron.NAME
@@ -127,9 +128,7 @@ class Workers:
 
     def _start(self) -> None:
         ctx = forkserver_context()
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
+        port = free_port()
         self.tasks, self.results = [ctx.Queue() for _ in range(self.world_size)], ctx.Queue()
         args = [
             (r, self.world_size, port, self.setup, self.own_group, self.tasks[r], self.results)
