@@ -70,13 +70,13 @@ _EXPORTS = {  # public name -> the module defining it
     "ParallelRewardConfig": ".integrations.trl",
     "ParallelDistillationTrainer": ".integrations.trl",
     "ParallelDistillationConfig": ".integrations.trl",
-    "save_plan": ".planning.plan_files",
-    "load_plan": ".planning.plan_files",
-    "check_plan_fits": ".planning.plan_files",
-    "plan_file_parallelizer": ".planning.plan_files",
-    "estimate_memory": ".planning.memory_planner",
-    "suggest_layouts": ".planning.memory_planner",
-    "MemoryPlanner": ".planning.memory_planner",
+    "save_plan": ".memory_planner.plan_files",
+    "load_plan": ".memory_planner.plan_files",
+    "check_plan_fits": ".memory_planner.plan_files",
+    "plan_file_parallelizer": ".memory_planner.plan_files",
+    "estimate_memory": ".memory_planner.estimate",
+    "suggest_layouts": ".memory_planner.estimate",
+    "MemoryPlanner": ".memory_planner.estimate",
 }
 
 

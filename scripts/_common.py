@@ -2,8 +2,8 @@
 of the load and checkpoint benchmarks), the timing harness (one clock, `now`; timed steps after a warm-up, in rounds
 over variants, the slowest rank's time, median and p90; a `Stopwatch` for one-off spans), the result rows every
 benchmark reports in one schema (`record`, and every `print_table` row; `scripts/bench.py NAME --json` writes them),
-the table printer (optimum_parallel/planning/tables.py's, as markdown), quiet transformers, and byte counts of tensors
-and of the process.
+the table printer (optimum_parallel/memory_planner/tables.py's, as markdown), quiet transformers, and byte counts of
+tensors and of the process.
 
     parser = argparse.ArgumentParser(...)
     add_llama_args(parser, seq=256, layers=4, vocab=8192)
@@ -44,7 +44,7 @@ import transformers
 from torch import nn
 from transformers import AutoModelForCausalLM, LlamaConfig
 
-from optimum_parallel.planning.tables import table
+from optimum_parallel.memory_planner.tables import table
 
 Batch = dict[str, torch.Tensor]
 
@@ -164,7 +164,7 @@ def slowest_rank(seconds: list[float]) -> StepTimes:
 def markdown_lines(
     header: Sequence[str], rows: Iterable[Sequence[object]], *, align_numbers: bool = False
 ) -> list[str]:
-    """A markdown table, padded by the planning reports' printer (`planning/tables.py`): columns as wide as their
+    """A markdown table, padded by the planning reports' printer (`memory_planner/tables.py`): columns as wide as their
     widest cell; with `align_numbers`, every column but the first right-aligned."""
     lines = table(list(header), [list(row) for row in rows], align_numbers=align_numbers)
     widths = [len(rule) for rule in lines[1].split("  ")]  # the printer's rule: one run of dashes per column

@@ -91,7 +91,7 @@ from _ranks import run_on_ranks
 from torch import nn
 from transformers import LlamaConfig
 
-from optimum_parallel.planning.activations import Dims, llama_layer_terms, paper_layer_terms
+from optimum_parallel.memory_planner.activations import Dims, llama_layer_terms, paper_layer_terms
 
 PG_TIMEOUT_S = 120
 TP = 2

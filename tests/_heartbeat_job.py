@@ -83,17 +83,17 @@ class Faults(TrainerCallback):
 
 
 def arm_save_fault() -> None:
-    """The `save` fault at the save's first exchange of results (every rank has one; checkpoint/ranks.py)."""
-    from optimum_parallel.checkpoint import ranks
+    """The `save` fault at the save's first exchange of results (every rank has one; checkpoint/rank_info.py)."""
+    from optimum_parallel.checkpoint import rank_info
 
-    point = ranks.crash_point
+    point = rank_info.crash_point
 
     def at(name: str) -> None:
         if name == "gather":
             fault("save")
         point(name)
 
-    ranks.crash_point = at
+    rank_info.crash_point = at
 
 
 class Blocks(torch.utils.data.Dataset):

@@ -58,9 +58,9 @@ def sleep_late(out: Path, seconds: float) -> None:
 def slow_before_exchange(out: Path, n: int, seconds: float) -> None:
     """Sleep `seconds` once, at this rank's n-th result exchange inside the next save (its crash point "gather",
     which every rank reaches; the crash module's own slow-down sleeps at every one)."""
-    from optimum_parallel.checkpoint import ranks
+    from optimum_parallel.checkpoint import rank_info
 
-    point, reached = ranks.crash_point, []
+    point, reached = rank_info.crash_point, []
 
     def slow(name: str) -> None:
         if name == "gather":
@@ -69,21 +69,21 @@ def slow_before_exchange(out: Path, n: int, seconds: float) -> None:
                 sleep_late(out, seconds)
         point(name)
 
-    ranks.crash_point = slow
+    rank_info.crash_point = slow
 
 
 def stop_before_exchange(out: Path) -> None:
     """SIGSTOP at this rank's first result exchange inside the next save."""
-    from optimum_parallel.checkpoint import ranks
+    from optimum_parallel.checkpoint import rank_info
 
-    point = ranks.crash_point
+    point = rank_info.crash_point
 
     def frozen(name: str) -> None:
         if name == "gather":
             die(out, signal.SIGSTOP)
         point(name)
 
-    ranks.crash_point = frozen
+    rank_info.crash_point = frozen
 
 
 def run(args: argparse.Namespace, out: Path) -> list[float]:

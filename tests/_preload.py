@@ -12,4 +12,4 @@ import optimum_parallel.engine.grad_norm  # noqa: F401
 import optimum_parallel.frontends.manager  # noqa: F401
 import optimum_parallel.frontends.parallelize  # noqa: F401
 import optimum_parallel.integrations.transformers.lazy_loading  # noqa: F401
-import optimum_parallel.pipeline.runtime  # noqa: F401
+import optimum_parallel.pipeline.torch_pipelining  # noqa: F401

@@ -459,7 +459,7 @@ def test_async_save_writes_the_blocking_save_bytes(pool, hf_dir, tmp_path, level
     not in the checkpoint); FSDP2's gathers are kept as made (only AdamW's step counts, plain tensors, are copied).
     The largest snapshot is what the memory planner counts for async saves (plus each tensor's 64-byte alignment)."""
     from optimum_parallel.checkpoint import verify_checkpoint
-    from optimum_parallel.planning.memory_planner import estimate_memory
+    from optimum_parallel.memory_planner.estimate import estimate_memory
 
     results = pool.run(async_against_blocking, hf_dir, str(tmp_path), level)
     assert all(r["path"] == str(tmp_path / "async") and r["in_flight"] == [True, True, True] for r in results), results

@@ -139,8 +139,8 @@ def test_failures_are_one_line_errors_with_exit_code_1(paths, tmp_path):
 
 
 def test_plan_prints_the_split_table_and_saves_a_plan_file(model_dir, tmp_path):
-    from optimum_parallel.planning.plan_files import load_plan
-    from optimum_parallel.planning.simulate import build_meta_model
+    from optimum_parallel.memory_planner.plan_files import load_plan
+    from optimum_parallel.memory_planner.simulate import build_meta_model
 
     code, out, err = cli("plan", model_dir, "--tp", "2", "--save", str(tmp_path / "plan.json"))
     assert code == 0, err
@@ -155,9 +155,9 @@ def test_plan_prints_the_split_table_and_saves_a_plan_file(model_dir, tmp_path):
 
 
 def test_estimate_memory_prints_both_sequence_parallel_columns(model_dir):
-    from optimum_parallel.planning.memory_planner import MemoryPlanner
-    from optimum_parallel.planning.memory_text import in_unit, pick_unit
-    from optimum_parallel.planning.workload import Layout, Workload
+    from optimum_parallel.memory_planner.estimate import MemoryPlanner
+    from optimum_parallel.memory_planner.memory_text import in_unit, pick_unit
+    from optimum_parallel.memory_planner.workload import Layout, Workload
 
     args = ["--tp", "2", "--dp", "2", "--sharding-level", "1", "--seq-len", "64", "--micro-batch", "2"]
     code, out, err = cli("estimate-memory", model_dir, *args)

@@ -9,8 +9,8 @@ import torch
 from _models import build_model, tiny_config
 from test_expert_parallel import MOE, replica_batch
 
-from optimum_parallel.planning.memory_planner import MemoryPlanner
-from optimum_parallel.planning.workload import Layout, Workload
+from optimum_parallel.memory_planner.estimate import MemoryPlanner
+from optimum_parallel.memory_planner.workload import Layout, Workload
 
 WORLD_SIZE = 4
 FP32 = Workload(dtype="fp32", seq_len=16, micro_batch=2)

@@ -21,9 +21,9 @@ from _models import LLAMA_70B, TINY
 from _pool import WorkerPool
 from transformers import LlamaConfig
 
-from optimum_parallel.planning.activations import Dims, paper_layer_bytes, ring_attention_layer_bytes
-from optimum_parallel.planning.memory_planner import MemoryPlanner, estimate_memory, suggest_layouts
-from optimum_parallel.planning.workload import GIB, Layout, Workload
+from optimum_parallel.memory_planner.activations import Dims, paper_layer_bytes, ring_attention_layer_bytes
+from optimum_parallel.memory_planner.estimate import MemoryPlanner, estimate_memory, suggest_layouts
+from optimum_parallel.memory_planner.workload import GIB, Layout, Workload
 
 CONFIG = {**TINY, "hidden_size": 128, "intermediate_size": 352, "vocab_size": 512, "max_position_embeddings": 128}
 SEQ, BATCH = 64, 2  # per dp rank
@@ -307,9 +307,9 @@ def test_async_save_snapshot_is_counted_apart(tmp_path):
     assert result.exit_code == 0 and "async save snapshot (host memory)" in result.output, result.output
 
 
-def test_names_that_moved_out_still_import_from_memory_planner():
-    from optimum_parallel.planning import activations, memory_planner, memory_text, workload
+def test_names_that_moved_out_still_import_from_estimate():
+    from optimum_parallel.memory_planner import activations, estimate, memory_text, workload
 
-    for name in memory_planner.__all__:
-        value = getattr(memory_planner, name)
+    for name in estimate.__all__:
+        value = getattr(estimate, name)
         assert all(getattr(home, name, value) is value for home in (activations, memory_text, workload)), name

@@ -12,7 +12,7 @@ from _models import tiny_config
 from test_expert_parallel import MOE
 from transformers import AutoConfig, AutoModelForCausalLM
 
-from optimum_parallel.planning.simulate import resolve_for_tp
+from optimum_parallel.memory_planner.simulate import resolve_for_tp
 from optimum_parallel.styles import SequenceParallelDisable, SplitParameter
 
 

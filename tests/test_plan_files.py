@@ -13,7 +13,7 @@ from _models import rel_err
 from test_families import family_config, load_model, make_inputs, save_tiny_model
 
 import optimum_parallel as op
-from optimum_parallel.planning.plan_files import (
+from optimum_parallel.memory_planner.plan_files import (
     STYLES,
     check_plan_fits,
     load_plan,
@@ -23,7 +23,7 @@ from optimum_parallel.planning.plan_files import (
     style_from_dict,
     style_to_dict,
 )
-from optimum_parallel.planning.simulate import build_meta_model
+from optimum_parallel.memory_planner.simulate import build_meta_model
 from optimum_parallel.tensor_parallel.spec import ShardLayout, ShardSpec
 
 # (family, task, tp, config overrides, sequence parallel): head splits, kv heads replicated over tp, packed qkv,
@@ -257,7 +257,7 @@ def test_every_style_round_trips_through_json(name):
 
 
 def test_style_json_names_still_import_from_plan_files():
-    from optimum_parallel.planning import plan_files, style_json
+    from optimum_parallel.memory_planner import plan_files, style_json
 
     for name in ("STYLES", "register_style", "style_from_dict", "style_to_dict"):
         assert getattr(plan_files, name) is getattr(style_json, name), name

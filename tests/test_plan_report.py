@@ -10,8 +10,8 @@ from test_families import family_config, save_tiny_model
 from transformers import AutoConfig
 
 import optimum_parallel as op
-from optimum_parallel.planning.report import plan_report
-from optimum_parallel.planning.simulate import simulate_plan
+from optimum_parallel.memory_planner.report import plan_report
+from optimum_parallel.memory_planner.simulate import simulate_plan
 
 
 def test_report_from_a_saved_model_dir(tmp_path):

@@ -17,9 +17,9 @@ from transformers import AutoModelForCausalLM
 
 from optimum_parallel.data_parallel.levels import DataParallelConfig
 from optimum_parallel.frontends.manager import ParallelizersManager
+from optimum_parallel.memory_planner.estimate import MemoryPlanner
+from optimum_parallel.memory_planner.workload import Layout, Workload
 from optimum_parallel.mesh import SimulatedMesh
-from optimum_parallel.planning.memory_planner import MemoryPlanner
-from optimum_parallel.planning.workload import Layout, Workload
 
 MESH_MODULE = importlib.import_module("optimum_parallel.mesh.init")
 WORLDS = (1, 2, 4, 8)

@@ -1,50 +1,8 @@
 """Asynchronous sharded saves: each rank snapshots its shards in host memory, a background thread writes, checksums
-and publishes them while training goes on.
+and publishes them while training goes on; the files are the blocking save's, byte for byte.
 
-In the call the step pays for the plan (two small exchanges), the FSDP2 all-gathers / ZeRO-1 consolidation a blocking
-save does too (a gather's output on the host is a copy already: it is kept as it is), and the few copies that cannot
-wait: buffers (a forward may change them in place: BatchNorm's statistics, DDP's broadcast) and gathers on an
-accelerator (their device memory is not held past the call). The RNG states, scheduler, trainer state (the
-`extra_files`) and the index plan are captured there too. The weights and optimizer state, most of the bytes, are
-copied by the background thread, into one fresh host buffer (pinned where they live on an accelerator: `non_blocking`
-copies on a stream of the thread's own that first waits for the training stream as it was at the call, synchronized
-before the write), while the next step's forward and backward run: they change only at the optimizer's step, so the
-save registers a step pre-hook on the optimizer (`optimizer`, or `step_optimizer`: the Trainer's) that waits for the
-copy, not for the write. The thread then runs the blocking save's own `write` and `publish` (`save.PlannedSave`) on
-the snapshot, so the files, their index and checksums are the blocking save's, byte for byte, written into
-`.<name>.partial` and renamed last.
-
-- What else could change those tensors before that step waits for the copy too: `load_model_checkpoint` into the
-  model, `model.load_state_dict` (a load_state_dict pre-hook on the model), the next save (it waits for the whole
-  save in flight). Gradients (zero_grad, clipping, accumulation) are not in the snapshot, and the optimizer's own
-  `load_state_dict` puts new tensors in place of the old. Whoever writes the weights or the optimizer state in place
-  by other means before the next optimizer step (`param.data.copy_`, `torch.nn.init`, merging LoRA adapters into the
-  base, an EMA written into the weights) calls `handle.wait_for_copy()` first.
-- Without an optimizer to wait in (no optimizer given, or one whose `step()` runs no step hooks: not a
-  `torch.optim.Optimizer`), the weights are copied in the call, as they must be: a forward pre-hook would not do, the
-  user may change the weights by hand before the next forward. `COPY_POLICY = "step"` does the same for every save.
-- The copy runs at the caller's priority (the optimizer's step may be waiting for it), the write after it at nice 19.
-  Measured (scripts/bench_checkpoint.py, 0.5B Llama at tp=2 with AdamW, 2.8 GiB snapshot per rank, this 2-core VM
-  shared with other jobs, load average 5-13, 3 runs, 8 saves each way): the save call took 0.03-0.24 s and the
-  optimizer's steps waited 0.00 s for the copy (it was complete 2.2-6.3 s after the call, inside the first step's
-  forward and backward, which took 5-13 s), so the stall was 0.00-0.04x the blocking save's (5.6-10.1 s), against
-  0.25-0.78x with the copy in the call (1.7-5.5 s). The copy still costs its CPU time on a machine whose cores
-  training keeps busy (~0.43 s/GiB into fresh pages here): the first step ran 0.94-1.56x the steps without a save
-  (0.54-1.36x with the copy in the call; the machine's load swamps the difference), steps during the write
-  0.66-1.28x. Peak RSS was the same either way (+3.0 GiB: the snapshot).
-- A thread, not a process: the writing is `os.write`, sha256 and crc32, which release the GIL on buffers this
-  size, and the snapshot is already in this process's memory. Measured (same benchmark, copy in the call, 2 runs): at
-  the same nice 19, steps beside the thread ran 0.96-0.98x the steps without a write, beside a process doing the same
-  writing from shared memory 0.98-1.02x, and the thread finished in 54 s against 75-105 s.
-- The writer runs at nice 19: at normal priority it halves training's share of the cores (steps 1.73-1.87x, total
-  15-23 s); at SCHED_IDLE steps were not slower (0.72-0.81x: noise) but the write took 86-95 s, and on a machine
-  that never idles it could starve.
-- One save in flight per process: any save (blocking or not) first waits for the one in flight and raises its error,
-  so at most one snapshot is held; it is freed as soon as its files are written, before the rename.
-- The thread exchanges on a gloo group of its own (made once, like torch DCP's async_save does), never on the groups
-  training uses; every rank learns every rank's outcome there, so an error in any rank's background copy or write is
-  raised on every rank: by `.wait()`, by the next save, or by whoever calls `wait_for_pending_save()` (the Trainer:
-  at the next save, `save_model()` and the end of training). The hooks are removed when the save is waited for.
+The weights and optimizer state are copied by the thread before the next optimizer step (a step pre-hook waits for
+the copy, not the write). Design notes and measurements: docs/architecture.md, "Module notes".
 """
 
 from __future__ import annotations

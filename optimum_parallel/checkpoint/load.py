@@ -23,7 +23,7 @@ from .async_save import wait_for_pending_copy
 from .collect import is_dtensor, optimizer_class, parameter_names, source_param_groups
 from .metadata import INDEX_NAME, CheckpointIndex, TensorEntry, read_index
 from .optimizer_groups import saved_hyper_parameters
-from .ranks import RankInfo, current_rank
+from .rank_info import RankInfo, current_rank
 from .reading import ShardFiles
 from .rng_files import restore_rng
 

@@ -41,7 +41,7 @@ from .collect import LocalTensor, is_zero1, model_tensors, optimizer_parts, opti
 from .consolidate import DEFAULT_MAX_SHARD_SIZE, write_hf_checkpoint
 from .crash import crash_point
 from .metadata import CheckpointIndex, TensorEntry, model_file, optimizer_file, write_index
-from .ranks import RankInfo, current_rank
+from .rank_info import RankInfo, current_rank
 from .rng_files import rng_bytes, rng_file
 from .sharding import entries_from_specs
 

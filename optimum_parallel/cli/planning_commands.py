@@ -73,13 +73,13 @@ def plan(model: str, tp: int, dtype: str | None, embeddings: bool, sequence_para
     device), so it works for any size on one process. With --save, the resolved plan (every module's style,
     every parameter's layout on every rank) is written as a plan file for `optimum_parallel.load_plan`.
     """
-    from ..planning.report import plan_report
-    from ..planning.workload import DTYPES
+    from ..memory_planner.report import plan_report
+    from ..memory_planner.workload import DTYPES
 
     config = _config(model)
     click.echo(plan_report(config, tp, parallelize_embeddings=embeddings, dtype=DTYPES[dtype] if dtype else None))
     if save_path:
-        from ..planning.plan_files import save_plan
+        from ..memory_planner.plan_files import save_plan
 
         save_plan(
             config,
@@ -214,9 +214,9 @@ def estimate_memory(
     levels split their states over the dp x cp / ep ranks holding the same experts), and activations add the
     dispatched rows; --suggest proposes ep for such models, with pp and at every level.
     """
-    from ..planning.memory_planner import MemoryPlanner
-    from ..planning.memory_text import format_estimate, format_suggestions
-    from ..planning.workload import GIB, Layout, Workload
+    from ..memory_planner.estimate import MemoryPlanner
+    from ..memory_planner.memory_text import format_estimate, format_suggestions
+    from ..memory_planner.workload import GIB, Layout, Workload
 
     if suggest:
         missing = [f"--{name}" for name, value in (("devices", devices), ("memory", memory)) if value is None]

@@ -1,31 +1,9 @@
 """How a tensor-parallel layer enters and leaves its region: one module, the only place that decides it.
 
-`LayerWiring` is what the plan decided for one layer (`plan/wiring.py`), passed to its constructor and never changed:
-its entry (`RegionEntry`, one per model), its sequence-parallel region (`SequenceRegion`, one per model with a
-sequence-parallel plan), its siblings and whether its weight gradients overlap the entry's backward collective.
-
-Entering a column-parallel region: one collective per input, overlapped with the weight gradients. HF attention
-feeds the same `hidden_states` to q_proj, k_proj and v_proj (the MLP to gate_proj and up_proj). The entry op --
-identity forward / all-reduce backward, or sequence all-gather / reduce-scatter under sequence parallelism -- is
-shared by every column layer that reads the same input tensor, so a block costs one collective each way, as a fused
-Megatron QKV would. Its backward collective is overlapped with compute (Megatron's asynchronous grad-input
-all-reduce): the column layers' backward computes only their input gradient and leaves (grad_output, input) behind;
-the entry's backward starts the collective on the summed input gradient, computes the weight gradients while it
-runs, then waits. The weights go through the entry op as aliases, so their gradients still arrive through autograd's
-AccumulateGrad and DDP, FSDP2 and gradient hooks see nothing unusual. The entry aliases the weights of the layer
-that makes it and of its siblings (the column-parallel children of the same module, the layers that may read the
-same input); a sibling that reads another input (cross-attention) leaves its alias unused and makes its own entry.
-The entry's make-up is fixed, so a forward recomputed under activation checkpointing saves exactly what the first
-one did. One `RegionEntry` serves a whole model: it holds the last entry, so any layer of the tp region reading the
-same tensor next (q, k, v; an MoE block's experts and its shared expert) reuses it.
-
-A sequence-parallel region splits the sequence at its entry (`SequenceRegion.enter`). A forward whose sequence
-length the tp size does not divide (a one-token decode step), or that keeps only the last positions' logits
-(`logits_to_keep`, which `generate` passes; the model's own hooks call `keep_whole` around it), runs the plain
-tensor-parallel path instead: the entry leaves the sequence whole and every layer of the region takes its
-tensor-parallel collective. Same weights, same results; the decision is taken once per forward, at the region's
-entry, from shapes every tp rank shares, so the ranks always agree. Regions and entries belong to one model (on XLA,
-where one process runs several ranks, one thread each, each rank builds its own model).
+`LayerWiring` (what the plan decided for one layer, passed to its constructor, never changed), `RegionEntry` (one per
+model: the entry shared by the layers reading one input, its backward collective overlapped with the weight
+gradients) and `SequenceRegion` (one per model: whether the running forward splits the sequence). Design notes:
+docs/architecture.md, "Module notes".
 """
 
 from __future__ import annotations

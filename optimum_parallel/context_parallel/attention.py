@@ -19,7 +19,7 @@ from torch.distributed import ProcessGroup
 
 from ..state import find_state
 from .blocks import Attend, Blocks, Spans, default_scale
-from .layout import ChunkLayout
+from .load_balance import ChunkLayout
 from .packed import Documents
 from .ring import ring_attention
 from .ulysses import all_to_all_attention
@@ -130,7 +130,7 @@ def context_parallel_attention(
     query, key, value = _same_head_dim(query, key, value)
     attend = Attend(layout.chunk, scale, sliding_window, softcap, key_mask, documents)
     if torch.compiler.is_compiling():  # a compiled block: the same attention as graph ops (compiled.py)
-        from .compiled import eager_document_attention, traced_context_attention
+        from .compiled_attention import eager_document_attention, traced_context_attention
 
         if documents is not None:  # a packed row's document blocks are chosen in Python: run eagerly
             out = eager_document_attention(query, key, value, attend, layout.chunks_of, settings, sinks, spans)

@@ -32,7 +32,7 @@ from .attention import (
     sequence_mask,
 )
 from .classifier import PooledScores, classifier_head
-from .layout import ChunkLayout, SequenceCut, pad_sequence
+from .load_balance import ChunkLayout, SequenceCut, pad_sequence
 from .loss import ContextParallelLoss
 from .packed import Documents, chunk_count, documents_for
 from .router_loss import RouterLoss, add_router_loss, install_router_loss, wants_router_logits

@@ -35,7 +35,7 @@ from .runtime import ParallelRuntime, ParamMap
 
 if TYPE_CHECKING:
     from ..comm.tp_entry import SequenceRegion
-    from ..pipeline.runtime import Pipeline
+    from ..pipeline.torch_pipelining import Pipeline
     from .request import PipelineSettings
 
 
@@ -192,7 +192,7 @@ def _split_pipeline(
     """The rank keeps its stages, fed by the pipeline's batch functions (packed rows; cp's cut of the sequence)."""
     if pipeline is None:
         return None
-    from ..pipeline.runtime import apply_pipeline  # torch's pipelining (and torch._dynamo) load only here
+    from ..pipeline.torch_pipelining import apply_pipeline  # torch's pipelining (and torch._dynamo) load only here
 
     batches = stage_batches(model, context_parallel=mesh.size("cp") > 1)
     return apply_pipeline(

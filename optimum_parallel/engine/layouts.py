@@ -1,6 +1,6 @@
 """A mesh of sizes alone, for asking on one process whether the engine runs a layout (`SimulatedMesh`).
 
-The planner (`planning/memory_planner.py`) estimates and proposes only the layouts that `checks.validate` (with the
+The planner (`memory_planner/estimate.py`) estimates and proposes only the layouts that `checks.validate` (with the
 family's part) accepts over this mesh, so each rule is written once, in the engine's checks. A meta model is enough:
 validation reads shapes and structure, changes nothing and makes no process group.
 """

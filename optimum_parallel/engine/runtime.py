@@ -14,7 +14,7 @@ if TYPE_CHECKING:  # annotations only: the packages below are imported by the st
     from ..comm.tp_entry import SequenceRegion
     from ..context_parallel.attention import ContextParallelAttention
     from ..expert_parallel.expert_split import ExpertParallelRuntime
-    from ..pipeline.runtime import Pipeline
+    from ..pipeline.torch_pipelining import Pipeline
     from .compile import CompileConfig
 
 ParamMap = dict[int, nn.Parameter | None]  # {id(original parameter): parallel parameter, or None on another stage}

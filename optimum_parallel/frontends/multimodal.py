@@ -19,7 +19,7 @@ from ..autoplan.sequence_plan import sequence_parallel_plan
 from ..autoplan.structure import context_parallel_layer_blocker, derive_capabilities
 from ..comm.autograd_collectives import copy_to_tensor_parallel_region
 from ..comm.tp_entry import SequenceRegion
-from ..context_parallel.layout import pad_sequence
+from ..context_parallel.load_balance import pad_sequence
 from ..mesh import ParallelMesh, ranks
 from ..state import parallel_state
 from ..styles import (

@@ -30,7 +30,7 @@ from torch.distributed import ProcessGroup
 
 from ..comm.collectives import all_reduce
 from ..styles.mixer import local_units
-from ..tensor_parallel.fused import sum_segment_grads
+from ..tensor_parallel.packed_linear import sum_segment_grads
 from ..tensor_parallel.spec import ShardLayout, ShardSpec
 from .plan import MixerSpec
 

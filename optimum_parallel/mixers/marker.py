@@ -20,7 +20,7 @@ import torch
 from torch import nn
 
 from ..context_parallel.attention import is_marker, marked_documents
-from ..context_parallel.layout import ChunkLayout
+from ..context_parallel.load_balance import ChunkLayout
 from ..packing import restarts, segment_ids
 
 MASK_FUNCTION = "create_recurrent_attention_mask"

@@ -55,11 +55,11 @@ def _builds(styles: Sequence[ParallelStyle]) -> str | None:
     return next((s.builds for s in styles if s.swaps_module and s.builds is not None), None)
 
 
-def plan_mixer(model: nn.Module, name: str, targets: Mapping[str, Sequence[ParallelStyle]] | None) -> MixerSpec:
+def plan_mixer(model: nn.Module, name: str, module_styles: Mapping[str, Sequence[ParallelStyle]] | None) -> MixerSpec:
     """The part of the mixer `name` (a module of `model`, not yet parallelized) under cp, from the checked plan
-    `targets` (module name -> styles)."""
+    `module_styles` (module name -> styles)."""
     mixer = model.get_submodule(name)
-    styled = {n: s for n, s in (targets or {}).items() if n == name or n.startswith(name + ".")}
+    styled = {n: s for n, s in (module_styles or {}).items() if n == name or n.startswith(name + ".")}
     kinds = {n: _builds(s) for n, s in styled.items()}
     params: dict[str, ShardSpec] = {}
     buffers: dict[str, ShardSpec] = {}

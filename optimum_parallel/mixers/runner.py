@@ -27,7 +27,7 @@ from torch.distributed import ProcessGroup
 
 from ..comm.autograd_collectives import gather_from_sequence_parallel_region, reduce_scatter_to_sequence_parallel_region
 from ..mesh import ranks
-from .documents import buckets, run_documents
+from .document_batches import buckets, run_documents
 from .heads import sliced_class, split_heads
 from .marker import SequenceMarker, current_marker, install_markers
 from .plan import MixerSpec

@@ -11,9 +11,9 @@ _RUNTIME = ("Pipeline", "PipelineOutput", "apply_pipeline")
 
 def __getattr__(name: str):
     if name in _RUNTIME:
-        from . import runtime
+        from . import torch_pipelining
 
-        return getattr(runtime, name)
+        return getattr(torch_pipelining, name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 

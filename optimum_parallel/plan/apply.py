@@ -44,7 +44,7 @@ def resolve_plan(
         raise TypeError(f"parallelize_plan must be a dict of name regex -> style, got {type(plan).__name__}")
     modules = dict(model.named_modules()) if modules is None else modules
     param_owner: dict[str, str] | None = None  # parameter name -> its module's, read when a key names no module
-    targets: dict[str, list[ParallelStyle]] = {}
+    module_styles: dict[str, list[ParallelStyle]] = {}
     for key, value in plan.items():
         is_optional = isinstance(value, optional)
         styles = _as_styles(key, value.styles if is_optional else value)
@@ -65,9 +65,9 @@ def resolve_plan(
                 f"(names look like: {examples}, ...)"
             )
         for name in matched:
-            targets.setdefault(name, []).extend(styles)
+            module_styles.setdefault(name, []).extend(styles)
     order = {name: i for i, name in enumerate(modules)}
-    return dict(sorted(targets.items(), key=lambda item: order[item[0]]))
+    return dict(sorted(module_styles.items(), key=lambda item: order[item[0]]))
 
 
 def check_plan(model: nn.Module, plan: Mapping[str, object], mesh: ParallelMesh) -> dict[str, list[ParallelStyle]]:
@@ -75,10 +75,10 @@ def check_plan(model: nn.Module, plan: Mapping[str, object], mesh: ParallelMesh)
     what the styles make of its layer; raise before anything is modified."""
     ctx = PlanContext(mesh)  # checks read the mesh only
     modules = dict(model.named_modules())  # get_submodule per target was half of a 70B model's check (the planner)
-    targets = resolve_plan(model, plan, modules)
+    module_styles = resolve_plan(model, plan, modules)
     get_head = getattr(model, "get_output_embeddings", None)
     head = get_head() if callable(get_head) else None
-    for name, styles in targets.items():
+    for name, styles in module_styles.items():
         wrapper = modules[name]
         module = style_target(wrapper)
         for style in styles:
@@ -86,7 +86,7 @@ def check_plan(model: nn.Module, plan: Mapping[str, object], mesh: ParallelMesh)
         handler = handler_for(wrapper) if module is not wrapper else None
         if handler is not None and handler.check is not None:
             handler.check(wrapper, styles, name, wrapper is head)
-    return targets
+    return module_styles
 
 
 @dataclass
@@ -105,21 +105,22 @@ def apply_plan(model: nn.Module, plan: Mapping[str, object], mesh: ParallelMesh)
 
 
 def apply_checked_plan(
-    model: nn.Module, targets: dict[str, list[ParallelStyle]], mesh: ParallelMesh, *, overlap: bool = True
+    model: nn.Module, module_styles: dict[str, list[ParallelStyle]], mesh: ParallelMesh, *, overlap: bool = True
 ) -> AppliedPlan:
-    """Parallelize `model` in place by `targets` (what `check_plan` returned for it, unchanged since).
+    """Parallelize `model` in place by `module_styles` (module name -> styles: what `check_plan` returned for it,
+    unchanged since).
 
     Every layer's mode is decided first, from the whole plan (`wiring.py`); then module-swapping styles
     (ColWise/RowWise) run, then the hooks and markers, so a marker on a module sees its children already swapped
     whatever the order of the plan's keys. `overlap`: weight gradients may be computed during the entry's backward
     collective (off under pipeline schedules that defer them themselves).
     """
-    ctx = plan_context(model, targets, mesh, overlap)
+    ctx = plan_context(model, module_styles, mesh, overlap)
 
     original = dict(model.named_parameters(remove_duplicate=False))
     modules = dict(model.named_modules())  # kept in step with the swaps (get_submodule was a quarter of the time)
     for swapping in (True, False):
-        for name, styles in targets.items():
+        for name, styles in module_styles.items():
             wrapper = modules[name]
             module = style_target(wrapper)
             for style in styles:

@@ -7,7 +7,7 @@ from fractions import Fraction
 from torch import nn
 
 from ..tensor_parallel.layers import ColumnParallelLinear
-from ..tensor_parallel.loss import VocabParallelLMLoss
+from ..tensor_parallel.vocab_parallel_loss import VocabParallelLMLoss
 from .wrappers import unwrap
 
 

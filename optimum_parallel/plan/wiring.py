@@ -29,21 +29,23 @@ def _builds(styles: list[ParallelStyle]) -> str | None:
     return next((s.builds for s in styles if s.swaps_module and s.builds is not None), None)
 
 
-def plan_context(model: nn.Module, targets: dict[str, list[ParallelStyle]], mesh, overlap: bool = True) -> PlanContext:
-    """The context every style of `targets` (a checked plan) is applied with: the model's entry, its sequence
+def plan_context(
+    model: nn.Module, module_styles: dict[str, list[ParallelStyle]], mesh, overlap: bool = True
+) -> PlanContext:
+    """The context every style of `module_styles` (a checked plan) is applied with: the model's entry, its sequence
     region (when the plan has sequence-parallel styles) and every layer's wiring."""
     entry = RegionEntry()
     sequence = None
-    if any(isinstance(s, SEQUENCE_STYLES) for styles in targets.values() for s in styles):
+    if any(isinstance(s, SEQUENCE_STYLES) for styles in module_styles.values() for s in styles):
         sequence = SequenceRegion(mesh.tp_group)
-    kinds = {name: _builds(styles) for name, styles in targets.items()}
+    kinds = {name: _builds(styles) for name, styles in module_styles.items()}
     gathering = [
         name
-        for name, styles in targets.items()
+        for name, styles in module_styles.items()
         if any(isinstance(s, SequenceParallelDisable) and not s.replicate for s in styles)
         and any(kind is not None and other.startswith(name + ".") for other, kind in kinds.items())
     ]
-    ends = {name for name, styles in targets.items() if any(isinstance(s, SequenceParallelEnd) for s in styles)}
+    ends = {name for name, styles in module_styles.items() if any(isinstance(s, SequenceParallelEnd) for s in styles)}
     modules = dict(model.named_modules())
     siblings: dict[str, Siblings] = {}
     wirings: dict[str, LayerWiring] = {}
@@ -55,7 +57,7 @@ def plan_context(model: nn.Module, targets: dict[str, list[ParallelStyle]], mesh
         family = None
         if kind == COLUMN:
             family = Siblings() if wrapped else siblings.setdefault(name.rpartition(".")[0], Siblings())
-        keeps_whole = any(getattr(s, "keeps_output_whole", False) for s in targets[name])
+        keeps_whole = any(getattr(s, "keeps_output_whole", False) for s in module_styles[name])
         splits = (inside and not keeps_whole) if kind == ROW else (name in ends and not inside)
         wirings[name] = LayerWiring(
             entry=None if (inside and kind == COLUMN) else entry,

@@ -19,7 +19,7 @@ if TYPE_CHECKING:  # annotations only: the record sits below every room that wri
     from ..context_parallel.attention import ContextParallelAttention
     from ..engine.runtime import ParallelRuntime
     from ..expert_parallel.expert_split import ExpertParallelRuntime
-    from ..pipeline.runtime import Pipeline
+    from ..pipeline.torch_pipelining import Pipeline
 
 _KEY = "_optimum_parallel_state"
 

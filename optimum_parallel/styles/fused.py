@@ -7,7 +7,7 @@ from collections.abc import Sequence
 from torch import nn
 
 from ..tensor_parallel.conv1d import CONV1D_TYPES, ColumnParallelConv1D, RowParallelConv1D
-from ..tensor_parallel.fused import PackedColumnParallelLinear
+from ..tensor_parallel.packed_linear import PackedColumnParallelLinear
 from ..tensor_parallel.spec import ShardSpec, local_parameter
 from .base import COLUMN, ROW, HeadSplitStyle, ParallelStyle, check_style_heads
 

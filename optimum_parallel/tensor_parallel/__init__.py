@@ -10,8 +10,8 @@ from ..comm.autograd_collectives import (
     scatter_to_tensor_parallel_region,
 )
 from .layers import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
-from .loss import VocabParallelLMLoss, vocab_parallel_cross_entropy
 from .spec import ShardLayout
+from .vocab_parallel_loss import VocabParallelLMLoss, vocab_parallel_cross_entropy
 
 __all__ = [
     "ColumnParallelLinear",

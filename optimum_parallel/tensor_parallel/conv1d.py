@@ -13,8 +13,8 @@ from torch import nn
 from torch.distributed import ProcessGroup
 
 from ..comm.tp_entry import LayerWiring
-from .fused import ReplicatedSegment, sum_segment_grads
 from .layers import _exit_region, _ShardedModule
+from .packed_linear import ReplicatedSegment, sum_segment_grads
 
 try:  # transformers is a dependency; keep the engine importable without it all the same
     from transformers.pytorch_utils import Conv1D

@@ -15,7 +15,7 @@ from collections.abc import Sequence
 from torch import nn
 from torch.distributed import ProcessGroup
 
-from .fused import sum_segment_grads
+from .packed_linear import sum_segment_grads
 from .spec import ReplicatedSegment
 
 _CLASSES: dict[type, type] = {}

@@ -26,7 +26,7 @@ def _after_apply(model, ctx) -> None:
 
 
 def _install_dispatch() -> None:
-    from .dispatch import install_peft_dispatch
+    from .peft_patches import install_peft_dispatch
 
     install_peft_dispatch()
 

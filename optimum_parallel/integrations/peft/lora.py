@@ -43,8 +43,8 @@ from ...comm.autograd_collectives import (
     scatter_to_tensor_parallel_region,
 )
 from ...mesh import ranks
-from ...tensor_parallel.fused import PackedColumnParallelLinear, sum_segment_grads
 from ...tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
+from ...tensor_parallel.packed_linear import PackedColumnParallelLinear, sum_segment_grads
 from ...tensor_parallel.spec import ShardSpec, local_parameter, shard_sizes
 
 if TYPE_CHECKING:

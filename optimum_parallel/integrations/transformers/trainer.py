@@ -28,7 +28,7 @@ from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, SaveStrategy, rota
 
 from ...checkpoint import find_last_checkpoint, read_index, reshard_checkpoint, save_model_checkpoint
 from ...checkpoint.async_save import AsyncCheckpoint, wait_for_pending_save
-from ...checkpoint.ranks import current_rank
+from ...checkpoint.rank_info import current_rank
 from ...data_parallel.replica_watch import check_replicas
 from ...engine.checks import mesh_layout, validate
 from ...engine.compose import compose_model, compose_training, optimizer_for_parallel_model

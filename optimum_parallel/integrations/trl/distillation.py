@@ -1,36 +1,9 @@
 """TRL's `DistillationTrainer` with `ParallelTrainerMixin`: on-policy distillation of a teacher into a student on a
 tp / sp / cp / pp / dp (sharding levels 0-3) mesh, equal to TRL's `DistillationTrainer` on one process.
 
-TRL's trainer is used as it is (prompt preparation, the student's generation -- through the parallel model's
-tp-synchronised `generate` --, buffering, metrics); what changes:
-
-- the teacher is parallel on the student's mesh, as DPO's reference is (`ParallelDPOTrainer._parallel_reference`):
-  read lazily, each rank its slice, frozen, no optimizer state;
-- TRL's chunked divergence multiplies hidden states by each model's whole `lm_head.weight`, which under tp is a
-  slice of the vocabulary: here both models run their own forward (logits of this rank's vocabulary slice, the
-  sequence gathered under sp, the models' own logit scale and soft-capping applied), and the generalized JSD, the
-  KLs and the student's entropy are summed over the vocabulary slices with all-reduces (`vocab_parallel_divergence`:
-  TRL's formula, its gradient to the student only);
-- under context parallelism (cp) a training forward keeps each rank's chunks of the rows: the teacher runs with
-  gradients on as well (frozen, so no graph; without them the cp model gathers its logits over cp), both models'
-  logits of the same tokens meet on the rank, and the per-token divergences and entropies are gathered over cp
-  (`fused_head.whole_sequence`: backward this rank's part times cp, which the dp x cp gradient average makes the
-  one-process gradient), so every cp rank computes TRL's loss on whole rows; no rank holds the whole rows' logits.
-  An evaluation (no gradient) reads the logits gathered over cp. Generation runs without a kv cache (ring attention
-  keeps none; grpo's `_generate_without_cache`): each new token a forward of the whole rows over the cp ranks;
-- under pipeline parallelism (pp) both models run as pipelines without a graph (`run_eval`); the last stage computes
-  the per-token divergence from the two models' logits and sends it, with the entropy, to every stage, where it is a
-  leaf TRL's loss backpropagates to. A training step is then DPO's and GRPO's two passes (`training_step`): on the last
-  stage that gradient is taken back to the student's logits, and the student's pipeline runs forward and backward of
-  sum(that gradient x logit) (`_LogitWeights`), which gives its weights the gradient of TRL's loss (one student
-  forward more than TRL's). Generation runs every new token's rows through the stages (grpo's `_PipelineNextToken`);
-- TRL routes that loss through the DDP/FSDP wrapper (`_forward_redirection`); the parallel model owns its gradient
-  reduction, so it is called directly; TRL's gathers, process count and index are the batch replicas'
-  (`replicas.ReplicaView`), so its sampler, token counts and loss scale are those of TRL on dp processes.
-
-Refused before anything changes, by name (`check_distillation_options`): pp together with cp (the pipelines score and
-generate on whole rows), `use_vllm`, tools (`tools` / a replica of several ranks would run them on each rank), and
-`quantization_config`.
+TRL's trainer is used as it is; the teacher is parallel on the student's mesh and the divergence is summed over the
+vocabulary slices (`vocab_parallel_divergence`). What changes under each layout, and what is refused
+(`check_distillation_options`): docs/architecture.md, "Module notes".
 """
 
 from __future__ import annotations

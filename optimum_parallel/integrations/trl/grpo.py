@@ -1,68 +1,9 @@
 """TRL's `GRPOTrainer` with `ParallelTrainerMixin`: completions generated, scored and trained on by the parallel model.
 
-What differs from TRL on one process, and why:
-
-- the prompts are sharded over the batch replicas (dp) only: every rank of a replica (its tp ranks) gets the same
-  prompts, and `ParallelGRPOConfig` sizes the generation batch with the replica count, not the process count;
-- completions come from the parallel model's own `generate` (tp-synchronised: the ranks of a replica check that they
-  hold the same prompts and sample with their first rank's generator from the full-vocabulary logits, so they draw
-  the same tokens); after TRL's per-process seeding every replica's ranks share the seed `seed + replica index`
-  (TRL: `seed + process index`). A forward's split regions give back the seed they drew when they drew nothing
-  (`tensor_parallel/random.py`: no dropout), so the default stream is one device's: at tp, sp or cp a replica draws,
-  token by token, the completions TRL draws on one process, and at dp=N those TRL's N processes draw
-  (tests/trl/test_trl_grpo_sampling.py);
-- the reward functions run once per completion, on the first rank of each replica; the rewards (and whatever the
-  functions logged) reach the replica's other ranks and the other replicas in one collective, and a reward function's
-  error (TRL's own, e.g. a wrong number of rewards) is raised on every rank;
-- every gather and reduction TRL makes over the processes (rewards, lengths, token counts, metrics, completion logs)
-  runs over the batch replicas (`replicas.ReplicaView`): the tp ranks hold copies, so gathering over the world would
-  count each completion tp times and split the reward groups wrongly;
-- the per-token log-probabilities and entropies come from the model's local logits of the completion positions (this
-  rank's slice of the vocabulary under tp) through `tensor_parallel.logprobs`, never whole logits: TRL's
-  fused LM head multiplies the hidden states by `lm_head.weight`, which under tp is a shard of the vocabulary;
-- with `beta > 0` the reference model is loaded as TRL loads it (from the policy's checkpoint path), lazily and
-  parallel on the same mesh (each rank reads its slices), frozen; with LoRA adapters (`peft_config`, added after the
-  split) TRL's own reference, a copy of the fresh adapters, is used;
-- with `steps_per_generation > 1` TRL shuffles the generation batch with the default generator: the micro-batches are
-  cut as on one process unless the model has dropout (a tp forward's split regions then draw their seeds from that
-  stream, `tensor_parallel/random.py`; so would the samples, and one device's dropout masks are not drawn there);
-- the evaluation loss is the whole evaluation batch's on every replica (`prediction_step`);
-- at dp > 1 `loss_type="bnpo"` is each replica's token mean averaged over the replicas, as TRL's is each process's
-  (one process: the token mean of the whole batch); the other loss types are the whole batch's;
-- under sequence parallelism the per-token forward runs the whole sequence through the LM head (a forward keeping
-  only some positions' logits would run without sp);
-- under context parallelism (cp) each cp rank runs its chunks of every row: the per-token log-probs and entropies
-  come from the parallel fused head (`fused_head.py`, TRL's labels, the logits divided by the temperature), gathered
-  over cp, so every rank of a replica computes TRL's loss and metrics on whole rows; the gradient, this rank's part
-  times cp, averaged over the dp x cp ranks, is the one-process one. Generation runs through the cp model without a
-  kv cache (ring attention keeps none; `_generate_without_cache`): every new token is a forward of the whole rows,
-  with positions counting up from each row's first (padding) token, as in training;
-- under pipeline parallelism (pp) the per-token log-probs come from the parallel fused head run through the
-  pipeline's stages without a graph (scored on the last stage, sent to the others); a training step is DPO's two
-  passes (`training_step`: TRL's loss backpropagated to those log-probs, then the pipeline's forward and backward of
-  their weighted sum). Generation runs every new token's rows through the stages without a kv cache
-  (`_PipelineNextToken`: slow, a forward of the whole rows per token, micro-batch by micro-batch), the last position's
-  logits sent from the last stage, every rank sampling from the shared random state;
-- with LoRA adapters the reference runs under TRL's "ref" adapter (or none) with every `requires_grad` flag kept
-  (`replicas.use_adapter_as_it_was`): torch's composable DDP builds its reducer at the first forward, over the
-  parameters that require a gradient then;
-- tools, environments and the rollout function (`tools`, `environment_factory`, `rollout_func`) run on the first rank
-  of each replica only (`from_first_rank`): the tools' results (a synchronous tool's call by call, a completion's async
-  calls together, run concurrently as TRL runs them), the environments' `reset` observations (the prompts) and the
-  rollout function's output, or the error raised, reach the replica's other ranks in a broadcast with the random
-  states the user code left, so they go on drawing as one process does. The other ranks hold stand-in environments of
-  the same class (never constructed: TRL reads their methods' schemas) and call nothing. The generation after a tool
-  turn runs on every rank, so a rollout function must not run the policy itself (its forward is a collective of the
-  replica's ranks);
-- a policy given as a path is loaded as TRL loads it, with `model_init_kwargs` (float32 unless they name a dtype;
-  transformers' own default would keep the checkpoint's) or `model_kwargs`, not both.
-
-Refused before training, by name (`check_grpo_options`): pipeline parallelism together with cp (the pipeline scores and
-generates on whole rows), vLLM, continuous batching, Liger, `cast_lm_head_to_fp32` under tp (it replaces the
-vocab-parallel head with a plain linear), `quantization_config` (as an argument or in `model_init_kwargs`: the parallel
-layers split full-precision weights), `sync_ref_model` with FSDP2 (`sharding_level` 2-3: the policy's shards and the
-reference's whole tensors do not mix), the entropy bonus (`entropy_coef`, `use_adaptive_entropy`: its gradient through
-the entropy), a MoE router aux loss, and a multimodal processor (before anything runs).
+Prompts are sharded over the batch replicas, completions come from the parallel model's tp-synchronised `generate`,
+rewards run on each replica's first rank, and TRL's gathers run over the replicas; the options a layout cannot run
+are refused by name before training (`check_grpo_options`). What differs from TRL on one process, and why:
+docs/architecture.md, "Module notes".
 """
 
 from __future__ import annotations

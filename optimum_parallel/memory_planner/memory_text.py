@@ -9,7 +9,7 @@ from .tables import table
 from .workload import GIB, MemoryEstimate, Workload
 
 if TYPE_CHECKING:
-    from .memory_planner import MemoryPlanner
+    from .estimate import MemoryPlanner
 
 UNITS = (("GiB", 1024**3), ("MiB", 1024**2), ("KiB", 1024))
 

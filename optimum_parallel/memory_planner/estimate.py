@@ -1,41 +1,9 @@
 """Memory planner: per-rank bytes of parameters, gradients, optimizer state and activations for a dp x pp x cp x tp
 layout with a data-parallel sharding level, from a transformers config alone (a meta model, no weights).
 
-Parameters: counted exactly from the family's plan resolved at the simulated tp (the same layouts the ranks get:
-head splits, kv heads replicated when tp > kv heads, uneven vocabulary splits), per pipeline stage as the
-pipeline splits the layers (first stage: embeddings, last: final norm and head; tied weights on both).
-The rank with the most bytes is reported. Assumptions (the `notes` of every estimate say them too):
-
-- AdamW. fp32: fp32 parameters, gradients, m and v (16 bytes per parameter). 16-bit with master weights
-  (default): 16-bit parameters and gradients, fp32 master copy, m and v (2 + 2 + 12 bytes, ZeRO's K = 12);
-  without master weights: m and v in the parameter dtype (torch's AdamW on 16-bit parameters, 8 bytes).
-- Sharding levels over the data-parallel ranks, dp x cp (peak of a step): 0 all replicated; 1 optimizer state /
-  (dp x cp) (ZeRO-1 splits by whole parameters, so only about evenly); 2 + gradients / (dp x cp) (FSDP2 keeps
-  parameters gathered from forward to backward); 3 + parameters / (dp x cp) (plus the gathered working set of the
-  current and the prefetched block). cp alone divides none of them: every cp rank holds the same parameters.
-- Experts (mixture-of-experts models): under ep each rank keeps num_experts / ep of every MoE block's experts, so
-  their parameters, gradients and AdamW state are divided by ep on top of tp's split (`expert_facts.py`), and the
-  sharding levels split them over the ranks holding the same experts, dp x cp / ep of them, as the engine does
-  (ZeRO-1 over that group at level 1, FSDP2 units on it at levels 2-3), while the dense ones split over dp x cp;
-  at levels 0-1 their gradients skip DDP and are averaged over those ranks in one flat buffer (a copy of the
-  local expert gradients, none when ep = dp x cp); the dispatch keeps the k routed copies of the rank's tokens
-  received by its experts and their outputs sent back, 2 sbkh per MoE layer of the stage (balanced routing).
-  ep composes with pp (each stage's experts) and every level, not with hybrid sharding.
-- Layouts: the engine decides which run (`engine/layouts.py`: `validate` over a mesh of sizes alone, on this meta
-  model, with the family's capabilities for it); `estimate` raises the engine's error for a layout it refuses and
-  `candidate_layouts` yields only the ones it accepts.
-- Buffers: DDP's gradient buckets or, under pp, the flattened gradients of the dp all-reduce (one more copy of
-  the gradients, levels 0-1); FSDP2's gathered blocks and reduce-scatter input (levels 2-3).
-- Activations per micro-batch, per decoder layer: Korthikanti et al. 2022 (GPT with dropout, 16-bit, scores
-  materialised) sbh(34 + 5as/h) at tp=1, sbh(10 + 24/t + 5as/(ht)) at tp=t without sequence parallelism and
-  sbh(34/t + 5as/(ht)) with it, scaled by the dtype, plus 4sbh(1 + v/h)/t outside the layers; and, for
-  Llama-style decoders, the same counting done for this engine's Llama (`llama_layer_bytes`), which matches
-  measurement (tests/test_memory_planner.py); both formulas are in activations.py. Pipeline: under 1F1B stage
-  s keeps pp - s micro-batches in flight (the first stage holds pp of them); under GPipe every stage keeps all
-  of them. Context parallelism (cp): every activation is counted for the s/cp tokens a rank holds, plus ring
-  attention's K/V blocks in flight per layer (`ring_attention_layer_bytes`).
-Not counted: the runtime (CUDA context, NCCL), allocator fragmentation, temporary buffers of single ops:
-`suggest_layouts` keeps a reserve of device memory for them.
+Parameters are counted from the family's plan resolved at the simulated tp, per pipeline stage; the rank with the
+most bytes is reported. The assumptions (optimizer, sharding levels, experts, buffers, activation formulas) are in
+every estimate's `notes` and in docs/architecture.md, "Module notes".
 """
 
 from __future__ import annotations

@@ -68,7 +68,7 @@ def style_from_dict(entry: Mapping, where: str) -> ParallelStyle:
     if cls is None:
         raise ValueError(
             f"plan file entry {where}: unknown style {name!r}; known: {', '.join(sorted(STYLES))} "
-            "(register custom ones with optimum_parallel.planning.plan_files.register_style)"
+            "(register custom ones with optimum_parallel.memory_planner.plan_files.register_style)"
         )
     args = dict(entry.get("args") or {})
     accepted = inspect.signature(cls.__init__).parameters
