@@ -1,30 +1,47 @@
 """TRL's fused LM head on a parallel model: `model(..., labels=labels, fused_lm_head=True)` returns TRL's
 `FusedCausalLMOutput`, its per-token fields those of the whole sequence and the whole vocabulary on every rank.
 
-TRL's trainers (DPO, GRPO, SFT) replace `model.forward` with one that multiplies the hidden states by
-`lm_head.weight` and scores every label of a row (`trl.trainer.utils.add_fused_lm_head`). On a parallel model that
-weight is a slice of the vocabulary (tp) and a rank holds a part of each row (cp), so the forward installed here
-runs the model's own forward (logits of this rank's vocabulary slice and sequence chunks), scores the labels with
-the vocab-parallel reductions (`tensor_parallel.logprobs`) and, under cp, puts the per-token numbers of every rank
-together: every rank then holds the (batch, seq - 1) tensors TRL reads, and its sums over a completion are whole. The
-gradient of that gather passes cp x each rank's own part back (data parallelism averages the gradients over dp x cp,
-as for the cp loss, `context_parallel/loss.py`).
+TRL's trainers (DPO, GRPO, RLOO, KTO) replace `model.forward` with one that multiplies the hidden states by
+`lm_head.weight` and scores every label of a row, a chunk of tokens at a time (`trl.trainer.utils.add_fused_lm_head`).
+On a parallel model that weight is a slice of the vocabulary (tp) and a rank holds a part of each row (cp), so the
+forward installed here runs the model's backbone (this rank's sequence chunks under cp), enters the LM head's tp
+region with the hidden states (all-gathered over the sequence under sp), and scores the labelled positions against
+this rank's slice of the head a chunk of tokens at a time (`tensor_parallel.logprobs.head_token_scores`: per chunk
+the projection, the vocab-parallel max / log-sum-exp / label-logit reductions, then the chunk is freed; its backward
+projects each chunk again), so it never holds the tokens x V_local logits, as TRL's head never holds tokens x V. The
+logits go through what the model's own forward does to them (logit scale, final softcapping, read from the config as
+TRL reads them) and are divided by the temperature. A head this path cannot multiply by directly (an adapter or
+hooks on it, a head that gathers its output) runs the model's own forward and scores its logits instead. Under cp
+the per-token numbers of every rank are put together: every rank then holds the (batch, seq - 1) tensors TRL reads,
+and its sums over a completion are whole. The gradient of that gather passes cp x each rank's own part back (data
+parallelism averages the gradients over dp x cp, as for the cp loss, `context_parallel/loss.py`).
 """
 
 from __future__ import annotations
 
 import contextlib
 import inspect
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed import ProcessGroup
+from torch.distributed.tensor import DTensor
 
+from ...comm.autograd_collectives import copy_to_tensor_parallel_region
 from ...mesh import ranks
 from ...plan import logits_mode
 from ...state import parallel_state
-from ...tensor_parallel.logprobs import IGNORE_INDEX, token_log_probs, token_statistics, vocab_slice
+from ...tensor_parallel.layers import ColumnParallelLinear
+from ...tensor_parallel.logprobs import (
+    IGNORE_INDEX,
+    LogitTransform,
+    head_token_scores,
+    token_log_probs,
+    token_statistics,
+    vocab_slice,
+)
 
 
 class _GatherSequence(torch.autograd.Function):
@@ -52,6 +69,71 @@ def whole_sequence(x: torch.Tensor, model: nn.Module) -> torch.Tensor:
 
 def _statistics(logits, labels, head, group: ProcessGroup | None):
     return token_statistics(logits, labels, group, head.vocab_start, head.vocab_size)
+
+
+def logit_transform(model: nn.Module, temperature: float = 1.0) -> LogitTransform:
+    """What `model`'s own forward does to its LM head's output, read from its config as TRL's `add_fused_lm_head`
+    reads it (logit_scale, output_multiplier, lm_head_multiplier or logits_scaling; final_logit_softcapping), then
+    the division by `temperature`."""
+    config = model.config.get_text_config()
+    scale = getattr(config, "logit_scale", None)
+    if scale is None:
+        scale = getattr(config, "output_multiplier", None)
+    if scale is None:
+        scale = getattr(config, "lm_head_multiplier", None)
+    logits_scaling = getattr(config, "logits_scaling", None)
+    if scale is None and logits_scaling is not None:  # HyperCLOVA X multiplies by it, Granite and MiniCPM3 divide
+        scale = logits_scaling if config.model_type == "hyperclovax" else 1 / logits_scaling
+    softcap = getattr(config, "final_logit_softcapping", None)
+    return LogitTransform(1.0 if scale is None else scale, softcap, temperature)
+
+
+@dataclass(frozen=True)
+class HeadProjection:
+    """The LM head the chunked path multiplies the hidden states by: the module (nn.Linear, or a vocab-parallel
+    ColumnParallelLinear) and the backbone that feeds it."""
+
+    head: nn.Module
+    backbone: nn.Module
+
+    def enter(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The hidden states as the head's slice reads them: through its tp region's entry (identity forward,
+        all-reduce of the gradient backward; the sequence all-gathered under sp), as the head's own forward enters."""
+        head = self.head
+        entry = getattr(getattr(head, "wiring", None), "entry", None)
+        if not isinstance(head, ColumnParallelLinear) or entry is None:  # one rank's head, or entered by the caller
+            return hidden
+        return entry(hidden, head.group, head.wiring.splits_sequence())
+
+    def weight(self) -> torch.Tensor:
+        head = self.head
+        replicas = getattr(head, "replica_group", None)  # a replicated shard: its gradient summed over the replicas
+        return head.weight if replicas is None else copy_to_tensor_parallel_region(head.weight, replicas)
+
+    def bias(self) -> torch.Tensor | None:
+        head, replicas = self.head, getattr(self.head, "replica_group", None)
+        if head.bias is None or replicas is None:
+            return head.bias
+        return copy_to_tensor_parallel_region(head.bias, replicas)
+
+
+def head_projection(model: nn.Module) -> HeadProjection | None:
+    """`model`'s LM head for the chunked path, or None where the model's own forward must compute the logits: a head
+    wrapped (an adapter, FSDP2 unit) or hooked, one that gathers its output, a weight held as a DTensor, a model
+    without a backbone of its own (`base_model`)."""
+    get_head = getattr(model, "get_output_embeddings", None)
+    head = get_head() if get_head is not None else None
+    if isinstance(head, ColumnParallelLinear):
+        if head.gather_output:
+            return None
+    elif type(head) is not nn.Linear:
+        return None
+    if head._forward_pre_hooks or head._forward_hooks or isinstance(head.weight, DTensor):
+        return None
+    backbone = getattr(model, "base_model", None)
+    if backbone is None or backbone is model:
+        return None
+    return HeadProjection(head, backbone)
 
 
 class FusedHead:
@@ -86,6 +168,8 @@ class FusedHead:
             )
         if state.pipeline is not None:
             fields = self._through_pipeline(state.pipeline, kwargs, labels, shift_labels)
+        elif (projection := head_projection(self.model)) is not None:
+            fields = self._through_head(projection, kwargs, labels, shift_labels)
         else:
             fields = self._through_model(kwargs, labels, shift_labels)
         log_probs, entropy, log_sum_sq, mean_logits, is_top1, mask = fields
@@ -99,6 +183,36 @@ class FusedHead:
             is_top1=is_top1,
             label_mask=mask,
         )
+
+    def _through_head(self, projection: HeadProjection, kwargs: dict, labels, shift_labels) -> tuple:
+        """The backbone's hidden states (under cp this rank's chunks, the labels cut by the input split), the labelled
+        positions scored a chunk of tokens at a time against this rank's slice of the head, the per-token numbers
+        put together over cp."""
+        model = self.model
+        kwargs["use_cache"] = False
+        hidden = projection.enter(projection.backbone(**kwargs).last_hidden_state)
+        if parallel_state(model).context_parallel is None:
+            if shift_labels is None:
+                hidden, labels = hidden[:, :-1], labels[:, 1:]
+            else:
+                labels = shift_labels
+        weight = projection.weight()
+        hidden, labels = hidden.to(weight.device), labels.to(weight.device)
+        mask = labels != IGNORE_INDEX
+        where = vocab_slice(model)
+        transform = logit_transform(model, self.temperature)
+        scores = head_token_scores(
+            hidden[mask], weight, projection.bias(), labels[mask], where.group, where.vocab_start, where.vocab_size,
+            transform,
+        )  # fmt: skip
+
+        def placed(x: torch.Tensor) -> torch.Tensor:  # (labelled tokens,) -> (batch, tokens), 0 elsewhere
+            return whole_sequence(x.new_zeros(mask.shape).masked_scatter(mask, x), model)
+
+        per_token = [scores.log_prob, scores.entropy, scores.log_sum_sq_probs, scores.mean_logit]
+        log_probs, entropy, log_sum_sq, mean_logits = (placed(x) for x in per_token)
+        is_top1 = placed(scores.correct.float()).bool()
+        return log_probs, entropy, log_sum_sq, mean_logits, is_top1, whole_sequence(mask.float(), model).bool()
 
     def _through_model(self, kwargs: dict, labels, shift_labels) -> tuple:
         """The model's own forward (this rank's vocabulary slice; under cp its chunks, the labels cut by the input
