@@ -291,7 +291,7 @@ def main() -> None:
             ratio,
         ]
         rows.append(cells)
-    print_table(header, rows, align_numbers=True)
+    print_table(header, rows, align_numbers=True, title=f"saves at tp={args.tp}")
     print(
         "goals: async stall (call + optimizer wait) <= 0.1x blocking; steps during the background write <= 1.2x steps "
         "without one"

@@ -222,7 +222,7 @@ def print_model(name: str, margs: argparse.Namespace, results: list[Result]) -> 
                 f"{result.loss:.6f}{'' if match else ' (differs)'}",
             )
         )
-    print_table(header, rows)
+    print_table(header, rows, title=name)
     if all(r.error is None for r in results):
         print("\n".join(goals({r.name: r for r in results})))
 

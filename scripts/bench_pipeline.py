@@ -30,14 +30,15 @@ What it measures
     less than --min-cpu-share of a core inside its computations (see cpu/wall below).
 
 How it measures
-    On every rank, the bound methods `forward_one_chunk`, `backward_one_chunk` and `backward_weight_one_chunk` of its
-    `torch.distributed.pipelining.PipelineStage` objects (`model.pipeline.pipeline_stages`) and the schedule's
-    `_compute_loss` are wrapped with timers (wall clock and thread CPU time). These are exactly the stage computations
-    (the schedule waits for its p2p receives outside them), so everything else in the step is idle: waiting on a
-    neighbour, p2p transfers, the schedule's own Python, the final loss broadcast and barrier. The column
-    "cpu/wall" is the lowest ratio, over ranks, of CPU time to wall time inside the computations: 1.00 means the rank
-    had its core to itself, 0.5 that it ran half of the time. The load average before each group of processes and
-    at the end is printed too: other work on the machine slows ranks unevenly and shows up as idle time.
+    On every rank, the bound methods `forward_one_chunk`, `backward_one_chunk` and `backward_weight_one_chunk` of the
+    `torch.distributed.pipelining.PipelineStage` objects and the `_compute_loss` of the torch schedule the pipeline
+    steps with are wrapped with timers (wall clock and thread CPU time); the pipeline builds that schedule, over torch
+    stages of its own, per batch shape on first use (`Pipeline._schedule_for`), and each is wrapped as it is handed out.
+    These are exactly the stage computations (the schedule waits for its p2p receives outside them), so everything else
+    in the step is idle: waiting on a neighbour, p2p transfers, the schedule's own Python, the final loss broadcast and
+    barrier. The column "cpu/wall" is the lowest ratio, over ranks, of CPU time to wall time inside the computations:
+    1.00 means the rank had its core to itself, 0.5 that it ran half of the time. The load average before each group of
+    processes and at the end is printed too: other work on the machine slows ranks unevenly and shows up as idle time.
 
 Caveats
     - This machine has 2 cores. pp=2 is one single-threaded process per core. pp=4 puts 4 processes on 2 cores: a
@@ -193,14 +194,30 @@ class BusyTimer:
 
         setattr(owner, name, timed)  # an instance attribute: shadows the bound method on this object only
 
+    def wrap_schedule(self, schedule: object) -> None:
+        """Time the forward, backward (input) and backward (weight) of the schedule's torch stages, and its loss."""
+        stages = getattr(schedule, "_stages", None) or [schedule._stage]  # multi-stage schedules, or one stage
+        for stage in stages:
+            for name in TIMED_STAGE_METHODS:
+                self.wrap(stage, name)
+        self.wrap(schedule, "_compute_loss")
+
     @classmethod
     def attach(cls, pipeline: object) -> BusyTimer:
-        """Time the forward, backward (input) and backward (weight) of every local stage, and the loss."""
+        """Time every schedule the pipeline steps with. The pipeline builds one torch schedule (over torch stages of
+        its own) per batch shape, on first use (`Pipeline._schedule_for`): each is wrapped when first handed out."""
         timer = cls()
-        for stage in pipeline.pipeline_stages:
-            for name in TIMED_STAGE_METHODS:
-                timer.wrap(stage, name)
-        timer.wrap(pipeline.schedule, "_compute_loss")
+        schedule_for = pipeline._schedule_for
+        wrapped: set[int] = set()  # ids of the schedules already timed (a schedule is kept and handed out again)
+
+        def timed_schedule_for(key):
+            schedule = schedule_for(key)
+            if id(schedule) not in wrapped:
+                wrapped.add(id(schedule))
+                timer.wrap_schedule(schedule)
+            return schedule
+
+        pipeline._schedule_for = timed_schedule_for  # an instance attribute: shadows the method on this pipeline
         return timer
 
 

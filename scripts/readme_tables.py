@@ -28,11 +28,21 @@ def tables_of(document: dict) -> list[str]:
     ]
     for spec in document.get("tables", []):
         rows = [r for r in document["rows"] if r["table"] == spec["name"]]
-        keys = list(dict.fromkeys((r.get("row"), r["variant"]) for r in rows))  # a printed row, or a variant
-        cells = {(r.get("row"), r["variant"], r["metric"]): r["text"] for r in rows}
-        body = [[v, *(cells.get((i, v, m), "") for m in spec["columns"][1:])] for i, v in keys]
-        lines += ["", spec["name"], "", *markdown_lines(spec["columns"], body, align_numbers=True)]
+        lines += ["", spec["name"], "", *markdown_lines(spec["columns"], table_body(spec, rows), align_numbers=True)]
     return lines
+
+
+def table_body(spec: dict, rows: list[dict]) -> list[list[str]]:
+    """The cells of one table: a printed row's in the order they were recorded (one per column after the first,
+    whatever the columns' names: two may share one, "cp=2" under two models), a recorded variant's by metric."""
+    body: dict[tuple, list[str]] = {}
+    for r in rows:
+        if r.get("row") is not None:  # a printed row: its cells in column order
+            body.setdefault((r["row"], r["variant"]), [r["variant"]]).append(r["text"])
+        else:  # `record`ed: one cell per metric, where its column is
+            cells = body.setdefault((None, r["variant"]), [r["variant"], *([""] * (len(spec["columns"]) - 1))])
+            cells[spec["columns"].index(r["metric"])] = r["text"]
+    return list(body.values())
 
 
 def main(argv: list[str] | None = None) -> None:
