@@ -20,8 +20,9 @@ every loss type, the metrics); what changes is where the per-token log-probabili
 
 Refused before anything changes, by name (`check_dpo_options`): pp together with cp (the pipeline's pass scores whole
 rows), `use_liger_kernel`, `sync_ref_model` (the policy's FSDP2 shards and the replicated reference do not line up),
-and a MoE model's `router_aux_loss_coef != 0`. A dataset without `chosen` / `rejected` raises TRL's error on every
-rank before any collective.
+a MoE model's `router_aux_loss_coef != 0`, and TRL's vision-language path (a multimodal processor as `processing_class`,
+or `image` / `images` rows: `check_text_only`). A dataset without `chosen` / `rejected` raises TRL's error on every rank
+before any collective.
 """
 
 from __future__ import annotations
@@ -55,8 +56,34 @@ class ParallelDPOConfig(DPOConfig, ParallelTrainingArguments):
     TRL's defaults (learning rate, bf16, logging_steps, ...) win over `TrainingArguments`' own, as with TRL alone."""
 
 
-def check_dpo_options(args: DPOConfig) -> None:
-    """ValueError naming the first TRL option that cannot work on the layout `args` asks for."""
+def check_text_only(trainer: str, kwargs: dict[str, Any]) -> None:
+    """ValueError, on every rank before anything loads, for TRL's vision-language path: a multimodal processor as
+    `processing_class` or image rows (`image` / `images`) in `train_dataset`. TRL then collates pixel values and
+    image grids with each batch, a path not shown to give TRL's figures on a parallel policy (its reference is
+    loaded with `model_class`, a causal LM by default; the pipeline's columns carry no images): refused, rather
+    than trained to figures that may differ."""
+    from transformers import ProcessorMixin
+
+    processor = kwargs.get("processing_class")
+    if isinstance(processor, ProcessorMixin):
+        raise ValueError(
+            f"processing_class={type(processor).__name__} (a multimodal processor: a vision-language policy's "
+            f"images) is not supported by {trainer}; allowed: a tokenizer (text-only policies and rows)"
+        )
+    dataset = kwargs.get("train_dataset")
+    first = next(iter(dataset), None) if dataset is not None else None
+    for key in ("image", "images"):
+        if isinstance(first, dict) and key in first:
+            raise ValueError(
+                f"train_dataset with an {key!r} column (vision-language rows) is not supported by {trainer}; "
+                "allowed: text-only rows"
+            )
+
+
+def check_dpo_options(args: DPOConfig, kwargs: dict[str, Any] | None = None) -> None:
+    """ValueError naming the first TRL option that cannot work on the layout `args` asks for (with the trainer's
+    keyword arguments `kwargs`: a multimodal processor or image rows, `check_text_only`)."""
+    check_text_only("ParallelDPOTrainer", kwargs or {})
     if args.pipeline_parallel_size > 1 and args.context_parallel_size > 1:
         raise ValueError(
             f"pipeline_parallel_size={args.pipeline_parallel_size} with context_parallel_size="
@@ -132,7 +159,7 @@ class ParallelDPOTrainer(ParallelTrainerMixin, DPOTrainer):
     ) -> None:
         if not isinstance(args, ParallelDPOConfig):
             raise TypeError(f"ParallelDPOTrainer needs ParallelDPOConfig arguments, got {type(args).__name__}")
-        check_dpo_options(args)
+        check_dpo_options(args, kwargs)
         if kwargs.get("train_dataset") is None:
             raise ValueError("`train_dataset` is required")
         check_preference_dataset(kwargs["train_dataset"])

@@ -20,7 +20,8 @@ At dp = N the KL completions are rotated within each replica's batch, as TRL rot
 on N processes (`per_device_train_batch_size` is the replica's).
 
 Refused before anything changes, by name (`check_kto_options`): pp together with cp, `use_liger_kernel`,
-`sync_ref_model`, and a MoE model's `router_aux_loss_coef != 0`.
+`sync_ref_model`, a MoE model's `router_aux_loss_coef != 0`, and TRL's vision-language path (a multimodal processor or
+`image` / `images` rows, as DPO's `check_text_only`).
 """
 
 from __future__ import annotations
@@ -38,7 +39,7 @@ from ...plan.wrappers import plan_root
 from ..transformers.internals import check_overrides, private_override
 from ..transformers.trainer import ParallelTrainerMixin
 from ..transformers.training_args import ParallelTrainingArguments
-from .dpo import ParallelDPOTrainer, _is_peft
+from .dpo import ParallelDPOTrainer, _is_peft, check_text_only
 from .fused_head import install_fused_head
 
 
@@ -48,8 +49,10 @@ class ParallelKTOConfig(KTOConfig, ParallelTrainingArguments):
     TRL's defaults (learning rate, sequential sampling, bf16, ...) win over `TrainingArguments`' own."""
 
 
-def check_kto_options(args: KTOConfig) -> None:
-    """ValueError naming the first TRL option that cannot work on the layout `args` asks for."""
+def check_kto_options(args: KTOConfig, kwargs: dict[str, Any] | None = None) -> None:
+    """ValueError naming the first TRL option that cannot work on the layout `args` asks for (with the trainer's
+    keyword arguments `kwargs`: a multimodal processor or image rows, as DPO's `check_text_only`)."""
+    check_text_only("ParallelKTOTrainer", kwargs or {})
     if args.pipeline_parallel_size > 1 and args.context_parallel_size > 1:
         raise ValueError(
             f"pipeline_parallel_size={args.pipeline_parallel_size} with context_parallel_size="
@@ -87,7 +90,7 @@ class ParallelKTOTrainer(ParallelTrainerMixin, KTOTrainer):
     ) -> None:
         if not isinstance(args, ParallelKTOConfig):
             raise TypeError(f"ParallelKTOTrainer needs ParallelKTOConfig arguments, got {type(args).__name__}")
-        check_kto_options(args)
+        check_kto_options(args, kwargs)
         if kwargs.get("train_dataset") is None:
             raise ValueError("`train_dataset` is required")
         if ref_model is not None and ref_model is model:
