@@ -500,17 +500,7 @@ class ParallelGRPOTrainer(ParallelTrainerMixin, GRPOTrainer):
             return super().training_step(model, inputs, num_items_in_batch)
         self._pipeline_pass = None
         loss = GRPOTrainer.training_step(self, model, inputs, num_items_in_batch)  # TRL's, backward to the leaf
-        input_ids, attention_mask, labels = self._pipeline_pass
-        weights = self._policy_head.pipeline_log_probs.grad
-        root = plan_root(self.accelerator.unwrap_model(model))
-        surrogate = _TemperedLogProbs(root, weights, root.config.get_text_config().vocab_size, self.temperature)
-        previous, root.loss_function = root.loss_function, surrogate
-        try:
-            with self.accelerator.autocast():
-                model.run_train(input_ids=input_ids, labels=surrogate.encode(labels), attention_mask=attention_mask)
-        finally:
-            root.loss_function = previous
-            self._pipeline_pass = None
+        tempered_pipeline_pass(self, model)
         return loss
 
     # ------------------------------------------------------------------ generation
@@ -668,6 +658,23 @@ class ParallelGRPOTrainer(ParallelTrainerMixin, GRPOTrainer):
             logps.append(output.log_probs[:, -logits_to_keep:])
             entropies.append(output.entropy[:, -logits_to_keep:])
         return torch.cat(logps), (torch.cat(entropies) if compute_entropy else None), None
+
+
+def tempered_pipeline_pass(trainer, model) -> None:
+    """The second of the two passes of a sampling trainer's pp step (GRPO's, RLOO's): the pipeline's forward and
+    backward of sum(weight x log p(token)) over the rows `trainer.compute_loss` kept (`_pipeline_pass`), the weights
+    being the gradient TRL's step left on the fused head's log-prob leaf, the logits divided by the temperature."""
+    input_ids, attention_mask, labels = trainer._pipeline_pass
+    weights = trainer._policy_head.pipeline_log_probs.grad
+    root = plan_root(trainer.accelerator.unwrap_model(model))
+    surrogate = _TemperedLogProbs(root, weights, root.config.get_text_config().vocab_size, trainer.temperature)
+    previous, root.loss_function = root.loss_function, surrogate
+    try:
+        with trainer.accelerator.autocast():
+            model.run_train(input_ids=input_ids, labels=surrogate.encode(labels), attention_mask=attention_mask)
+    finally:
+        root.loss_function = previous
+        trainer._pipeline_pass = None
 
 
 class _TemperedLogProbs(_WeightedLogProbs):

@@ -55,8 +55,8 @@ from .grpo import (
     ParallelGRPOTrainer,
     _generate_without_cache,
     _size_generation_batch,
-    _TemperedLogProbs,
     _vocab_parallel_head,
+    tempered_pipeline_pass,
 )
 from .replicas import ReplicaView, over_replicas, swapped_globals
 
@@ -180,17 +180,7 @@ class ParallelRLOOTrainer(ParallelTrainerMixin, RLOOTrainer):
             return super().training_step(model, inputs, num_items_in_batch)
         self._pipeline_pass = None
         loss = RLOOTrainer.training_step(self, model, inputs, num_items_in_batch)  # TRL's, backward to the leaf
-        input_ids, attention_mask, labels = self._pipeline_pass
-        weights = self._policy_head.pipeline_log_probs.grad
-        root = plan_root(self.accelerator.unwrap_model(model))
-        surrogate = _TemperedLogProbs(root, weights, root.config.get_text_config().vocab_size, self.temperature)
-        previous, root.loss_function = root.loss_function, surrogate
-        try:
-            with self.accelerator.autocast():
-                model.run_train(input_ids=input_ids, labels=surrogate.encode(labels), attention_mask=attention_mask)
-        finally:
-            root.loss_function = previous
-            self._pipeline_pass = None
+        tempered_pipeline_pass(self, model)
         return loss
 
     def prediction_step(self, model, inputs, prediction_loss_only, ignore_keys=None):
