@@ -5,7 +5,7 @@ and a seeded `score` head), TRL's RewardTrainer on one process as the reference 
 from __future__ import annotations
 
 import torch
-from _dpo import dpo_args, preference_dataset
+from _dpo import dpo_args, noise_floor, preference_dataset
 
 METRICS = ("loss", "grad_norm", "min_reward", "mean_reward", "max_reward", "accuracy", "margin", "num_tokens")
 
@@ -73,3 +73,20 @@ def train_parallel_reward(
         return evaluation(trainer.evaluate())
     trainer.train()
     return metrics_per_step(trainer.state.log_history)
+
+
+def cached_references(reward_dirs: tuple[str, str], tmp_path_factory):
+    """`run(**options)`: TRL's figures on one process and their fp32 noise floor (the run from the perturbed
+    checkpoint), made once per options for a test module."""
+    done: dict[str, tuple] = {}
+
+    def run(**options) -> tuple[dict, dict]:
+        key = repr(sorted(options.items()))
+        if key not in done:
+            expected = trl_reference(reward_dirs[0], str(tmp_path_factory.mktemp("ref")), **options)
+            moved = trl_reference(reward_dirs[1], str(tmp_path_factory.mktemp("ref")), **options)
+            done[key] = expected, noise_floor(expected, moved)
+            print("noise", options, {k: f"{v:.1e}" for k, v in done[key][1].items()})
+        return done[key]
+
+    return run

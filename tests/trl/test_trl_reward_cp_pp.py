@@ -11,8 +11,13 @@ import pytest
 
 pytest.importorskip("trl")
 
-from _dpo import check_against, noise_floor, perturbed_copy, save_tiny  # noqa: E402
-from _reward import reward_checkpoint, train_parallel_reward, trl_reference  # noqa: E402
+from _dpo import check_against, perturbed_copy, save_tiny  # noqa: E402
+from _reward import (  # noqa: E402
+    cached_references,
+    reward_checkpoint,
+    train_parallel_reward,
+    trl_reference,
+)
 
 WORLD_SIZE = 2
 TOL = 1e-5  # relative, per step and metric, or 10 x the fp32 noise floor where larger (see `_dpo.check_against`)
@@ -36,18 +41,7 @@ def reward_dirs(tmp_path_factory) -> tuple[str, str]:
 
 @pytest.fixture(scope="module")
 def reference(reward_dirs, tmp_path_factory):
-    done: dict[str, tuple] = {}
-
-    def run(**options) -> tuple[dict, dict]:
-        key = repr(sorted(options.items()))
-        if key not in done:
-            expected = trl_reference(reward_dirs[0], str(tmp_path_factory.mktemp("ref")), **options)
-            moved = trl_reference(reward_dirs[1], str(tmp_path_factory.mktemp("ref")), **options)
-            done[key] = expected, noise_floor(expected, moved)
-            print("noise", options, {k: f"{v:.1e}" for k, v in done[key][1].items()})
-        return done[key]
-
-    return run
+    return cached_references(reward_dirs, tmp_path_factory)
 
 
 @pytest.mark.parametrize("case", list(CASES))
