@@ -22,7 +22,7 @@ _TESTS = os.path.dirname(os.path.abspath(__file__))
 
 def forkserver_context():
     """The forkserver context every test process forks from: one server imports torch, transformers and the
-    package's heavy rooms (`_preload`) once per test session, so a worker starts in ~0.1 s instead of importing them
+    package's heavy modules (`_preload`) once per test session, so a worker starts in ~0.1 s instead of importing them
     again (~5 s of CPU each on 2 cores). Python 3.11's forkserver ignores the parent's sys.path, so the tests
     directory reaches it through PYTHONPATH: without it `_preload` fails to import there, silently."""
     os.environ.setdefault("OMP_NUM_THREADS", "1")

@@ -1,5 +1,5 @@
 """What the test workers' forkserver imports once, so that every forked worker starts with it: the package is lazy
-(`import optimum_parallel` loads nothing), so its heavy rooms and torch's distributed modules are named here."""
+(`import optimum_parallel` loads nothing), so its heavy modules and torch's distributed modules are named here."""
 
 import peft  # noqa: F401
 import torch.distributed.fsdp  # noqa: F401

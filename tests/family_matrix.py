@@ -389,7 +389,7 @@ def check_layout(model_type: str, layout: str, config=None, spec: dict | None = 
             optimizer = parallelizer.optimizer_for_mp(optimizer, model.orig_param_to_parallel_param)
             if mesh.size("tp") > 1:
                 held = held_fraction(model, reference)
-        if mesh.size("ep") > 1:  # the experts split over ep by the engine's own door, with data parallelism
+        if mesh.size("ep") > 1:  # the experts split over ep by `op.parallelize`, with data parallelism
             model, optimizer = op.parallelize(model, optimizer, mesh, {"dp_config": {"sharding_level": 0}})
         else:
             level = op.DataParallelConfig(spec.get("level", 0))

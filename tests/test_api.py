@@ -1,4 +1,4 @@
-"""`op.parallelize(model, optimizer, mesh, config)`: the Paddle front door, its config errors and the example."""
+"""`op.parallelize(model, optimizer, mesh, config)`: Paddle's entry point, its config errors and the example."""
 
 from __future__ import annotations
 

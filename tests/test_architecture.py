@@ -1,4 +1,4 @@
-"""The rooms of the package import one way (import-linter's contracts, pyproject.toml; docs/architecture.md), and
+"""The subpackages import one way (import-linter's contracts, pyproject.toml; docs/architecture.md), and
 device specifics live in mesh/device.py only."""
 
 from __future__ import annotations
@@ -14,8 +14,8 @@ ROOT = PACKAGE.parent
 
 
 def test_the_import_linter_contracts_are_kept():
-    """The rooms' one-way arrows and no import circles: import-linter's contracts in pyproject.toml (the one list of
-    the levels; `make lint` runs the same), run here so `make test` fails on a wrong import too."""
+    """The subpackages' one-way arrows and no import circles: import-linter's contracts in pyproject.toml (the one list
+    of the levels; `make lint` runs the same), run here so `make test` fails on a wrong import too."""
     lint = Path(sys.executable).with_name("lint-imports")
     done = subprocess.run([str(lint), "--no-cache"], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-2000:]

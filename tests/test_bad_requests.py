@@ -1,7 +1,7 @@
-"""Bad requests at every door raise ONE error, on every rank, naming the key and the allowed values, before anything
-changes: the model keeps the same parameter objects with the same values and the same module types.
+"""Bad requests at every entry point raise ONE error, on every rank, naming the key and the allowed values, before
+anything changes: the model keeps the same parameter objects with the same values and the same module types.
 
-Doors: Paddle's `op.parallelize(model, optimizer, mesh, config)`, `Parallelizer.parallelize(model, ...)` after
+Entry points: Paddle's `op.parallelize(model, optimizer, mesh, config)`, `Parallelizer.parallelize(model, ...)` after
 `op.init_mesh`, `ParallelTrainer(model, ParallelTrainingArguments(...))`, and PEFT's `get_peft_model` in both orders.
 All cases run in one `pool.run` (4 ranks); each case's assertions are their own test id.
 """
@@ -64,7 +64,7 @@ def _lora(targets, **kwargs):
     return LoraConfig(r=4, target_modules=targets, **kwargs)
 
 
-# ---------------------------------------------------------------------------------------------------- the doors
+# ---------------------------------------------------------------------------------------------- the entry points
 
 
 def paddle(config, model=None, mesh=None, optimizer=None, layers=2, tied=False):
@@ -138,8 +138,8 @@ def peft_after(targets, mesh=None, **lora):
     return setup
 
 
-def peft_before(targets, door="parallelizer", plan=None):
-    """get_peft_model first, then parallelize (the Parallelizer, or Paddle's door with `plan`)."""
+def peft_before(targets, entry="parallelizer", plan=None):
+    """get_peft_model first, then parallelize (the Parallelizer, or Paddle's `parallelize` with `plan`)."""
 
     def setup():
         from peft import get_peft_model
@@ -148,7 +148,7 @@ def peft_before(targets, door="parallelizer", plan=None):
 
         mesh = _mesh(dp=2, tp=2)
         m = get_peft_model(_llama(), _lora(targets))
-        if door == "parallelizer":
+        if entry == "parallelizer":
             return m, lambda: op.ParallelizersManager.parallelizer_for_model(m).parallelize(m)
         return m, lambda: op.parallelize(m, None, mesh, {"mp_config": {"parallelize_plan": {**_plan(), **plan()}}})
 

@@ -1,5 +1,5 @@
-"""torch.compile on every layout (issue 35): each decoder block compiled (`compile=` on the doors), against the
-single-device transformers model (loss, every gradient, 3 AdamW steps), within fp32's noise floor: the worst error
+"""torch.compile on every layout (issue 35): each decoder block compiled (`compile=` on each entry point), against
+the single-device transformers model (loss, every gradient, 3 AdamW steps), within fp32's noise floor: the worst error
 of the same single-device run from weights perturbed by relative 1e-7; `torch._dynamo.explain` finds no graph break
 in one decoder block of each layout, and the steps after the first compile nothing new (gloo, 4 ranks). The
 Trainer's torch_compile, torch_compile_backend and torch_compile_mode, and the values `compile=` refuses.
@@ -188,7 +188,7 @@ def test_compiled_layout_matches_single_device(pool, name):
         assert result["graphs_after_all"] == result["graphs_after_first"], f"rank {rank}: recompiled ({result})"
 
 
-# ----------------------------------------------------------------------------------------------- the Trainer door
+# ----------------------------------------------------------------------------------------------- the Trainer
 
 
 def train_compiled(model_dir: str, output_dir: str, **compile_args) -> dict:
@@ -280,7 +280,7 @@ def test_bad_compile_values_are_refused(value, words):
 
 
 def test_neuron_compiler_gets_static_shapes():
-    """TorchNeuron's backend compiles with static shapes on every door (torch decides for the others)."""
+    """TorchNeuron's backend compiles with static shapes on every entry point (torch decides for the others)."""
     from optimum_parallel.engine.compile import CompileConfig, compile_config
 
     assert compile_config("neuron") == CompileConfig("neuron", dynamic=False)

@@ -19,7 +19,7 @@ INSTALLED_ONCE = (
 
 
 def _once_hooks(model) -> list[str]:
-    """The forward hooks on `model` from the packing room and the guards, by module."""
+    """The forward hooks on `model` from the `packing` package and the guards, by module."""
     hooks = [*model._forward_pre_hooks.values(), *model._forward_hooks.values()]
     functions = [h.func if isinstance(h, functools.partial) else h for h in hooks]
     return sorted(f.__module__ for f in functions if f.__module__ in INSTALLED_ONCE)
@@ -83,7 +83,7 @@ def record_cp() -> dict:
 def compose_twice() -> dict:
     """The Parallelizer's composition, then `parallelize`'s data parallelism on the same model."""
     import optimum_parallel as op
-    import optimum_parallel.frontends.parallelize as door
+    import optimum_parallel.frontends.parallelize as entry
 
     mesh = op.init_mesh(dp=2)
     config = tiny_config("llama")
@@ -92,12 +92,12 @@ def compose_twice() -> dict:
     model = op.ParallelizersManager.parallelizer_for_model(model).parallelize(model)
     first = op.parallel_state(model).runtime
     hooks = _once_hooks(model)
-    returned, compose = [], door.compose
-    door.compose = lambda *args: returned.append(compose(*args)) or returned[-1]  # the door returns (model, opt)
+    returned, compose = [], entry.compose
+    entry.compose = lambda *args: returned.append(compose(*args)) or returned[-1]  # `parallelize` returns (model, opt)
     try:
         parallel, optimizer = op.parallelize(model, optimizer, mesh, {"dp_config": {"sharding_level": 0}})
     finally:
-        door.compose = compose
+        entry.compose = compose
     second = op.parallel_state(model).runtime
     loss = parallel(**make_batch(config)).loss
     return {

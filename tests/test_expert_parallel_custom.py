@@ -1,4 +1,4 @@
-"""Expert parallelism for a custom model through Paddle's front door: the `ExpertParallel` plan style declares an
+"""Expert parallelism for a custom model through Paddle's `parallelize`: the `ExpertParallel` plan style declares an
 experts module laid out as no transformers family lays it out (`w13` / `w2` / `w2_bias`, counted by `n_experts`),
 and the model trains as one process on the global batch (gloo, 4 ranks)."""
 

@@ -1,7 +1,7 @@
 """The planner proposes exactly the layouts the engine runs (issue 43): for a few families built from transformers'
 config classes on the meta device, every layout of 1, 2, 4 and 8 ranks (tp x pp x cp x dp, SP on and off where
 tp > 1, every ep dividing dp x cp, every sharding level where dp x cp > 1) is given to the engine's `validate` over a
-mesh of sizes alone, through the family's own front door (`Parallelizer.validate`), and the set it accepts must be the
+mesh of sizes alone, through the family's own Parallelizer (`Parallelizer.validate`), and the set it accepts must be the
 set `MemoryPlanner.candidate_layouts` yields, each of which the planner can estimate. No process, no weights."""
 
 from __future__ import annotations
@@ -60,7 +60,7 @@ def grid(world: int):
 
 
 def door_refusal(model, family, layout: Layout, monkeypatch) -> str | None:
-    """What the family's own front door says of `layout` (`Parallelizer.validate`: the engine's checks of the request
+    """What the family's own Parallelizer says of `layout` (`Parallelizer.validate`: the engine's checks of the request
     `parallelize` would make) over the current mesh, here a mesh of sizes alone; None if it accepts it."""
     mesh = SimulatedMesh(layout.tp, sizes=dict(dp=layout.dp, pp=layout.pp, cp=layout.cp, ep=layout.ep))
     monkeypatch.setattr(MESH_MODULE, "_CURRENT_MESH", mesh)  # what `get_mesh()` returns; undone after the test
@@ -86,7 +86,7 @@ def test_planner_proposes_exactly_what_the_engine_accepts(name, monkeypatch):
     config = tiny_config(model_type, **overrides)
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config)
-    family = ParallelizersManager.parallelizer_for_model(model)  # as the front doors pick it
+    family = ParallelizersManager.parallelizer_for_model(model)  # as the entry points pick it
     planner = MemoryPlanner(config)
     cells = {world: list(grid(world)) for world in WORLDS}
     answers = {

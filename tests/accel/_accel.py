@@ -99,7 +99,7 @@ def _worker(rank: int, world_size: int, port: int, setup, own_group: bool, tasks
 
 
 def forkserver_context():
-    """A forkserver that imported torch, transformers, the package's heavy rooms and the test helpers once (not the
+    """A forkserver that imported torch, transformers, the package's heavy modules and the test helpers once (not the
     device: each worker installs it). The forkserver ignores the parent's sys.path: both test directories go in
     PYTHONPATH."""
     paths = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]

@@ -22,7 +22,7 @@ import threading
 import traceback
 from pathlib import Path
 
-# dp, tp, sequence parallelism, front door: the Parallelizer (tp) or `parallelize` with a dp_config
+# dp, tp, sequence parallelism, entry point: the Parallelizer (tp) or `parallelize` with a dp_config
 SCENARIOS = {
     "tp1": (1, 1, False, "parallelizer"),
     "tp2": (1, 2, False, "parallelizer"),
@@ -62,7 +62,7 @@ def _run(scenario: str, model_dir: str, out: str) -> None:
         import optimum_parallel as op
         from optimum_parallel.mesh import ranks
 
-    dp, tp, sequence_parallel, door = SCENARIOS[scenario]
+    dp, tp, sequence_parallel, entry = SCENARIOS[scenario]
     device = torch_xla.device()
     with SYNC_LOCK:  # group creation, one thread at a time
         mesh = op.init_mesh(dp=dp, tp=tp, device="xla", timeout=120)
@@ -73,7 +73,7 @@ def _run(scenario: str, model_dir: str, out: str) -> None:
     assert (mesh.rank("dp"), mesh.rank("tp")) == (ranks.rank(mesh.group("dp")), ranks.rank(mesh.group("tp")))
 
     refusals = {}
-    if door == "parallelizer":
+    if entry == "parallelizer":
         with op.lazy_load_for_parallelism(tensor_parallel_size=tp):  # each rank reads its slices, on the CPU
             model = load_llama(model_dir)
         parallelizer = op.ParallelizersManager.parallelizer_for_model(model)
@@ -82,10 +82,10 @@ def _run(scenario: str, model_dir: str, out: str) -> None:
         optimizer = torch.optim.AdamW(model.parameters(), lr=LR, eps=EPS)
         if dp > 1:  # then data parallelism over the tp-split model (gradients averaged over each shard's replicas)
             model, optimizer = op.parallelize(model, optimizer, mesh, {"dp_config": {"sharding_level": 0}})
-    else:  # Paddle's front door, data parallelism only: the model on the device first, then its optimizer
+    else:  # Paddle's `parallelize`, data parallelism only: the model on the device first, then its optimizer
         model = load_llama(model_dir).to(device)
         optimizer = torch.optim.AdamW(model.parameters(), lr=LR, eps=EPS)
-        if dp > 1:  # (at dp=1 the front door refuses a dp_config: the plain model runs the loop)
+        if dp > 1:  # (at dp=1 `parallelize` refuses a dp_config: the plain model runs the loop)
             refusals = refused_levels(model, optimizer, mesh)
             model, optimizer = op.parallelize(model, optimizer, mesh, {"dp_config": {"sharding_level": 0}})
     # layers whose wiring (decided with the plan) puts them in a sequence-parallel region

@@ -1,4 +1,4 @@
-"""Data parallelism on XLA devices: dp=2 over two XLA devices of one process (sharding level 0, Paddle's front door)
+"""Data parallelism on XLA devices: dp=2 over two XLA devices of one process (sharding level 0, Paddle's `parallelize`)
 equals one CPU process on the global batch: each step's loss, the logits, every gradient, 3 AdamW steps; sharding
 levels 1-3 are refused before anything changes. dp=2 x tp=2 over four devices equals it too.
 

@@ -1,8 +1,9 @@
-"""The habits users bring to a custom loop, tried as a user writes them, at tp=2 (2 ranks): what each one gives.
+"""Common steps of a custom training loop (per-rank seeding, a sampler over the world, torch's clipping, an optimizer
+made before parallelize, save_pretrained), tried as a user writes them, at tp=2 (2 ranks): what each one gives.
 
-    torchrun --nproc-per-node 2 scripts/habits.py
+    torchrun --nproc-per-node 2 scripts/custom_loop_checks.py
 
-One line per habit: a silently different model (the figure that shows it), or the error the package raises. Each
+One line per step: a silently different model (the figure that shows it), or the error the package raises. Each
 scenario is a tiny random-init model (no hub) against the same training on one process where a reference applies.
 """
 
@@ -64,7 +65,7 @@ def parallel(model):
     return op.ParallelizersManager.parallelizer_for_model(model).parallelize(model)
 
 
-def habit_seed_per_rank() -> str:
+def check_seed_per_rank() -> str:
     """Ranks seeded seed + rank at the top of the script, dropout on (GPT-2, p=0.2), 3 SGD steps."""
     model = gpt2()
     torch.manual_seed(100 + dist.get_rank())
@@ -79,7 +80,7 @@ def habit_seed_per_rank() -> str:
     return f"{differing} of {total} replicated parameters differ between the tp ranks after 3 steps"
 
 
-def habit_torch_clip() -> str:
+def check_torch_clip() -> str:
     """torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5), 3 SGD steps."""
     model = parallel(llama())
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
@@ -93,7 +94,7 @@ def habit_torch_clip() -> str:
     return f"rank {dist.get_rank()} clipped by norm {norms[0]:.3f}; {differing} of {total} replicated parameters differ"
 
 
-def habit_sampler_over_world() -> str:
+def check_sampler_over_world() -> str:
     """A DistributedSampler over the whole world: each tp rank is given other rows."""
     model = parallel(llama())
     rows = batch(rows=4)
@@ -104,7 +105,7 @@ def habit_sampler_over_world() -> str:
     return f"loss {loss.item():.4f}; one process on rank 0's rows {per_rank[0]:.4f}, on rank 1's {per_rank[1]:.4f}"
 
 
-def habit_optimizer_first() -> str:
+def check_optimizer_first() -> str:
     """AdamW(model.parameters()) made before parallelize, no optimizer_for_mp, 4 steps, against one process."""
     reference = llama()
     model = copy.deepcopy(reference)
@@ -126,7 +127,7 @@ def habit_optimizer_first() -> str:
     return f"losses {losses}, one process {ref_losses}"
 
 
-def habit_save_pretrained() -> str:
+def check_save_pretrained() -> str:
     """model.save_pretrained(dir) on every rank after a step, then from_pretrained on one process."""
     model = parallel(llama())
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
@@ -148,12 +149,12 @@ def habit_save_pretrained() -> str:
     return f"from_pretrained loads it; logits relative error {error:.2e} against the trained model"
 
 
-HABITS = {
-    "seeds per rank, dropout": habit_seed_per_rank,
-    "torch's clip_grad_norm_": habit_torch_clip,
-    "a sampler over the world": habit_sampler_over_world,
-    "an optimizer made first": habit_optimizer_first,
-    "save_pretrained": habit_save_pretrained,
+CHECKS = {
+    "seeds per rank, dropout": check_seed_per_rank,
+    "torch's clip_grad_norm_": check_torch_clip,
+    "a sampler over the world": check_sampler_over_world,
+    "an optimizer made first": check_optimizer_first,
+    "save_pretrained": check_save_pretrained,
 }
 
 
@@ -162,19 +163,19 @@ def main() -> None:
 
     op.init_mesh(tp=2, timeout=60)
     rows = []
-    for name, habit in HABITS.items():
+    for name, check in CHECKS.items():
         try:
-            outcome = habit()
+            outcome = check()
         except Exception as err:  # the package's refusal: what the user reads
             message = str(err).strip().splitlines()[0] if str(err).strip() else ""
             outcome = f"raises {type(err).__name__}: {message[:150]}"
-            if os.environ.get("HABITS_TRACEBACK"):
+            if os.environ.get("CUSTOM_LOOP_TRACEBACK"):
                 traceback.print_exc()
         outcomes = [None, None]
         dist.all_gather_object(outcomes, outcome)
         rows.append((name, outcomes))
     if dist.get_rank() == 0:
-        print(f"{'habit':<26} | rank | outcome")
+        print(f"{'loop step':<26} | rank | outcome")
         print("-" * 27 + "+------+" + "-" * 100)
         for name, outcomes in rows:
             for rank, outcome in enumerate(outcomes):

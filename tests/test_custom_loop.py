@@ -1,5 +1,6 @@
-"""The habits users bring to a custom loop (issue 33), written as a user writes them: each gives one device's answer
-or raises naming the fix, on every rank, without a hang (4 ranks, gloo).
+"""Common steps of a custom training loop (issue 33: per-rank seeding with dropout, torch's clipping, a sampler over
+the world, an optimizer made before parallelize, save_pretrained, a resume), written as a user writes them: each gives
+one device's answer or raises naming the fix, on every rank, without a hang (4 ranks, gloo).
 
 Randomness: with dropout on and every rank seeded differently before parallelize, replicated parameters stay
 bit-identical over the tp ranks (they share the default stream), and the masks of a split region (attention over a
@@ -226,7 +227,7 @@ def test_broadcast_takes_the_first_ranks_batch(pool):
 # ----------------------------------------------------------------------------------------------- an optimizer first
 
 
-def optimizer_first(door: str, kind: str, level: int | None = None) -> dict:
+def optimizer_first(entry: str, kind: str, level: int | None = None) -> dict:
     """The optimizer built on model.parameters() before parallelize, and never rebuilt; 4 steps against one device."""
     import optimum_parallel as op
 
@@ -236,7 +237,7 @@ def optimizer_first(door: str, kind: str, level: int | None = None) -> dict:
     model = copy.deepcopy(reference)
     make = (lambda ps: torch.optim.AdamW(ps, lr=1e-2)) if kind == "adamw" else (lambda ps: torch.optim.SGD(ps, lr=0.5))
     optimizer, ref_optimizer = make(model.parameters()), make(reference.parameters())
-    if door == "parallelizer":
+    if entry == "parallelizer":
         model = op.ParallelizersManager.parallelizer_for_model(model).parallelize(model)
     else:
         plan = op.ParallelizersManager.parallelizer_for_model(model).plan(model, mesh, True, False)
@@ -261,9 +262,9 @@ def optimizer_first(door: str, kind: str, level: int | None = None) -> dict:
     return {"worst": max(errors), "losses": losses}
 
 
-@pytest.mark.parametrize("door,kind", [("parallelizer", "adamw"), ("parallelizer", "sgd"), ("paddle", "adamw")])
-def test_an_optimizer_made_first_steps_the_parallel_model(pool, door, kind):
-    for result in pool.run(optimizer_first, door, kind):
+@pytest.mark.parametrize("entry,kind", [("parallelizer", "adamw"), ("parallelizer", "sgd"), ("paddle", "adamw")])
+def test_an_optimizer_made_first_steps_the_parallel_model(pool, entry, kind):
+    for result in pool.run(optimizer_first, entry, kind):
         assert result.get("worst", 1.0) <= 1e-5, result
 
 
