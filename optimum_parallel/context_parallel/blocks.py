@@ -1,20 +1,8 @@
 """Attention between chunks of one sequence, returning the log-sum-exp so partial results merge exactly.
 
-The sequence is cut into 2 cp equal chunks; a rank holds some query chunks and, at each ring step, some key /
-value chunks. Every (query chunk, key chunk) pair is one of: invisible (skipped: a later chunk under the causal
-mask, beyond the sliding window, in another attention chunk), fully visible, causal on the diagonal, or masked
-element by element (padding keys, a window edge, an attention chunk's edge, an image block that a later key shares
-with an earlier query). Only the last kind builds a mask, of chunk x chunk.
-
-Besides the causal mask and the sliding window, a pair's mask follows two rules read from global positions: `Spans`
-(llama4's chunked attention: a query sees keys of its own span only) and `Blocks` (Gemma 3's image tokens: the tokens
-of one image see each other both ways, so a later chunk can be visible to an earlier one). Attention sinks (gpt_oss:
-one logit per head that joins the softmax's denominator) join after every pair is merged (`add_sinks`).
-
-On CPU a pair runs torch's fused flash kernel (`_scaled_dot_product_flash_attention_for_cpu`, which returns the
-log-sum-exp and has a backward that takes the merged output and log-sum-exp): 5x faster than the matmul-softmax
-path at 4k tokens and O(chunk) memory. Soft-capped scores (gemma2) and other devices take the plain-tensor path,
-tiled over queries so the score block stays small.
+`Attend` (with `Spans`, `Blocks` and a packed row's `packed.Documents`) classifies every (query chunk, key chunk) pair
+and builds its mask; `attend_chunks` / `attend_chunks_backward` run the visible pairs, `merge` joins partial results
+and `add_sinks` / `sinks_grad` add attention sinks. Design notes: docs/module_notes.md.
 """
 
 from __future__ import annotations

@@ -1,16 +1,6 @@
-"""Context parallelism over packed rows: the sequence cut in equal chunks dealt to the cp ranks by attention work, and
-which chunk pairs see each other through the documents.
-
-A packed row (several documents, `packing.segment_ids` of its positions) has attention work sum(n_d^2 / 2) over its
-documents, not (row length)^2 / 2, and where that work lies depends on the document lengths: the fixed zigzag of
-`layout.ChunkLayout` (rank i holds chunks i and 2cp-1-i), exact for one causal sequence, is not for one long document
-among short ones. Here the row is cut into M = k cp equal chunks (k up to `CHUNKS_PER_RANK`, chosen to divide the length
-when one does, so no token is padded; else the row's end is padded as little as it can be), the work of every chunk is
-counted (for each query, the keys of its own document up to it, within the window), and the chunks are dealt to the
-ranks k each, heaviest first, each to the rank with the least work so far (longest-processing-time first with equal
-counts): every rank holds the same number of tokens and about the same work, whatever the document lengths. No
-document is padded. The attention skips every pair of chunks no query of which sees a key of the other (they share no
-document), needs no mask where both lie inside one document, and builds one from the documents otherwise.
+"""Context parallelism over packed rows: the row cut into equal chunks dealt to the cp ranks by attention work
+(`chunk_count`, `chunk_work`, `deal`, `PackedLayout`), and which chunk pairs see each other through the documents
+(`Documents`, made by `documents_for`). Design notes: docs/module_notes.md.
 """
 
 from __future__ import annotations
@@ -88,7 +78,8 @@ def chunk_work(segments: torch.Tensor, chunks: int, window: int | None = None, r
 
 
 def deal(work: list[int], cp: int) -> tuple[tuple[int, ...], ...]:
-    """`len(work)` chunks to `cp` ranks, the same number each, heaviest first to the least loaded rank with room."""
+    """`len(work)` chunks to `cp` ranks, the same number each: heaviest first, each to the least loaded rank that is
+    not yet full."""
     per_rank = len(work) // cp
     load, owned = [0] * cp, [[] for _ in range(cp)]
     for chunk in sorted(range(len(work)), key=lambda j: (-work[j], j)):

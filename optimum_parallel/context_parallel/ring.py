@@ -1,15 +1,6 @@
-"""Ring attention: the key / value chunks travel around the cp ring while each rank attends its query chunks
-to the chunks it holds; partial results merge by log-sum-exp (online softmax), so the result is exact.
-
-Forward: cp steps; at step t a rank holds the keys of rank (rank - t), and the next transfer is started before
-the step's computation (overlapped). Backward: the keys travel the same way, each followed by the gradient of
-those keys, accumulated by every rank it visits and handed back to its owner after the last step. Memory per
-rank: its own q, k, v, output and log-sum-exp plus two key/value buffers in flight; nothing of size seq^2.
-
-torch's `context_parallel` (experimental) handles a causal mask only, with no padding mask, sliding window, soft
-cap, attention chunks, image blocks or attention sinks: this is written here for those. Sinks (one logit per head,
-(heads,)) join the merged result at the end of the forward (`blocks.add_sinks`); their gradient is summed over this
-rank's query rows, and over the cp ranks by the data-parallel reduction like every other parameter's.
+"""Ring attention: the key / value chunks travel around the cp ring while each rank attends its query chunks to the
+chunks it holds; partial results merge by log-sum-exp, so the result is exact. `ring_attention` (the autograd function
+`RingAttention`, over `ring_forward` / `ring_backward`) also takes attention sinks. Design notes: docs/module_notes.md.
 """
 
 from __future__ import annotations

@@ -1,2 +1,3 @@
 """Data parallelism over the ranks holding the same parameters: DDP / ZeRO-1 / FSDP2 levels, the experts' replica
-groups, the flat gradient all-reduce, and the habits of batch replicas (one shared batch, replicas kept equal)."""
+groups, the flat gradient all-reduce, and two guards: the ranks of one batch replica are given the same batch
+(`shared_batch.py`), and replicated tensors are checked equal (`replica_watch.py`)."""

@@ -1,17 +1,6 @@
-"""Data parallelism for an expert-parallel model: the dense parameters over dp x cp as usual, the experts only over
-their replica group (the dp x cp / ep ranks holding the same experts), scaled so that each expert's gradient is the
-mean over dp x cp.
-
-A rank's raw expert gradient sums the tokens of its whole expert group (the dispatch backward brings them back), so
-averaging it over the replicas and dividing by ep gives the mean over dp x cp:
-
-level 0: DDP (`replicate`) over dp x cp for the dense parameters; expert gradients scaled by 1/ep as they arrive and
-         averaged over the replica group once per backward (`reduce_expert_gradients`);
-level 1: the same gradients, and two ZeRO-1 optimizers stepped as one (`ExpertSplitOptimizer`, expert_optimizer.py):
-         the dense state sharded over dp x cp, the experts' over their replica group;
-level 2-3: FSDP2 units: each experts module on the replica sub-mesh with its gradient divided by dp x cp (a SUM
-         reduce-scatter, then the division: gloo has no PREMUL_SUM), the blocks and the root on the dp x cp mesh.
-Hybrid sharding (`shard_size`) is refused with ep by the request's validation (`validate.check_expert_data_parallel`).
+"""Data parallelism for an expert-parallel model (`apply_expert_data_parallel`): the dense parameters over dp x cp as
+usual, the experts only over their replica group (the dp x cp / ep ranks holding the same experts), scaled so that
+each expert's gradient is the mean over dp x cp (`reduce_expert_gradients`). Design notes: docs/module_notes.md.
 """
 
 from __future__ import annotations

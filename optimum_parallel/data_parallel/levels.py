@@ -1,21 +1,6 @@
-"""Data parallelism over the ranks that hold the same parameters (the mesh's dp x cp ranks), with Paddle's sharding
-levels, on torch's own machinery.
-
-level 0: parameters replicated, gradients all-reduced (composable DDP, `replicate`; on XLA devices one flat
-         all-reduce queued after each backward, `gradient_sync.average_after_backward`: the only level there, see
-         `validate.check_data_parallel`);
-level 1: + optimizer state sharded (ZeRO-1, `ZeroRedundancyOptimizer`);
-level 2: + gradients sharded (FSDP2 `fully_shard`, parameters kept gathered between forward and backward);
-level 3: + parameters sharded (FSDP2, resharded after forward).
-Hybrid sharding (MindSpore's `hsdp`): `shard_size` ranks form a sharding group, the levels act inside each group
-and gradients are averaged over all groups (ZeRO-1 over the group; FSDP2 over a 2-D (replicate, shard) mesh, whose
-reduce-scatter runs in the group and one all-reduce across the groups). `threshold` (KB) keeps smaller parameters
-whole on every rank at levels 2-3 (FSDP2's `ignored_params`; their gradients get one bucketed all-reduce here).
-Tensor-parallel shards are plain local tensors, so every level composes with tp on a dp x tp mesh.
-Context parallelism (cp) splits the sequence, not the weights, and scales each cp rank's loss by cp: averaging the
-gradients over dp x cp (`mesh.data_parallel_group` / `data_parallel_mesh`) gives the single-device gradient.
-Expert parallelism (ep) splits the experts over blocks of ep dp x cp ranks: the expert parameters stay out of the
-dp x cp reduction and get their own over their replica group, at every level (`experts.py`).
+"""Data parallelism over the ranks that hold the same parameters (the mesh's dp x cp ranks), at Paddle's sharding
+levels 0-3 (DDP, ZeRO-1, FSDP2), with hybrid sharding and a size threshold, on torch's own machinery:
+`DataParallelConfig` and `apply_data_parallel`. Design notes: docs/module_notes.md.
 """
 
 from __future__ import annotations
@@ -41,7 +26,7 @@ class DataParallelConfig:
     shard_size: ranks per sharding group (-1: all dp x cp ranks), replicated across groups (HSDP, levels 1-3);
     threshold: KB below which a parameter (this rank's tensor-parallel piece) stays whole on every rank (levels 2-3;
     ZeRO-1 at level 1 never cuts a tensor: it places each parameter's whole state on one rank of the group).
-    Plain data: the request's validation checks it (`validate.check_data_parallel_config`)."""
+    Plain data: the request's validation checks it (`engine/checks.py`'s `check_data_parallel_config`)."""
 
     sharding_level: int = 0
     reduce_dtype: torch.dtype | None = None

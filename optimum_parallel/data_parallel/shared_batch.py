@@ -1,15 +1,7 @@
-"""The ranks of one batch replica (its tp, cp and pp ranks, the mesh's `peers`) split one batch's work: each must be
-given the same batch. A loader sampling over the whole world (each rank other rows) runs without a word and trains on
-no real batch; this checks it, or takes the batch from the replica's first rank instead.
-
-- "check" (the default): on the first forward of each input shape and every `CHECK_EVERY` forwards after, the peers
-  all-gather a few numbers per input (shape, sums) and raise, naming the ranks and the fix, if they differ;
-- "broadcast": every forward, the peers take their first rank's inputs (Megatron's way, for loaders that only run
-  there; the other ranks' inputs are ignored, may be None);
-- "trust": nothing (a loader known to be right, e.g. the Trainer's own).
-
-On XLA devices the check does not run (reading input values would cut the step's graph): use "broadcast" or a loader
-sharded over `mesh.size("batch")`.
+"""The ranks of one batch replica (its tp, cp and pp ranks, the mesh's `peers`) must all be given the same batch:
+`SharedBatch` checks that they are ("check", the default), gives them the replica's first rank's batch ("broadcast")
+or does nothing ("trust"); `install_shared_batch` runs it before every forward of a model (around every run of a
+pipeline). Design notes: docs/module_notes.md.
 """
 
 from __future__ import annotations

@@ -66,7 +66,7 @@ class MemoryPlanner:
         from ..frontends.manager import ParallelizersManager
 
         self.parallelizer = ParallelizersManager.parallelizer_for_model(self.model)
-        # what the model supports beyond tp, as the front doors resolve it: its family's declaration, or its structure
+        # what the model supports beyond tp, as both entry points resolve it: its family's declaration, or its structure
         self.capabilities = self.parallelizer.capabilities_for(self.model)
         self._refusals: dict[tuple[Layout, int, str], str | None] = {}
         self._counts: dict[tuple[int, int, int], StageCounts] = {}
@@ -119,7 +119,7 @@ class MemoryPlanner:
     # ---- what the engine runs
 
     def request(self, layout: Layout, workload: Workload | None = None) -> ParallelRequest:
-        """The request the family's front door makes for `layout` running `workload`, as the engine checks it: the
+        """The request the family's `Parallelizer` makes for `layout` running `workload`, as the engine checks it: the
         family's plan (sequence parallelism as asked), `workload`'s micro-batches (default pp) and schedule, the data
         parallelism of the sharding level and shard size over dp x cp ranks."""
         workload = workload or Workload()
@@ -137,8 +137,8 @@ class MemoryPlanner:
 
     def check(self, layout: Layout, workload: Workload | None = None) -> None:
         """Raise the engine's error (naming the setting and the allowed values) if it refuses `layout` running
-        `workload` for this model: the family door's request checked over a mesh of sizes alone. The planner's one
-        call into the engine's checks (`frontends/family_request.py` over `engine/layouts.py`'s mesh)."""
+        `workload` for this model: the family's `Parallelizer` request checked over a mesh of sizes alone. The
+        planner's one call into the engine's checks (`frontends/family_request.py` over `engine/layouts.py`'s mesh)."""
         mesh = layout_mesh(layout.mesh_sizes)
         validate(self.request(layout, workload), self.model, mesh, partial(family_request, self.parallelizer))
 

@@ -1,16 +1,7 @@
-"""Packed rows: several documents in one row, told apart by the batch itself.
-
-A row is packed when its `position_ids` restart (transformers' convention, `DataCollatorWithFlattening`, TRL's
-`padding_free`), or when the batch carries `cu_seq_lens_q` / `cu_seq_lens_k` (flash-attention's cumulative lengths
-over the flattened batch) or `seq_idx` (the document index of every token). Whatever the form, `pack` gives one:
-the *segment-encoded positions* -- every document counts up by one from its own first position, every padding token
-(attention mask 0) is a segment of its own -- with no attention mask and no key/value cache. That is the form
-transformers' own mask builders (`masking_utils.find_packed_sequence_indices`) turn into a document mask under eager,
-sdpa and flex attention, and the form context parallelism and the pipeline read: a segment starts wherever a position
-is not the previous one plus one (`segment_ids`).
-
-The reference is every document run alone: so the label of each document's first token (the target of the previous
-document's last token once labels are shifted) is ignored, and so is every padding token's.
+"""Packed rows: several documents in one row, told apart by the batch itself. `pack` brings every way a batch marks
+its documents (restarting `position_ids`, `cu_seq_lens_q` / `cu_seq_lens_k`, `seq_idx`) to one form, segment-encoded
+positions with labels to match (`Packed`); `segment_ids` reads the segments back, and `packed_inputs` rewrites a
+forward's kwargs to that form. Design notes: docs/module_notes.md.
 """
 
 from __future__ import annotations

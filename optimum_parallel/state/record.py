@@ -1,7 +1,7 @@
-"""The one typed record a parallel model carries: what each room set up, for the rooms that read it.
+"""The one typed record a parallel model carries: what each package set up, for the packages that read it.
 
 The engine records what a composition installed (`runtime`, a frozen `engine.runtime.ParallelRuntime`); the fields
-beside it are what rooms set up and read again at forward time (context parallelism's settings, on the model and on
+beside it are what packages set up and read again at forward time (context parallelism's settings, on the model and on
 every attention module, and the cut of the forward running now; the pipeline; data parallelism's level and the dp x
 cp gradient reduction). Each reader imports `parallel_state`, so the import map shows who reads what. A method a
 layout cannot serve (`forward` under pp, `generate` under pp or cp) is replaced by one stand-in that raises the reason
@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 
 from torch import nn
 
-if TYPE_CHECKING:  # annotations only: the record sits below every room that writes it
+if TYPE_CHECKING:  # annotations only: the record sits below every package that writes it
     from ..context_parallel.attention import ContextParallelAttention
     from ..engine.runtime import ParallelRuntime
     from ..expert_parallel.expert_split import ExpertParallelRuntime
@@ -28,20 +28,24 @@ _KEY = "_optimum_parallel_state"
 class ParallelState:
     # what the last composition installed (engine/compose.py): a second one reads it instead of installing again
     runtime: ParallelRuntime | None = None
-    # stays: every attention module carries it too (read by its forward), which no composition record reaches
+    # kept here: every attention module carries it too (its forward reads it there), and the composition record
+    # (`runtime`) is on the model only
     context_parallel: ContextParallelAttention | None = None  # set by context_parallel.apply_context_parallel
-    # stays: written by every cp forward (the cut running now), read by the heads and gathers that follow it
+    # kept here: every cp forward writes it (the cut running now); the heads and gathers that follow it read it
     sequence_length: int | None = None  # cp: the whole sequence's length in the forward running now
     sequence_layout: object | None = None  # cp: which tokens every rank holds in that forward (context_parallel)
-    # stays: set by data parallelism (the training half, after the model's record is made), read by each cp forward
+    # kept here: data parallelism sets it in the training half, after the model half's `runtime` is made; each cp
+    # forward reads it
     gradients_reduced: bool = False  # set by data parallelism: the dp x cp reduction sums the cp ranks' gradients
-    # stays: read at run time by grad norms, data parallelism, TRL's head and `op.parallel_state(model).pipeline` users
+    # kept here: read at run time by grad norms, data parallelism, TRL's head, `op.parallel_state(model).pipeline` users
     pipeline: Pipeline | None = None  # set by pipeline.apply_pipeline
-    # stays: the room's runtime on the model, read by validate (once) and data parallelism (the experts' reduction)
+    # kept here: expert parallelism's runtime on the model, read by validate (once) and by data parallelism (the
+    # experts' reduction)
     expert_parallel: ExpertParallelRuntime | None = None  # set by expert_parallel.apply_expert_parallel
-    # stays: set by data parallelism (the training half, after the record), read by the replica watch at forward time
+    # kept here: data parallelism sets it in the training half, after `runtime` is made; the replica watch reads it
+    # at forward time
     data_parallel_level: int | None = None  # set by data parallelism: the sharding level it runs at
-    # stays: read by integrations/trl/fused_head.py to raise the layout's own reason
+    # kept here: integrations/trl/fused_head.py reads it to raise the layout's own reason
     unsupported: dict[str, str] = field(default_factory=dict)  # method name -> why this layout cannot serve it
 
 
