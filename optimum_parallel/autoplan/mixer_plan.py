@@ -1,31 +1,8 @@
 """Tensor-parallel plans derived from a model's structure for what transformers' `base_model_tp_plan` leaves whole:
 state-space and linear-attention mixers, short convolutions, and plain attention / MLP blocks.
 
-Each recogniser reads one module's structure (its children's names and types, its own size attributes) and returns
-the styles of its children, split by heads (the module classes are never listed by model type):
-
-- Mamba2-style mixers (`in_proj` packing [z, x, B, C, dt], `conv1d` over [x, B, C], per-head `A_log` / `D` /
-  `dt_bias`, `out_proj`): split by heads, B and C by groups (replicated when there are fewer groups than ranks);
-  a gated norm over groups is split with them when tp divides its groups, else the mixer stays whole (a group's
-  norm would span ranks);
-- Mamba1 mixers (`in_proj` [x, z], `conv1d`, `x_proj` -> dt|B|C, `dt_proj`, `A_log` [channels, state]): split by
-  channels; `x_proj` reduces over channels, so it is row-parallel and its whole dt|B|C output has its gradient summed
-  over tp (each rank's channels use it); the dt/B/C norms stay replicated with summed gradients;
-- gated delta nets (`in_proj_qkv`, `in_proj_z`, `in_proj_b`, `in_proj_a`, or `in_proj_qkvz` / `in_proj_ba` interleaved
-  per key head; `conv1d`, `A_log`, `dt_bias`, `norm`, `out_proj`): split by key / value heads, the per-head-dim gated
-  norm replicated with summed gradients;
-- Kimi's delta attention (`q/k/v_proj`, `conv1d`, `forget_gate`, `b_proj`, `g_a_proj` -> `g_b_proj`, `o_norm`,
-  `o_proj`): split by heads; the low-rank `g_a_proj` / `forget_gate.f_a_proj` stay whole, their output gradient
-  summed over tp (the split up-projections after them enter no region of their own);
-- short convolutions (`in_proj` packing [B, C, x], a depthwise `conv`, `out_proj`): split by channels;
-- attention (`head_dim`, `q_proj`/`k_proj`/`v_proj` and `o_proj`/`out_proj`/`dense`) and latent attention
-  (`kv_b_proj`): Megatron's whole heads, kv heads replicated when fewer than ranks, per-head norms replicated with
-  summed gradients; MLPs (`gate_proj`/`up_proj`/`down_proj`, `w1`/`w3`/`w2`, packed `input_linear`/`output_linear`):
-  column then row.
-
-`mixer_plan` gives regex -> style entries; `merge_mixer_plan` adds them to a translated tp plan (a mixer's entries
-replace the tp plan's for its children; attention and MLPs are only added where the tp plan names none of their
-projections); `check_mixers` raises, before anything moves, when tp cannot split a mixer's heads.
+`mixer_plan` gives regex -> style entries; `merge_mixer_plan` adds them to a translated tp plan; `check_mixers` raises,
+before anything moves, when tp cannot split a mixer's heads; `mixers_left_whole` says which mixers stay whole and why.
 """
 
 from __future__ import annotations

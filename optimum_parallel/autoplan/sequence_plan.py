@@ -1,16 +1,6 @@
 """Sequence parallelism planned from a decoder's structure (`autoplan/structure.py`): Megatron's, as the Llama family
-writes it, for any decoder stack whose residual stream between blocks is token-wise.
-
-The sequence is split from the first decoder layer's input; every norm of a layer and the final norm run on the
-slices (their gradients summed over tp); every other child holding parameters (attention, a Mamba or delta-net mixer,
-an MLP) runs on the whole sequence, gathered at its entry, its column/row layers keeping their tp split and
-reduce-scattering the output (a block without them is replicated work: gathered in, split out); a block holding
-stacked experts is replicated work on the whole sequence, its column/row layers (a shared expert) plain tensor
-parallelism inside it, so their whole-sequence outputs add up (a block returning its tokens flattened, Llama 4's MoE,
-gives them back in its input's [batch, seq, ...] shape before the sequence is split again); a linear layer the tp plan
-leaves whole (Gemma 4's per-layer input gate and projection) works token by token: it runs on the slices, as a norm.
-The per-layer inputs a base model computes beside the residual stream (Gemma 4's) are split with the sequence at each
-layer's entry. The LM head gathers the sequence.
+writes it, for any decoder stack whose residual stream between blocks is token-wise. `sequence_parallel_plan` gives
+the plan entries for a model's decoder stack, given its tp plan.
 """
 
 from __future__ import annotations

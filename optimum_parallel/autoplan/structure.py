@@ -1,20 +1,7 @@
-"""What a model's structure allows beyond tensor parallelism, found once per request from the modules it is made of,
-checked layer by layer, not looked up in a list of model types (a hand-written family's declaration still wins).
-
-- pipeline parallelism: a decoder stack (the base model's layer list, of the classes transformers marks
-  `_no_split_modules` where it marks any), its embedding, final norm and head found by role (`pipeline/decoder.py`), no
-  other parameter-holding module beside them but those computing per-layer inputs (Gemma 4's: one per token and
-  layer, before the layers; they travel from the first stage, split with the sequence under sp and cp);
-- sequence parallelism: the same stack, each layer's children norms (run on the slices), parameter-less, or blocks
-  (run on the whole sequence); the residual stream between blocks is then token-wise;
-- context parallelism: every token mixer of every layer (a child with a `layer_idx` that is not token-wise, or holding
-  a convolution over the sequence) is attention through transformers' attention interface, without what the
-  context-parallel attention does not compute (attention sinks other than one logit per head, chunked attention on
-  layers config.layer_types does not name), or a mixer carrying a state
-  along the sequence (gated delta nets, Mamba mixers, short convolutions: `mixers/`) whose decoder builds its mask
-  with transformers' `create_recurrent_attention_mask` and whose forward takes it as `attention_mask`.
-
-A refusal's reason names the module and the layer; `Capabilities.reason(layout)` gives it to the check that refuses.
+"""What a model's structure allows beyond tensor parallelism (pipeline, sequence and context parallelism), found once
+per request from the modules it is made of, layer by layer, not from a list of model types (a hand-written family's
+declaration still wins). `derive_capabilities` returns the `Capabilities`, each refusal's reason naming the module and
+the layer; `decoder_stack`, `state_mixers` and `sequence_parallel_blocks` describe the decoder.
 """
 
 from __future__ import annotations
@@ -237,7 +224,7 @@ def _sequence_parallel_blocker(stack: DecoderStack) -> str | None:
 
 
 def derive_capabilities(model: nn.Module) -> Capabilities:
-    """What `model`'s structure allows (see the module docstring), with the reason for each layout it refuses."""
+    """What `model`'s structure allows (see `docs/module_notes.md`), with the reason for each layout it refuses."""
     stack = decoder_stack(model)
     if stack is None:
         reason = f"{type(model).__name__} has no decoder layer list (a ModuleList of its _no_split_modules classes)"

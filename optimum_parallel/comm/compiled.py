@@ -1,15 +1,8 @@
 """The region ops as torch custom ops, for code that torch.compile traces (a compiled decoder block).
 
-Each of Megatron's conjugate pairs (`autograd_collectives.py`) is one custom op with a fake-tensor implementation
-(the output's shape) and its backward registered as the other op of its pair, so dynamo records one node per
-collective, AOT autograd differentiates through it and no Python state (weakrefs, versions, ranks) is read while
-tracing. The ops run the same transports as the eager path (`autograd_collectives.py`: gloo, or shared memory for
-the ranks of one host), in the order the graph gives them, which is the same on every rank (the same program,
-compiled the same way). A group travels as its name (`group.group_name`), as in torch's functional collectives.
-
-The entry of a tp region (`enter`: identity forward, all-reduce backward; `sequence_gather` under sequence
-parallelism) is one op per column layer here; `merge_entries` (run by the blocks' backend, `engine/compile.py`)
-folds the entries of the same tensor into one, so q, k and v share one collective each way as they do eagerly.
+Each of Megatron's conjugate pairs (`autograd_collectives.py`) is one custom op whose backward is the other op of its
+pair: `enter` / `reduce`, `gather` / `scatter`, `sequence_gather` / `sequence_reduce_scatter`, and `all_to_all` (its
+own inverse). `merge_entries` folds the region entries of one tensor into one.
 """
 
 from __future__ import annotations

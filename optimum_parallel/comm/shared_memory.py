@@ -1,24 +1,8 @@
 """Collectives through shared memory, for a gloo group whose ranks share one host (CPU tensors).
 
-Why our own: gloo moves a CPU tensor between processes of one host through TCP loopback sockets; a 2 MB
-all-reduce of 2 ranks takes ~3 ms here, the same through shared memory ~0.5 ms (`scripts/bench_tp.py`
-shows what it does to a training step: ~5% at tp=2). torch 2.13's gloo has no shared-memory path; vLLM,
-SGLang and DeepSpeed keep their own for CPU tensor parallelism for the same reason.
-
-`SharedMemoryGroup` offers `all_reduce`, `all_gather` and `reduce_scatter` with torch.distributed's
-signatures, so `comm` calls it in place of `torch.distributed` and tests count both alike. Every rank's
-result is bitwise the same (the slots are reduced in rank order on every rank).
-
-Protocol. One file in /dev/shm per group, unlinked as soon as every rank has mapped it (nothing is left
-behind by a crash). It holds one arrival counter per rank (each on its own cache line) and two sets of
-slots, `CAPACITY` bytes per rank each. Collective number s: write this rank's input into its slot of set
-s % 2, publish s in its counter, wait until every counter reaches s, read the slots. A rank overwrites set
-s % 2 again at collective s + 2, which it starts only after seeing every rank arrive at s + 1, which every
-rank does only after it has finished reading at s: two sets need no second barrier. A wait longer than the
-group's timeout raises instead of hanging.
-
-Used only on x86-64 (its stores are seen by other cores in program order, which the protocol relies on)
-and Linux (/dev/shm); `OPTIMUM_PARALLEL_SHM=0` turns it off. Anything else falls back to gloo.
+`SharedMemoryGroup` offers `all_reduce`, `all_gather` and `reduce_scatter` with torch.distributed's signatures, every
+rank's result bitwise the same; `shared_memory_group` gives a group's, or None to use torch.distributed (shared memory
+is used only on x86-64 Linux; `OPTIMUM_PARALLEL_SHM=0` turns it off).
 """
 
 from __future__ import annotations
@@ -71,7 +55,7 @@ class _Work:
 
 
 class SharedMemoryGroup:
-    """The shared-memory stand-in for one process group's collectives (see the module docstring)."""
+    """The shared-memory stand-in for one process group's collectives (protocol: `docs/module_notes.md`)."""
 
     def __init__(self, mapping: mmap.mmap, rank: int, world: int, timeout_s: float | Callable[[], float]) -> None:
         self.rank, self.world, self._timeout_s = rank, world, timeout_s

@@ -1,14 +1,8 @@
 """Expert parallelism: the experts of every MoE block split along the expert dim over the mesh's expert group.
 
-Each rank of an expert group (ep ranks sharing the dense weights) keeps `num_experts / ep` consecutive experts of
-every stacked expert tensor (transformers' `gate_up_proj` / `down_proj` [E, ...] and their biases). The router stays
-as it is: each rank routes its own tokens, sends every (token, expert) row to the rank holding the expert (counts
-first, then the hidden states: `dispatch`), runs its local experts on what it received through the experts class's
-own forward (so its experts implementation, eager or grouped GEMM, and its activation apply), sends the results back
-and sums them weighted by the router's top-k weights. No row is dropped, so the output is the single-device one.
-
-Under tp the experts module is also a tp region (its hooks wrap this forward): the dispatch is linear, so each tp
-rank dispatches its partial sums along with the others and the region's all-reduce follows.
+`apply_expert_parallel` keeps `num_experts / ep` consecutive experts on each rank and gives the experts module a
+forward that sends each routed row to the rank holding its expert and back (no row dropped: the single-device output);
+`check_expert_parallel` raises unless a model's experts can be split over ep ranks.
 """
 
 from __future__ import annotations

@@ -1,16 +1,8 @@
 """Activation bytes per micro-batch: Korthikanti et al. 2022 and the same counting for this engine's Llama.
 
-One implementation for the memory planner and scripts/bench_memory.py. Every layer formula comes in two forms:
-`*_layer_terms` gives bytes per s*b*h element split into (the s*b*h term, the attention-score term), which is
-how the paper writes it and how the benchmark compares it with measurement; `*_layer_bytes` is their sum times
-s*b*h.
-
-- Korthikanti et al. 2022 ("Reducing Activation Recomputation in Large Transformer Models", section 4; GPT with
-  dropout, 16-bit, scores materialised), per layer: sbh(34 + 5as/h) at tp=1, sbh(10 + 24/t + 5as/(ht)) at tp=t
-  without sequence parallelism and sbh(34/t + 5as/(ht)) with it, scaled from 16 bits to the element size.
-- Llama (RMSNorm, SwiGLU, no dropout): the tensors transformers' Llama decoder layer saves for backward as this
-  engine runs it, checked against measurement in tests/test_memory_planner.py and scripts/bench_memory.py.
-- Context parallelism: the formulas above at s = the rank's s/cp tokens, plus `ring_attention_layer_bytes`.
+One implementation for the memory planner and scripts/bench_memory.py: per layer `paper_layer_*` / `llama_layer_*`
+(`*_terms` per s*b*h element, `*_bytes` in bytes), outside the layers `*_outside_bytes`, under cp
+`ring_attention_layer_bytes`, and `activation_bytes` by method, all over the sizes of `Dims`.
 """
 
 from __future__ import annotations

@@ -1,23 +1,8 @@
 """Plan files: a resolved plan (every module's styles, every parameter's layout on every tp rank) as JSON.
 
-Like MindSpore's strategy files: a plan is made once, even on one process as a dry run at a simulated
-tp size (`save_plan(config_or_model, path, tp=8)`), and reused on the cluster (`load_plan(path, model=...)`
-or `plan_file_parallelizer(path).parallelize(model)`). Loading checks that the file fits the model and
-names the first entry that does not (a missing module, a shape, the tp size, a layout).
-
-File layout (JSON, `"format": "optimum-parallel-plan"`, version 2)::
-
-    model_type, model_class, parallelizer, mesh {dp, pp, cp, tp}, options {parallelize_embeddings, sequence_parallel}
-    modules: {module name: [{"style": class name, "args": {...}}, ...]}       (in model order)
-    params:  {parameter name: {"global_shape", "dim", "parts"} (its `ShardSpec.to_json`, as in a checkpoint index)
-              and, when split, "ranks": [{"ranges", "replicas"} of each tp rank's `ShardLayout.to_json`]}
-    tied:    {alias parameter name: the name it shares storage with}
-
-Version 1 files (params: {"shape", "split": null | {"dim", "replicas", "ranges": per tp rank}}, no head counts)
-still load and are checked the same way.
-
-A style whose arguments are not plain data (a `PrepareLayerInput` function) is kept by name with
-`"reloadable": false`; loading such a file raises unless `skip_unreloadable=True`.
+`save_plan` writes one (also as a dry run on one process at a simulated tp size); `load_plan`, `check_plan_fits` and
+`plan_file_parallelizer` read it back, checking that it fits the model and naming the first entry that does not. The
+format is `"optimum-parallel-plan"`, version 2; version 1 files still load.
 """
 
 from __future__ import annotations
@@ -55,7 +40,7 @@ __all__ = [  # the style <-> JSON half lives in style_json.py; its names still i
 ]
 
 FORMAT, VERSION = "optimum-parallel-plan", 2
-READS = (1, 2)  # version 1: see the module docstring
+READS = (1, 2)  # version 1: see docs/module_notes.md
 RANK_KEYS = ("ranges", "replicas")  # what a rank's `ShardLayout.to_json` adds to its spec's
 
 # --------------------------------------------------------------------------------------------------------------
@@ -97,7 +82,7 @@ def plan_document(
     parallelize_embeddings: bool = True,
     sequence_parallel_enabled: bool = False,
 ) -> dict:
-    """The JSON document of a resolved plan (see the module docstring for its layout)."""
+    """The JSON document of a resolved plan (its layout: `docs/module_notes.md`)."""
     model = resolved.model
     sizes = MeshLayout({**(mesh_sizes or {}), "tp": resolved.tp}).sizes  # every dim of the table
     modules = {name: [style_to_dict(s) for s in module_styles] for name, module_styles in resolved.targets.items()}

@@ -1,23 +1,7 @@
 """A token mixer's heads split once more, over the cp ranks, while its weights stay whole on each of them.
 
-Under context parallelism the weights are the same on every cp rank (checkpoints do not depend on cp). A mixer whose
-state runs along the whole sequence takes the whole sequence (gathered by the runner) and this rank's share of its
-heads: each parameter the tp plan splits by heads is read through a property returning this cp rank's slice of the
-tp-local tensor, so every forward the mixer's own code runs -- `self.A_log`, `self.conv1d.weight`, the parallel
-layers' `F.linear(x, self.weight)` -- sees its cp-local heads, and the slice's gradient lands in the whole parameter
-(zero outside the slice; the dp x cp reduction sums the cp ranks' slices). The forward's size attributes
-(`num_v_heads`, `conv_dim`, a convolution's `groups`) are set to the cp-local sizes once: under cp every forward is a
-cp forward. Rows of heads replicated over tp ranks (fewer key heads than ranks) have their gradients summed over their
-replicas before the slice, as the tp layers do. A row layer inside the mixer whose output feeds every head
-(Mamba1's `x_proj`) is summed over cp both ways; a bias added after the mixer's output layer counts on cp rank 0 only.
-
-Why heads, not the state carried from rank to rank: transformers' mixers take their initial state only through a
-decoding cache, and a rank's chunk would wait for the previous rank's final state (or need each mixer's own chunk
-algebra); split by heads, the unmodified forward runs and the work and saved activations halve like attention's.
-Measured (`scripts/bench_long_context.py`, 2 cores, a Qwen3.5-shaped hybrid at 8k-32k tokens): cp=2 takes 0.54-0.57x
-the step time and 0.49x the peak activation memory of cp=1, the mixers' gathers and reduce-scatters about 1% of the
-step; what keeps the delta-net layers at 0.62x is transformers' reference kernel's memory-bound backward, which two
-ranks run side by side on one memory bus.
+`split_heads` gives a tp-split mixer this cp rank's heads: each parameter the tp plan splits by heads is read through a
+property returning this cp rank's slice (`sliced_class`), and the forward's size attributes take the cp-local sizes.
 """
 
 from __future__ import annotations

@@ -1,15 +1,7 @@
 """The forward every token mixer that carries a state runs on a parallel model: one device's answer on the whole
-sequence, whatever the layout.
-
-Given the running forward's `SequenceMarker` (marker.py) as its `attention_mask`, the mixer
-- under cp gathers the whole sequence (all-gather over cp, put in order; reduce-scatter backward), runs its cp-local
-  heads on it (heads.py) and reduce-scatters the partial output back to this rank's tokens (`mode="heads"`), or runs
-  whole and keeps this rank's tokens (`mode="whole"`: cp times the work, the same answer);
-- over packed rows runs every document alone (documents.py), its state starting fresh at each one;
-- otherwise applies the whole sequence's padding mask as transformers does.
-Without a marker it is the mixer transformers wrote (a plain batch; the layers of a decode step). A marker expected
-and missing (cp, or packed rows whose decoder does not build the mixers' mask through transformers'
-`create_recurrent_attention_mask`) raises, naming the layer: never documents mixed silently.
+sequence, whatever the layout. `install_mixers` routes each mixer's forward through `run_mixer`, which takes the
+running forward's `SequenceMarker` (marker.py) as its `attention_mask`: the whole sequence under cp, each document
+alone over packed rows, else the padding mask; without a marker the mixer runs as transformers wrote it.
 """
 
 from __future__ import annotations
@@ -87,7 +79,7 @@ def _with_first(output, value):
 
 
 def run_mixer(cls: type, self: nn.Module, *args, **kwargs):
-    """`cls.forward` (the mixer's own) on the sequence the marker describes (see the module docstring)."""
+    """`cls.forward` (the mixer's own) on the sequence the marker describes (see `docs/module_notes.md`)."""
     run: MixerRun = self.__dict__[_KEY]
     bound = _signature(cls).bind(self, *args, **kwargs)
     arguments = bound.arguments

@@ -1,20 +1,7 @@
-"""Sequence-parallel styles (Megatron-style SP; Paddle's names), for activations laid out [batch, seq, hidden].
-
-Inside the region every rank holds a slice of the sequence: norms run on it (their gradients are
-summed over tp), column-parallel layers all-gather it (reduce-scatter backward) and row-parallel
-layers reduce-scatter their output (all-gather backward) instead of all-reducing.
-
-For Hugging Face models the region starts at the first decoder layer's input
-(`SequenceParallelBegin(on="input")`): HF derives position ids and the causal mask from the
-embedding output's length, so the embedding output stays whole (Megatron reduce-scatters there).
-`need_transpose` is accepted for Paddle compatibility; batch-first activations need no transpose.
-
-A forward whose sequence length tp does not divide (a one-token decode step) or that keeps only the last
-positions' logits (`logits_to_keep`, as `generate` does) leaves the sequence whole: the region's entry decides
-once per forward (`comm.tp_entry`), and every layer and hook of the region then takes the plain
-tensor-parallel path (norm gradients are whole on every rank, so they are not summed). The layers' part (which
-column layers gather the sequence, which row layers reduce-scatter it) is decided from these styles with the plan
-(`plan/wiring.py`) and passed to the layers when they are built; the styles below only add the hooks.
+"""Sequence-parallel styles (Megatron-style SP; Paddle's names), for activations laid out [batch, seq, hidden]:
+`SequenceParallelBegin`, `SequenceParallelEnd`, `SequenceParallelEnable`, `SequenceParallelDisable` and
+`SequenceParallelSplitArgument`. Inside the region every rank holds a slice of the sequence; these styles add the
+hooks, and the layers' part is decided with the plan (`plan/wiring.py`).
 """
 
 from __future__ import annotations

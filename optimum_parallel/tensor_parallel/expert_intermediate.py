@@ -1,16 +1,8 @@
 """Tensor-parallel mixture-of-experts: every expert's intermediate dim is split over tp.
 
-transformers 5 stores experts as 3D tensors (`gate_up_proj` [E, 2I, H] packed gate|up, `down_proj`
-[E, H, I], or their transposes). Each rank keeps its slice of every expert's intermediate features,
-so the routing (replicated router, same top-k on every rank) is untouched and every rank does the
-same share of work whatever the routing. The experts module becomes one tp region: its inputs
-(hidden states and routing weights) enter with a backward all-reduce, its partial output is
-all-reduced. The router stays outside the region, so its gradient is already complete.
-
-Expert biases (gpt_oss: `gate_up_proj_bias` [E, 2I], `down_proj_bias` [E, H]) follow their weights: a packed
-tensor's bias is split like its output features; a row tensor's bias stays whole on every rank and is added once,
-by tp rank 0 (the others add it times 0), through an identity whose backward all-reduces, so every rank holds its
-whole gradient.
+`expert_specs` gives the specs of transformers 5's 3D expert tensors and their biases; `shard_experts` replaces them
+by their local shards and makes the experts module one tp region (inputs entered with a backward all-reduce, the
+partial output all-reduced).
 """
 
 from __future__ import annotations

@@ -1,21 +1,8 @@
 """Per-token log-probabilities, entropy and top-1 correctness of logits split over the vocabulary, never gathered,
-computed a chunk of tokens at a time.
+computed a chunk of tokens at a time (what DPO, GRPO and SFT's metrics read from a model).
 
-What DPO, GRPO and SFT's metrics read from a model: `log_softmax(logits)[label]` per token (with its gradient), the
-entropy of each token's distribution and whether the label is the argmax. Under tp the LM head's logits hold this
-rank's slice of the vocabulary, ids [vocab_start, vocab_start + V_local): the log-probability is minus the
-vocab-parallel cross-entropy (the max, then the label's logit and the sum of exponentials, reduced over the group);
-the entropy, the correctness and the mean logit come from the same reductions (plus the max of the logits before the
-label, for argmax's first-index tie rule), O(tokens) numbers on the wire. `group=None`: whole logits on one rank
-(tp=1).
-
-Memory: every function here works on `chunk_tokens(V_local)` tokens at a time (`CHUNK_ELEMENTS` logits, 128 MiB at
-fp32), so its fp32 temporaries are a few chunks, not a few copies of the tokens x V_local logits.
-`head_token_scores` goes further, as TRL's fused LM head does (`trl.kernels.ChunkedLogProbFunction`): it is given
-the hidden states and this rank's slice of the LM head, never the logits; each chunk's logits are projected, reduced
-over the group and freed, and the backward projects each chunk again (its gradient into the hidden states and the
-head's slice, accumulated in fp32). `token_log_probs` keeps the logits it is given for its backward and nothing else
-(no softmax of the whole logits).
+`token_log_probs` (with gradient) and `token_statistics` take the logits; `head_token_scores` takes the hidden states
+and this rank's slice of the LM head and never holds the logits. `group=None`: whole logits on one rank (tp=1).
 """
 
 from __future__ import annotations
@@ -295,7 +282,7 @@ def _project(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
 
 class _ChunkedHead(torch.autograd.Function):
     """Per-token scores of `transform(hidden @ weight^T + bias)`, chunk by chunk of tokens, never the (N, V_local)
-    logits (see the module docstring); differentiable in the log-probabilities only. Saved for backward: the inputs
+    logits (see `docs/module_notes.md`); differentiable in the log-probabilities only. Saved for backward: the inputs
     and log Z per token; backward projects each chunk again."""
 
     @staticmethod
@@ -381,7 +368,7 @@ def head_token_scores(
     chunk_elements: int | None = None,
 ) -> TokenStatistics:
     """The per-token numbers of `token_statistics` for the logits `transform(hidden @ weight^T + bias)`, computed a
-    chunk of tokens at a time without ever holding those logits (see the module docstring). `hidden`: (..., H), as
+    chunk of tokens at a time without ever holding those logits (see `docs/module_notes.md`). `hidden`: (..., H), as
     this rank's slice of the LM head reads it (whole under tp, sequence parallelism gathered); `weight` (V_local, H)
     and `bias`: that slice, vocabulary ids [vocab_start, vocab_start + V_local) of `vocab_size` split over `group`;
     `labels`: (...), aligned with `hidden`. `log_prob` carries the gradient into `hidden`, `weight` and `bias` (the

@@ -1,18 +1,6 @@
 """Random numbers on tensor-parallel ranks: the same where activations are replicated, independent where they are
-split (Megatron's discipline, without asking the caller to seed in a special way).
-
-- Replicated work (hidden states after a row layer's all-reduce, residual and embedding dropout, norms) draws from the
-  default generators. `share_rng_states` gives every rank of a tp group its first rank's states, so they draw the same
-  masks and every replicated weight stays the same on every rank, whatever each rank was seeded with.
-- Split work (from a column-parallel layer's output to the next row-parallel layer's input: attention over this
-  rank's heads, dropout on a column layer's output) draws from generators of its own (`SplitRegions`), seeded per tp
-  rank from a number drawn from the shared default stream: each shard's mask is independent, as on one device. The
-  seed comes from the default stream, so activation checkpointing, which restores the default generators before it
-  recomputes, draws the same masks again. A region that drew nothing (no dropout, or eval mode) gives its seed's draw
-  back: the default stream is then where one device's would be, so sampling (`generate` runs training-mode forwards
-  inside TRL's trainers) and everything else drawn from it match one device's draw for draw.
-
-Data-parallel replicas and pipeline stages keep their own streams (the sharing is within a tp group).
+split (Megatron's discipline, without asking the caller to seed in a special way). `share_rng_states` gives every rank
+of a tp group its first rank's states; `SplitRegions` holds this rank's own streams for split work.
 """
 
 from __future__ import annotations
