@@ -1,27 +1,8 @@
-"""LoRA (PEFT) adapters on tensor-parallel layers, split by the base layer's style.
-
-Column-parallel base (output features split): A is replicated and B split on its output dim exactly like the
-base weight (head parts included). u = A x is computed before the tp region and enters it together with x:
-the first column layer of a block to run makes [x | u_q | u_v ...] for every adapter of its siblings (the
-layers that read the same input) and sends it through the block's one entry, so the backward all-reduce that
-sums the input gradient also sums each u's gradient and A's gradient is complete on every rank.
-
-Row-parallel base (input features split): A is split on its input dim and B replicated. The adapter's partial
-product A_local x_local joins the base layer's all-reduce (reduce-scatter under sequence parallelism):
-[W_local x_local | A_local x_local] go through one collective and B applies to the summed A x, so the adapter
-adds no collective and B's gradient is complete.
-
-Under sequence parallelism each rank computes the replicated matrix's product (A x on a column base, B z on a
-row base) on its slice of the sequence, so that matrix's gradient is summed over tp, as Megatron sums a
-sequence-parallel norm's.
-
-Dropout on the adapter input draws its mask on each rank; on a column-parallel base the input is replicated, so
-each output shard sees its own mask (a valid dropout, not the single-device one: compare with dropout 0).
-A column base that gathers its output gathers W x + B u as one; a row base that splits its own input splits it
-for A as well. A packed base (q|k|v, a delta net's q|k|v) splits B by the same parts; the rows of a part replicated
-over several ranks have their gradients summed over those ranks, as the base weight's are.
-
-Merging (`merge_and_unload`) works shard by shard: B_local A and B A_local have the local weight's shape.
+"""LoRA (PEFT) adapters on tensor-parallel layers, split by the base layer's style (`shard_lora_layer`): A replicated
+and B split on a column-parallel base, A split and B replicated on a row-parallel one, the adapters' products carried
+by the base layer's own collectives. `check_lora_target`, `check_planned_wrapper` and `check_adapter_targets` refuse
+targets LoRA cannot adapt here; `link_lora_siblings` links the column layers that read one input. Design notes:
+docs/module_notes.md.
 """
 
 from __future__ import annotations

@@ -1,15 +1,7 @@
-"""Teach PEFT this package's parallel layers: `get_peft_model` on an already parallel model, and adapters saved
-from a parallel model in PEFT's own format (whole tensors, loadable on one device).
-
-PEFT picks the LoRA layer for a target module through `LoraModel._create_new_module`, whose dispatchers know
-torch's layers, Megatron's and a few quantised ones. It is wrapped once: a target whose base is a
-`ColumnParallelLinear` / `RowParallelLinear` becomes a PEFT `lora.Linear` (sized by the layers' global
-`input_size` / `output_size`, so its init draws what one device would) whose adapters are then split like the
-base (`shard_lora_layer`); every other target goes to PEFT's own dispatch unchanged.
-
-PEFT's `target_modules="all-linear"` is resolved by PEFT's own function, which counts only `nn.Linear` and
-transformers' `Conv1D` as linear; on a parallel model it is taught the parallel layers too (`_install_all_linear`), so
-the shorthand picks the modules it picks on one device, with PEFT's exclusions (the output head, adapter internals).
+"""Make PEFT handle this package's parallel layers (`install_peft_dispatch`, installed once): `get_peft_model` on an
+already parallel model, `target_modules="all-linear"` counting the parallel layers, unsupported targets refused before
+PEFT changes anything, and adapters saved from a parallel model in PEFT's own format (whole tensors, loadable on one
+device). Design notes: docs/module_notes.md.
 """
 
 from __future__ import annotations

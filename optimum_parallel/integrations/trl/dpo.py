@@ -1,28 +1,8 @@
-"""TRL's `DPOTrainer` with `ParallelTrainerMixin`: preference optimisation on a tp / sp / cp / pp / dp (sharding levels
-0-3) mesh, equal to TRL's `DPOTrainer` on one process.
-
-TRL's trainer is used as it is (dataset preparation, the collator that puts chosen and rejected rows in one batch,
-every loss type, the metrics); what changes is where the per-token log-probabilities come from:
-
-- the policy and the reference are both parallel on the same mesh. The reference (no `ref_model`: the policy's
-  checkpoint, as TRL loads it) is loaded with `lazy_load_for_parallelism`, each rank reading its slice, frozen, and
-  run without a graph; `precompute_ref_log_probs=True` computes its log-probabilities once before training (with
-  the policy, as TRL does, and no reference kept); a PEFT policy made from `peft_config` has its base with the
-  adapters disabled as reference (as TRL);
-- TRL's fused LM head, which multiplies the hidden states by `lm_head.weight` (a vocabulary slice under tp) and
-  scores whole rows (a rank holds chunks of them under cp), is replaced by the parallel one (`fused_head.py`): the
-  vocab-parallel log-softmax, the per-token numbers gathered over cp, so that TRL's sums over each completion, its
-  losses and its metrics are those of one process;
-- under pp a step is two passes (`training_step`): the pipeline's forward without a graph gives the log-probabilities
-  (scored on the last stage, sent to every stage), TRL computes its loss and metrics from them and the loss is
-  backpropagated to them only; then the pipeline's forward and backward of sum(weight x log p) over the tokens, the
-  weights being that gradient, give the parameters the gradient of TRL's loss (one forward more than TRL's step).
-
-Refused before anything changes, by name (`check_dpo_options`): pp together with cp (the pipeline's pass scores whole
-rows), `use_liger_kernel`, `sync_ref_model` (the policy's FSDP2 shards and the replicated reference do not line up),
-a MoE model's `router_aux_loss_coef != 0`, and TRL's vision-language path (a multimodal processor as `processing_class`,
-or `image` / `images` rows: `check_text_only`). A dataset without `chosen` / `rejected` raises TRL's error on every rank
-before any collective.
+"""TRL's `DPOTrainer` with `ParallelTrainerMixin` (`ParallelDPOTrainer`, `ParallelDPOConfig`): preference
+optimisation on a tp / sp / cp / pp / dp (sharding levels 0-3) mesh, equal to TRL's `DPOTrainer` on one process. The
+policy and the reference are both parallel on the same mesh, their per-token log-probabilities from the parallel fused
+head (`fused_head.py`); `check_dpo_options`, `check_text_only` and `check_preference_dataset` refuse what cannot run
+before anything changes. Design notes: docs/module_notes.md.
 """
 
 from __future__ import annotations

@@ -1,20 +1,7 @@
-"""TRL's fused LM head on a parallel model: `model(..., labels=labels, fused_lm_head=True)` returns TRL's
-`FusedCausalLMOutput`, its per-token fields those of the whole sequence and the whole vocabulary on every rank.
-
-TRL's trainers (DPO, GRPO, RLOO, KTO) replace `model.forward` with one that multiplies the hidden states by
-`lm_head.weight` and scores every label of a row, a chunk of tokens at a time (`trl.trainer.utils.add_fused_lm_head`).
-On a parallel model that weight is a slice of the vocabulary (tp) and a rank holds a part of each row (cp), so the
-forward installed here runs the model's backbone (this rank's sequence chunks under cp), enters the LM head's tp
-region with the hidden states (all-gathered over the sequence under sp), and scores the labelled positions against
-this rank's slice of the head a chunk of tokens at a time (`tensor_parallel.logprobs.head_token_scores`: per chunk
-the projection, the vocab-parallel max / log-sum-exp / label-logit reductions, then the chunk is freed; its backward
-projects each chunk again), so it never holds the tokens x V_local logits, as TRL's head never holds tokens x V. The
-logits go through what the model's own forward does to them (logit scale, final softcapping, read from the config as
-TRL reads them) and are divided by the temperature. A head this path cannot multiply by directly (an adapter or
-hooks on it, a head that gathers its output) runs the model's own forward and scores its logits instead. Under cp
-the per-token numbers of every rank are put together: every rank then holds the (batch, seq - 1) tensors TRL reads,
-and its sums over a completion are whole. The gradient of that gather passes cp x each rank's own part back (data
-parallelism averages the gradients over dp x cp, as for the cp loss, `context_parallel/loss.py`).
+"""TRL's fused LM head on a parallel model (`install_fused_head`, `FusedHead`): `model(..., labels=labels,
+fused_lm_head=True)` returns TRL's `FusedCausalLMOutput`, its per-token fields those of the whole sequence and the
+whole vocabulary on every rank, scored against this rank's vocabulary slice and put together over cp
+(`whole_sequence`). Used by the DPO, GRPO, RLOO and KTO trainers. Design notes: docs/module_notes.md.
 """
 
 from __future__ import annotations

@@ -1,27 +1,7 @@
-"""TRL's `KTOTrainer` with `ParallelTrainerMixin`: Kahneman-Tversky optimisation on a tp / sp / cp / pp / dp (sharding
-levels 0-3) mesh, equal to TRL's `KTOTrainer` on one process.
-
-TRL's trainer is used as it is (dataset preparation and unpairing, the KL completions rotated within each
-per-device batch, the collator, both loss types, the metrics); the parallel pieces are DPO's (`dpo.py`):
-
-- the policy and the reference are both parallel on the same mesh (no `ref_model`: the policy's checkpoint, each rank
-  reading its slice, frozen); a policy made from `peft_config` gets TRL's reference, a frozen copy of its fresh
-  adapters (the base model for LoRA's default initialisation);
-- TRL's fused LM head is replaced by the parallel one (`fused_head.py`), so the per-token log-probabilities, entropy
-  and mean logits TRL reads are whole rows over the whole vocabulary on every rank;
-- under pp a step is DPO's two passes (`ParallelDPOTrainer.training_step`): TRL's loss from log-probabilities the
-  pipeline computes without a graph, then the pipeline's backward of sum(weight x log p) with that loss's gradient
-  as weights (KTO's batch has DPO's `input_ids` and `completion_mask`);
-- `precompute_ref_log_probs=True` runs the reference over every row on every rank (the ranks of a batch run its
-  collectives together) and adds TRL's columns; TRL's cache file is not written;
-- TRL divides its world-wide token count by the ranks sharing a batch (tp x pp x cp).
-
-At dp = N the KL completions are rotated within each replica's batch, as TRL rotates them within each process's batch
-on N processes (`per_device_train_batch_size` is the replica's).
-
-Refused before anything changes, by name (`check_kto_options`): pp together with cp, `use_liger_kernel`,
-`sync_ref_model`, a MoE model's `router_aux_loss_coef != 0`, and TRL's vision-language path (a multimodal processor or
-`image` / `images` rows, as DPO's `check_text_only`).
+"""TRL's `KTOTrainer` with `ParallelTrainerMixin` (`ParallelKTOTrainer`, `ParallelKTOConfig`): Kahneman-Tversky
+optimisation on a tp / sp / cp / pp / dp (sharding levels 0-3) mesh, equal to TRL's `KTOTrainer` on one process. The
+parallel pieces are DPO's (`dpo.py`): policy and reference parallel on the same mesh, the parallel fused head, DPO's
+two-pass step under pp; `check_kto_options` refuses what cannot run. Design notes: docs/module_notes.md.
 """
 
 from __future__ import annotations
@@ -126,7 +106,7 @@ class ParallelKTOTrainer(ParallelTrainerMixin, KTOTrainer):
             install_fused_head(plan_root(self.ref_model))
 
     def training_step(self, model, inputs: dict[str, Any], num_items_in_batch=None) -> torch.Tensor:
-        """TRL's step; under pp DPO's two passes (see the module docstring)."""
+        """TRL's step; under pp DPO's two passes (`ParallelDPOTrainer.training_step`)."""
         if self._pipeline is None:
             return super().training_step(model, inputs, num_items_in_batch)
         with self.maybe_activation_offload_context:

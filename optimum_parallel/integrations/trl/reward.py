@@ -1,24 +1,7 @@
-"""TRL's `RewardTrainer` with `ParallelTrainerMixin`: an outcome reward model trained on a tp / sp / cp / pp / dp
-(sharding levels 0-3) mesh, equal to TRL's `RewardTrainer` on one process.
-
-TRL's trainer is used as it is (dataset preparation, the collator that puts chosen and rejected rows in one batch, the
-Bradley-Terry loss with its margin and centring, the metrics). The model is `AutoModelForSequenceClassification` with
-one label, as TRL loads it (a path: each rank reads its slice, `float32` unless `model_init_kwargs` says otherwise, the
-seed set first so a head missing from a causal checkpoint is drawn as TRL draws it). Its value head `score` (hidden ->
-1) stays whole on every rank: the hidden states it reads are whole after the last row-parallel layer, so each tp rank
-computes the same head gradient and nothing is averaged; under sp the plan gathers the sequence at its input (split
-backward, `frontends/family_request.py`), so the last non-padding token it pools is the row's own.
-
-- cp: the engine pools a sequence classifier's score over cp (`context_parallel/classifier.py`): the rank holding a
-  row's last non-padding token gives its score, summed over cp, so the model returns the one-process logits on every
-  cp rank and TRL's loss and metrics are whole;
-- pp: the pipeline's last stage gives every position's score (`pipeline/stage.py`); a step is two passes
-  (`training_step`): the pipeline's forward without a graph, each row's score pooled on the last stage as transformers
-  pools it and sent to every stage, TRL's loss and metrics from those scores, its gradient backpropagated to them only;
-  then the pipeline's forward and backward of sum(row weight x pooled score), the weights being that gradient (one
-  forward more than TRL's step).
-
-Refused before anything changes, by name (`check_reward_options`): pp together with cp, and `quantization_config`.
+"""TRL's `RewardTrainer` with `ParallelTrainerMixin` (`ParallelRewardTrainer`, `ParallelRewardConfig`): an outcome
+reward model (`AutoModelForSequenceClassification`, one label) trained on a tp / sp / cp / pp / dp (sharding levels
+0-3) mesh, equal to TRL's `RewardTrainer` on one process. `reward_model_kwargs` is what TRL passes `from_pretrained`;
+`check_reward_options` refuses what cannot run. Design notes: docs/module_notes.md.
 """
 
 from __future__ import annotations

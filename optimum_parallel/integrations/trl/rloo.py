@@ -1,33 +1,7 @@
-"""TRL's `RLOOTrainer` with `ParallelTrainerMixin`: completions generated, scored and trained on by the parallel model
-on a tp / sp / cp / pp / dp mesh (sharding levels 0-3), equal to TRL's `RLOOTrainer` on one process.
-
-RLOO in TRL 1.16 is GRPO's generation and scoring with a leave-one-out baseline and a per-sequence loss, so the
-parallel pieces are GRPO's (`grpo.py`), applied to TRL's RLOO module:
-
-- the prompts are sharded over the batch replicas (dp) only, the generation batch counted in replicas
-  (`ParallelRLOOConfig`); after TRL's per-process seeding the ranks of a replica share `seed + replica index` and
-  sample alike through the parallel model's tp-synchronised `generate` (under cp without a kv cache);
-- every gather and reduction TRL makes over processes (rewards, kl, lengths, metrics, completion logs) runs over the
-  batch replicas (`replicas.ReplicaView`): the tp / cp ranks of a replica hold copies;
-- the reward functions run on every rank of a replica (same completions, same rewards); the first rank's rewards are
-  then sent to the others, so a reward function that draws random numbers cannot split a replica (GRPO's trainer runs
-  them on the first rank only: a reward with side effects runs tp x cp times here);
-- the per-token log-probabilities are TRL's own `_get_per_token_logps_and_entropies` through the parallel fused head
-  (`fused_head.py`: vocab-parallel, the logits divided by the temperature, gathered over cp), on the policy and the
-  reference (loaded from the policy's checkpoint, lazily and parallel on the same mesh, frozen);
-- at dp > 1 the evaluation loss is the mean of the replicas' losses (`prediction_step`), as for GRPO;
-- under pipeline parallelism (pp) GRPO's pieces again: generation runs every new token's rows through the stages
-  without a kv cache (`grpo._PipelineNextToken`, the last position's logits sent from the last stage, every rank of
-  the replica sampling from the shared random state); the fused head runs the pipeline's stages without a graph
-  (scored on the last stage, this rank's vocabulary slice under tp, sent to the others), so the policy's log-probs
-  are a leaf; a training step is DPO's two passes (`training_step`: TRL's step backpropagates its loss to that leaf,
-  then the pipeline's forward and backward of sum(weight x log p), the weights being that gradient and the logits
-  divided by the temperature, `grpo._TemperedLogProbs`). One forward more than TRL's step, and a forward of the whole
-  rows per generated token.
-
-Refused before anything changes, by name (`check_rloo_options`): pipeline parallelism together with cp (the pipeline
-scores and generates on whole rows), vLLM, continuous batching, Liger, `sync_ref_model` with FSDP2, multimodal
-processors and a MoE router aux loss.
+"""TRL's `RLOOTrainer` with `ParallelTrainerMixin` (`ParallelRLOOTrainer`, `ParallelRLOOConfig`): completions
+generated, scored and trained on by the parallel model on a tp / sp / cp / pp / dp mesh (sharding levels 0-3), equal
+to TRL's `RLOOTrainer` on one process. It reuses GRPO's parallel pieces (`grpo.py`), TRL's gathers run over the batch
+replicas, and `check_rloo_options` refuses by name what a layout cannot run. Design notes: docs/module_notes.md.
 """
 
 from __future__ import annotations
@@ -84,7 +58,8 @@ class ParallelRLOOConfig(RLOOConfig, ParallelTrainingArguments):
 
 
 def check_rloo_options(args: ParallelRLOOConfig, kwargs: dict[str, Any]) -> None:
-    """ValueError naming the first RLOO option the layout `args` asks for cannot run (see the module docstring)."""
+    """ValueError naming the first RLOO option the layout `args` asks for cannot run (the list and the reasons:
+    docs/module_notes.md)."""
     if args.pipeline_parallel_size > 1 and args.context_parallel_size > 1:
         raise ValueError(
             f"pipeline_parallel_size={args.pipeline_parallel_size} with context_parallel_size="

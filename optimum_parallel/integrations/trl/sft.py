@@ -1,17 +1,7 @@
-"""TRL's `SFTTrainer` with `ParallelTrainerMixin`: packing (`packing=True`, `padding_free=True`) on every layout.
-
-What differs from TRL on one process, and why:
-
-- the loss is the model's own (transformers' loss, vocab-parallel under tp, summed over cp, weighted by the batch's
-  token count as TRL weights it): TRL's fused LM head multiplies the hidden states by `lm_head.weight`, which under tp
-  is a shard of the vocabulary, and scores the labels of a whole row, which under cp a rank does not hold. The metrics
-  that head feeds TRL (`entropy`, `mean_token_accuracy`) come from the logits that loss reads, with the vocab-parallel
-  reductions, summed over cp and the replicas, on the last stage under pp (`metrics.py`); `num_tokens` counts each
-  replica's batch once (TRL counts over every process);
-- what needs that head or the whole logits on every rank is refused before training, naming the option
-  (`check_sft_options`): `loss_type='dft'`, `use_liger_kernel`, and under tp / cp / pp `compute_loss_func` and
-  `label_smoothing_factor`; under pp the router aux loss of a MoE model (`router_aux_loss_coef`), which the pipeline's
-  loss does not carry.
+"""TRL's `SFTTrainer` with `ParallelTrainerMixin` (`ParallelSFTTrainer`, `ParallelSFTConfig`): packing
+(`packing=True`, `padding_free=True`) on every layout. The loss is the model's own (vocab-parallel under tp, summed
+over cp), TRL's token metrics come from the logits it reads (`metrics.py`), and `check_sft_options` refuses the options
+that need TRL's fused LM head or the whole logits on every rank. Design notes: docs/module_notes.md.
 """
 
 from __future__ import annotations
