@@ -1,16 +1,7 @@
-"""The default group this package made is destroyed when the process ends cleanly, before the interpreter finalizes,
-and the exit never waits more than a few seconds for it.
-
-gloo runs each collective on a worker thread, which drops its last reference to the collective's tensors a moment
-after the caller's wait returns. When the process ends straight after a collective (a Trainer's last metrics
-all-gather), the thread can drop it while Python finalizes: the decref takes the GIL, the thread exits in
-`take_gil` and the process aborts ("terminate called without an active exception", 3 runs in 29 of the GRPO
-example; core: `~AsyncAllgatherWork` -> `decref_pyobject` -> `PyThread_exit_thread`). `destroy_process_group` at
-exit joins those threads while Python still runs, as torch asks every program to do. Only after a clean end: after an
-uncaught exception (`sys.last_value`) a collective may still wait on a peer, and joining it would keep a failed rank
-alive until the timeout instead of ending the job at once. Nor when the heartbeat (heartbeat.py) last saw a peer fail
-or miss its beats, and never for longer than `DESTROY_WAIT_S`: under NCCL, destroying a group can block on work queued
-to a dead peer, and a rank that finished must not hang its launcher's teardown.
+"""`destroy_at_clean_exit` registers an exit hook that destroys the default group when the process ends cleanly, before
+the interpreter finalizes (gloo's worker threads could otherwise abort the exit). It skips the destroy after an
+uncaught exception or when the heartbeat saw a peer fail or go silent, and never waits more than `DESTROY_WAIT_S`
+seconds for it. Design notes: docs/module_notes.md.
 """
 
 from __future__ import annotations

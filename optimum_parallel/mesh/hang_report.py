@@ -1,15 +1,6 @@
-"""One line on every survivor when a collective fails because a rank never came: which collective, which group,
-which ranks are missing.
-
-gloo's own errors name neither ("Timed out waiting 30000ms for recv operation to complete", "Connection closed by
-peer [10.0.0.2]:41234"). When such an error ends a rank (an uncaught exception), this rank writes what it was
-waiting in to the rendezvous store (torchrun's agent holds it, so it outlives dead ranks), gives the other
-survivors a moment to do the same, and prints
-
-    [optimum-parallel] rank 0: all_reduce on the tp group (ranks 0, 1) failed (timed out); missing in that group:
-    1; ranks that never reported a failed collective (stuck elsewhere or dead): 1
-
-before the usual traceback. A rank that is stuck outside any collective, or dead, is the one that never reports.
+"""One line on every survivor when a collective fails because a rank never came: which collective, which group, which
+ranks are missing. `install` adds the report to `sys.excepthook`: each surviving rank posts the collective it failed in
+to the rendezvous store and prints the line before the usual traceback. Design notes: docs/module_notes.md.
 """
 
 from __future__ import annotations

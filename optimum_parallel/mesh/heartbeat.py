@@ -1,21 +1,8 @@
 """A liveness signal of every rank that does not depend on collectives, so a dead or frozen rank ends the job within
-seconds while a rank that is only slow (minutes late in an evaluation, a save, a compile) is waited for.
-
-Each rank's background thread writes a beat -- a counter and what the rank is doing (phase.py) -- under its own key
-in the job's rendezvous store (a connection of its own to the store the default group was made with: torchrun's
-agent's, which outlives dead ranks, or rank 0's) every `interval` seconds. Rank 0's thread watches every rank's key,
-the others watch rank 0's: a beat that has not changed for `dead_after` seconds (as measured by the watcher's own
-clock, so the hosts' clocks need not agree) is a dead rank, or a frozen one (SIGSTOP, a host that stopped answering:
-its threads stop with it). The watcher then writes a line naming the rank, its last phase and this rank's phase, and
-ends its own process (exit code 75), so the launcher tears the job down; rank 0 first leaves the verdict in the store
-for the others, which end at their next beat; each SIGKILLs the silent ranks on its own machine first (a frozen
-process cannot act on the launcher's SIGTERM: local_process.py). A rank that ends with an uncaught error says so in
-its key at exit (the others end at once); one that ends cleanly says it is done (never judged again). A peer that
-has not beaten yet (late to `init_mesh`) is not judged: the collective timeouts cover it. A store that stops answering
-for `dead_after` (its host died) ends the rank too, unless rank 0 had said it was done.
-
-While the heartbeat runs, the collective timeouts default to 30 minutes in every phase (timeouts.py), as
-transformers' `ddp_timeout`: the heartbeat, not a collective, decides that a rank is dead.
+seconds while a rank that is only slow is waited for. `start` runs this rank's heartbeat thread, which beats in the
+job's rendezvous store and watches its peers' beats; `HeartbeatSettings` holds the interval between beats and the
+seconds without one after which a rank counts as dead. `current`, `peers_in_trouble` and `mark_ending` serve the exit
+hooks (clean_exit.py, hang_report.py). Design notes: docs/module_notes.md.
 """
 
 from __future__ import annotations
@@ -93,7 +80,7 @@ def _number(key: str, value: object, variable: str, default: float, allow_zero: 
 
 
 class _Heartbeat:
-    """This rank's beat and watch, on a thread of its own (see the module docstring)."""
+    """This rank's beat and watch, on a thread of its own (how they work: docs/module_notes.md)."""
 
     def __init__(self, settings: HeartbeatSettings) -> None:
         self.settings = settings

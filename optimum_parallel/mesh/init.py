@@ -1,5 +1,6 @@
 """`init_mesh`: start torch.distributed on the accelerator torch reports (or the one named) with the backend its
-package registered, and build the grid; `set_mesh` / `get_mesh`: the mesh the front doors use when none is passed."""
+package registered, and build the grid; `set_mesh` / `get_mesh`: the mesh the entry points (the `Parallelizer`,
+`parallelize`) use when none is passed."""
 
 from __future__ import annotations
 
@@ -133,7 +134,8 @@ def _bound_device():
 
 
 def set_mesh(mesh: ParallelMesh) -> ParallelMesh:
-    """Make `mesh` the one `get_mesh()` and the front doors use when none is passed."""
+    """Make `mesh` the one `get_mesh()` and the entry points (the `Parallelizer`, `parallelize`) use when none is
+    passed."""
     global _CURRENT_MESH
     if not isinstance(mesh, ParallelMesh):
         raise TypeError(f"set_mesh expects a ParallelMesh (from init_mesh), got {type(mesh).__name__}")

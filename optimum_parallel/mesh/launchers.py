@@ -1,19 +1,7 @@
-"""Who started this process, read from the variables each launcher sets: this rank, the job's size, its place on its
-host and how many ranks its host runs, and where rank 0's rendezvous store listens.
-
-- torchrun and `accelerate launch` (which starts torchrun's agent): RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE,
-  MASTER_ADDR, MASTER_PORT, GROUP_RANK (the node). A script that sets RANK and WORLD_SIZE itself counts as this.
-- Open MPI's `mpirun`: OMPI_COMM_WORLD_RANK, _SIZE, _LOCAL_RANK, _LOCAL_SIZE; MPICH's and Intel MPI's (Hydra): PMI_RANK,
-  PMI_SIZE, MPI_LOCALRANKID, MPI_LOCALNRANKS; MVAPICH2's: MV2_COMM_WORLD_*. None says where rank 0 is: MASTER_ADDR
-  must be given on several hosts (on one, it is this host); MASTER_PORT defaults to torch's 29500.
-- SLURM's `srun`: SLURM_PROCID, SLURM_STEP_NUM_TASKS (or SLURM_NTASKS), SLURM_LOCALID, the ranks per node from
-  SLURM_STEP_TASKS_PER_NODE / SLURM_TASKS_PER_NODE ("2(x3),1") at SLURM_NODEID (or SLURM_NTASKS_PER_NODE), rank 0's
-  host as the first of SLURM_STEP_NODELIST / SLURM_JOB_NODELIST, a port from SLURM_JOB_ID.
-
-An MPI's variables win over SLURM's (an `mpirun` inside an allocation inherits the batch step's SLURM_PROCID=0), and
-torchrun's over both (`srun torchrun ...`). MASTER_ADDR and MASTER_PORT, where set, win under every launcher. What is
-missing or malformed raises `LaunchError` naming the variables and the launcher, before anything starts: a guess here
-(the job's size as the host's, as before) made ranks wait until the init timeout for peers that could not come.
+"""Who started this process, read from the variables each launcher sets (torchrun and `accelerate launch`, the MPIs'
+`mpirun`, SLURM's `srun`): `detect` returns a `Launch` -- this rank, the job's size, its place on its host, how many
+ranks its host runs, and where rank 0's rendezvous store listens. A missing or malformed variable raises `LaunchError`
+before anything starts. Design notes: docs/module_notes.md.
 """
 
 from __future__ import annotations

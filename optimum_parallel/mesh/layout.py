@@ -1,19 +1,7 @@
-"""The mesh as a table of dimensions: which dims the grid has, what ranks along each hold, and the rank lists of
-every group, derived from the table alone (no process groups: planning, checkpoints and the XLA mesh read it too).
-
-A grid dim is one row of `GRID`, outermost first. Its `role` says what the ranks that differ only along it hold:
-
-    replica   the same weights, other rows of the batch (dp)
-    stage     other layers (pp)
-    sequence  the same weights, another share of every sequence (cp)
-    shard     another slice of the same weights (tp)
-
-The data-parallel ranks are the dims whose role keeps the weights whole ("replica" and "sequence", in grid order):
-gradients are averaged over them and one of them writes a checkpoint. The batch replicas are the "replica" dims: each
-reads its own rows of the global batch (a loader shards over `batch`, the loss counts its tokens). `ep` is not a grid
-dim: it cuts the
-data-parallel ranks into blocks of `ep` consecutive ranks (an unflattening, `ep_replicate` x `ep`) that split the
-experts between them. A new dim is a new row here; every other room asks the table by role.
+"""The mesh as a table of dimensions: `GRID` lists the grid dims (dp, pp, cp, tp, outermost first) and the role of each,
+and `MeshLayout` derives from the table alone, without process groups, a mesh's sizes, the rank lists of every group
+and every rank's coordinates (planning, checkpoints and the XLA mesh read it too). Also the names of the derived dims
+(`dp_cp`, `batch`, `peers`, `ep`, `ep_replicate`) and the checks of mesh sizes. Design notes: docs/module_notes.md.
 """
 
 from __future__ import annotations
@@ -26,7 +14,7 @@ import torch
 @dataclass(frozen=True)
 class MeshDim:
     name: str
-    role: str  # "replica", "stage", "sequence" or "shard" (see the module docstring)
+    role: str  # "replica", "stage", "sequence" or "shard" (what each means: docs/module_notes.md)
     aliases: tuple[str, ...] = ()
 
 

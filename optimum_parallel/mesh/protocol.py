@@ -1,5 +1,5 @@
-"""`ParallelMesh`: what every room asks of the process grid, whatever builds it (a torch DeviceMesh, torch-xla's
-replica groups, or sizes alone for planning on one process).
+"""`ParallelMesh`: what every package of the library asks of the process grid, whatever builds it (a torch DeviceMesh,
+torch-xla's replica groups, or sizes alone for planning on one process).
 
 Dims are the grid's (`layout.GRID_DIMS`: dp, pp, cp, tp; `mp` is tp) and the derived ones: `dp_cp` (the ranks
 holding the same parameters), `ep` (the data-parallel ranks that split the experts between them) and `ep_replicate`

@@ -1,15 +1,8 @@
-"""torch.distributed's default group on a store that no earlier attempt of a torchrun job wrote to.
-
-torchrun's workers share the agent's rendezvous TCPStore by default (`TORCHELASTIC_USE_AGENT_STORE=True`). That store
-outlives `--max-restarts`, with the dead attempt's keys still in it under the same names, and torch adds no prefix
-per attempt: gloo's rendezvous in the restarted attempt can read a dead peer's address and fail after its connect
-timeout ("Gloo connectFullMesh failed ... Connection refused"; 3 runs in 3 of a tp=2 Trainer job killed at step 5).
-`TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1` avoided it by giving each attempt a store of its own. Here each attempt keeps
-the agent's store (it outlives dead ranks, which the hang report relies on) but writes under a prefix of its own: a
-token rank 0 draws. The others learn it from rank 0 itself, through a small store rank 0 hosts on a free port and
-advertises in the agent's store: an address left there by an earlier attempt's rank 0 (dead: torchrun stops every
-worker before a restart) refuses connections, or answers with another token, and they read again until they reach the
-live one. Nothing depends on TORCHELASTIC_RESTART_COUNT, which agents on different machines may count differently.
+"""torch.distributed's default group on a store that no earlier attempt of a torchrun job wrote to. `init_process_group`
+starts the group from the launcher's variables (launchers.py); under torchrun's shared agent store, its keys go under
+a prefix of this attempt's own (`attempt_store`). Where the backend cannot share a device, it first checks that no two
+ranks of a host use one device (`check_one_rank_per_device`). `init_before_accelerate` makes the group for
+`ParallelTrainingArguments` before accelerate does. Design notes: docs/module_notes.md.
 """
 
 from __future__ import annotations
@@ -53,11 +46,10 @@ def init_process_group(
 ) -> None:
     """`dist.init_process_group(backend, timeout=timeout, device_id=device_id)` with the rank, world size and rank 0's
     address of `launch` (by default read from the launcher's variables: launchers.py), passed to torch rather than
-    through the environment; under torchrun's shared store, on a store of this attempt's own (see the module
-    docstring). `device_id`: this process's
-    accelerator device, bound to the group (NCCL then connects at once, and DeviceMesh splits its sub-groups from
-    it, where the backend can split: binding.py); under a backend that cannot share a device, two ranks of a host on
-    one device raise first, on each of them."""
+    through the environment; under torchrun's shared store, on a store of this attempt's own (docs/module_notes.md).
+    `device_id`: this process's accelerator device, bound to the group (NCCL then connects at once, and DeviceMesh
+    splits its sub-groups from it, where the backend can split: binding.py); under a backend that cannot share a
+    device, two ranks of a host on one device raise first, on each of them."""
     launch = launchers.detect() if launch is None else launch
     rank, world = launch.rank, launch.world_size
     if "nccl" in backend:
@@ -127,7 +119,7 @@ def check_one_rank_per_device(
 
 def attempt_store(rank: int, world: int, timeout: timedelta, host: str, port: int) -> dist.Store:
     """The agent's store (at `host`:`port`, torchrun's MASTER_ADDR and MASTER_PORT) under a prefix that only this
-    attempt's ranks use (rank 0's token, see the docstring)."""
+    attempt's ranks use (rank 0's token, see docs/module_notes.md)."""
     deadline = time.monotonic() + timeout.total_seconds()
     try:
         agent = dist.TCPStore(host, port, world, is_master=False, timeout=timeout)

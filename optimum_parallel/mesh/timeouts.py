@@ -1,19 +1,8 @@
 """Process-group timeouts that let a slow rank through, while the heartbeat (heartbeat.py) tells a dead one.
-
-With the heartbeat on (the default on torch's native backends), every process group waits 30 minutes in every phase,
-as transformers' `ddp_timeout`: a dead or frozen rank is found by its missing beats within seconds, so a collective
-can wait as long as a live rank may be late (an evaluation callback, a save's exchange while the writers write, a
-recompile on some ranks only). Without the heartbeat (`OPTIMUM_PARALLEL_HEARTBEAT_INTERVAL=0`, XLA), the timeouts
-themselves tell the two apart: every group waits `init` (default 10 minutes, torch's NCCL default) until this
-process's first optimizer step ends, then `train` (default 2 minutes, or `init` if that is shorter).
-`long_running(what)` puts `init` back for the span of a checkpoint save or load (`checkpoint/save.py`, `load.py`,
-`engine/full_model.py`), and torch.compile's own start/end callbacks do for each compilation (once dynamo is in use);
-both also name what this process is doing for the heartbeat's reports (phase.py).
-A timeout is changed in place on each group's backend (`ProcessGroup.set_timeout`, what torch's `_set_pg_timeout`
-calls): nothing is made again and no rank has to take part.
-
-The switch is `torch.optim`'s global optimizer-step post-hook, installed by `configure` (called by `init_mesh`) and
-removed after the first step: it sees every loop (a custom one, the Trainer, TRL) without any loop knowing.
+`Timeouts` holds a job's two timeouts: `init`, until this process's first optimizer step ends, and `train` after it.
+`configure` (called by `init_mesh`) sets them on every process group and switches from one to the other;
+`long_running` / `long_running_call` put `init` back around a save, a load or a compile. Design notes:
+docs/module_notes.md.
 """
 
 from __future__ import annotations

@@ -1,15 +1,8 @@
-"""What travels with the hidden states from stage to stage (the carrier): named, batch-first tensors, the same names
-for every micro-batch of a step.
-
-- `attention_mask`: whatever the batch functions made of the padding mask (a packed carrier, a cp cut, see
-  `batches.py`), turned into the layers' mask and position arguments on every stage (`stage_inputs`);
-- the batch's row-aligned model inputs (Gemma 3's `token_type_ids`, the Qwen models' `mm_token_type_ids`): each stage
-  gives them to the model again (Gemma 3 builds its image blocks' mask from them on every stage);
-- on the first stage only, `rows`: the micro-batch's row numbers, from which it takes its own images
-  (`images.DealtImages`: a batch's images are not laid out along its rows);
-- from the first stage on, the language model's inputs that a vision-language model's entry computes there
-  (`LanguageInputs`): M-RoPE positions, and Qwen3-VL's deepstack features with their positions while a later stage
-  holds a layer they are added to.
+"""What travels with the hidden states from stage to stage (the carrier): named, batch-first tensors, the same names for
+every micro-batch of a step. `StepCarrier` names one step's carrier; `LanguageInputs` carries the language model's
+inputs that a vision-language model's entry computes on the first stage; `encode_positions` / `decode_positions` put
+position ids batch-first and back; `deepstack_layers` counts Qwen3-VL's deepstack layers. Design notes:
+docs/module_notes.md.
 """
 
 from __future__ import annotations

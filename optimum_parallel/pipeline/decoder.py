@@ -1,19 +1,7 @@
-"""Where a decoder's parts sit, found from its structure rather than from fixed names: the base model holding the layer
-list, its token embedding (the model's input embeddings), its final norm, and the head (the model's output
-embeddings). Falcon-H1's `final_layernorm`, Nemotron-H's `embeddings` / `norm_f` and LFM2's `embedding_norm` are
-found as Llama's `embed_tokens` / `norm` are.
-
-Gemma 4's (and 3n's) per-layer inputs are found by their role too: a base model whose forward takes `per_layer_inputs`
-and computes them in `get_per_layer_inputs` / `project_per_layer_inputs` (one input per token and layer, from the token
-ids and the input embeddings, before the layers), whose layers take a `per_layer_input`: the children those two methods
-read run with the embedding (`per_layer.py`). Every other child of the base model that holds parameters would have to
-run on some stage in some order the pipeline cannot know: such a model is refused, naming those modules.
-Parameter-less children (rotary embeddings) are recomputed on every stage.
-
-A vision-language model nests the base model (its language model) in the module its forward calls, the *entry*
-(`model.model`: the vision tower, the projector, the language model): the entry's other parameter-holding children
-run on the first stage, which runs the entry (image features merged into the input embeddings there); every stage
-calls the entry, the later ones with the hidden states as its input embeddings. A text model's entry is its base.
+"""Where a decoder's parts sit, found from its structure rather than from fixed names: `decoder_roles` returns a model's
+`DecoderRoles` -- the base model holding the layer list, its token embedding, final norm and head, the modules that
+compute its per-layer inputs, and a vision-language model's entry and first-stage modules. `is_norm` tells a
+normalisation layer. Design notes: docs/module_notes.md.
 """
 
 from __future__ import annotations
@@ -91,8 +79,8 @@ def _entry_of(model: nn.Module, base: nn.Module) -> tuple[nn.Module, list[tuple[
 
 
 def decoder_roles(model: nn.Module, base: nn.Module, layers: str) -> DecoderRoles:
-    """The roles of `base`'s children (`layers` names its layer list) and of the entry holding it; see the module
-    docstring."""
+    """The roles of `base`'s children (`layers` names its layer list) and of the entry holding it (see
+    docs/module_notes.md)."""
     get_input = getattr(model, "get_input_embeddings", None)
     get_output = getattr(model, "get_output_embeddings", None)
     embedding = _child_named(base, get_input() if get_input is not None else None)

@@ -1,19 +1,7 @@
-"""Pipeline stages built by hand from a Hugging Face decoder (tracing fails on HF models).
-
-A rank keeps only its stages' modules: the other decoder layers become parameter-less placeholders, so
-parameter names (and checkpoints) do not change. A stage runs the model's own forward over its layers:
-positions, rotary embeddings and causal masks (the `global_spec` tensors) are recomputed on every
-stage from the hidden states; the padding mask, and what else the carrier holds (`carrier.py`), travels with the
-activations. Under sequence parallelism a stage sends the whole sequence and the next one splits it again at its
-first layer.
-
-A vision-language model's first stage runs its entry (`decoder.py`) on the micro-batch's token ids and images: the
-vision tower, the projector, the features merged into the input embeddings, the M-RoPE positions, then its layers;
-the language model's inputs the entry computed travel on (`carrier.LanguageInputs`). Every later stage calls the
-entry too, with the hidden states as input embeddings, so the model's own code builds its masks (Gemma 3's image
-blocks from `token_type_ids`); what only the first stage could compute is handed to the language model by a
-forward pre-hook. A text model's per-layer inputs (Gemma 4's) are computed on the first stage and travel likewise
-(`per_layer.PerLayerInputs`).
+"""Pipeline stages built by hand from a Hugging Face decoder (tracing fails on HF models). `DecoderStage` is one stage:
+it runs the model's own forward over its layers, with the carrier (carrier.py) travelling beside the hidden states.
+`prune_to_stages` drops the modules this rank's stages do not use; the other layers become parameter-less
+placeholders, so parameter names and checkpoints do not change. Design notes: docs/module_notes.md.
 """
 
 from __future__ import annotations

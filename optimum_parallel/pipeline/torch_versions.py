@@ -1,19 +1,6 @@
 """torch's `PipelineStage` and ZBV schedule for the installed torch: torch 2.13's as they are; torch 2.9's (the oldest
-supported) taught what the pipeline needs of them and torch 2.13's do themselves.
-
-- What travels beside the hidden states (the carrier: padding mask, token types, positions) holds integer tensors.
-  torch 2.13's stage gives a received activation a gradient only when it is floating point and exchanges gradients
-  only for those; torch 2.9's sets `requires_grad` on every receive buffer (an integer one raises), expects a gradient
-  back for every output, and its split input-gradient pass (zero-bubble schedules) differentiates every output and
-  returns gradients for the inputs that take one only, out of line with the inputs.
-- torch 2.9's link warm-up at the first step sends an int64 scalar into a one-element float32 buffer: gloo aborts
-  ('op.preamble.length <= op.nbytes. 8 vs 4'), and under a V placement (zbv) it also sends to the neighbour stage on
-  the same rank, that is to itself (gloo: 'Pair is not connected'); torch 2.13 sends a float32 to other ranks only.
-- torch 2.9's `ScheduleZBVZeroBubble` sends between a rank's own two stages through the process group, to itself;
-  torch 2.13's is a schedule runtime, which hands them over in memory (`_ZBVLowered` runs 2.9's order so).
-
-Told apart by feature: torch 2.13's stage keeps per-tensor metadata (`_utils._StageMeta`), 2.9's does not; 2.13's ZBV
-schedule is a `_PipelineScheduleRuntime`, 2.9's is not.
+supported) taught what the pipeline needs of them and torch 2.13's do themselves. `TorchStage` is the stage class to
+build, `torch_schedule(cls)` the schedule class to run. Design notes: docs/module_notes.md.
 """
 
 from __future__ import annotations

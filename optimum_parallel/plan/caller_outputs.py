@@ -1,18 +1,8 @@
-"""What a caller of a tensor-parallel Hugging Face model sees: full-vocabulary logits, and a `generate` whose
-tp ranks never diverge.
-
-Logits. A vocab-parallel LM head computes this rank's slice of the vocabulary (the loss is vocab-parallel, so
-training never moves tokens x vocab numbers). Whoever reads `output.logits` -- `generate`, pipelines,
-`Trainer.evaluate` with metrics, a user -- gets the full vocabulary, identical on every tp rank, gathered at the
-model's output. The one exception, mode "auto" (the default): a training step -- a forward that computed the
-loss with gradients enabled -- keeps its logits local (whatever the module's train/eval mode: `from_pretrained`
-returns an eval-mode model that custom loops often train as it is). `logits_mode(model, "local")` asks for
-the local slice everywhere (rank r holds vocabulary ids `head.weight.shard_layout.ranges[0]`),
-`logits_mode(model, "full")` for full logits everywhere.
-
-Generation. Every tp rank runs `generate` on the same inputs and takes the same decisions: the logits are
-identical, and before generating the ranks check that their inputs match and take tp rank 0's random
-generator state, so sampling draws the same tokens on every rank.
+"""What a caller of a tensor-parallel Hugging Face model sees: full-vocabulary logits, by default outside a training
+step (`install_full_logits`; `logits_mode` picks "auto", "full" or "local"), and a `generate` whose tp ranks never
+diverge (`install_generation_sync`, `sync_generation`). `install_sequence_region` runs a forward that keeps only the
+last logits (generate) on the plain tensor-parallel path under sequence parallelism. Design notes:
+docs/module_notes.md.
 """
 
 from __future__ import annotations

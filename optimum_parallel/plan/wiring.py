@@ -1,14 +1,7 @@
-"""Every tensor-parallel layer's wiring, decided from the whole plan before any module is built.
-
-The sequence-parallel styles say where the sequence is split; from them follows, for each layer a swapping style
-builds, how it enters or leaves the tp region (`comm.tp_entry.LayerWiring`):
-
-- a column layer inside a `SequenceParallelDisable`d block that gathers the whole sequence at its boundary does not
-  enter the region itself; a row layer there reduce-scatters the sequence, unless its whole output feeds split work
-  inside the block (Mamba1's `x_proj`, styled `AllReduceOutputGradient`): that one all-reduces;
-- a column layer marked `SequenceParallelEnd` (the LM head) gathers the sequence itself;
-- column layers of one parent module (q/k/v, gate/up) are siblings: one entry serves them and aliases their weights;
-- `overlap` is off where a pipeline schedule defers weight gradients itself.
+"""Every tensor-parallel layer's wiring, decided from the whole plan before any module is built: `plan_context` returns
+the `PlanContext` every style is applied with -- the model's region entry, its sequence region, and for each layer a
+swapping style builds, how it enters or leaves the tp region (`comm.tp_entry.LayerWiring`), as the plan's
+sequence-parallel styles imply. Design notes: docs/module_notes.md.
 """
 
 from __future__ import annotations
