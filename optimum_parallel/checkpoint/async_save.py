@@ -2,7 +2,7 @@
 and publishes them while training goes on; the files are the blocking save's, byte for byte.
 
 The weights and optimizer state are copied by the thread before the next optimizer step (a step pre-hook waits for
-the copy, not the write). Design notes and measurements: docs/architecture.md, "Module notes".
+the copy, not the write). Design notes and measurements: docs/module_notes.md.
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@
 `LayerWiring` (what the plan decided for one layer, passed to its constructor, never changed), `RegionEntry` (one per
 model: the entry shared by the layers reading one input, its backward collective overlapped with the weight
 gradients) and `SequenceRegion` (one per model: whether the running forward splits the sequence). Design notes:
-docs/architecture.md, "Module notes".
+docs/module_notes.md.
 """
 
 from __future__ import annotations

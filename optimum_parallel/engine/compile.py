@@ -2,7 +2,7 @@
 
 The unit is one block (the classes in the model's `_no_split_modules`): every block runs the same code, so dynamo
 keeps one graph for all of them. Only the block's `forward` is compiled; the hooks on it and everything outside the
-blocks run eagerly. Details: docs/architecture.md, "engine/compile.py".
+blocks run eagerly. Details: docs/module_notes.md, "engine/compile.py".
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 
 Every rank saves its shards as a sharded checkpoint does; rank 0 consolidates them into a standard Hugging Face
 checkpoint that `from_pretrained` loads on one device. Every rank must call it (a rank left waiting
-`EVERY_RANK_TIMEOUT` seconds raises before anything is written). Details: docs/architecture.md,
+`EVERY_RANK_TIMEOUT` seconds raises before anything is written). Details: docs/module_notes.md,
 "engine/full_model.py".
 """
 

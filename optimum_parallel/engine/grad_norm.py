@@ -1,7 +1,7 @@
 """The gradient norm of a parallel model, as one device computes it on the whole model: `grad_norm`, `clip_grad_norm_`.
 
 Every distinct piece of the whole gradient is counted exactly once, by one of the ranks holding it (which one:
-docs/architecture.md, "engine/grad_norm.py"); one all-reduce of one scalar over the world adds the pieces.
+docs/module_notes.md, "engine/grad_norm.py"); one all-reduce of one scalar over the world adds the pieces.
 """
 
 from __future__ import annotations

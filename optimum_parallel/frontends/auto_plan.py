@@ -1,7 +1,7 @@
 """Automatic plans: a Parallelizer built from transformers' `base_model_tp_plan` for model types that have no
 hand-written one, its style names translated to this engine's styles (a plan with any other style: the model type is
 reported unsupported). What such a model supports beyond tp is derived from its structure (`autoplan/structure.py`),
-its sequence parallelism planned from it (`autoplan/sequence_plan.py`). Details: docs/architecture.md,
+its sequence parallelism planned from it (`autoplan/sequence_plan.py`). Details: docs/module_notes.md,
 "frontends/auto_plan.py".
 """
 

@@ -1,7 +1,7 @@
 """Vision-language models (llava, gemma3, qwen2_5_vl, qwen3_vl, ...): a Parallelizer for a composite image-text model,
 derived from its structure: the language model gets its text model type's plan, re-rooted at its prefix; the vision
 tower's attention blocks and two-layer MLPs are split where tp divides them, the rest replicated (`vision_report`
-says which). What runs beyond tp: docs/architecture.md, "frontends/multimodal.py".
+says which). What runs beyond tp: docs/module_notes.md, "frontends/multimodal.py".
 """
 
 from __future__ import annotations

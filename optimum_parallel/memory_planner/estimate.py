@@ -3,7 +3,7 @@ layout with a data-parallel sharding level, from a transformers config alone (a 
 
 Parameters are counted from the family's plan resolved at the simulated tp, per pipeline stage; the rank with the
 most bytes is reported. The assumptions (optimizer, sharding levels, experts, buffers, activation formulas) are in
-every estimate's `notes` and in docs/architecture.md, "Module notes".
+every estimate's `notes` and in docs/module_notes.md.
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@ tp / sp / cp / pp / dp (sharding levels 0-3) mesh, equal to TRL's `DistillationT
 
 TRL's trainer is used as it is; the teacher is parallel on the student's mesh and the divergence is summed over the
 vocabulary slices (`vocab_parallel_divergence`). What changes under each layout, and what is refused
-(`check_distillation_options`): docs/architecture.md, "Module notes".
+(`check_distillation_options`): docs/module_notes.md.
 """
 
 from __future__ import annotations

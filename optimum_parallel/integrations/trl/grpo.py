@@ -3,7 +3,7 @@
 Prompts are sharded over the batch replicas, completions come from the parallel model's tp-synchronised `generate`,
 rewards run on each replica's first rank, and TRL's gathers run over the replicas; the options a layout cannot run
 are refused by name before training (`check_grpo_options`). What differs from TRL on one process, and why:
-docs/architecture.md, "Module notes".
+docs/module_notes.md.
 """
 
 from __future__ import annotations
