@@ -1,6 +1,8 @@
 """Measures of the package's structure (issues 32 and 43) for one git revision's tree, printed as a table (or JSON):
 compose's lines and the package files it calls into, attributes set on an object after it is built, vulture's
-findings, the import-linter contracts, duplicate pairs, and the package's files and lines.
+findings, the import-linter contracts, duplicate pairs, the package's files and lines, and its names and words
+(issue 50): module docstrings' lengths, comments that trail a code line, file names used in two folders, private
+metaphors, and the benchmarks that time on their own clock.
 
     python scripts/architecture_measures.py [--rev REV] [--json]
 
@@ -17,6 +19,7 @@ import re
 import subprocess
 import sys
 import tempfile
+import tokenize
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
@@ -190,6 +193,74 @@ def duplicate_pairs(root: Path, folder: str) -> int:
     return int(match[1]) if match else 0
 
 
+METAPHORS = re.compile(r"\b(rooms?|doors?|habits?|settled?|settles)\b|# stays:", re.IGNORECASE)
+WORDS_IN = (PACKAGE, "docs", "scripts", "tests", "README.md")
+
+
+def docstring_measures(root: Path) -> dict:
+    """The longest module docstring (lines, file) and how many are over 10 lines."""
+    lengths = []
+    for path in package_files(root):
+        text = ast.get_docstring(ast.parse(path.read_text()), clean=False)
+        lengths.append((len(text.splitlines()) if text else 0, str(path.relative_to(root))))
+    return {"longest": max(lengths), "over_10_lines": sum(n > 10 for n, _ in lengths)}
+
+
+def trailing_comment_share(root: Path) -> float:
+    """The share of the package's comments that trail a code line (`x = 1  # ...`)."""
+    trailing = total = 0
+    for path in package_files(root):
+        with path.open("rb") as f:
+            code_rows = set()
+            for token in tokenize.tokenize(f.readline):
+                if token.type == tokenize.COMMENT:
+                    total += 1
+                    trailing += token.start[0] in code_rows
+                elif token.type not in (
+                    tokenize.NL,
+                    tokenize.NEWLINE,
+                    tokenize.INDENT,
+                    tokenize.DEDENT,
+                    tokenize.ENCODING,
+                    tokenize.ENDMARKER,
+                ):
+                    code_rows.update(range(token.start[0], token.end[0] + 1))
+    return round(trailing / max(total, 1), 3)
+
+
+def reused_file_names(root: Path) -> list[str]:
+    """File names (other than __init__.py) that two or more of the package's folders use."""
+    folders: dict[str, set[str]] = {}
+    for path in package_files(root):
+        folders.setdefault(path.name, set()).add(str(path.parent))
+    return sorted(name for name, where in folders.items() if len(where) > 1 and name != "__init__.py")
+
+
+def metaphor_lines(root: Path) -> int:
+    """Lines in the package, docs, scripts, tests and README that use a private metaphor (rooms, doors, habits,
+    settle, '# stays:')."""
+    paths = [p for name in WORDS_IN for p in ([root / name] if name.endswith(".md") else (root / name).rglob("*"))]
+    return sum(
+        bool(METAPHORS.search(line))
+        for p in paths
+        if p.is_file() and p.suffix in (".py", ".md") and p.name != Path(__file__).name
+        for line in p.read_text().splitlines()
+    )
+
+
+def benchmark_measures(root: Path) -> dict:
+    """The bench_*.py scripts, those timing on their own `perf_counter` and those printing tables outside
+    `_common.print_table` (their figures missing from `--json`)."""
+    scripts = sorted((root / "scripts").glob("bench_*.py"))
+    texts = {p.name: p.read_text() for p in scripts}
+    return {
+        "scripts": len(scripts),
+        "own_clock": sorted(n for n, t in texts.items() if "perf_counter" in t),
+        "tables_outside_schema": sorted(n for n, t in texts.items() if re.search(r"^def print_table", t, re.M)),
+        "readme_from_results": "<!-- bench-tables" in (root / "README.md").read_text(),
+    }
+
+
 def measure(root: Path) -> dict:
     files = package_files(root)
     return {
@@ -199,6 +270,11 @@ def measure(root: Path) -> dict:
         "import_contracts": import_contracts(root),
         "duplicates": {d: duplicate_pairs(root, d) for d in (PACKAGE, "scripts")},
         "package": {"files": len(files), "lines": sum(len(p.read_text().splitlines()) for p in files)},
+        "docstrings": docstring_measures(root),
+        "trailing_comment_share": trailing_comment_share(root),
+        "reused_file_names": reused_file_names(root),
+        "metaphor_lines": metaphor_lines(root),
+        "benchmarks": benchmark_measures(root),
     }
 
 
@@ -215,6 +291,15 @@ def table(rev: str, m: dict) -> str:
         ("import-linter contracts", m["import_contracts"]),
         *((f"duplicates pairs in {d}/", n) for d, n in m["duplicates"].items()),
         (f"{PACKAGE}/ python files / lines", f"{m['package']['files']} / {m['package']['lines']}"),
+        ("module docstring: longest (lines, file)", "{} ({})".format(*m["docstrings"]["longest"])),
+        ("module docstrings over 10 lines", m["docstrings"]["over_10_lines"]),
+        ("comments trailing a code line", f"{m['trailing_comment_share']:.0%}"),
+        ("file names in two folders", f"{len(m['reused_file_names'])}: {', '.join(m['reused_file_names'])}"),
+        ("lines with a private metaphor", m["metaphor_lines"]),
+        ("bench_*.py scripts", m["benchmarks"]["scripts"]),
+        ("  timing on their own perf_counter", ", ".join(m["benchmarks"]["own_clock"]) or "none"),
+        ("  tables outside the result schema", ", ".join(m["benchmarks"]["tables_outside_schema"]) or "none"),
+        ("README's benchmark tables from results", "yes" if m["benchmarks"]["readme_from_results"] else "no"),
     ]
     head = f"{'measure (' + rev + ')':<54} | value\n" + "-" * 55 + "+" + "-" * 30
     return "\n".join([head, *(f"{name:<54} | {value}" for name, value in rows)])
