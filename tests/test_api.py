@@ -43,7 +43,7 @@ def llama_plan(sequence_parallel: bool = False, kv_heads: int = 2) -> dict:
     return plan
 
 
-def check_front_door(sequence_parallel: bool, typed: bool, kv_heads: int = 2) -> dict:
+def check_parallelize(sequence_parallel: bool, typed: bool, kv_heads: int = 2) -> dict:
     import optimum_parallel as op
 
     mesh = op.init_mesh(tp=2)
@@ -73,13 +73,13 @@ def check_front_door(sequence_parallel: bool, typed: bool, kv_heads: int = 2) ->
 
 
 @pytest.mark.parametrize("sequence_parallel,typed,kv_heads", [(False, False, 2), (True, True, 2), (False, False, 1)])
-def test_front_door_matches_single_device(pool, sequence_parallel, typed, kv_heads):
+def test_parallelize_matches_single_device(pool, sequence_parallel, typed, kv_heads):
     """kv_heads=1 < tp: the one kv head is replicated and the attention's local kv groups are fixed up."""
-    for result in pool.run(check_front_door, sequence_parallel, typed, kv_heads):
+    for result in pool.run(check_parallelize, sequence_parallel, typed, kv_heads):
         assert result["worst"] <= 1e-5 and result["optimizer"] == "SGD", result
 
 
-def save_front_door_checkpoint(path: str) -> None:
+def save_parallelize_checkpoint(path: str) -> None:
     import optimum_parallel as op
     from optimum_parallel.checkpoint import save_model_checkpoint
 
@@ -89,12 +89,12 @@ def save_front_door_checkpoint(path: str) -> None:
     save_model_checkpoint(model, path)
 
 
-def test_front_door_checkpoint_carries_head_counts_and_reshards_by_them(pool, tmp_path):
+def test_parallelize_checkpoint_carries_head_counts_and_reshards_by_them(pool, tmp_path):
     """The styles' shard specs reach the index: at tp=4 the 2 kv heads are replicated, never cut in half."""
     import optimum_parallel as op
     from optimum_parallel.checkpoint import read_index
 
-    pool.run(save_front_door_checkpoint, str(tmp_path / "tp2"))
+    pool.run(save_parallelize_checkpoint, str(tmp_path / "tp2"))
     saved = read_index(tmp_path / "tp2").tensors["model.layers.0.self_attn.k_proj.weight"]
     assert saved.parts == [[32, 2]], saved.parts
     op.reshard_checkpoint(tmp_path / "tp2", tmp_path / "tp4", tp=4, progress=False)
@@ -105,7 +105,7 @@ def test_front_door_checkpoint_carries_head_counts_and_reshards_by_them(pool, tm
     ]
 
 
-def check_pipeline_front_door() -> dict:
+def check_pipeline_parallelize() -> dict:
     import optimum_parallel as op
 
     mesh = op.init_mesh(pp=2, tp=1)
@@ -140,8 +140,8 @@ def check_pipeline_front_door() -> dict:
     }
 
 
-def test_pipeline_front_door(pool):
-    first, last = pool.run(check_pipeline_front_door)
+def test_pipeline_parallelize(pool):
+    first, last = pool.run(check_pipeline_parallelize)
     assert first["layers"] == [0, 1] and last["layers"] == [2, 3]
     for result in (first, last):
         assert result["worst"] <= 1e-5, result

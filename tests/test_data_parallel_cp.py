@@ -107,7 +107,7 @@ def test_pipeline_gradients_average_over_dp_x_cp(pool, level):
         assert result["worst_grad"] <= TOL and result["loss"] <= TOL, (rank, result)
 
 
-def check_front_door_without_dp_config() -> dict:
+def check_parallelize_without_dp_config() -> dict:
     """`parallelize` on a cp=2 x tp=2 mesh with only an mp_config: the cp ranks still average their gradients."""
     import optimum_parallel as op
 
@@ -129,8 +129,8 @@ def check_front_door_without_dp_config() -> dict:
     return {"worst_grad": max(grad_errors(reference, model).values())}
 
 
-def test_paddle_front_door_averages_over_cp_without_dp_config(pool):
-    for result in pool.run(check_front_door_without_dp_config):
+def test_paddle_parallelize_averages_over_cp_without_dp_config(pool):
+    for result in pool.run(check_parallelize_without_dp_config):
         assert result["worst_grad"] <= TOL, result
 
 

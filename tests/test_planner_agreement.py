@@ -59,7 +59,7 @@ def grid(world: int):
                     yield Layout(dp, tp, pp, level, sp, cp, ep=ep)
 
 
-def door_refusal(model, family, layout: Layout, monkeypatch) -> str | None:
+def family_refusal(model, family, layout: Layout, monkeypatch) -> str | None:
     """What the family's own Parallelizer says of `layout` (`Parallelizer.validate`: the engine's checks of the request
     `parallelize` would make) over the current mesh, here a mesh of sizes alone; None if it accepts it."""
     mesh = SimulatedMesh(layout.tp, sizes=dict(dp=layout.dp, pp=layout.pp, cp=layout.cp, ep=layout.ep))
@@ -90,7 +90,7 @@ def test_planner_proposes_exactly_what_the_engine_accepts(name, monkeypatch):
     planner = MemoryPlanner(config)
     cells = {world: list(grid(world)) for world in WORLDS}
     answers = {
-        layout: door_refusal(model, family, layout, monkeypatch) for layouts in cells.values() for layout in layouts
+        layout: family_refusal(model, family, layout, monkeypatch) for layouts in cells.values() for layout in layouts
     }
     accepted = {layout for layout, why in answers.items() if why is None}
     for world, layouts in cells.items():

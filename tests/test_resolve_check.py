@@ -90,7 +90,7 @@ def test_resolved_request_is_frozen_and_what_compose_reads():
     assert resolved.compile is None and resolved.pipeline is None and resolved.after_plan is None
 
 
-def test_a_family_door_resolves_the_family_part_before_the_engine():
+def test_a_family_parallelizer_resolves_the_family_part_before_the_engine():
     """The family's plan, capabilities, fix-up and pipeline split arrive as values; the engine fills the defaults."""
     from optimum_parallel.engine.resolve import resolve
     from optimum_parallel.frontends.family_request import family_request
@@ -105,7 +105,7 @@ def test_a_family_door_resolves_the_family_part_before_the_engine():
     assert resolved.capabilities == request.capabilities and resolved.after_plan == family.after_plan
 
 
-def test_no_engine_module_calls_a_family_or_imports_the_front_doors():
+def test_no_engine_module_calls_a_family_or_imports_the_entry_points():
     found = []
     for path in sorted(ENGINE.glob("*.py")):
         tree = ast.parse(path.read_text())
