@@ -79,13 +79,11 @@ from _common import (
     build_llama,
     llama_config,
     local_tensor,
+    print_table,
     proc_status_bytes,
     quiet_transformers,
     random_batch,
     tensor_bytes,
-)
-from _common import (
-    print_table as markdown_table,
 )
 from _ranks import run_on_ranks
 from torch import nn
@@ -436,10 +434,11 @@ def llama_terms(d: Dims, tp: int, sp: bool, attn: str) -> tuple[float, float]:
 # Report
 
 
-def print_table(title: str, header: tuple[str, ...], rows: list[tuple[str, ...]]) -> None:
-    """A markdown table under its title: the first column left-aligned, the numbers right-aligned."""
+def print_titled(title: str, header: tuple[str, ...], rows: list[tuple[str, ...]]) -> None:
+    """A markdown table under its title (`_common.print_table`: the first column left-aligned, the numbers
+    right-aligned), recorded under that title for `scripts/bench.py memory --json`."""
     print(title)
-    markdown_table(header, rows, align_numbers=True)
+    print_table(header, rows, align_numbers=True, title=title)
     print()
 
 
@@ -580,7 +579,7 @@ def print_activation_report(args: argparse.Namespace, results: list[ActivationRe
         "whole model MiB",
         "peak RSS growth MiB",
     )
-    print_table("Table 1: activation memory per decoder layer, per rank", header, activation_rows(results, d))
+    print_titled("Table 1: activation memory per decoder layer, per rank", header, activation_rows(results, d))
     header = (
         "attn",
         "tp",
@@ -596,7 +595,7 @@ def print_activation_report(args: argparse.Namespace, results: list[ActivationRe
         "sbh term tp=1/this: measured",
         "paper",
     )
-    print_table(
+    print_titled(
         "Table 2: the two terms, bytes per s*b*h per layer (score term = the [b, a, s, s] tensors; sdpa has none)",
         header,
         term_rows(results, d),
@@ -605,7 +604,7 @@ def print_activation_report(args: argparse.Namespace, results: list[ActivationRe
         "saved where (first saver)",
         *(f"{r.attn} tp={r.tp}" + f" SP {sp_label(r)}" * (r.tp > 1) for r in results),
     )
-    print_table(
+    print_titled(
         "Table 3: where the bytes are saved, bytes per s*b*h (layer rows: per layer)", header, site_rows(results, d)
     )
     losses = ", ".join(f"{r.attn} tp={r.tp} SP {sp_label(r)}: {r.loss:.5f}" for r in results)
@@ -646,7 +645,7 @@ def print_sharding_report(args: argparse.Namespace, results: list[ShardingResult
                 mib(r.peak_rss),
             )
         )
-    print_table("Table 4: per-rank memory per sharding level", header, rows)
+    print_titled("Table 4: per-rank memory per sharding level", header, rows)
     print(
         "notes: FSDP2 keeps only the shards between steps at level 2 too (it reshards after backward); level 2 "
         "differs from level 3 while a step runs: its parameters stay gathered from forward to backward, while level 3 "

@@ -7,7 +7,7 @@ What it measures
 
     1. plain transformers, eager;
     2. optimum_parallel at tp=1 (its tensor-parallel layers, vocabulary-parallel embedding, head and loss, no
-       sequence parallelism; the Parallelizer front door, the process group on the device's own backend), eager;
+       sequence parallelism; the Parallelizer, the process group on the device's own backend), eager;
     3. and 4.: the same two with every decoder layer compiled (`layer.compile()`, torch.compile's default inductor).
 
     Each variant runs --warmup steps, then --steps timed steps (the median is reported), with the device synchronised
@@ -43,13 +43,12 @@ import gc
 import math
 import os
 import sys
-import time
 import traceback
 import xml.etree.ElementTree as ET
 from dataclasses import dataclass
 
 import torch
-from _common import quiet_transformers, timed_steps, train_step
+from _common import now, print_table, quiet_transformers, timed_steps, train_step
 from transformers import AutoModelForCausalLM, LlamaConfig
 
 PEAK_BF16_TFLOPS = [  # dense bf16 tensor-core peak by device name (first match wins)
@@ -216,23 +215,27 @@ def run_variant(model, batch: dict, args: argparse.Namespace, device: torch.devi
     return times.median, [loss.item() for loss in losses]
 
 
-def print_table(rows: list[Row], title: str) -> None:
+HEADER = ("check", "result", "step ms", "tokens/s", "MFU", "peak GiB", "loss")
+
+
+def print_rows(rows: list[Row], title: str) -> None:
+    """The table under its title, through `_common.print_table` (so `scripts/bench.py single_gpu --json` has it)."""
+
     def fmt(value, spec: str) -> str:
         return "" if value is None else format(value, spec)
 
-    header = f"{'check':<44} | {'result':<34} | {'step ms':>8} | {'tokens/s':>9} | {'MFU':>6} | {'peak GiB':>8} | loss"
-    print(f"\n{title}\n{header}\n{'-' * len(header)}")
-    for r in rows:
-        mfu = None if r.mfu is None else f"{100 * r.mfu:.1f}%"
-        print(
-            f"{r.check:<44} | {r.result:<34} | {fmt(r.step_ms, '8.1f'):>8} | {fmt(r.tokens_per_s, '9.0f'):>9} | "
-            f"{mfu or '':>6} | {fmt(r.peak_gib, '8.2f'):>8} | {fmt(r.loss, '.4f')}"
-        )
+    cells = [
+        (r.check, r.result, fmt(r.step_ms, ".1f"), fmt(r.tokens_per_s, ".0f"),
+         "" if r.mfu is None else f"{100 * r.mfu:.1f}%", fmt(r.peak_gib, ".2f"), fmt(r.loss, ".4f"))
+        for r in rows
+    ]  # fmt: skip
+    print(f"\n{title}")
+    print_table(HEADER, cells, align_numbers=True, title=title)
 
 
 def lane_only(args: argparse.Namespace) -> int:
     rows = lane_rows(args.junit, args.cut)
-    print_table(rows, "accelerator lane")
+    print_rows(rows, "accelerator lane")
     failed = [r.check.strip() for r in rows if r.failed]
     print(f"\n{'FAILED: ' + '; '.join(failed) if failed else 'lane passed'}")
     return 1 if failed else 0
@@ -242,7 +245,7 @@ def main() -> int:
     args = parse_args()
     if args.lane_only:
         return lane_only(args)
-    started = time.monotonic()
+    started = now()  # the benchmarks' one clock (scripts/_common.py)
     quiet_transformers()
     rows = lane_rows(args.junit, args.cut)
     title = ["device check"]
@@ -253,10 +256,10 @@ def main() -> int:
     except Exception as err:
         traceback.print_exc()
         rows.append(Row("benchmark set-up", f"FAILED: {type(err).__name__}: {err}"[:34], failed=True))
-    print_table(rows, title[0])
+    print_rows(rows, title[0])
     failed = [r.check.strip() for r in rows if r.failed]
     print(f"\n{'FAILED: ' + '; '.join(failed) if failed else 'all checks passed'}")
-    print(f"benchmark wall time {time.monotonic() - started:.0f} s")
+    print(f"benchmark wall time {now() - started:.0f} s")
     if torch.distributed.is_initialized():
         torch.distributed.destroy_process_group()
     return 1 if failed else 0
@@ -287,13 +290,13 @@ def run_benchmark(args: argparse.Namespace, rows: list[Row], title: list[str], s
     took = {False: 0.0, True: 0.0}  # the longest eager and compiled variant so far (seconds)
     for name, ours, compiled in variants:
         label = f"{name}, {'compiled' if compiled else 'eager'}"
-        elapsed = time.monotonic() - started
+        elapsed = now() - started
         guess = took[compiled] or 2 * took[False]  # a first compiled variant: twice an eager one
         if args.budget_s is not None and elapsed + guess > args.budget_s:
             rows.append(Row(label, f"SKIPPED: budget {args.budget_s:g} s", failed=True))
             continue
         base = reset_memory(device)
-        variant_started = time.monotonic()
+        variant_started = now()
         model = None
         try:
             model = make_variant(source, ours, compiled, device)
@@ -307,7 +310,7 @@ def run_benchmark(args: argparse.Namespace, rows: list[Row], title: list[str], s
             continue
         finally:
             model = None
-            took[compiled] = max(took[compiled], time.monotonic() - variant_started)
+            took[compiled] = max(took[compiled], now() - variant_started)
         first = losses[0]
         reference = reference or (label, first)
         diff = abs(first - reference[1]) / abs(reference[1])

@@ -102,3 +102,38 @@ def test_not_a_result(tmp_path):
     path.write_text(json.dumps({"settings": {}, "results": {}}))
     with pytest.raises(SystemExit, match="schema 1"):
         readme_tables.main([str(path)])
+
+
+def test_single_gpu_lane_table(results, tmp_path, capsys):
+    """bench_single_gpu's table (here --lane-only's, from a JUnit file) goes through `print_table` into the JSON;
+    the lines scripts/device_check.sh relies on (the summary) and the exit status stay."""
+    junit = tmp_path / "lane.xml"
+    junit.write_text(
+        '<testsuites><testsuite><testcase name="test_a"/><testcase name="test_b"><failure message="boom"/>'
+        "</testcase></testsuite></testsuites>"
+    )
+    out = tmp_path / "single_gpu.json"
+    bench.run("single_gpu", str(out), ["--lane-only", "--junit", f"lane={junit}"])
+    printed = capsys.readouterr().out.splitlines()
+    document = json.loads(out.read_text())
+
+    import bench_single_gpu
+
+    assert document["tables"] == [{"name": "accelerator lane", "columns": list(bench_single_gpu.HEADER)}]
+    cells = {(r["row"], r["metric"]): r["text"] for r in document["rows"]}
+    assert cells[0, "result"] == "1 passed, 1 failed" and cells[1, "result"] == "boom"
+    assert [r["variant"] for r in document["rows"] if r["metric"] == "result"] == ["lane: lane", "  FAILED test_b"]
+    assert printed[-1] == "FAILED: lane: lane; FAILED test_b"
+    assert len([line for line in printed if line.startswith("|")]) == 2 + 2
+    sys.argv = ["bench_single_gpu.py", "--lane-only", "--junit", f"lane={junit}"]
+    assert bench_single_gpu.main() == 1
+
+
+def test_memory_tables_titled(results):
+    """bench_memory's tables are recorded under their printed titles."""
+    import bench_memory
+
+    bench_memory.print_titled("Table 9: fake", ("level", "params between steps"), [("0", "0.16 (1.00x)")])
+    assert results.tables == [{"name": "Table 9: fake", "columns": ["level", "params between steps"]}]
+    row = results.rows[0]
+    assert (row["table"], row["variant"], row["value"], row["ratio_to"]) == ("Table 9: fake", "0", 0.16, 1.0)

@@ -244,7 +244,7 @@ class Siblings:
 
 @dataclass(frozen=True)
 class LayerWiring:
-    """What the plan decided for one layer (see the module docstring); the default, for a layer built on its own
+    """What the plan decided for one layer (docs/module_notes.md); the default, for a layer built on its own
     outside a plan: its own entry, no sequence parallelism."""
 
     entry: RegionEntry | None = field(default_factory=RegionEntry)  # None: the caller entered the region

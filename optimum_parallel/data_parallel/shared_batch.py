@@ -33,7 +33,7 @@ def _fingerprint(inputs: dict) -> torch.Tensor:
 
 
 class SharedBatch:
-    """The policy of one model's peers (see the module docstring)."""
+    """The policy of one model's peers (docs/module_notes.md)."""
 
     def __init__(self, mesh: ParallelMesh, mode: str = "check", every: int = CHECK_EVERY) -> None:
         self.group, self.mode, self.every = mesh.group("peers"), mode, every

@@ -61,7 +61,7 @@ def save_pretrained(
     **kwargs,
 ) -> None:
     """`model.save_pretrained(save_directory)` for a parallel model: a standard Hugging Face checkpoint of the whole
-    model (see the module docstring). Call it on every rank."""
+    model (docs/module_notes.md). Call it on every rank."""
     if state_dict is not None or not safe_serialization:
         raise ValueError(
             "save_pretrained of a parallel model takes neither state_dict= nor safe_serialization=False; allowed: "

@@ -271,7 +271,7 @@ def check_context_parallel_parts(model: nn.Module, parts: MultimodalParts, cp: i
 
 class MultimodalParallelizer(Parallelizer):
     """A composite image-text model: the text family's plan re-rooted at the language model, plus the vision tower's
-    and projector's structural plan (module docstring). `text_family` None: the structural text plan."""
+    and projector's structural plan (docs/module_notes.md). `text_family` None: the structural text plan."""
 
     text_family: type[Parallelizer] | None = None
     model_type = ""

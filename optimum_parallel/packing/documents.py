@@ -145,7 +145,7 @@ def _isolate_padding(positions: torch.Tensor, real: torch.Tensor) -> torch.Tenso
 
 
 def packed_inputs(kwargs: dict, keep_flash_keys: bool = False) -> dict | None:
-    """`kwargs` of a model forward in the packed form (see the module docstring), or None when they are not packed
+    """`kwargs` of a model forward in the packed form (docs/module_notes.md), or None when they are not packed
     or carry a key/value cache (decoding is not packing)."""
     if kwargs.get("past_key_values") is not None or kwargs.get("cache") is not None:  # transformers 5 says `cache`
         return None

@@ -106,7 +106,7 @@ def _teacher_kwargs(args: DistillationConfig) -> dict[str, Any]:
 
 
 class ParallelDistillationTrainer(ParallelTrainerMixin, DistillationTrainer):
-    """TRL's `DistillationTrainer` on a parallel student and teacher (see the module docstring); `args` is a
+    """TRL's `DistillationTrainer` on a parallel student and teacher (docs/module_notes.md); `args` is a
     `ParallelDistillationConfig`, `model` and `teacher_model` transformers models or checkpoint paths."""
 
     def __init__(
@@ -330,7 +330,7 @@ def _loaded_here(args: DistillationConfig) -> Iterator[None]:
 
 
 def _call_directly(wrapper: nn.Module, original: nn.Module, method, *args: Any, **kwargs: Any):
-    """TRL's `_forward_redirection` without a wrapper to route through (see the module docstring)."""
+    """TRL's `_forward_redirection` without a wrapper to route through (docs/module_notes.md)."""
     del wrapper, original
     return method(*args, **kwargs)
 

@@ -121,7 +121,7 @@ def _is_peft(model: Any) -> bool:
 
 
 class ParallelDPOTrainer(ParallelTrainerMixin, DPOTrainer):
-    """TRL's `DPOTrainer` on a parallel model (see the module docstring); `args` is a `ParallelDPOConfig`, `model` a
+    """TRL's `DPOTrainer` on a parallel model (docs/module_notes.md); `args` is a `ParallelDPOConfig`, `model` a
     transformers model or a checkpoint path, `ref_model` None (the policy's checkpoint), a model or a path."""
 
     # under pp the dataset keeps TRL's columns (the collator makes the batches)

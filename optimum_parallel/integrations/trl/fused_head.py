@@ -124,7 +124,7 @@ def head_projection(model: nn.Module) -> HeadProjection | None:
 
 
 class FusedHead:
-    """`model.forward` of a parallel model given TRL's fused head (see the module docstring and `install_fused_head`).
+    """`model.forward` of a parallel model given TRL's fused head (docs/module_notes.md and `install_fused_head`).
 
     Under pp the forward runs through the pipeline's stages without a graph (`run_eval`), the last stage scores the
     labels and sends the per-token numbers to the other stages; the log-probabilities are then a leaf

@@ -58,7 +58,7 @@ for _name in TRL_MODULE_GLOBALS:
 if getattr(trl_grpo, "asyncio", None) is not asyncio:  # the tool loop's, swapped for `_SharedAsyncio`
     raise InternalsChanged(
         "trl.trainer.grpo_trainer no longer reaches asyncio by module-level name; ParallelGRPOTrainer swaps it "
-        "around the tool-calling loop (see the module docstring). Install a TRL version this release supports."
+        "around the tool-calling loop (docs/module_notes.md). Install a TRL version this release supports."
     )
 
 
@@ -121,7 +121,7 @@ def _size_generation_batch(args: GRPOConfig, replicas: int) -> None:
 
 
 def check_grpo_options(args: ParallelGRPOConfig, kwargs: dict[str, Any]) -> None:
-    """ValueError naming the first GRPO option the layout `args` asks for cannot run (see the module docstring)."""
+    """ValueError naming the first GRPO option the layout `args` asks for cannot run (docs/module_notes.md)."""
     if args.pipeline_parallel_size > 1 and args.context_parallel_size > 1:
         raise ValueError(
             f"pipeline_parallel_size={args.pipeline_parallel_size} with context_parallel_size="
@@ -386,7 +386,7 @@ def _rollout_on_first_rank(rollout_func: Callable) -> Callable:
 
 
 class ParallelGRPOTrainer(ParallelTrainerMixin, GRPOTrainer):
-    """TRL's `GRPOTrainer` on a parallel model (see the module docstring); `args` is a `ParallelGRPOConfig`.
+    """TRL's `GRPOTrainer` on a parallel model (docs/module_notes.md); `args` is a `ParallelGRPOConfig`.
 
     `ParallelGRPOTrainer(model_or_path, reward_funcs=..., args=ParallelGRPOConfig(...), train_dataset=...,
     processing_class=tokenizer)`; launch with torchrun.
@@ -405,7 +405,7 @@ class ParallelGRPOTrainer(ParallelTrainerMixin, GRPOTrainer):
             if kwargs.get("model_kwargs") is None:
                 kwargs["model_kwargs"] = _policy_kwargs(args)  # TRL's: float32 unless model_init_kwargs names one
                 used_init_kwargs = None if args.model_init_kwargs is None else "model_init_kwargs"
-        # tools, environments and the rollout function run on each replica's first rank (see the module docstring)
+        # tools, environments and the rollout function run on each replica's first rank (docs/module_notes.md)
         if kwargs.get("rollout_func") is not None:
             kwargs["rollout_func"] = _rollout_on_first_rank(kwargs["rollout_func"])
         factory = kwargs.get("environment_factory")

@@ -52,7 +52,7 @@ def check_kto_options(args: KTOConfig, kwargs: dict[str, Any] | None = None) -> 
 
 
 class ParallelKTOTrainer(ParallelTrainerMixin, KTOTrainer):
-    """TRL's `KTOTrainer` on a parallel model (see the module docstring); `args` is a `ParallelKTOConfig`, `model` a
+    """TRL's `KTOTrainer` on a parallel model (docs/module_notes.md); `args` is a `ParallelKTOConfig`, `model` a
     transformers model or a checkpoint path, `ref_model` None (the policy's checkpoint), a model or a path."""
 
     # under pp the dataset keeps TRL's columns (the collator makes the batches)

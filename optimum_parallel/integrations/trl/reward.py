@@ -61,7 +61,7 @@ def reward_model_kwargs(args: RewardConfig, model_kwargs: dict[str, Any] | None)
 
 
 class ParallelRewardTrainer(ParallelTrainerMixin, RewardTrainer):
-    """TRL's `RewardTrainer` on a parallel model (see the module docstring); `args` is a `ParallelRewardConfig`,
+    """TRL's `RewardTrainer` on a parallel model (docs/module_notes.md); `args` is a `ParallelRewardConfig`,
     `model` a sequence-classification model or a checkpoint path (a causal LM's gets a new one-label head)."""
 
     pipeline_columns = ("chosen_ids", "rejected_ids", "margin")  # under pp TRL's collator makes the batches

@@ -88,7 +88,7 @@ def check_rloo_options(args: ParallelRLOOConfig, kwargs: dict[str, Any]) -> None
 
 
 class ParallelRLOOTrainer(ParallelTrainerMixin, RLOOTrainer):
-    """TRL's `RLOOTrainer` on a parallel model (see the module docstring); `args` is a `ParallelRLOOConfig`.
+    """TRL's `RLOOTrainer` on a parallel model (docs/module_notes.md); `args` is a `ParallelRLOOConfig`.
 
     `ParallelRLOOTrainer(model_or_path, reward_funcs=..., args=ParallelRLOOConfig(...), train_dataset=...,
     processing_class=tokenizer)`; launch with torchrun.

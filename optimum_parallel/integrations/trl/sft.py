@@ -68,7 +68,7 @@ def _check_router_loss(trainer: SFTTrainer, args: SFTConfig) -> None:
 
 
 class ParallelSFTTrainer(ParallelTrainerMixin, SFTTrainer):
-    """TRL's `SFTTrainer` on a parallel model (see the module docstring); `args` is a `ParallelSFTConfig`."""
+    """TRL's `SFTTrainer` on a parallel model (docs/module_notes.md); `args` is a `ParallelSFTConfig`."""
 
     pipeline_columns = (*PIPELINE_COLUMNS, "seq_lengths")  # TRL's packed datasets: the documents' lengths
 
@@ -81,7 +81,7 @@ class ParallelSFTTrainer(ParallelTrainerMixin, SFTTrainer):
         self._token_metrics = TokenMetrics.install(plan_root(self.model))
 
     def compute_loss(self, model, inputs, return_outputs: bool = False, num_items_in_batch=None):
-        """The model's own loss (see the module docstring), without a key/value cache; TRL's token metrics from its
+        """The model's own loss (docs/module_notes.md), without a key/value cache; TRL's token metrics from its
         logits."""
         inputs["use_cache"] = False
         with self._recording():
