@@ -84,16 +84,16 @@ def test_round_trip(results, tmp_path, capsys):
 
     readme_tables.main([str(out)])
     markdown = capsys.readouterr().out.splitlines()
-    assert markdown[0] == "### fake" and "arguments: --steps 2" in markdown[2]
+    assert markdown[0] == "### fake" and "`python scripts/bench.py fake --steps 2`" in markdown[2]
     table = _common.markdown_lines(HEADER, ROWS, align_numbers=True)
     shared = _common.markdown_lines(SHARED, SHARED_ROWS, align_numbers=True)
     assert [line for line in printed if line.startswith("|")] == table + shared  # what the benchmark printed
-    at = markdown.index("fake steps")
+    at = markdown.index("*fake steps*")
     assert markdown[at + 2 : at + 2 + len(table)] == table  # the same table, cell for cell, back from the JSON
-    at = markdown.index("fake load")
+    at = markdown.index("*fake load*")
     load = _common.markdown_lines(["", "time"], [["load", "1.5"]], align_numbers=True)
     assert markdown[at + 2 : at + 2 + len(load)] == load
-    at = markdown.index("shared names")
+    at = markdown.index("*shared names*")
     assert markdown[at + 2 :] == shared
 
 
