@@ -44,13 +44,20 @@ import argparse
 import os
 import sys
 import tempfile
-import time
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 import transformers
-from _common import add_llama_args, add_run_args, llama_config, print_table, proc_status_bytes, quiet_transformers
+from _common import (
+    Stopwatch,
+    add_llama_args,
+    add_run_args,
+    llama_config,
+    print_table,
+    proc_status_bytes,
+    quiet_transformers,
+)
 from _ranks import run_on_ranks
 
 MMAP_THRESHOLD_ENV, MMAP_THRESHOLD = "MALLOC_MMAP_THRESHOLD_", 64 * 1024  # glibc: mmap (and unmap) large blocks
@@ -184,9 +191,9 @@ def run_config(rank: int, world: int, name: str, args: argparse.Namespace, model
                                      model_kwargs={"dtype": torch.float32})  # fmt: skip
     before, peak_before = proc_status_bytes("VmRSS"), proc_status_bytes("VmHWM")
     resettable = reset_peak_rss()
-    start = time.perf_counter()
-    trainer.train()
-    seconds = time.perf_counter() - start
+    with Stopwatch() as watch:
+        trainer.train()
+    seconds = watch.seconds
     loss = next(e["loss"] for e in trainer.state.log_history if "loss" in e)
     peak = proc_status_bytes("VmHWM")
     mine = RankMemory(max(peak, peak_before), peak if resettable else None, before, seconds, loss)
