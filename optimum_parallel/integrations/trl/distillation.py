@@ -29,14 +29,14 @@ from ...plan.wrappers import plan_root
 from ...state import parallel_state
 from ...tensor_parallel.layers import ColumnParallelLinear
 from ...tensor_parallel.logprobs import vocab_slice
-from ...tensor_parallel.random import share_rng_states
 from ..transformers.internals import check_overrides, private_override
 from ..transformers.trainer import ParallelTrainerMixin
 from ..transformers.training_args import ParallelTrainingArguments
-from .dpo import ParallelDPOTrainer
+from .dpo import parallel_reference
 from .fused_head import whole_sequence
-from .grpo import _generate_without_cache
-from .replicas import over_replicas
+from .grpo import parallel_generation
+from .pipeline import check_whole_rows, surrogate_loss
+from .replicas import ReplicaProcesses, seed_replicas
 
 
 @dataclass
@@ -47,12 +47,7 @@ class ParallelDistillationConfig(DistillationConfig, ParallelTrainingArguments):
 
 def check_distillation_options(args: DistillationConfig, kwargs: dict[str, Any]) -> None:
     """ValueError naming the first option ParallelDistillationTrainer cannot run."""
-    if args.pipeline_parallel_size > 1 and args.context_parallel_size > 1:
-        raise ValueError(
-            f"pipeline_parallel_size={args.pipeline_parallel_size} with context_parallel_size="
-            f"{args.context_parallel_size} is not supported by ParallelDistillationTrainer (the pipelines score and "
-            "generate on whole rows); allowed with pp > 1: context_parallel_size=1"
-        )
+    check_whole_rows(args, "ParallelDistillationTrainer", "the pipelines score and generate on whole rows")
     if args.use_vllm:
         raise ValueError("use_vllm=True is not supported by ParallelDistillationTrainer; allowed: False")
     for name in ("tools", "quantization_config"):
@@ -105,7 +100,7 @@ def _teacher_kwargs(args: DistillationConfig) -> dict[str, Any]:
     return kwargs
 
 
-class ParallelDistillationTrainer(ParallelTrainerMixin, DistillationTrainer):
+class ParallelDistillationTrainer(ReplicaProcesses, ParallelTrainerMixin, DistillationTrainer):
     """TRL's `DistillationTrainer` on a parallel student and teacher (docs/module_notes.md); `args` is a
     `ParallelDistillationConfig`, `model` and `teacher_model` transformers models or checkpoint paths."""
 
@@ -130,26 +125,19 @@ class ParallelDistillationTrainer(ParallelTrainerMixin, DistillationTrainer):
             model_kwargs = dict(args.model_init_kwargs or {})  # TRL's for a student given as a path
             model_kwargs.pop("device_map", None)
         set_seed(args.seed)  # as TRL, before the student is built
-        # the same loading and split as DPO's reference (the helper does not read `self`)
-        teacher = ParallelDPOTrainer._parallel_reference(
-            self, teacher_model, args, AutoModelForCausalLM, _teacher_kwargs(args)
-        )
+        # the same loading and split as DPO's reference
+        teacher = parallel_reference(teacher_model, args, AutoModelForCausalLM, _teacher_kwargs(args))
         # under cp the teacher runs with gradients on (`_compute_loss`): frozen, it has none to reduce over dp x cp
         mark_gradients_reduced(plan_root(teacher))
         with _loaded_here(args):
             super().__init__(model, args, model_kwargs=model_kwargs, teacher_model=teacher, **kwargs)
         self._forward_redirection = _call_directly
         self._pipeline_pass: tuple | None = None  # under pp: the step's rows and leaves (`training_step`)
-        # TRL seeded each process apart; the ranks of a replica sample alike (the seed TRL gives its process)
-        set_seed(args.seed + self.mesh.rank("batch"))
-        share_rng_states(self.mesh.group("peers"))
+        seed_replicas(self.mesh, args.seed)  # the ranks of a replica sample alike (the seed TRL gives its process)
 
     # ------------------------------------------------------------------ the batch replicas as TRL's processes
-
-    def _over_replicas(self):
-        """TRL's gathers, process count and index over the batch replicas for the block (`replicas.ReplicaView`): the
-        ranks of a replica are one of TRL's processes (its sampler's batches, token counts and loss scale)."""
-        return over_replicas(self)
+    # (`ReplicaProcesses`: TRL's process count and index, gathers, generation, buffering, loss and entropy over the
+    # replicas; the ranks of a replica are one of TRL's processes: its sampler's batches, token counts, loss scale)
 
     def get_train_dataloader(self):
         with self._over_replicas():
@@ -160,29 +148,13 @@ class ParallelDistillationTrainer(ParallelTrainerMixin, DistillationTrainer):
         with self._over_replicas():
             return super()._get_train_sampler(dataset)
 
-    @private_override
-    def _prepare_inputs(self, generation_batch):
-        """TRL's generation and buffering, with the replicas as its processes."""
-        with self._over_replicas():
-            return super()._prepare_inputs(generation_batch)
-
-    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
-        """TRL's loss and entropy, with the replicas as its processes."""
-        with self._over_replicas():
-            return super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
-
     # ------------------------------------------------------------------ generation and the loss
 
     @private_override
     def _generate_single_turn(self, prompt_ids, images, multimodal_fields, has_tool_images=False):
-        """TRL's generation through the parallel model's `generate`, sampling from the whole vocabulary's logits."""
-        model = self.accelerator.unwrap_model(self.model)
-        with (
-            _vocab_logits(self.model, "full"),
-            _generate_without_cache(model, self.mesh, self._pipeline)
-            if self.mesh.size("cp") > 1 or self._pipeline is not None
-            else contextlib.nullcontext(),
-        ):
+        """TRL's generation through the parallel model's `generate`, sampling from the whole vocabulary's logits
+        (`parallel_generation`)."""
+        with parallel_generation(self):
             return super()._generate_single_turn(prompt_ids, images, multimodal_fields, has_tool_images)
 
     @private_override
@@ -282,12 +254,8 @@ class ParallelDistillationTrainer(ParallelTrainerMixin, DistillationTrainer):
             (weights,) = torch.autograd.grad(divergence, logits, grad_outputs=leaf.grad.to(divergence.dtype))
         root = plan_root(self.accelerator.unwrap_model(model))
         rows = torch.arange(input_ids.size(0), device=input_ids.device)[:, None].expand_as(input_ids)
-        previous, root.loss_function = root.loss_function, _LogitWeights(weights)
-        try:
-            with self.accelerator.autocast():
-                model.run_train(input_ids=input_ids, labels=rows, attention_mask=attention_mask)
-        finally:
-            root.loss_function = previous
+        with surrogate_loss(root, _LogitWeights(weights)), self.accelerator.autocast():
+            model.run_train(input_ids=input_ids, labels=rows, attention_mask=attention_mask)
         return loss
 
     def prediction_step(self, model, inputs, prediction_loss_only, ignore_keys=None):
@@ -336,3 +304,4 @@ def _call_directly(wrapper: nn.Module, original: nn.Module, method, *args: Any, 
 
 
 check_overrides(ParallelDistillationTrainer, DistillationTrainer)
+check_overrides(ReplicaProcesses, DistillationTrainer)

@@ -8,6 +8,7 @@ before anything changes. Design notes: docs/module_notes.md.
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
 from dataclasses import dataclass, replace
 from functools import partial
 from typing import Any
@@ -15,7 +16,7 @@ from typing import Any
 import torch
 from torch.utils.data import DataLoader
 from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel, set_seed
-from trl import DPOConfig, DPOTrainer
+from trl import DPOConfig, DPOTrainer, KTOConfig
 
 from ...engine.checks import validate
 from ...engine.compose import compose_model
@@ -28,6 +29,7 @@ from ..transformers.lazy_loading import lazy_load_for_parallelism
 from ..transformers.trainer import ParallelTrainerMixin, _mesh_for
 from ..transformers.training_args import ParallelTrainingArguments, trainer_request
 from .fused_head import FusedHead, install_fused_head
+from .pipeline import check_whole_rows, surrogate_loss
 
 
 @dataclass
@@ -63,21 +65,21 @@ def check_text_only(trainer: str, kwargs: dict[str, Any]) -> None:
 def check_dpo_options(args: DPOConfig, kwargs: dict[str, Any] | None = None) -> None:
     """ValueError naming the first TRL option that cannot work on the layout `args` asks for (with the trainer's
     keyword arguments `kwargs`: a multimodal processor or image rows, `check_text_only`)."""
-    check_text_only("ParallelDPOTrainer", kwargs or {})
-    if args.pipeline_parallel_size > 1 and args.context_parallel_size > 1:
-        raise ValueError(
-            f"pipeline_parallel_size={args.pipeline_parallel_size} with context_parallel_size="
-            f"{args.context_parallel_size} is not supported by ParallelDPOTrainer (the pipeline's log-probabilities "
-            "are scored on whole rows); allowed with pp > 1: context_parallel_size=1"
-        )
+    check_reference_trainer_options("ParallelDPOTrainer", args, kwargs)
+
+
+def check_reference_trainer_options(trainer: str, args: DPOConfig | KTOConfig, kwargs: dict[str, Any] | None) -> None:
+    """The refusals DPO and KTO share, in order, naming `trainer` (`check_dpo_options`, `check_kto_options`)."""
+    check_text_only(trainer, kwargs or {})
+    check_whole_rows(args, trainer, "the pipeline's log-probabilities are scored on whole rows")
     if args.use_liger_kernel:
         raise ValueError(
-            "use_liger_kernel=True is not supported by ParallelDPOTrainer (Liger's kernels replace the modules the "
+            f"use_liger_kernel=True is not supported by {trainer} (Liger's kernels replace the modules the "
             "parallel layout is built on); allowed: False"
         )
     if args.sync_ref_model:
         raise ValueError(
-            "sync_ref_model=True is not supported by ParallelDPOTrainer (the policy's data-parallel shards and the "
+            f"sync_ref_model=True is not supported by {trainer} (the policy's data-parallel shards and the "
             "reference's parameters are laid out differently); allowed: False"
         )
 
@@ -143,21 +145,8 @@ class ParallelDPOTrainer(ParallelTrainerMixin, DPOTrainer):
         if kwargs.get("train_dataset") is None:
             raise ValueError("`train_dataset` is required")
         check_preference_dataset(kwargs["train_dataset"])
-        if ref_model is not None and ref_model is model:
-            raise ValueError("`model` and `ref_model` cannot be the same object; omit `ref_model` for a copy")
         base_as_reference = ref_model is None and kwargs.get("peft_config") is not None
-        if ref_model is None and not (args.precompute_ref_log_probs or kwargs.get("peft_config") or _is_peft(model)):
-            ref_model = model if isinstance(model, (str, os.PathLike)) else model.config._name_or_path
-            if not ref_model:
-                raise ValueError(
-                    "ref_model: the policy was given as a model without a checkpoint path (config._name_or_path is "
-                    "empty); pass ref_model (a model or a checkpoint path) or precompute_ref_log_probs=True"
-                )
-        if ref_model is not None:
-            kwargs_for_ref = dict(model_kwargs or {})
-            if isinstance(model, PreTrainedModel):
-                kwargs_for_ref.setdefault("dtype", model.dtype)
-            ref_model = self._parallel_reference(ref_model, args, model_class, kwargs_for_ref)
+        ref_model = reference_for(model, ref_model, args, model_class, model_kwargs, kwargs)
         if base_as_reference:
             config = model.config if isinstance(model, PreTrainedModel) else AutoConfig.from_pretrained(model)
             ref_model = _BaseAsReference(config)
@@ -165,31 +154,7 @@ class ParallelDPOTrainer(ParallelTrainerMixin, DPOTrainer):
         super().__init__(model, args, model_class=model_class, model_kwargs=model_kwargs, ref_model=ref_model, **kwargs)
         if isinstance(self.ref_model, _BaseAsReference):
             self.ref_model = None
-        if self.aux_loss_enabled:
-            raise ValueError(
-                f"router_aux_loss_coef={self.router_aux_loss_coef} is not supported by ParallelDPOTrainer (the "
-                "parallel fused head computes no router aux loss); allowed: router_aux_loss_coef=0.0"
-            )
-        self._install_fused_heads()
-        self._tp_size = self.get_tp_size()  # TRL divides its token count over the world by this
-
-    def _parallel_reference(
-        self, ref: PreTrainedModel | str | os.PathLike, args: ParallelDPOConfig, model_class: type, kwargs: dict
-    ) -> PreTrainedModel:
-        """The reference on the policy's mesh (tp / sp / cp; replicated over dp), frozen; from a path, each rank
-        reads its slice only."""
-        request = trainer_request(args, device=args.device)
-        mesh = _mesh_for(request, args.ddp_timeout)
-        if isinstance(ref, (str, os.PathLike)):
-            sizes = args.tensor_parallel_size, args.pipeline_parallel_size, args.expert_parallel_size
-            with lazy_load_for_parallelism(*sizes):
-                ref = model_class.from_pretrained(ref, **kwargs)
-        inner = plan_root(ref)
-        family = ParallelizersManager.parallelizer_for_model(ref)
-        checked = validate(replace(request, optimizer=None), inner, mesh, partial(family_request, family))
-        compose_model(inner, mesh, checked)
-        ref.requires_grad_(False)
-        return ref.eval()
+        finish_reference_trainer(self, "ParallelDPOTrainer")
 
     def _install_fused_heads(self) -> None:
         """The parallel fused head on the policy (its base under PEFT) and the reference, where TRL put its own."""
@@ -215,16 +180,12 @@ class ParallelDPOTrainer(ParallelTrainerMixin, DPOTrainer):
         root = plan_root(model)
         vocab = root.config.get_text_config().vocab_size
         surrogate = _WeightedLogProbs(root, weights, vocab)
-        previous, root.loss_function = root.loss_function, surrogate
-        try:
-            with self.accelerator.autocast():
-                model.run_train(
-                    input_ids=inputs["input_ids"],
-                    labels=surrogate.encode(labels),
-                    attention_mask=inputs.get("attention_mask"),
-                )
-        finally:
-            root.loss_function = previous
+        with surrogate_loss(root, surrogate), self.accelerator.autocast():
+            model.run_train(
+                input_ids=inputs["input_ids"],
+                labels=surrogate.encode(labels),
+                attention_mask=inputs.get("attention_mask"),
+            )
         return loss.detach()
 
     def prediction_step(self, model, inputs: dict[str, Any], prediction_loss_only: bool, ignore_keys=None):
@@ -238,26 +199,87 @@ class ParallelDPOTrainer(ParallelTrainerMixin, DPOTrainer):
         """The reference's log-probabilities of every row, added as columns (TRL's columns). Every rank runs every
         batch in order (the tp / cp ranks of a batch run its collectives together), so no rank waits on another's
         data; TRL's cache file is not written."""
-        from datasets import IterableDataset
-
-        if isinstance(dataset, IterableDataset):
-            raise ValueError(
-                "`precompute_ref_log_probs=True` is not supported with IterableDataset. Please use a map-style "
-                "Dataset or set `precompute_ref_log_probs=False`."
-            )
-        self._install_fused_heads()
-        if isinstance(self.ref_model, _BaseAsReference):
-            self.ref_model = None  # the base, adapters disabled (TRL's `compute_ref_log_probs` reads this)
-        loader = DataLoader(dataset, batch_size=batch_size, collate_fn=self.data_collator, shuffle=False)
-        model = self.ref_model or self.model
         chosen, rejected = [], []
-        for batch in loader:
-            batch = {k: v.to(self.args.device) if torch.is_tensor(v) else v for k, v in batch.items()}
-            ref_chosen, ref_rejected = self.compute_ref_log_probs(model, batch)
+        for ref_chosen, ref_rejected in reference_log_probs(self, dataset, batch_size):
             chosen.append(ref_chosen.float().cpu())
             rejected.append(ref_rejected.float().cpu())
         dataset = dataset.add_column("ref_chosen_logps", torch.cat(chosen).tolist())
         return dataset.add_column("ref_rejected_logps", torch.cat(rejected).tolist())
+
+
+def parallel_reference(
+    ref: PreTrainedModel | str | os.PathLike, args: ParallelTrainingArguments, model_class: type, kwargs: dict
+) -> PreTrainedModel:
+    """The reference on the policy's mesh (tp / sp / cp; replicated over dp), frozen; from a path, each rank
+    reads its slice only (DPO's and KTO's reference, distillation's teacher)."""
+    request = trainer_request(args, device=args.device)
+    mesh = _mesh_for(request, args.ddp_timeout)
+    if isinstance(ref, (str, os.PathLike)):
+        sizes = args.tensor_parallel_size, args.pipeline_parallel_size, args.expert_parallel_size
+        with lazy_load_for_parallelism(*sizes):
+            ref = model_class.from_pretrained(ref, **kwargs)
+    inner = plan_root(ref)
+    family = ParallelizersManager.parallelizer_for_model(ref)
+    checked = validate(replace(request, optimizer=None), inner, mesh, partial(family_request, family))
+    compose_model(inner, mesh, checked)
+    ref.requires_grad_(False)
+    return ref.eval()
+
+
+def reference_for(
+    model: PreTrainedModel | str | os.PathLike,
+    ref_model: PreTrainedModel | str | os.PathLike | None,
+    args: DPOConfig | KTOConfig,
+    model_class: type,
+    model_kwargs: dict[str, Any] | None,
+    kwargs: dict[str, Any],
+) -> PreTrainedModel | None:
+    """DPO's and KTO's reference: `ref_model` or the policy's checkpoint (none with precomputed log-probs or PEFT)."""
+    if ref_model is not None and ref_model is model:
+        raise ValueError("`model` and `ref_model` cannot be the same object; omit `ref_model` for a copy")
+    if ref_model is None and not (args.precompute_ref_log_probs or kwargs.get("peft_config") or _is_peft(model)):
+        ref_model = model if isinstance(model, (str, os.PathLike)) else model.config._name_or_path
+        if not ref_model:
+            raise ValueError(
+                "ref_model: the policy was given as a model without a checkpoint path (config._name_or_path is "
+                "empty); pass ref_model (a model or a checkpoint path) or precompute_ref_log_probs=True"
+            )
+    if ref_model is not None:
+        kwargs_for_ref = dict(model_kwargs or {})
+        if isinstance(model, PreTrainedModel):
+            kwargs_for_ref.setdefault("dtype", model.dtype)
+        ref_model = parallel_reference(ref_model, args, model_class, kwargs_for_ref)
+    return ref_model
+
+
+def finish_reference_trainer(trainer: ParallelTrainerMixin, name: str) -> None:
+    """DPO's and KTO's steps after TRL's `__init__`: no router aux loss, the fused heads installed, the tp size kept."""
+    if trainer.aux_loss_enabled:
+        raise ValueError(
+            f"router_aux_loss_coef={trainer.router_aux_loss_coef} is not supported by {name} (the "
+            "parallel fused head computes no router aux loss); allowed: router_aux_loss_coef=0.0"
+        )
+    trainer._install_fused_heads()
+    trainer._tp_size = trainer.get_tp_size()  # TRL divides its token count over the world by this
+
+
+def reference_log_probs(trainer: ParallelTrainerMixin, dataset, batch_size: int) -> Iterator[tuple]:
+    """TRL's `compute_ref_log_probs` of each batch of `dataset`, in order, on every rank (DPO's, KTO's precompute)."""
+    from datasets import IterableDataset
+
+    if isinstance(dataset, IterableDataset):
+        raise ValueError(
+            "`precompute_ref_log_probs=True` is not supported with IterableDataset. Please use a map-style "
+            "Dataset or set `precompute_ref_log_probs=False`."
+        )
+    trainer._install_fused_heads()  # called from TRL's __init__, before ours installed them
+    if isinstance(trainer.ref_model, _BaseAsReference):
+        trainer.ref_model = None  # the base, adapters disabled (TRL's `compute_ref_log_probs` reads this)
+    loader = DataLoader(dataset, batch_size=batch_size, collate_fn=trainer.data_collator, shuffle=False)
+    model = trainer.ref_model or trainer.model
+    for batch in loader:
+        batch = {k: v.to(trainer.args.device) if torch.is_tensor(v) else v for k, v in batch.items()}
+        yield trainer.compute_ref_log_probs(model, batch)
 
 
 class _WeightedLogProbs:

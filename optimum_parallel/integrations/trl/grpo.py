@@ -39,22 +39,16 @@ from ...plan.caller_outputs import sync_generation
 from ...plan.wrappers import plan_root
 from ...tensor_parallel.layers import ColumnParallelLinear
 from ...tensor_parallel.logprobs import IGNORE_INDEX, token_entropy, token_log_probs, vocab_slice
-from ...tensor_parallel.random import share_rng_states
 from ..transformers.internals import InternalsChanged, check_overrides, private_override
 from ..transformers.lazy_loading import lazy_load_for_parallelism
 from ..transformers.trainer import ParallelTrainerMixin
 from ..transformers.training_args import ParallelTrainingArguments, trainer_request
 from .dpo import _WeightedLogProbs
 from .fused_head import FusedHead, install_fused_head
-from .replicas import over_replicas, swapped_globals
+from .pipeline import check_whole_rows, surrogate_loss
+from .replicas import ReplicaProcesses, check_module_globals, mean_over_replicas, seed_replicas, swapped_globals
 
-TRL_MODULE_GLOBALS = ("gather", "gather_object", "create_model_from_path", "use_adapter")  # `swapped_globals`
-for _name in TRL_MODULE_GLOBALS:
-    if not callable(getattr(trl_grpo, _name, None)):
-        raise InternalsChanged(
-            f"trl.trainer.grpo_trainer.{_name} no longer exists; ParallelGRPOTrainer swaps it (see the module "
-            "docstring). Install a TRL version this release supports."
-        )
+check_module_globals(trl_grpo, "ParallelGRPOTrainer")
 if getattr(trl_grpo, "asyncio", None) is not asyncio:  # the tool loop's, swapped for `_SharedAsyncio`
     raise InternalsChanged(
         "trl.trainer.grpo_trainer no longer reaches asyncio by module-level name; ParallelGRPOTrainer swaps it "
@@ -122,12 +116,19 @@ def _size_generation_batch(args: GRPOConfig, replicas: int) -> None:
 
 def check_grpo_options(args: ParallelGRPOConfig, kwargs: dict[str, Any]) -> None:
     """ValueError naming the first GRPO option the layout `args` asks for cannot run (docs/module_notes.md)."""
-    if args.pipeline_parallel_size > 1 and args.context_parallel_size > 1:
+    check_sampling_options("ParallelGRPOTrainer", args, kwargs)
+    if kwargs.get("quantization_config") is not None or "quantization_config" in (args.model_init_kwargs or {}):
         raise ValueError(
-            f"pipeline_parallel_size={args.pipeline_parallel_size} with context_parallel_size="
-            f"{args.context_parallel_size} is not supported by ParallelGRPOTrainer (the pipeline scores and generates "
-            "on whole rows); allowed with pp > 1: context_parallel_size=1"
+            "quantization_config is not supported by ParallelGRPOTrainer (the parallel layers split full-precision "
+            "weights, not a quantized model's packed ones); allowed: None"
         )
+    if args.model_init_kwargs is not None:
+        _torch_dtype(args.model_init_kwargs.get("dtype", "float32"))  # a wrong name, before any loading
+
+
+def check_sampling_options(trainer: str, args: ParallelTrainingArguments, kwargs: dict[str, Any]) -> None:
+    """The refusals GRPO and RLOO share, in order, naming `trainer` (GRPO's options RLOO lacks read as off there)."""
+    check_whole_rows(args, trainer, "the pipeline scores and generates on whole rows")
     flags = {
         "use_vllm": "vLLM generates outside the parallel model",
         "use_transformers_continuous_batching": "generate_batch is not synchronised over the tp ranks",
@@ -136,13 +137,13 @@ def check_grpo_options(args: ParallelGRPOConfig, kwargs: dict[str, Any]) -> None
     }
     for name, why in flags.items():
         if getattr(args, name, False):
-            raise ValueError(f"{name}=True is not supported by ParallelGRPOTrainer ({why}); allowed: False")
-    if args.entropy_coef != 0.0:
+            raise ValueError(f"{name}=True is not supported by {trainer} ({why}); allowed: False")
+    if getattr(args, "entropy_coef", 0.0) != 0.0:
         raise ValueError(
-            f"entropy_coef={args.entropy_coef} is not supported by ParallelGRPOTrainer (the entropy bonus needs the "
+            f"entropy_coef={args.entropy_coef} is not supported by {trainer} (the entropy bonus needs the "
             "entropy's gradient through the vocab-parallel logits); allowed: 0.0"
         )
-    if args.tensor_parallel_size > 1 and args.cast_lm_head_to_fp32:
+    if args.tensor_parallel_size > 1 and getattr(args, "cast_lm_head_to_fp32", False):
         raise ValueError(
             "cast_lm_head_to_fp32=True is not supported with tensor_parallel_size > 1 (TRL replaces the LM head's "
             "forward with a plain linear over this rank's vocabulary slice); allowed there: False"
@@ -156,15 +157,8 @@ def check_grpo_options(args: ParallelGRPOConfig, kwargs: dict[str, Any]) -> None
     if isinstance(kwargs.get("processing_class"), ProcessorMixin):  # refused here, not after a first generation
         raise ValueError(
             f"processing_class={type(kwargs['processing_class']).__name__} (a multimodal processor) is not supported "
-            "by ParallelGRPOTrainer; allowed: a tokenizer (text-only policies)"
+            f"by {trainer}; allowed: a tokenizer (text-only policies)"
         )
-    if kwargs.get("quantization_config") is not None or "quantization_config" in (args.model_init_kwargs or {}):
-        raise ValueError(
-            "quantization_config is not supported by ParallelGRPOTrainer (the parallel layers split full-precision "
-            "weights, not a quantized model's packed ones); allowed: None"
-        )
-    if args.model_init_kwargs is not None:
-        _torch_dtype(args.model_init_kwargs.get("dtype", "float32"))  # a wrong name, before any loading
 
 
 def _torch_dtype(dtype: Any) -> Any:
@@ -385,12 +379,14 @@ def _rollout_on_first_rank(rollout_func: Callable) -> Callable:
     return rollout
 
 
-class ParallelGRPOTrainer(ParallelTrainerMixin, GRPOTrainer):
+class ParallelGRPOTrainer(ReplicaProcesses, ParallelTrainerMixin, GRPOTrainer):
     """TRL's `GRPOTrainer` on a parallel model (docs/module_notes.md); `args` is a `ParallelGRPOConfig`.
 
     `ParallelGRPOTrainer(model_or_path, reward_funcs=..., args=ParallelGRPOConfig(...), train_dataset=...,
     processing_class=tokenizer)`; launch with torchrun.
     """
+
+    trl_module = trl_grpo  # TRL's gathers and reductions run over the batch replicas (`ReplicaProcesses`)
 
     def __init__(self, model, reward_funcs=None, args: ParallelGRPOConfig | None = None, **kwargs: Any) -> None:
         if not isinstance(args, ParallelGRPOConfig):
@@ -433,10 +429,8 @@ class ParallelGRPOTrainer(ParallelTrainerMixin, GRPOTrainer):
                 if scorer is not None:
                     head = install_fused_head(plan_root(self.accelerator.unwrap_model(scorer)), self.temperature)
                     self._policy_head = self._policy_head or head
-        # TRL seeded every process apart (seed + process index): the ranks of a replica sample, shuffle and draw
-        # alike, so they share seed + replica index (one process: the seed TRL gives process 0)
-        set_seed(args.seed + self.mesh.rank("batch"))
-        share_rng_states(self.mesh.group("peers"))
+        # the ranks of a replica sample, shuffle and draw alike (one process: the seed TRL gives process 0)
+        seed_replicas(self.mesh, args.seed)
 
     @property
     def _through_fused_head(self) -> bool:
@@ -460,21 +454,7 @@ class ParallelGRPOTrainer(ParallelTrainerMixin, GRPOTrainer):
         return reference.eval().requires_grad_(False)
 
     # ------------------------------------------------------------------ the batch replicas as TRL's processes
-
-    def _over_replicas(self):
-        """TRL's gathers and reductions over the batch replicas for the block (`replicas.over_replicas`)."""
-        return over_replicas(self, trl_grpo)
-
-    @private_override
-    def _prepare_inputs(self, generation_batch):
-        """TRL's generation, scoring and buffering, with the replicas as its processes."""
-        with self._over_replicas():
-            return super()._prepare_inputs(generation_batch)
-
-    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
-        """TRL's clipped policy loss and its metrics, with the replicas as its processes."""
-        with self._over_replicas():
-            return super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
+    # (`ReplicaProcesses`: TRL's generation, scoring, buffering and clipped policy loss over the replicas)
 
     def prediction_step(self, model, inputs, prediction_loss_only, ignore_keys=None):
         """TRL's evaluation loss, made the whole evaluation batch's on every replica (the mean of the replicas'
@@ -485,11 +465,7 @@ class ParallelGRPOTrainer(ParallelTrainerMixin, GRPOTrainer):
             loss, logits, labels = super().prediction_step(model, inputs, prediction_loss_only, ignore_keys)
         else:  # TRL's, its scoring through the pipeline (the Trainer's pp evaluation scores labels of its own)
             loss, logits, labels = GRPOTrainer.prediction_step(self, model, inputs, prediction_loss_only, ignore_keys)
-        if loss is not None and self.mesh.size("batch") > 1:
-            loss = loss.detach().clone()
-            dist.all_reduce(loss, group=self.mesh.group("batch"))
-            loss = loss / self.mesh.size("batch")
-        return loss, logits, labels
+        return mean_over_replicas(loss, self.mesh), logits, labels
 
     def training_step(self, model, inputs, num_items_in_batch=None) -> torch.Tensor:
         """Under pp, DPO's two passes (`ParallelDPOTrainer.training_step`): TRL's step, whose log-probs the pipeline
@@ -498,25 +474,14 @@ class ParallelGRPOTrainer(ParallelTrainerMixin, GRPOTrainer):
         divided by the temperature, give the parameters the gradient of TRL's loss (one forward more than TRL's)."""
         if self._pipeline is None:
             return super().training_step(model, inputs, num_items_in_batch)
-        self._pipeline_pass = None
-        loss = GRPOTrainer.training_step(self, model, inputs, num_items_in_batch)  # TRL's, backward to the leaf
-        tempered_pipeline_pass(self, model)
-        return loss
+        return two_pass_step(self, GRPOTrainer.training_step, model, inputs, num_items_in_batch)
 
     # ------------------------------------------------------------------ generation
 
     @private_override
     def _generate_single_turn(self, prompt_ids, images, multimodal_fields, num_generations, has_tool_images=False):
-        """TRL's generation through the parallel model's tp-synchronised `generate`, sampling from full-vocabulary
-        logits even inside an evaluation that keeps them local."""
-        full = _vocab_parallel_head(self.model) is not None
-        without_cache = self.mesh.size("cp") > 1 or self._pipeline is not None
-        with (
-            logits_mode(self.model, "full") if full else contextlib.nullcontext(),
-            _generate_without_cache(self.accelerator.unwrap_model(self.model), self.mesh, self._pipeline)
-            if without_cache
-            else contextlib.nullcontext(),
-        ):
+        """TRL's generation through the parallel model's tp-synchronised `generate` (`parallel_generation`)."""
+        with parallel_generation(self):
             return super()._generate_single_turn(
                 prompt_ids, images, multimodal_fields, num_generations, has_tool_images
             )
@@ -660,6 +625,14 @@ class ParallelGRPOTrainer(ParallelTrainerMixin, GRPOTrainer):
         return torch.cat(logps), (torch.cat(entropies) if compute_entropy else None), None
 
 
+def two_pass_step(trainer, trl_step: Callable, model, inputs, num_items_in_batch) -> torch.Tensor:
+    """GRPO's and RLOO's step under pp: TRL's `trl_step` (backward to the leaf), then `tempered_pipeline_pass`."""
+    trainer._pipeline_pass = None
+    loss = trl_step(trainer, model, inputs, num_items_in_batch)
+    tempered_pipeline_pass(trainer, model)
+    return loss
+
+
 def tempered_pipeline_pass(trainer, model) -> None:
     """The second of the two passes of a sampling trainer's pp step (GRPO's, RLOO's): the pipeline's forward and
     backward of sum(weight x log p(token)) over the rows `trainer.compute_loss` kept (`_pipeline_pass`), the weights
@@ -668,12 +641,10 @@ def tempered_pipeline_pass(trainer, model) -> None:
     weights = trainer._policy_head.pipeline_log_probs.grad
     root = plan_root(trainer.accelerator.unwrap_model(model))
     surrogate = _TemperedLogProbs(root, weights, root.config.get_text_config().vocab_size, trainer.temperature)
-    previous, root.loss_function = root.loss_function, surrogate
     try:
-        with trainer.accelerator.autocast():
+        with surrogate_loss(root, surrogate), trainer.accelerator.autocast():
             model.run_train(input_ids=input_ids, labels=surrogate.encode(labels), attention_mask=attention_mask)
     finally:
-        root.loss_function = previous
         trainer._pipeline_pass = None
 
 
@@ -712,6 +683,20 @@ class _PipelineNextToken:
 
 
 @contextlib.contextmanager
+def parallel_generation(trainer: ParallelTrainerMixin) -> Iterator[None]:
+    """For TRL's generation: full-vocabulary logits (also inside an evaluation); under cp or pp, no kv cache."""
+    full = _vocab_parallel_head(trainer.model) is not None
+    without_cache = trainer.mesh.size("cp") > 1 or trainer._pipeline is not None
+    with (
+        logits_mode(trainer.model, "full") if full else contextlib.nullcontext(),
+        _generate_without_cache(trainer.accelerator.unwrap_model(trainer.model), trainer.mesh, trainer._pipeline)
+        if without_cache
+        else contextlib.nullcontext(),
+    ):
+        yield
+
+
+@contextlib.contextmanager
 def _generate_without_cache(model: nn.Module, mesh: ParallelMesh, pipeline=None) -> Iterator[None]:
     """Generation under cp: the model refuses `generate` (ring attention keeps no kv cache), so for the block its
     `generate` is transformers' own without a cache -- every new token runs the whole sequence through the cp ranks
@@ -745,3 +730,4 @@ def _generate_without_cache(model: nn.Module, mesh: ParallelMesh, pipeline=None)
 
 
 check_overrides(ParallelGRPOTrainer, GRPOTrainer)
+check_overrides(ReplicaProcesses, GRPOTrainer)

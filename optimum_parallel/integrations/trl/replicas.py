@@ -11,11 +11,26 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
+from transformers import set_seed
 from trl.trainer import grpo_trainer as trl_grpo
 
 from ...mesh import ParallelMesh
+from ...tensor_parallel.random import share_rng_states
+from ..transformers.internals import InternalsChanged, private_override
 
 _trl_use_adapter = trl_grpo.use_adapter
+
+TRL_MODULE_GLOBALS = ("gather", "gather_object", "create_model_from_path", "use_adapter")  # `swapped_globals`
+
+
+def check_module_globals(module: ModuleType, trainer: str) -> None:
+    """InternalsChanged unless TRL's trainer `module` still reaches each of `TRL_MODULE_GLOBALS` by that name."""
+    for name in TRL_MODULE_GLOBALS:
+        if not callable(getattr(module, name, None)):
+            raise InternalsChanged(
+                f"{module.__name__}.{name} no longer exists; {trainer} swaps it (see the module docstring). Install a "
+                "TRL version this release supports."
+            )
 
 
 class ReplicaView:
@@ -115,3 +130,39 @@ def over_replicas(trainer, trl_module: ModuleType | None = None) -> Iterator[Non
             yield
     finally:
         trainer.accelerator = accelerator
+
+
+class ReplicaProcesses:
+    """Trainer mixin (GRPO, RLOO, distillation): TRL's `_prepare_inputs` and `compute_loss` over the replicas."""
+
+    trl_module: ModuleType | None = None  # the TRL module whose gathers `over_replicas` swaps, if any
+
+    def _over_replicas(self):
+        """TRL's gathers and reductions over the batch replicas for the block (`over_replicas`)."""
+        return over_replicas(self, self.trl_module)
+
+    @private_override
+    def _prepare_inputs(self, generation_batch):
+        """TRL's generation, scoring (GRPO, RLOO) and buffering, with the replicas as its processes."""
+        with self._over_replicas():
+            return super()._prepare_inputs(generation_batch)
+
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        """TRL's loss and its metrics, with the replicas as its processes."""
+        with self._over_replicas():
+            return super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
+
+
+def seed_replicas(mesh: ParallelMesh, seed: int) -> None:
+    """TRL's per-process seed (seed + process index) with the replicas as its processes; a replica's ranks share it."""
+    set_seed(seed + mesh.rank("batch"))
+    share_rng_states(mesh.group("peers"))
+
+
+def mean_over_replicas(loss: torch.Tensor | None, mesh: ParallelMesh) -> torch.Tensor | None:
+    """An evaluation loss made the mean of the batch replicas' (each the mean over its sequences), on every replica."""
+    if loss is not None and mesh.size("batch") > 1:
+        loss = loss.detach().clone()
+        dist.all_reduce(loss, group=mesh.group("batch"))
+        loss = loss / mesh.size("batch")
+    return loss

@@ -24,6 +24,7 @@ from ...state import parallel_state
 from ..transformers.internals import check_overrides
 from ..transformers.trainer import ParallelTrainerMixin
 from ..transformers.training_args import ParallelTrainingArguments
+from .pipeline import check_whole_rows, surrogate_loss
 
 IGNORE_INDEX = -100
 
@@ -36,12 +37,7 @@ class ParallelRewardConfig(RewardConfig, ParallelTrainingArguments):
 
 def check_reward_options(args: RewardConfig, quantization_config: Any = None) -> None:
     """ValueError naming the first option ParallelRewardTrainer cannot run."""
-    if args.pipeline_parallel_size > 1 and args.context_parallel_size > 1:
-        raise ValueError(
-            f"pipeline_parallel_size={args.pipeline_parallel_size} with context_parallel_size="
-            f"{args.context_parallel_size} is not supported by ParallelRewardTrainer (the pipeline's pass pools "
-            "whole rows); allowed with pp > 1: context_parallel_size=1"
-        )
+    check_whole_rows(args, "ParallelRewardTrainer", "the pipeline's pass pools whole rows")
     if quantization_config is not None:
         raise ValueError(
             "quantization_config is not supported by ParallelRewardTrainer (the parallel layers hold plain weights); "
@@ -115,16 +111,12 @@ class ParallelRewardTrainer(ParallelTrainerMixin, RewardTrainer):
         self._scores.pooled = None
         root = plan_root(model)
         surrogate = _WeightedScores(weights)
-        previous, root.loss_function = root.loss_function, surrogate
-        try:
-            with self.accelerator.autocast():
-                model.run_train(
-                    input_ids=inputs["input_ids"],
-                    labels=surrogate.labels(root, inputs["input_ids"]),
-                    attention_mask=inputs.get("attention_mask"),
-                )
-        finally:
-            root.loss_function = previous
+        with surrogate_loss(root, surrogate), self.accelerator.autocast():
+            model.run_train(
+                input_ids=inputs["input_ids"],
+                labels=surrogate.labels(root, inputs["input_ids"]),
+                attention_mask=inputs.get("attention_mask"),
+            )
         return loss.detach()
 
     def prediction_step(self, model, inputs: dict[str, Any], prediction_loss_only: bool, ignore_keys=None):

@@ -6,41 +6,39 @@ replicas, and `check_rloo_options` refuses by name what a layout cannot run. Des
 
 from __future__ import annotations
 
-import contextlib
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.distributed as dist
-from transformers import ProcessorMixin, set_seed
+from transformers import set_seed
 from trl import RLOOConfig, RLOOTrainer
 from trl.trainer import rloo_trainer as trl_rloo
 
-from ...plan import logits_mode
 from ...plan.wrappers import plan_root
 from ...tensor_parallel.logprobs import IGNORE_INDEX
-from ...tensor_parallel.random import share_rng_states
-from ..transformers.internals import InternalsChanged, check_overrides, private_override
+from ..transformers.internals import check_overrides, private_override
 from ..transformers.trainer import ParallelTrainerMixin
 from ..transformers.training_args import ParallelTrainingArguments
 from .fused_head import FusedHead, install_fused_head
 from .grpo import (
     ParallelGRPOConfig,
     ParallelGRPOTrainer,
-    _generate_without_cache,
     _size_generation_batch,
-    _vocab_parallel_head,
-    tempered_pipeline_pass,
+    check_sampling_options,
+    parallel_generation,
+    two_pass_step,
 )
-from .replicas import ReplicaView, over_replicas, swapped_globals
+from .replicas import (
+    ReplicaProcesses,
+    ReplicaView,
+    check_module_globals,
+    mean_over_replicas,
+    seed_replicas,
+    swapped_globals,
+)
 
-TRL_MODULE_GLOBALS = ("gather", "gather_object", "create_model_from_path", "use_adapter")  # `swapped_globals`
-for _name in TRL_MODULE_GLOBALS:
-    if not callable(getattr(trl_rloo, _name, None)):
-        raise InternalsChanged(
-            f"trl.trainer.rloo_trainer.{_name} no longer exists; ParallelRLOOTrainer swaps it (see the module "
-            "docstring). Install a TRL version this release supports."
-        )
+check_module_globals(trl_rloo, "ParallelRLOOTrainer")
 
 
 @dataclass
@@ -60,34 +58,10 @@ class ParallelRLOOConfig(RLOOConfig, ParallelTrainingArguments):
 def check_rloo_options(args: ParallelRLOOConfig, kwargs: dict[str, Any]) -> None:
     """ValueError naming the first RLOO option the layout `args` asks for cannot run (the list and the reasons:
     docs/module_notes.md)."""
-    if args.pipeline_parallel_size > 1 and args.context_parallel_size > 1:
-        raise ValueError(
-            f"pipeline_parallel_size={args.pipeline_parallel_size} with context_parallel_size="
-            f"{args.context_parallel_size} is not supported by ParallelRLOOTrainer (the pipeline scores and generates "
-            "on whole rows); allowed with pp > 1: context_parallel_size=1"
-        )
-    flags = {
-        "use_vllm": "vLLM generates outside the parallel model",
-        "use_transformers_continuous_batching": "generate_batch is not synchronised over the tp ranks",
-        "use_liger_kernel": "Liger's kernels replace the forward the parallel layout is built on",
-    }
-    for name, why in flags.items():
-        if getattr(args, name, False):
-            raise ValueError(f"{name}=True is not supported by ParallelRLOOTrainer ({why}); allowed: False")
-    if args.sync_ref_model and args.sharding_level >= 2:
-        raise ValueError(
-            f"sync_ref_model=True is not supported with sharding_level={args.sharding_level} (FSDP2 shards the "
-            "policy's parameters over dp, the reference's are whole, and TRL's callback mixes them element by "
-            "element); allowed there: sync_ref_model=False, or sharding_level 0-1"
-        )
-    if isinstance(kwargs.get("processing_class"), ProcessorMixin):
-        raise ValueError(
-            f"processing_class={type(kwargs['processing_class']).__name__} (a multimodal processor) is not supported "
-            "by ParallelRLOOTrainer; allowed: a tokenizer (text-only policies)"
-        )
+    check_sampling_options("ParallelRLOOTrainer", args, kwargs)  # GRPO's, less those of options RLOO lacks
 
 
-class ParallelRLOOTrainer(ParallelTrainerMixin, RLOOTrainer):
+class ParallelRLOOTrainer(ReplicaProcesses, ParallelTrainerMixin, RLOOTrainer):
     """TRL's `RLOOTrainer` on a parallel model (docs/module_notes.md); `args` is a `ParallelRLOOConfig`.
 
     `ParallelRLOOTrainer(model_or_path, reward_funcs=..., args=ParallelRLOOConfig(...), train_dataset=...,
@@ -96,6 +70,7 @@ class ParallelRLOOTrainer(ParallelTrainerMixin, RLOOTrainer):
 
     # under pp the dataset keeps TRL's columns (TRL generates from the prompts), not the pipeline's input columns
     pipeline_columns = ("prompt", "image", "images")
+    trl_module = trl_rloo  # TRL's gathers and reductions run over the batch replicas (`ReplicaProcesses`)
 
     def __init__(self, model, reward_funcs=None, args: ParallelRLOOConfig | None = None, **kwargs: Any) -> None:
         if not isinstance(args, ParallelRLOOConfig):
@@ -119,20 +94,8 @@ class ParallelRLOOTrainer(ParallelTrainerMixin, RLOOTrainer):
                 base = unwrapped.get_base_model() if hasattr(unwrapped, "get_base_model") else unwrapped
                 head = install_fused_head(plan_root(base), self.temperature)
                 self._policy_head = self._policy_head or head
-        # TRL seeded every process apart (seed + process index): the ranks of a replica sample, shuffle and draw
-        # alike, so they share seed + replica index (one process: the seed TRL gives process 0)
-        set_seed(args.seed + self.mesh.rank("batch"))
-        share_rng_states(self.mesh.group("peers"))
-
-    def _over_replicas(self):
-        """TRL's gathers and reductions over the batch replicas for the block (`replicas.over_replicas`)."""
-        return over_replicas(self, trl_rloo)
-
-    @private_override
-    def _prepare_inputs(self, generation_batch):
-        """TRL's generation, scoring and buffering, with the replicas as its processes."""
-        with self._over_replicas():
-            return super()._prepare_inputs(generation_batch)
+        # the ranks of a replica sample, shuffle and draw alike (one process: the seed TRL gives process 0)
+        seed_replicas(self.mesh, args.seed)
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         """TRL's clipped per-sequence loss and its metrics, with the replicas as its processes. Under pp, in training,
@@ -143,8 +106,7 @@ class ParallelRLOOTrainer(ParallelTrainerMixin, RLOOTrainer):
             labels = input_ids.masked_fill(attention_mask == 0, IGNORE_INDEX)
             labels[:, : inputs["prompt_ids"].size(1)] = IGNORE_INDEX
             self._pipeline_pass = input_ids, attention_mask, labels
-        with self._over_replicas():
-            return super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
+        return super().compute_loss(model, inputs, return_outputs, num_items_in_batch)  # over the replicas
 
     def training_step(self, model, inputs, num_items_in_batch=None) -> torch.Tensor:
         """Under pp, DPO's two passes (as `ParallelGRPOTrainer.training_step`): TRL's step, whose log-probs the
@@ -153,10 +115,7 @@ class ParallelRLOOTrainer(ParallelTrainerMixin, RLOOTrainer):
         the logits divided by the temperature, give the parameters the gradient of TRL's loss."""
         if self._pipeline is None:
             return super().training_step(model, inputs, num_items_in_batch)
-        self._pipeline_pass = None
-        loss = RLOOTrainer.training_step(self, model, inputs, num_items_in_batch)  # TRL's, backward to the leaf
-        tempered_pipeline_pass(self, model)
-        return loss
+        return two_pass_step(self, RLOOTrainer.training_step, model, inputs, num_items_in_batch)
 
     def prediction_step(self, model, inputs, prediction_loss_only, ignore_keys=None):
         """TRL's evaluation loss, the mean of the replicas' (each the mean over its sequences), on every replica;
@@ -165,25 +124,14 @@ class ParallelRLOOTrainer(ParallelTrainerMixin, RLOOTrainer):
             loss, logits, labels = super().prediction_step(model, inputs, prediction_loss_only, ignore_keys)
         else:
             loss, logits, labels = RLOOTrainer.prediction_step(self, model, inputs, prediction_loss_only, ignore_keys)
-        if loss is not None and self.mesh.size("batch") > 1:
-            loss = loss.detach().clone()
-            dist.all_reduce(loss, group=self.mesh.group("batch"))
-            loss = loss / self.mesh.size("batch")
-        return loss, logits, labels
+        return mean_over_replicas(loss, self.mesh), logits, labels
 
     @private_override
     def _generate_single_turn(self, prompt_ids, images, multimodal_fields):
         """TRL's generation through the parallel model's tp-synchronised `generate`, sampling from full-vocabulary
         logits even inside an evaluation that keeps them local; under cp and pp without a kv cache (under pp through
-        the pipeline's stages)."""
-        full = _vocab_parallel_head(self.model) is not None
-        without_cache = self.mesh.size("cp") > 1 or self._pipeline is not None
-        with (
-            logits_mode(self.model, "full") if full else contextlib.nullcontext(),
-            _generate_without_cache(self.accelerator.unwrap_model(self.model), self.mesh, self._pipeline)
-            if without_cache
-            else contextlib.nullcontext(),
-        ):
+        the pipeline's stages; `parallel_generation`)."""
+        with parallel_generation(self):
             return super()._generate_single_turn(prompt_ids, images, multimodal_fields)
 
     @private_override
@@ -200,3 +148,4 @@ class ParallelRLOOTrainer(ParallelTrainerMixin, RLOOTrainer):
 
 
 check_overrides(ParallelRLOOTrainer, RLOOTrainer)
+check_overrides(ReplicaProcesses, RLOOTrainer)
