@@ -28,8 +28,8 @@ def check_module_globals(module: ModuleType, trainer: str) -> None:
     for name in TRL_MODULE_GLOBALS:
         if not callable(getattr(module, name, None)):
             raise InternalsChanged(
-                f"{module.__name__}.{name} no longer exists; {trainer} swaps it (see the module docstring). Install a "
-                "TRL version this release supports."
+                f"{module.__name__}.{name} no longer exists; {trainer} swaps it for one over the batch replicas "
+                "(replicas.py). Install a TRL version this release supports."
             )
 
 
