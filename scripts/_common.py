@@ -318,7 +318,7 @@ def add_run_args(parser: argparse.ArgumentParser, *, deadline: float, deadline_h
 
 def llama_config(args: argparse.Namespace, longest: int | None = None) -> LlamaConfig:
     """The Llama of `add_llama_args`'s arguments (kv heads: --kv-heads where a script has it, else --heads),
-    with room for `longest` tokens (default --seq), untied head."""
+    that fits `longest` tokens (default --seq), untied head."""
     return LlamaConfig(
         hidden_size=args.hidden,
         intermediate_size=args.intermediate or args.hidden * 11008 // 4096,

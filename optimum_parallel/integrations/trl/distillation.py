@@ -35,7 +35,7 @@ from ..transformers.training_args import ParallelTrainingArguments
 from .dpo import parallel_reference
 from .fused_head import whole_sequence
 from .grpo import parallel_generation
-from .pipeline import check_whole_rows, surrogate_loss
+from .pipeline_pass import check_whole_rows, surrogate_loss
 from .replicas import ReplicaProcesses, seed_replicas
 
 

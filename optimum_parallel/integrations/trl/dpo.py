@@ -29,7 +29,7 @@ from ..transformers.lazy_loading import lazy_load_for_parallelism
 from ..transformers.trainer import ParallelTrainerMixin, _mesh_for
 from ..transformers.training_args import ParallelTrainingArguments, trainer_request
 from .fused_head import FusedHead, install_fused_head
-from .pipeline import check_whole_rows, surrogate_loss
+from .pipeline_pass import check_whole_rows, surrogate_loss
 
 
 @dataclass

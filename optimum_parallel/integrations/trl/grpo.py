@@ -45,7 +45,7 @@ from ..transformers.trainer import ParallelTrainerMixin
 from ..transformers.training_args import ParallelTrainingArguments, trainer_request
 from .dpo import _WeightedLogProbs
 from .fused_head import FusedHead, install_fused_head
-from .pipeline import check_whole_rows, surrogate_loss
+from .pipeline_pass import check_whole_rows, surrogate_loss
 from .replicas import ReplicaProcesses, check_module_globals, mean_over_replicas, seed_replicas, swapped_globals
 
 check_module_globals(trl_grpo, "ParallelGRPOTrainer")

@@ -24,7 +24,7 @@ from ...state import parallel_state
 from ..transformers.internals import check_overrides
 from ..transformers.trainer import ParallelTrainerMixin
 from ..transformers.training_args import ParallelTrainingArguments
-from .pipeline import check_whole_rows, surrogate_loss
+from .pipeline_pass import check_whole_rows, surrogate_loss
 
 IGNORE_INDEX = -100
 
